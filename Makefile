@@ -1,0 +1,29 @@
+# Two commands do everything: `make demo` and `make test`. Both create .venv if it is missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test env bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: the CPU wheel of 2.13.0 (a plain `torch` would pull a CUDA build).
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+env: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/moeconv demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_convert.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

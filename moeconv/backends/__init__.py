@@ -1,0 +1,22 @@
+"""Target layouts: one module per serving kernel's layout, each encoding one expert's canonical
+weights into its slice of the layer's stacked tensors and decoding them back.
+
+Backends map tensors to tensors; they know nothing of files, source formats or each other.
+"""
+
+from __future__ import annotations
+
+from moeconv.backends.base import Backend, TensorSpec
+from moeconv.backends.triton import TritonBackend
+from moeconv.errors import MoeconvError
+
+REGISTRY: dict[str, Backend] = {backend.name: backend for backend in (TritonBackend(),)}
+
+
+def get_backend(name: str) -> Backend:
+    if name not in REGISTRY:
+        raise MoeconvError(f"backend {name!r} is not available; expected one of {sorted(REGISTRY)}")
+    return REGISTRY[name]
+
+
+__all__ = ["Backend", "REGISTRY", "TensorSpec", "TritonBackend", "get_backend"]

@@ -1,0 +1,114 @@
+"""The canonical form: the one place where source formats and backend layouts meet.
+
+Every source format decodes to a `QuantizedWeight`, every backend encodes from one and decodes back
+to one. Equality of canonical forms is what "lossless" means in `verify`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BITS = (2, 4, 8)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """One quantized linear `y = x · Wᵀ` with `W[n, k] = (codes[n, k] − zeros[n, k // g]) · scales[n, k // g]`.
+
+    codes: uint8 (N, K), values in [0, 2^bits).
+    zeros: uint8 (N, K / g) of TRUE zero points, or None for the implicit 2^(bits−1).
+    scales: (N, K / g) in the source dtype, never silently cast.
+    group_size: g, with g == K for channel-wise quantization.
+    """
+
+    codes: torch.Tensor
+    zeros: torch.Tensor | None
+    scales: torch.Tensor
+    bits: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        n, k = self.codes.shape
+        assert self.codes.dtype == torch.uint8, self.codes.dtype
+        assert self.bits in SUPPORTED_BITS, self.bits
+        assert k % self.group_size == 0, (k, self.group_size)
+        groups = k // self.group_size
+        assert tuple(self.scales.shape) == (n, groups), (self.scales.shape, n, groups)
+        if self.zeros is not None:
+            assert self.zeros.dtype == torch.uint8, self.zeros.dtype
+            assert tuple(self.zeros.shape) == (n, groups), (self.zeros.shape, n, groups)
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zeros is None
+
+    def effective_zeros(self) -> torch.Tensor:
+        """The zero points with the implicit symmetric one made explicit."""
+        if self.zeros is not None:
+            return self.zeros
+        return torch.full(self.scales.shape, 1 << (self.bits - 1), dtype=torch.uint8)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense (N, K) weight, computed in `dtype` (use float32/float64 for references)."""
+        codes = self.codes.to(dtype)
+        zeros = self.effective_zeros().to(dtype).repeat_interleave(self.group_size, dim=1)
+        scales = self.scales.to(dtype).repeat_interleave(self.group_size, dim=1)
+        return (codes - zeros) * scales
+
+    def mismatch(self, other: QuantizedWeight) -> str | None:
+        """None if bit-identical to `other`, else a short description of the first difference."""
+        if (self.bits, self.group_size) != (other.bits, other.group_size):
+            return f"bits/group_size {self.bits}/{self.group_size} != {other.bits}/{other.group_size}"
+        for field in ("codes", "scales"):
+            mine, theirs = getattr(self, field), getattr(other, field)
+            problem = _tensor_mismatch(mine, theirs)
+            if problem:
+                return f"{field}: {problem}"
+        if (self.zeros is None) != (other.zeros is None):
+            return "zeros: one side symmetric, the other not"
+        if self.zeros is not None:
+            problem = _tensor_mismatch(self.zeros, other.zeros)
+            if problem:
+                return f"zeros: {problem}"
+        return None
+
+
+def _tensor_mismatch(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"{a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+    # Compare bytes, not values: NaN scales and -0.0 must round-trip too.
+    differ = a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)
+    if bool(differ.any()):
+        count = int(differ.sum())
+        return f"{count} byte(s) differ"
+    return None
+
+
+@dataclass(frozen=True)
+class MoELayerShape:
+    """What a backend needs to know about one MoE layer to lay out its stacked tensors.
+
+    group_size is the configured one (−1: channel-wise), resolved per GEMM by `group_size_for`,
+    because channel-wise means K = hidden for w13 and K = intermediate for w2.
+    """
+
+    experts: int
+    hidden: int
+    intermediate: int
+    bits: int
+    group_size: int
+    symmetric: bool
+    scale_dtype: str  # safetensors dtype code of the source scales ("F16", "BF16", "F32")
+
+    def group_size_for(self, in_features: int) -> int:
+        return in_features if self.group_size in (-1, 0) else self.group_size

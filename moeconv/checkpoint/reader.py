@@ -1,0 +1,165 @@
+"""A checkpoint folder as headers: every tensor's file, dtype, shape and byte range.
+
+Tensor data is read with `safetensors.safe_open` (memory-mapped). We parse the header ourselves as
+well, only because safetensors' Python API does not expose byte offsets, and pass-through tensors are
+copied as raw byte ranges.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from moeconv.errors import MoeconvError
+
+INDEX_NAME = "model.safetensors.index.json"
+DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+                "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+                "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {torch_dtype: code for code, torch_dtype in TORCH_DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in `file`
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass
+class Checkpoint:
+    root: Path
+    config: dict[str, Any]
+    quantization_config: dict[str, Any]
+    files: list[Path]
+    tensors: dict[str, TensorEntry] = field(repr=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.nbytes for entry in self.tensors.values())
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the absolute offset where its data starts."""
+    try:
+        with open(path, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) != 8:
+                raise MoeconvError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > _MAX_HEADER:
+                raise MoeconvError(f"{path}: not a safetensors file (header length {length})")
+            header = json.loads(handle.read(length))
+    except FileNotFoundError:
+        raise MoeconvError(f"{path}: shard is missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise MoeconvError(f"{path}: safetensors header is not valid JSON") from None
+    return header, 8 + length
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MoeconvError(f"{path}: file is missing") from None
+    except json.JSONDecodeError as error:
+        raise MoeconvError(f"{path}: not valid JSON ({error})") from None
+
+
+def _entries(path: Path) -> dict[str, TensorEntry]:
+    header, data_start = read_header(path)
+    file_size = path.stat().st_size
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = (data_start + offset for offset in info["data_offsets"])
+        dtype, shape = info["dtype"], tuple(info["shape"])
+        expected = DTYPE_SIZES.get(dtype, 0) * _product(shape)
+        if end > file_size or end - begin != expected:
+            raise MoeconvError(f"{path}: tensor {name} is truncated or its header is inconsistent")
+        entries[name] = TensorEntry(name, path, dtype, shape, begin, end)
+    return entries
+
+
+def _product(shape: tuple[int, ...]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
+def _quantization_config(root: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """config.json's quantization_config, completed by quantize_config.json / quant_config.json."""
+    merged: dict[str, Any] = {}
+    for name in ("quant_config.json", "quantize_config.json"):
+        if (root / name).is_file():
+            merged.update(read_json(root / name))
+    merged.update(config.get("quantization_config") or {})
+    return merged
+
+
+def open_checkpoint(root: Path) -> Checkpoint:
+    """Reads config, index and every shard's header. Touches no tensor data."""
+    root = Path(root)
+    if not root.is_dir():
+        raise MoeconvError(f"{root}: not a folder")
+    config = read_json(root / "config.json")
+    index_path = root / INDEX_NAME
+    if index_path.is_file():
+        weight_map = read_json(index_path).get("weight_map") or {}
+        files = sorted({root / name for name in weight_map.values()})
+    else:
+        files = sorted(root.glob("*.safetensors"))
+        weight_map = None
+    if not files:
+        raise MoeconvError(f"{root}: no *.safetensors files and no {INDEX_NAME}")
+    tensors: dict[str, TensorEntry] = {}
+    for path in files:
+        for name, entry in _entries(path).items():
+            if name in tensors:
+                raise MoeconvError(f"{path}: tensor {name} also appears in {tensors[name].file.name}")
+            tensors[name] = entry
+    if weight_map is not None:
+        for name, file_name in weight_map.items():
+            if name not in tensors:
+                raise MoeconvError(f"{root / file_name}: tensor {name} listed in {INDEX_NAME} is missing")
+    return Checkpoint(root, config, _quantization_config(root, config), files, tensors)
+
+
+class TensorReader:
+    """Reads tensors through safetensors, keeping one open (memory-mapped) handle per file."""
+
+    def __init__(self) -> None:
+        self._handles: dict[Path, Any] = {}
+
+    def read(self, entry: TensorEntry) -> torch.Tensor:
+        handle = self._handles.get(entry.file)
+        if handle is None:
+            handle = self._handles[entry.file] = safe_open(str(entry.file), framework="pt")
+        return handle.get_tensor(entry.name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,108 @@
+"""A streaming safetensors writer.
+
+Written by hand because no library does this: `safetensors` serialises a dict of complete tensors,
+but we know every output tensor's shape before any byte exists (from the plan), so the header is
+written first and tensor bytes arrive later, piece by piece, at their offsets (one expert's slice
+of a stacked tensor at a time, or a raw byte range copied from a source shard). No tensor, layer or
+shard is ever held in memory.
+
+The data is written in the host's byte order, which safetensors requires to be little-endian; a
+big-endian host is refused rather than silently writing the wrong bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from moeconv.checkpoint.reader import DTYPE_SIZES, _product
+from moeconv.errors import MoeconvError
+
+_ALIGNMENT = 8
+_COPY_CHUNK = 64 * 1024 * 1024
+
+
+def _require_little_endian() -> None:
+    if sys.byteorder != "little":
+        raise MoeconvError("moeconv writes safetensors (little-endian) and refuses to run on a big-endian host")
+
+
+class ShardWriter:
+    """Declare every tensor up front, then fill their bytes in any order; `close` checks nothing is missing."""
+
+    def __init__(self, path: Path, tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]):
+        _require_little_endian()
+        self.path = Path(path)
+        self._layout: dict[str, tuple[int, int]] = {}
+        header: dict[str, object] = {"__metadata__": metadata}
+        offset = 0
+        for name, dtype, shape in tensors:
+            if name in self._layout:
+                raise ValueError(f"tensor {name} declared twice")
+            nbytes = DTYPE_SIZES[dtype] * _product(shape)
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._layout[name] = (offset, nbytes)
+            offset += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-(8 + len(encoded)) % _ALIGNMENT)
+        self._data_start = 8 + len(encoded)
+        self.size = self._data_start + offset
+        self._written = dict.fromkeys(self._layout, 0)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self._fd, len(encoded).to_bytes(8, "little") + encoded, 0)
+        os.ftruncate(self._fd, self.size)
+
+    def _target(self, name: str, offset: int, length: int) -> int:
+        start, nbytes = self._layout[name]
+        if offset < 0 or offset + length > nbytes:
+            raise ValueError(f"write of {length} bytes at {offset} overflows tensor {name} ({nbytes} bytes)")
+        self._written[name] += length
+        return self._data_start + start + offset
+
+    def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> None:
+        """Write `tensor`'s bytes at byte `offset` inside tensor `name`."""
+        data = tensor.contiguous().view(torch.uint8).reshape(-1).numpy()
+        position = self._target(name, offset, data.nbytes)
+        view = memoryview(data)
+        while view:
+            written = os.pwrite(self._fd, view, position)
+            view, position = view[written:], position + written
+
+    def copy_range(self, name: str, source: Path, begin: int, end: int) -> None:
+        """Copy bytes [begin, end) of `source` as the whole of tensor `name`, in the kernel where possible."""
+        position = self._target(name, 0, end - begin)
+        with open(source, "rb") as handle:
+            src = handle.fileno()
+            while begin < end:
+                chunk = min(_COPY_CHUNK, end - begin)
+                try:
+                    copied = os.copy_file_range(src, self._fd, chunk, begin, position)
+                except OSError:
+                    copied = os.pwrite(self._fd, os.pread(src, chunk, begin), position)
+                if copied <= 0:
+                    raise MoeconvError(f"{source}: ended early while copying tensor {name}")
+                begin, position = begin + copied, position + copied
+
+    def close(self) -> None:
+        """Fails if any declared byte was not written; the file is flushed to disk."""
+        missing = [name for name, nbytes in self._layout.items() if self._written[name] != nbytes[1]]
+        try:
+            if missing:
+                raise ValueError(f"{self.path}: tensors not fully written: {missing[:3]}")
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+
+
+def sha256_file(path: Path, chunk: int = 16 * 1024 * 1024) -> str:
+    """Streamed, never the whole file in memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,123 @@
+"""AutoAWQ "GEMM" checkpoints (quant_method "awq").
+
+qweight int32 (K, N/8) and qzeros int32 (K/g, N/8) are packed along N, and inside each word slot s
+holds column AWQ_ORDER[s] of its group of 8; scales (K/g, N). Zero points are stored as they are
+(true zeros). zero_point false means symmetric with the implicit zero 8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from moeconv import packing
+from moeconv.canonical import QuantizedWeight
+from moeconv.errors import MoeconvError
+from moeconv.formats.base import (
+    TensorShape,
+    check_bits,
+    check_group_size,
+    effective_group_size,
+    groups_of,
+)
+
+# Slot s of a packed word holds column AWQ_ORDER[s] of its 8 columns.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_NATURAL_FROM_SLOTS = tuple(AWQ_ORDER.index(column) for column in range(8))  # (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def _interleave(columns: torch.Tensor) -> torch.Tensor:
+    """(..., N) natural order -> slot order."""
+    grouped = columns.reshape(*columns.shape[:-1], -1, 8)
+    return grouped[..., list(AWQ_ORDER)].reshape(columns.shape)
+
+
+def _deinterleave(slots: torch.Tensor) -> torch.Tensor:
+    """(..., N) slot order -> natural order."""
+    grouped = slots.reshape(*slots.shape[:-1], -1, 8)
+    return grouped[..., list(_NATURAL_FROM_SLOTS)].reshape(slots.shape)
+
+
+@dataclass(frozen=True)
+class AWQ:
+    bits: int = 4
+    group_size: int = 128
+    zero_point: bool = True
+    method: str = "awq"
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], where: str) -> AWQ:
+        version = str(config.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise MoeconvError(
+                f"{where}: AWQ version {version!r} has a different layout; only 'gemm' checkpoints are supported"
+            )
+        bits = int(config.get("bits", config.get("w_bit", 4)))
+        group_size = int(config.get("group_size", config.get("q_group_size", 128)))
+        check_bits(bits, (4,), "AWQ", where)
+        check_group_size(group_size, where)
+        return cls(bits=bits, group_size=group_size, zero_point=bool(config.get("zero_point", True)))
+
+    @property
+    def symmetric(self) -> bool:
+        return not self.zero_point
+
+    def suffixes(self) -> tuple[str, ...]:
+        return ("qweight", "qzeros", "scales") if self.zero_point else ("qweight", "scales")
+
+    def optional_suffixes(self) -> tuple[str, ...]:
+        return () if self.zero_point else ("qzeros",)
+
+    def linear_shape(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
+        in_features, _ = shapes["qweight"]
+        return shapes["scales"][1], in_features
+
+    def expected(self, out_features: int, in_features: int) -> dict[str, TensorShape]:
+        per_word = 32 // self.bits
+        groups = groups_of(in_features, self.group_size)
+        shapes = {
+            "qweight": TensorShape((in_features, out_features // per_word), "I32"),
+            "scales": TensorShape((groups, out_features), None),
+        }
+        if self.zero_point:
+            shapes["qzeros"] = TensorShape((groups, out_features // per_word), "I32")
+        return shapes
+
+    def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
+        codes = _deinterleave(packing.unpack(tensors["qweight"], self.bits, dim=1)).T.contiguous()
+        zeros = None
+        if self.zero_point:
+            zeros = _deinterleave(packing.unpack(tensors["qzeros"], self.bits, dim=1)).T.contiguous()
+        in_features = codes.shape[1]
+        return QuantizedWeight(
+            codes=codes,
+            zeros=zeros,
+            scales=tensors["scales"].T.contiguous(),
+            bits=self.bits,
+            group_size=effective_group_size(in_features, self.group_size),
+        )
+
+    def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
+        tensors = {
+            "qweight": packing.pack(_interleave(weight.codes.T), self.bits, dim=1, container=torch.int32),
+            "scales": weight.scales.T.contiguous(),
+        }
+        if self.zero_point:
+            zeros = weight.effective_zeros()
+            tensors["qzeros"] = packing.pack(_interleave(zeros.T), self.bits, dim=1, container=torch.int32)
+        return tensors
+
+    def describe(self) -> dict[str, Any]:
+        return {"method": "awq", "bits": self.bits, "group_size": self.group_size, "zero_point": self.zero_point}
+
+    def quantization_config(self) -> dict[str, Any]:
+        return {
+            "quant_method": "awq",
+            "version": "gemm",
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "zero_point": self.zero_point,
+            "modules_to_not_convert": None,
+        }

@@ -1,0 +1,74 @@
+"""What every source format provides, and the small helpers they share."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple, Protocol
+
+import torch
+
+from moeconv.canonical import QuantizedWeight
+from moeconv.errors import MoeconvError
+
+FLOAT_DTYPES = ("F16", "BF16", "F32")
+
+
+class TensorShape(NamedTuple):
+    """A tensor as a safetensors header declares it. `dtype` None means any float dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str | None
+
+
+class SourceFormat(Protocol):
+    """One source format with its parameters. Implementations are frozen dataclasses."""
+
+    method: str  # quant_method as configs spell it
+    bits: int
+    group_size: int  # as configured: -1 means channel-wise
+
+    @property
+    def symmetric(self) -> bool: ...
+
+    def suffixes(self) -> tuple[str, ...]:
+        """Tensor name suffixes every quantized linear must have (`qweight`, `scales`, ...)."""
+
+    def optional_suffixes(self) -> tuple[str, ...]:
+        """Suffixes that may be present and are checked or ignored (`g_idx`, symmetric filler zeros)."""
+
+    def linear_shape(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
+        """(out_features N, in_features K) of a linear, from its tensors' header shapes."""
+
+    def expected(self, out_features: int, in_features: int) -> dict[str, TensorShape]:
+        """Every tensor's shape and dtype for a linear of this size (to validate headers)."""
+
+    def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
+        """One linear's tensors (keyed by suffix) -> the canonical form."""
+
+    def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
+        """The canonical form -> this format's tensors (keyed by suffix)."""
+
+    def describe(self) -> dict[str, Any]:
+        """Parameters for reports (`inspect`, manifests)."""
+
+    def quantization_config(self) -> dict[str, Any]:
+        """The `quantization_config` a producer of this format writes (synthetic checkpoints)."""
+
+
+def groups_of(in_features: int, group_size: int) -> int:
+    return 1 if group_size in (-1, 0) else in_features // group_size
+
+
+def effective_group_size(in_features: int, group_size: int) -> int:
+    """The canonical group size: the configured one, or K for channel-wise."""
+    return in_features if group_size in (-1, 0) else group_size
+
+
+def check_group_size(group_size: int, where: str) -> None:
+    if group_size not in (-1, 0) and (group_size < 1 or group_size & (group_size - 1)):
+        raise MoeconvError(f"{where}: group_size {group_size} is not -1 or a power of two")
+
+
+def check_bits(bits: int, allowed: tuple[int, ...], method: str, where: str) -> None:
+    if bits not in allowed:
+        choices = ", ".join(map(str, allowed))
+        raise MoeconvError(f"{where}: {method} with {bits} bits is not supported (supported: {choices})")

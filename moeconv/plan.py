@@ -1,0 +1,257 @@
+"""What goes where, computed from headers and configs alone.
+
+The plan names every output tensor with its shape and dtype, says where its bytes come from (a raw
+byte range of a source shard, or one MoE layer's experts re-encoded by the backend) and which output
+shard it lands in. Every check that can be made before writing is made here, so `convert` either
+refuses up front or runs to the end.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+from moeconv.backends import Backend, get_backend
+from moeconv.canonical import MoELayerShape
+from moeconv.checkpoint.reader import DTYPE_SIZES, Checkpoint, TensorEntry, _product, open_checkpoint
+from moeconv.errors import MoeconvError
+from moeconv.formats import SourceFormat, format_from_config
+from moeconv.formats.base import FLOAT_DTYPES
+from moeconv.models import PROJECTIONS, Architecture, architecture_from_config
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One MoE layer's routed experts: experts[e][projection][suffix] -> source tensor."""
+
+    module: str
+    shape: MoELayerShape
+    experts: tuple[dict[str, dict[str, TensorEntry]], ...]
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(entry.nbytes for expert in self.experts for linear in expert.values() for entry in linear.values())
+
+
+@dataclass(frozen=True)
+class PassThrough:
+    entry: TensorEntry
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return DTYPE_SIZES[self.dtype] * _product(self.shape)
+
+
+Unit = Union[PassThrough, MoELayer]
+
+
+@dataclass(frozen=True)
+class OutputShard:
+    file_name: str
+    units: tuple[Unit, ...]
+    tensors: tuple[OutputTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor.nbytes for tensor in self.tensors)
+
+
+@dataclass(frozen=True)
+class Plan:
+    checkpoint: Checkpoint
+    architecture: Architecture
+    source_format: SourceFormat
+    backend: Backend
+    layers: tuple[MoELayer, ...]
+    shards: tuple[OutputShard, ...]
+    max_shard_size: int
+
+    def layer_tensors(self, layer: MoELayer) -> list[OutputTensor]:
+        return [
+            OutputTensor(f"{layer.module}.{spec.suffix}", spec.dtype, spec.shape)
+            for spec in self.backend.layer_tensors(layer.shape)
+        ]
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(shard.nbytes for shard in self.shards)
+
+    @property
+    def source_expert_bytes(self) -> int:
+        return sum(layer.source_bytes for layer in self.layers)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "source": str(self.checkpoint.root),
+            "backend": self.backend.name,
+            "layout_version": self.backend.layout_version,
+            "architecture": self.architecture.model_type,
+            "format": self.source_format.describe(),
+            "moe_layers": len(self.layers),
+            "source_bytes": self.checkpoint.total_bytes,
+            "source_expert_bytes": self.source_expert_bytes,
+            "output_bytes": self.output_bytes,
+            "max_shard_size": self.max_shard_size,
+            "shards": [
+                {"file": shard.file_name, "bytes": shard.nbytes, "tensors": len(shard.tensors)}
+                for shard in self.shards
+            ],
+        }
+
+
+def _natural_key(name: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_format: SourceFormat) -> list[MoELayer]:
+    """Group the routed-expert tensors into layers and check them against the config."""
+    where = checkpoint.root / "config.json"
+    experts_expected, hidden, intermediate = architecture.expected_sizes(checkpoint.config, str(where))
+    grouped: dict[str, dict[int, dict[str, dict[str, TensorEntry]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(dict))
+    )
+    for name, entry in checkpoint.tensors.items():
+        parsed = architecture.parse(name)
+        if parsed is not None:
+            grouped[parsed.module][parsed.expert][parsed.projection][parsed.suffix] = entry
+    layers = []
+    for module in sorted(grouped, key=_natural_key):
+        experts = grouped[module]
+        if sorted(experts) != list(range(experts_expected)):
+            found = len(experts)
+            raise MoeconvError(
+                f"{checkpoint.root}: {module} has experts {_ranges(sorted(experts))} ({found}), "
+                f"but config.json says {experts_expected}"
+            )
+        ordered = tuple(experts[e] for e in range(experts_expected))
+        for e, expert in enumerate(ordered):
+            for projection in PROJECTIONS:
+                out_features, in_features = (hidden, intermediate) if projection == "down" else (intermediate, hidden)
+                _check_linear(expert.get(projection, {}), f"{module}.{e}", projection, source_format,
+                              out_features, in_features)
+        scale_dtypes = {linear["scales"].dtype for expert in ordered for linear in expert.values()
+                        if "scales" in linear}
+        if len(scale_dtypes) != 1:
+            raise MoeconvError(f"{checkpoint.root}: {module} mixes scale dtypes {sorted(scale_dtypes)}")
+        shape = MoELayerShape(
+            experts=experts_expected,
+            hidden=hidden,
+            intermediate=intermediate,
+            bits=source_format.bits,
+            group_size=source_format.group_size,
+            symmetric=source_format.symmetric,
+            scale_dtype=scale_dtypes.pop(),
+        )
+        layers.append(MoELayer(module, shape, ordered))
+    if not layers:
+        raise MoeconvError(
+            f"{checkpoint.root}: no routed-expert tensors found with {architecture.model_type} naming "
+            f"(expected names like model.layers.0.{architecture.parents[0]}.experts.0."
+            f"{next(iter(architecture.projections))}.qweight)"
+        )
+    return layers
+
+
+def _check_linear(linear: dict[str, TensorEntry], prefix: str, projection: str, source_format: SourceFormat,
+                  out_features: int, in_features: int) -> None:
+    required, optional = source_format.suffixes(), source_format.optional_suffixes()
+    any_entry = next(iter(linear.values()), None)
+    where = any_entry.file if any_entry else "checkpoint"
+    for suffix in required:
+        if suffix not in linear:
+            raise MoeconvError(f"{where}: tensor {prefix}.<{projection}>.{suffix} is missing")
+    for suffix, entry in linear.items():
+        if suffix not in required and suffix not in optional:
+            raise MoeconvError(
+                f"{entry.file}: tensor {entry.name} has suffix {suffix!r}, which a {source_format.method} "
+                f"expert does not have (expected {', '.join(required + optional)})"
+            )
+    found = source_format.linear_shape({suffix: entry.shape for suffix, entry in linear.items()})
+    if found != (out_features, in_features):
+        entry = linear["qweight"]
+        raise MoeconvError(
+            f"{entry.file}: tensor {entry.name} is a {found[0]}x{found[1]} (out x in) linear, but config.json "
+            f"makes the {projection} projection {out_features}x{in_features}"
+        )
+    expected = source_format.expected(out_features, in_features)
+    for suffix, entry in linear.items():
+        want = expected[suffix]
+        dtype_ok = entry.dtype == want.dtype if want.dtype else entry.dtype in FLOAT_DTYPES
+        if entry.shape != want.shape or not dtype_ok:
+            raise MoeconvError(
+                f"{entry.file}: tensor {entry.name} is {entry.dtype}{list(entry.shape)}, expected "
+                f"{want.dtype or 'a float dtype'}{list(want.shape)} for {source_format.method} "
+                f"{source_format.bits}-bit group {source_format.group_size}"
+            )
+
+
+def _ranges(values: list[int]) -> str:
+    if not values:
+        return "none"
+    return f"{values[0]}..{values[-1]}" if values == list(range(values[0], values[-1] + 1)) else str(values[:8])
+
+
+def make_plan(source: Path | Checkpoint, backend: str = "triton",
+              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Plan:
+    """Reads headers and configs only."""
+    checkpoint = source if isinstance(source, Checkpoint) else open_checkpoint(Path(source))
+    config_path = str(checkpoint.root / "config.json")
+    architecture = architecture_from_config(checkpoint.config, config_path)
+    if not checkpoint.quantization_config:
+        raise MoeconvError(f"{config_path}: no quantization_config and no quantize_config.json: not a quantized checkpoint")
+    source_format = format_from_config(checkpoint.quantization_config, config_path)
+    target = get_backend(backend)
+    layers = find_moe_layers(checkpoint, architecture, source_format)
+    for layer in layers:
+        reason = target.refusal(layer.shape)
+        if reason:
+            raise MoeconvError(f"{checkpoint.root}: backend {target.name!r} cannot take {layer.module}: {reason}")
+    expert_names = {entry.name for layer in layers for expert in layer.experts
+                    for linear in expert.values() for entry in linear.values()}
+    units: list[tuple[str, Unit]] = [(layer.module, layer) for layer in layers]
+    units += [(name, PassThrough(entry)) for name, entry in checkpoint.tensors.items() if name not in expert_names]
+    units.sort(key=lambda item: _natural_key(item[0]))
+    plan = Plan(checkpoint, architecture, source_format, target, tuple(layers), (), max_shard_size)
+    return Plan(checkpoint, architecture, source_format, target, tuple(layers),
+                _assign_shards(plan, [unit for _, unit in units], max_shard_size), max_shard_size)
+
+
+def _unit_tensors(plan: Plan, unit: Unit) -> list[OutputTensor]:
+    if isinstance(unit, PassThrough):
+        return [OutputTensor(unit.entry.name, unit.entry.dtype, unit.entry.shape)]
+    return plan.layer_tensors(unit)
+
+
+def _assign_shards(plan: Plan, units: list[Unit], max_shard_size: int) -> tuple[OutputShard, ...]:
+    """Greedy, in name order. A layer's stacked tensors stay together; a unit larger than the limit
+    gets a shard of its own (as transformers does for a tensor larger than max_shard_size)."""
+    groups: list[list[Unit]] = [[]]
+    size = 0
+    for unit in units:
+        unit_bytes = sum(tensor.nbytes for tensor in _unit_tensors(plan, unit))
+        if groups[-1] and size + unit_bytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(unit)
+        size += unit_bytes
+    count = len(groups)
+    return tuple(
+        OutputShard(
+            file_name=f"model-{index + 1:05d}-of-{count:05d}.safetensors",
+            units=tuple(group),
+            tensors=tuple(tensor for unit in group for tensor in _unit_tensors(plan, unit)),
+        )
+        for index, group in enumerate(groups)
+    )

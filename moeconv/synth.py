@@ -1,0 +1,229 @@
+"""Small (or large) synthetic quantized MoE checkpoints, for the demo, the tests and the benchmarks.
+
+Weights are honest: random float weights quantized per group with min/max (asymmetric) or max-abs
+(symmetric) scaling, then packed by the source format's encoder. A few groups are shifted so that
+they are all-positive or all-negative, which puts zero points at the edges 0 and 2^b − 1 as real
+checkpoints have them. Names and configs follow each architecture (reference/checkpoints.md §1).
+Everything is deterministic from the seed, and files are written with the streaming writer, so
+checkpoints of many GB can be made in bounded memory.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from moeconv.canonical import QuantizedWeight
+from moeconv.checkpoint.reader import DTYPE_SIZES, SAFETENSORS_DTYPES, _product
+from moeconv.checkpoint.writer import ShardWriter
+from moeconv.formats import GPTQ, SourceFormat
+from moeconv.formats.base import effective_group_size
+
+EDGE_GROUP_FRACTION = 0.08  # share of groups pushed to one sign (zero point 0 or 2^b − 1)
+
+
+def quantize(weight: torch.Tensor, bits: int, group_size: int, symmetric: bool,
+             scale_dtype: torch.dtype) -> QuantizedWeight:
+    """Round-to-nearest per-group quantization of a float (N, K) weight."""
+    n, k = weight.shape
+    g = effective_group_size(k, group_size)
+    groups = weight.float().reshape(n, k // g, g)
+    top = (1 << bits) - 1
+    if symmetric:
+        half = 1 << (bits - 1)
+        scales = (groups.abs().amax(dim=-1) / (half - 1)).clamp(min=1e-8).to(scale_dtype)
+        codes = torch.round(groups / scales.float().unsqueeze(-1)) + half
+        zeros = None
+    else:
+        low, high = groups.amin(dim=-1).clamp(max=0), groups.amax(dim=-1).clamp(min=0)
+        scales = ((high - low) / top).clamp(min=1e-8).to(scale_dtype)
+        zero_points = torch.round(-low / scales.float()).clamp(0, top)
+        codes = torch.round(groups / scales.float().unsqueeze(-1)) + zero_points.unsqueeze(-1)
+        zeros = zero_points.to(torch.uint8)
+    codes = codes.clamp(0, top).to(torch.uint8).reshape(n, k)
+    return QuantizedWeight(codes=codes, zeros=zeros, scales=scales, bits=bits, group_size=g)
+
+
+def random_weight(out_features: int, in_features: int, group_size: int, generator: torch.Generator) -> torch.Tensor:
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.02
+    g = effective_group_size(in_features, group_size)
+    groups = weight.view(out_features, in_features // g, g)
+    pick = torch.rand(out_features, in_features // g, 1, generator=generator)
+    # Push a few groups entirely positive (zero point 0) or negative (zero point 2^b − 1).
+    positive = pick < EDGE_GROUP_FRACTION / 2
+    negative = (pick >= EDGE_GROUP_FRACTION / 2) & (pick < EDGE_GROUP_FRACTION)
+    groups.copy_(torch.where(positive, groups.abs(), torch.where(negative, -groups.abs(), groups)))
+    return weight
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    architecture: str = "qwen3_moe"
+    source_format: SourceFormat = field(default_factory=lambda: GPTQ(bits=4, group_size=32, sym=False))
+    layers: int = 2
+    dense_layers: int = 0  # leading dense layers (mlp_only_layers / first_k_dense_replace)
+    experts: int = 4
+    hidden: int = 128
+    intermediate: int = 64  # per routed expert
+    dense_intermediate: int = 256
+    vocab: int = 256
+    dtype: torch.dtype = torch.float16
+    mixtral_naming: str = "legacy"  # "legacy": block_sparse_moe.experts.E.w1; "hf": mlp.experts.E.gate_proj
+    seed: int = 0
+
+
+# A unit is what one call produces: (declared tensors, producer of their values).
+_Unit = tuple[list[tuple[str, str, tuple[int, ...]]], Callable[[], dict[str, torch.Tensor]]]
+
+
+class _Builder:
+    def __init__(self, spec: SynthSpec):
+        self.spec = spec
+        self.units: list[_Unit] = []
+        self.float_code = SAFETENSORS_DTYPES[spec.dtype]
+
+    def _generator(self, name: str) -> torch.Generator:
+        return torch.Generator().manual_seed(self.spec.seed * 1_000_003 + zlib.crc32(name.encode()))
+
+    def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None, ones: bool = False) -> None:
+        dtype = dtype or self.spec.dtype
+
+        def make() -> dict[str, torch.Tensor]:
+            value = torch.ones(shape) if ones else torch.randn(shape, generator=self._generator(name)) * 0.02
+            return {name: value.to(dtype)}
+
+        self.units.append(([(name, SAFETENSORS_DTYPES[dtype], shape)], make))
+
+    def quantized(self, prefix: str, out_features: int, in_features: int) -> None:
+        fmt = self.spec.source_format
+        declared = [
+            (f"{prefix}.{suffix}", tensor.dtype or self.float_code, tensor.shape)
+            for suffix, tensor in fmt.expected(out_features, in_features).items()
+            if suffix in fmt.suffixes() or suffix in _WRITTEN_OPTIONAL[fmt.method]
+        ]
+
+        def make() -> dict[str, torch.Tensor]:
+            weight = random_weight(out_features, in_features, fmt.group_size, self._generator(prefix))
+            canonical = quantize(weight, fmt.bits, fmt.group_size, fmt.symmetric, self.spec.dtype)
+            return {f"{prefix}.{suffix}": tensor for suffix, tensor in fmt.encode(canonical).items()}
+
+        self.units.append((declared, make))
+
+    def mlp(self, prefix: str, names: tuple[str, str, str], intermediate: int) -> None:
+        gate, up, down = names
+        self.quantized(f"{prefix}.{gate}", intermediate, self.spec.hidden)
+        self.quantized(f"{prefix}.{up}", intermediate, self.spec.hidden)
+        self.quantized(f"{prefix}.{down}", self.spec.hidden, intermediate)
+
+
+# Optional tensors real producers write: GPTQ always writes g_idx and (filler) qzeros.
+_WRITTEN_OPTIONAL = {"gptq": ("g_idx", "qzeros"), "awq": ()}
+_HF_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def _build(spec: SynthSpec) -> tuple[_Builder, dict[str, Any]]:
+    b = _Builder(spec)
+    h, arch = spec.hidden, spec.architecture
+    b.dense("model.embed_tokens.weight", (spec.vocab, h))
+    for layer in range(spec.layers):
+        p = f"model.layers.{layer}"
+        b.dense(f"{p}.input_layernorm.weight", (h,), ones=True)
+        b.dense(f"{p}.post_attention_layernorm.weight", (h,), ones=True)
+        for projection in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            b.quantized(f"{p}.self_attn.{projection}", h, h)
+        if layer < spec.dense_layers:
+            b.mlp(f"{p}.mlp", _HF_NAMES, spec.dense_intermediate)
+            continue
+        if arch == "mixtral" and spec.mixtral_naming == "legacy":
+            moe, names = f"{p}.block_sparse_moe", ("w1", "w3", "w2")
+        else:
+            moe, names = f"{p}.mlp", _HF_NAMES
+        b.dense(f"{moe}.gate.weight", (spec.experts, h), dtype=torch.float32 if arch.startswith("deepseek") else None)
+        if arch == "deepseek_v3":
+            b.dense(f"{moe}.gate.e_score_correction_bias", (spec.experts,), dtype=torch.float32)
+        for expert in range(spec.experts):
+            b.mlp(f"{moe}.experts.{expert}", names, spec.intermediate)
+        if arch == "qwen2_moe":
+            b.mlp(f"{moe}.shared_expert", _HF_NAMES, spec.intermediate * 2)
+            b.dense(f"{moe}.shared_expert_gate.weight", (1, h))
+        if arch.startswith("deepseek"):
+            b.mlp(f"{moe}.shared_experts", _HF_NAMES, spec.intermediate)
+    b.dense("model.norm.weight", (h,), ones=True)
+    b.dense("lm_head.weight", (spec.vocab, h))
+    return b, _config(spec)
+
+
+def _config(spec: SynthSpec) -> dict[str, Any]:
+    arch = spec.architecture
+    class_names = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                   "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                   "deepseek_v3": "DeepseekV3ForCausalLM"}
+    config: dict[str, Any] = {
+        "architectures": [class_names[arch]],
+        "model_type": arch,
+        "hidden_size": spec.hidden,
+        "num_hidden_layers": spec.layers,
+        "vocab_size": spec.vocab,
+        "torch_dtype": str(spec.dtype).removeprefix("torch."),
+        "quantization_config": spec.source_format.quantization_config(),
+    }
+    if arch == "mixtral":
+        config.update(num_local_experts=spec.experts, intermediate_size=spec.intermediate, num_experts_per_tok=2)
+    elif arch.startswith("qwen"):
+        config.update(num_experts=spec.experts, moe_intermediate_size=spec.intermediate,
+                      intermediate_size=spec.dense_intermediate, num_experts_per_tok=2, decoder_sparse_step=1,
+                      mlp_only_layers=list(range(spec.dense_layers)))
+        if arch == "qwen2_moe":
+            config["shared_expert_intermediate_size"] = spec.intermediate * 2
+    else:
+        config.update(n_routed_experts=spec.experts, moe_intermediate_size=spec.intermediate,
+                      intermediate_size=spec.dense_intermediate, num_experts_per_tok=2, n_shared_experts=1,
+                      first_k_dense_replace=spec.dense_layers)
+    return config
+
+
+def make_checkpoint(path: Path, spec: SynthSpec = SynthSpec(), max_shard_size: int = 2 * 1000**3) -> Path:
+    """Writes a synthetic checkpoint folder at `path` (created; must not hold one already)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    builder, config = _build(spec)
+    shards: list[list[_Unit]] = [[]]
+    size = 0
+    for unit in builder.units:
+        unit_bytes = sum(DTYPE_SIZES[dtype] * _product(shape) for _, dtype, shape in unit[0])
+        if shards[-1] and size + unit_bytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(unit)
+        size += unit_bytes
+    weight_map, total = {}, 0
+    for index, units in enumerate(shards):
+        file_name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        declared = [tensor for unit in units for tensor in unit[0]]
+        writer = ShardWriter(path / file_name, declared, {"format": "pt"})
+        try:
+            for _, make in units:
+                for name, tensor in make().items():
+                    writer.write(name, tensor)
+        finally:
+            writer.close()
+        for name, dtype, shape in declared:
+            weight_map[name] = file_name
+            total += DTYPE_SIZES[dtype] * _product(shape)
+    _write_json(path / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    _write_json(path / "config.json", config)
+    if spec.source_format.method == "gptq":
+        _write_json(path / "quantize_config.json", spec.source_format.quantization_config())
+    _write_json(path / "generation_config.json", {"do_sample": False, "max_new_tokens": 16})
+    _write_json(path / "tokenizer_config.json", {"model_max_length": 4096, "tokenizer_class": "PreTrainedTokenizerFast"})
+    return path
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
