@@ -4,7 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test env bench clean
+PACKERS_STAMP := .venv-packers/.packers-installed
+
+.PHONY: demo test env packers bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,11 +21,16 @@ env: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/moeconv demo
 
-test: $(STAMP)
+# The real AutoAWQ / auto-gptq / GPTQModel packers live in their own venv (.venv-packers);
+# tests/test_real_packers.py cross-checks moeconv's codecs against them.
+packers:
+	PYTHON=$(PYTHON) scripts/install-packers.sh
+
+test: $(STAMP) packers
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_convert.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-packers build *.egg-info

@@ -87,7 +87,8 @@ def _tensor_mismatch(a: torch.Tensor, b: torch.Tensor) -> str | None:
     if a.dtype != b.dtype or a.shape != b.shape:
         return f"{a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
     # Compare bytes, not values: NaN scales and -0.0 must round-trip too.
-    differ = a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)
+    # reshape(-1) first: a transposed (N, 1) tensor counts as contiguous but has stride(-1) != 1.
+    differ = a.reshape(-1).view(torch.uint8) != b.reshape(-1).view(torch.uint8)
     if bool(differ.any()):
         count = int(differ.sum())
         return f"{count} byte(s) differ"

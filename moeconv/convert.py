@@ -18,7 +18,7 @@ from moeconv.backends.base import ExpertWeights
 from moeconv.checkpoint.reader import INDEX_NAME, TensorReader
 from moeconv.checkpoint.writer import ShardWriter, sha256_file
 from moeconv.errors import MoeconvError
-from moeconv.formats.gptq import GPTQ
+from moeconv.formats.gptq import SuspiciousZeroTally, zero_tally
 from moeconv.plan import MoELayer, PassThrough, Plan
 
 MANIFEST_NAME = "moeconv.json"
@@ -60,9 +60,14 @@ def output_quantization_config(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _prepare_output(output: Path) -> Path:
+def check_output_folder(output: Path) -> None:
+    output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise MoeconvError(f"{output}: output folder exists and is not empty; choose another -o or remove it")
+
+
+def _prepare_output(output: Path) -> Path:
+    check_output_folder(output)
     staging = output.parent / f".{output.name}.moeconv-partial"
     if staging.exists():
         shutil.rmtree(staging)
@@ -77,7 +82,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None) -> Conve
     staging = _prepare_output(output)
     advance = progress or (lambda nbytes: None)
     started = time.perf_counter()
-    suspicious = _SuspiciousZeros(plan)
+    suspicious = zero_tally(plan.source_format)
     with TensorReader() as reader:
         for shard in plan.shards:
             _write_shard(plan, shard, staging / shard.file_name, reader, advance, suspicious)
@@ -90,11 +95,12 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None) -> Conve
     if output.exists():
         output.rmdir()
     staging.rename(output)
-    return ConvertReport(output, plan.summary(), time.perf_counter() - started, files, suspicious.report())
+    return ConvertReport(output, plan.summary(), time.perf_counter() - started, files,
+                         suspicious.report() if suspicious else {})
 
 
 def _write_shard(plan: Plan, shard, path: Path, reader: TensorReader, advance: Progress,
-                 suspicious: _SuspiciousZeros) -> None:
+                 suspicious: SuspiciousZeroTally | None) -> None:
     metadata = {"format": "pt", "producer": f"moeconv {__version__}", "backend": plan.backend.name}
     writer = ShardWriter(path, [(t.name, t.dtype, t.shape) for t in shard.tensors], metadata)
     try:
@@ -110,7 +116,7 @@ def _write_shard(plan: Plan, shard, path: Path, reader: TensorReader, advance: P
 
 
 def _write_layer(plan: Plan, layer: MoELayer, writer: ShardWriter, reader: TensorReader, advance: Progress,
-                 suspicious: _SuspiciousZeros) -> None:
+                 suspicious: SuspiciousZeroTally | None) -> None:
     """Expert by expert: decode from the source format, encode into the expert's slice of each
     stacked tensor. Only one expert's tensors are in memory at a time."""
     outputs = {tensor.name: tensor for tensor in plan.layer_tensors(layer)}
@@ -118,7 +124,8 @@ def _write_layer(plan: Plan, layer: MoELayer, writer: ShardWriter, reader: Tenso
         decoded = {}
         for projection, linear in expert.items():
             tensors = {suffix: reader.read(entry) for suffix, entry in linear.items()}
-            suspicious.count(linear, tensors)
+            if suspicious is not None:
+                suspicious.add(linear["qzeros"].name, tensors["qzeros"])
             try:
                 decoded[projection] = plan.source_format.decode(tensors)
             except MoeconvError as error:
@@ -129,26 +136,6 @@ def _write_layer(plan: Plan, layer: MoELayer, writer: ShardWriter, reader: Tenso
             slice_bytes = outputs[name].nbytes // layer.shape.experts
             writer.write(name, data, offset=index * slice_bytes)
         advance(sum(entry.nbytes for linear in expert.values() for entry in linear.values()))
-
-
-class _SuspiciousZeros:
-    """GPTQ v1 asymmetric zero slots stored as all ones (true zero 0): counted, first tensor named."""
-
-    def __init__(self, plan: Plan):
-        self.source_format = plan.source_format
-        self.total = 0
-        self.first: str | None = None
-
-    def count(self, linear, tensors) -> None:
-        if not isinstance(self.source_format, GPTQ) or "qzeros" not in tensors:
-            return
-        found = self.source_format.suspicious_zero_slots(tensors["qzeros"])
-        if found:
-            self.total += found
-            self.first = self.first or linear["qzeros"].name
-
-    def report(self) -> dict[str, Any]:
-        return {"count": self.total, "first_tensor": self.first} if self.total else {}
 
 
 def _write_metadata(plan: Plan, staging: Path, files: dict[str, dict[str, Any]]) -> None:

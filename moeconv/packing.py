@@ -22,30 +22,59 @@ def values_per_container(bits: int, container: torch.dtype) -> int:
 
 
 def pack(codes: torch.Tensor, bits: int, dim: int, container: torch.dtype) -> torch.Tensor:
-    """Pack uint8 `codes` (values < 2^bits) along `dim` into `container` (torch.int32 or torch.uint8)."""
+    """Pack uint8 `codes` (values < 2^bits) along `dim` into `container` (torch.int32 or torch.uint8).
+
+    Works in place along `dim` (slots become a new axis after it), so no transposed copies are made.
+    """
     per = values_per_container(bits, container)
-    moved = codes.movedim(dim, -1)
-    length = moved.shape[-1]
-    if length % per:
-        raise ValueError(f"cannot pack {length} values into containers of {per}")
-    grouped = moved.reshape(*moved.shape[:-1], length // per, per).to(torch.int64)
-    shifts = torch.arange(per, dtype=torch.int64) * bits
-    words = (grouped << shifts).sum(dim=-1)
+    dim = dim % codes.dim()
+    if codes.shape[dim] % per:
+        raise ValueError(f"cannot pack {codes.shape[dim]} values into containers of {per}")
+    packed = _pack_slots(codes, bits, dim) if bits < 8 else codes
     if container is torch.int32:
-        # Two's complement wrap of the unsigned 32-bit word into int32, by arithmetic.
-        words = torch.where(words >= 1 << 31, words - (1 << 32), words)
-    return words.to(container).movedim(-1, dim).contiguous()
+        packed = _bytes_to_words(packed, dim)
+    return packed.contiguous()
+
+
+def _slots(tensor: torch.Tensor, dim: int, per: int) -> torch.Tensor:
+    """Split `dim` into (length / per, per)."""
+    return tensor.unflatten(dim, (tensor.shape[dim] // per, per))
+
+
+def _pack_slots(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """uint8 values -> bytes along `dim`; every shift stays inside the byte."""
+    grouped = _slots(values, dim, 8 // bits)
+    packed = grouped.select(dim + 1, 0).clone()
+    for slot in range(1, 8 // bits):
+        packed |= grouped.select(dim + 1, slot) << (slot * bits)
+    return packed
+
+
+def _bytes_to_words(packed_bytes: torch.Tensor, dim: int) -> torch.Tensor:
+    """Bytes -> int32 words along `dim`, byte i at bits [8i, 8i + 8). The top byte enters as a
+    signed value so that its shift cannot overflow int32."""
+    grouped = _slots(packed_bytes, dim, 4)
+    byte = [grouped.select(dim + 1, i).to(torch.int32) for i in range(4)]
+    top = byte[3] - ((byte[3] >= 128).to(torch.int32) << 8)
+    return byte[0] | (byte[1] << 8) | (byte[2] << 16) | (top << 24)
 
 
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Inverse of `pack`: uint8 codes, `dim` grown by the number of values per container."""
+    """Inverse of `pack`: uint8 codes, `dim` grown by the number of values per container.
+
+    Words are first split into bytes with int32 shifts (an arithmetic right shift of a negative int32
+    only copies the sign into bits the 0xFF mask removes), then bytes into values with uint8 shifts.
+    """
     per = values_per_container(bits, packed.dtype)
-    width = _CONTAINER_BITS[packed.dtype]
-    moved = packed.movedim(dim, -1).to(torch.int64) & ((1 << width) - 1)
-    shifts = torch.arange(per, dtype=torch.int64) * bits
-    values = (moved.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    values = values.reshape(*moved.shape[:-1], moved.shape[-1] * per)
-    return values.to(torch.uint8).movedim(-1, dim).contiguous()
+    dim = dim % packed.dim()
+    if packed.dtype is torch.int32:
+        packed = torch.stack([((packed >> (8 * i)) & 0xFF).to(torch.uint8) for i in range(4)], dim + 1)
+        packed = packed.flatten(dim, dim + 1)
+    if bits < 8:
+        mask = (1 << bits) - 1
+        packed = torch.stack([(packed >> (slot * bits)) & mask for slot in range(8 // bits)], dim + 1)
+        packed = packed.flatten(dim, dim + 1)
+    return packed.contiguous()
 
 
 def repeated_word(value: int, bits: int) -> int:

@@ -1,61 +1,43 @@
 #!/usr/bin/env bash
-# Creates .venv-packers: the REAL quantization packers that tests/test_real_packers.py
-# cross-checks moeconv's decoders and encoders against (AutoAWQ, auto-gptq, GPTQModel).
-# CPU only; see shared reference checkpoints.md §3 for why each package is installed the way it is.
+# Creates .venv-packers with the REAL quantization packers (AutoAWQ 0.2.9, auto-gptq 0.7.1,
+# GPTQModel 7.7.0, CPU only) that tests/test_real_packers.py cross-checks moeconv against.
 #
-# Idempotent: does nothing when the stamp file matches this script's pins.
-# Usage: scripts/install-packers.sh            (PYTHON=python3.11 to choose the interpreter)
-#        PACKERS_VENV=path scripts/install-packers.sh
+#   scripts/install-packers.sh               # idempotent: a no-op when the stamp is current
+#   PYTHON=python3.11 scripts/install-packers.sh
+#   PACKERS_VENV=/some/dir scripts/install-packers.sh   (the tests read MOECONV_PACKERS_VENV)
+#
+# Every package, dependencies included, is pinned in tests/packers/requirements.txt and installed
+# with --no-deps (no resolver run, nothing newer sneaks in); torch is torch==2.13.0, the CPU wheel on
+# disk. Needs only PyPI and the local wheel dir, no compiler. The stamp is written last, after a
+# smoke run of tests/packers/pack_real.py, so a half-made environment is never taken as ready.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 VENV="${PACKERS_VENV:-.venv-packers}"
+LOCK=tests/packers/requirements.txt
 STAMP="$VENV/.packers-installed"
 
-# Every version pinned. torch MUST be the CPU wheel on disk (an unpinned torch pulls CUDA).
-TORCH="torch==2.13.0"
-BASE_PINS=(
-  "numpy==2.3.5"
-  "safetensors==0.8.0"
-  "transformers==5.24.0"
-  "accelerate==1.15.0"
-)
-PACKERS=(
-  "autoawq==0.2.9"      # sdist, pure python; import bypasses awq/__init__ (needs datasets + old transformers)
-  "auto-gptq==0.7.1"    # cp311 wheel; import bypasses auto_gptq/__init__ (needs peft, rouge, gekko, ...)
-  "gptqmodel==7.7.0"    # sdist, pure-python build; metadata wants torch>=2.14.1, hence --no-deps
-)
-# What GPTQModel's import chain needs beyond the base pins (its own requirements drag in far more).
-GPTQMODEL_DEPS=(
-  "pypcre==0.2.8"
-  "logbar==0.2.4"
-  "threadpoolctl==3.6.0"
-  "device-smi==0.5.2"
-  "tokenicer==0.0.6"
-  "defuser==0.0.7"
-  "pillow==12.0.0"
-  "requests==2.32.5"
-  "urllib3==2.5.0"
-  "certifi==2025.11.12"
-)
-
-want="$(printf '%s\n' "$TORCH" "${BASE_PINS[@]}" "${PACKERS[@]}" "${GPTQMODEL_DEPS[@]}" | sha256sum | cut -c1-16)"
+want="$(cat "$LOCK" "$0" | sha256sum | cut -c1-16)"
 if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   echo "install-packers: $VENV is up to date"
   exit 0
 fi
 
+version="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+if [[ "$version" != "3.11" ]]; then
+  echo "install-packers: needs Python 3.11 (auto-gptq 0.7.1 is a cp311 wheel); $PYTHON is $version." >&2
+  echo "install-packers: set PYTHON=python3.11" >&2
+  exit 1
+fi
+
 start=$SECONDS
 rm -f "$STAMP"
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install -q)
-"${PIP[@]}" "$TORCH"
-"${PIP[@]}" "$TORCH" "${BASE_PINS[@]}"
-"${PIP[@]}" --no-deps "${PACKERS[@]}"
-"${PIP[@]}" --no-deps "${GPTQMODEL_DEPS[@]}"
+"$VENV/bin/python" -m pip install -q --no-deps -r "$LOCK"
 
-# Smoke test: the packers import the way tests/packers/pack_real.py imports them.
-"$VENV/bin/python" tests/packers/pack_real.py --self-check
+# Smoke test: every packer imports and packs every case (a few seconds).
+"$VENV/bin/python" tests/packers/pack_real.py --self-check 2>"$VENV/self-check.log" \
+  || { cat "$VENV/self-check.log" >&2; exit 1; }
 echo "$want" > "$STAMP"
 echo "install-packers: $VENV ready in $((SECONDS - start)) s"

@@ -1,21 +1,22 @@
 """A checkpoint folder as headers: every tensor's file, dtype, shape and byte range.
 
-Tensor data is read with `safetensors.safe_open` (memory-mapped). We parse the header ourselves as
-well, only because safetensors' Python API does not expose byte offsets, and pass-through tensors are
-copied as raw byte ranges.
+We parse safetensors headers ourselves (8-byte little-endian length, then JSON) because
+safetensors' Python API does not expose byte offsets, and we need them twice: pass-through tensors
+are copied as raw byte ranges, and expert tensors are read with one `pread` each. `safe_open` would
+memory-map the shard instead, and every page it touches stays resident until the handle closes, so
+resident memory would grow with the shard rather than stay at one expert.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-
 from moeconv.errors import MoeconvError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -144,19 +145,38 @@ def open_checkpoint(root: Path) -> Checkpoint:
 
 
 class TensorReader:
-    """Reads tensors through safetensors, keeping one open (memory-mapped) handle per file."""
+    """Reads whole tensors, or one index of dim 0, with `pread`, keeping one descriptor per file."""
 
     def __init__(self) -> None:
-        self._handles: dict[Path, Any] = {}
+        self._files: dict[Path, int] = {}
+
+    def _read(self, entry: TensorEntry, begin: int, length: int, shape: tuple[int, ...]) -> torch.Tensor:
+        fd = self._files.get(entry.file)
+        if fd is None:
+            fd = self._files[entry.file] = os.open(entry.file, os.O_RDONLY)
+        data = bytearray(length)
+        view, position = memoryview(data), begin
+        while view:
+            count = os.preadv(fd, [view], position)
+            if count <= 0:
+                raise MoeconvError(f"{entry.file}: ended early while reading tensor {entry.name}")
+            view, position = view[count:], position + count
+        if not length:
+            return torch.empty(shape, dtype=TORCH_DTYPES[entry.dtype])
+        return torch.frombuffer(data, dtype=TORCH_DTYPES[entry.dtype]).reshape(shape)
 
     def read(self, entry: TensorEntry) -> torch.Tensor:
-        handle = self._handles.get(entry.file)
-        if handle is None:
-            handle = self._handles[entry.file] = safe_open(str(entry.file), framework="pt")
-        return handle.get_tensor(entry.name)
+        return self._read(entry, entry.begin, entry.nbytes, entry.shape)
+
+    def read_index(self, entry: TensorEntry, index: int) -> torch.Tensor:
+        """entry[index] along dim 0 (one expert of a stacked tensor)."""
+        row_bytes = entry.nbytes // entry.shape[0]
+        return self._read(entry, entry.begin + index * row_bytes, row_bytes, entry.shape[1:])
 
     def close(self) -> None:
-        self._handles.clear()
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
 
     def __enter__(self) -> TensorReader:
         return self

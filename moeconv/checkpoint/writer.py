@@ -66,7 +66,7 @@ class ShardWriter:
 
     def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> None:
         """Write `tensor`'s bytes at byte `offset` inside tensor `name`."""
-        data = tensor.contiguous().view(torch.uint8).reshape(-1).numpy()
+        data = tensor.reshape(-1).view(torch.uint8).numpy()
         position = self._target(name, offset, data.nbytes)
         view = memoryview(data)
         while view:

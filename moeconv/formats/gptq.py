@@ -119,9 +119,14 @@ class GPTQ:
             "g_idx": torch.arange(weight.in_features, dtype=torch.int32) // weight.group_size,
         }
 
+    @property
+    def has_ambiguous_zeros(self) -> bool:
+        """v1 asymmetric: a true zero of 0 has no clean v1 encoding (see module doc)."""
+        return not self.sym and self.checkpoint_format == V1
+
     def suspicious_zero_slots(self, qzeros: torch.Tensor) -> int:
         """v1 asymmetric only: stored zero slots that are all ones, i.e. true zero 0 (see module doc)."""
-        if self.sym or self.checkpoint_format != V1:
+        if not self.has_ambiguous_zeros:
             return 0
         return int((packing.unpack(qzeros, self.bits, dim=1) == (1 << self.bits) - 1).sum())
 
@@ -144,3 +149,28 @@ class GPTQ:
             "checkpoint_format": self.checkpoint_format,
             "format": self.checkpoint_format,
         }
+
+
+class SuspiciousZeroTally:
+    """Counts `suspicious_zero_slots` over many qzeros tensors and remembers the first one that has any."""
+
+    def __init__(self, source_format: GPTQ):
+        self.source_format = source_format
+        self.count = 0
+        self.first_tensor: str | None = None
+
+    def add(self, name: str, qzeros: torch.Tensor) -> None:
+        found = self.source_format.suspicious_zero_slots(qzeros)
+        if found:
+            self.count += found
+            self.first_tensor = self.first_tensor or name
+
+    def report(self) -> dict[str, Any]:
+        return {"count": self.count, "first_tensor": self.first_tensor}
+
+
+def zero_tally(source_format: object) -> SuspiciousZeroTally | None:
+    """A tally for formats with ambiguous zero points, else None."""
+    if isinstance(source_format, GPTQ) and source_format.has_ambiguous_zeros:
+        return SuspiciousZeroTally(source_format)
+    return None

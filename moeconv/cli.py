@@ -1,0 +1,246 @@
+"""The `moeconv` command line: parses, calls the library, renders with Rich. Nothing else.
+
+Results go to stdout, progress and errors to stderr. Exit codes: 0 ok, 1 verification failed,
+2 usage or input error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from moeconv.errors import MoeconvError
+
+app = typer.Typer(
+    name="moeconv",
+    help="Convert quantized MoE checkpoints into the layouts serving kernels read, once, offline, verified.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
+               "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match[2].upper() not in _SIZE_UNITS:
+        raise typer.BadParameter(f"{text!r} is not a size like 5GB, 500MB or 1000000")
+    return int(float(match[1]) * _SIZE_UNITS[match[2].upper()])
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if nbytes < 1000 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1000
+    raise AssertionError
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _key_values(title: str, rows: list[tuple[str, Any]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, str(value))
+    return table
+
+
+@app.command()
+def inspect(
+    source: Path = typer.Argument(..., help="Checkpoint folder."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Say what a checkpoint is: architecture, quant format, MoE layers, sizes. Reads headers and configs only."""
+    from moeconv.inspect import inspect_checkpoint
+
+    report = inspect_checkpoint(source)
+    if as_json:
+        _print_json(report)
+        return
+    fmt = report["format"]
+    shapes = report["expert_shapes"]
+    rows = [
+        ("architecture", report["architecture"]),
+        ("format", ", ".join(f"{k}={v}" for k, v in fmt.items())),
+        ("MoE layers", f"{len(report['moe_layers'])} ({report['moe_layers'][0]} ...)"),
+        ("experts per layer", report["experts_per_layer"]),
+        ("expert shapes (out x in)", f"gate/up {shapes['gate'][0]}x{shapes['gate'][1]}, "
+                                     f"down {shapes['down'][0]}x{shapes['down'][1]}"),
+        ("scale dtype", report["scale_dtype"]),
+        ("total / expert bytes", f"{_human(report['total_bytes'])} / {_human(report['expert_bytes'])}"),
+        ("tensors / shards", f"{report['tensors']} / {len(report['shards'])}"),
+    ]
+    for name, verdict in report["backends"].items():
+        rows.append((f"backend {name}", "eligible" if verdict["eligible"] else f"NOT eligible: {verdict['reason']}"))
+    if "suspicious_zero_slots" in report:
+        found = report["suspicious_zero_slots"]
+        rows.append(("v1 zero slots stored as all ones",
+                     f"{found['count']} (first: {found['first_tensor']})" if found["count"] else "0"))
+    out.print(_key_values(str(source), rows))
+
+
+@app.command()
+def convert(
+    source: Path = typer.Argument(..., help="Checkpoint folder."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder (must not exist, or be empty)."),
+    backend: str = typer.Option("triton", "--backend", "-b", help="Target layout."),
+    max_shard_size: int = typer.Option("5GB", "--max-shard-size", parser=parse_size, metavar="SIZE",
+                                       help="Largest output shard, e.g. 5GB, 500MB."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and write nothing."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan (--dry-run) or the report as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Convert a checkpoint's experts into a backend layout; every other tensor is copied byte for byte."""
+    from moeconv.convert import check_output_folder, convert as run_conversion
+    from moeconv.plan import make_plan
+
+    if output is None and not dry_run:
+        raise typer.BadParameter("an output folder is required (or --dry-run)", param_hint="'-o' / '--output'")
+    plan = make_plan(source, backend=backend, max_shard_size=max_shard_size)
+    if dry_run:
+        summary = plan.summary()
+        if as_json:
+            _print_json(summary)
+        else:
+            _print_plan(summary)
+        return
+    check_output_folder(output)
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), console=err, disable=quiet) as progress:
+        task = progress.add_task("converting", total=plan.checkpoint.total_bytes)
+        report = run_conversion(plan, output, progress=lambda nbytes: progress.advance(task, nbytes))
+    if as_json:
+        _print_json(report.to_json())
+        return
+    rows = [
+        ("output", report.output),
+        ("backend", f"{plan.backend.name} (layout v{plan.backend.layout_version})"),
+        ("MoE layers", len(plan.layers)),
+        ("shards", len(report.files)),
+        ("bytes in / out", f"{_human(plan.checkpoint.total_bytes)} / {_human(plan.output_bytes)}"),
+        ("time", f"{report.seconds:.2f} s ({plan.checkpoint.total_bytes / max(report.seconds, 1e-9) / 1e9:.2f} GB/s)"),
+    ]
+    if report.suspicious_zero_slots:
+        found = report.suspicious_zero_slots
+        rows.append(("v1 zero slots stored as all ones",
+                     f"{found['count']} (decoded as zero 0, GPTQModel's convention; first: {found['first_tensor']})"))
+    out.print(_key_values("converted", rows))
+
+
+@app.command()
+def verify(
+    output: Path = typer.Argument(..., help="A folder written by `moeconv convert`."),
+    source: Optional[Path] = typer.Option(None, "--source", help="Source checkpoint (default: the one in moeconv.json)."),
+    sample: Optional[int] = typer.Option(None, "--sample", min=1, help="Check N random experts per layer, not all."),
+    numerics: bool = typer.Option(True, "--numerics/--no-numerics", help="Run the Triton kernel check."),
+    tokens: int = typer.Option(8, "--tokens", min=1, help="Random tokens per layer for the kernel check."),
+    numerics_layers: Optional[int] = typer.Option(None, "--numerics-layers", min=0,
+                                                  help="Kernel check on the first N MoE layers only."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Check a converted checkpoint: structure and checksums, bit-exact decode against the source, and
+    the Triton kernel against a float64 reference. Exit code 0 only if every check passes."""
+    from moeconv.errors import VerificationFailed
+    from moeconv.verify import verify as run_verification
+
+    report = run_verification(output, source=source, sample=sample, numerics=numerics, tokens=tokens,
+                              numerics_layers=numerics_layers)
+    if as_json:
+        _print_json(report.to_json())
+    else:
+        _print_verify(report)
+    if not report.ok:
+        failures = report.failures()
+        raise VerificationFailed(f"{output}: {len(failures)} check(s) failed; first: {failures[0]}")
+
+
+def _print_verify(report) -> None:
+    structure = "ok" if not report.structure_problems else f"{len(report.structure_problems)} problem(s)"
+    out.print(_key_values(f"verify {report.output}", [
+        ("source", report.source),
+        ("structure, index, configs, sha256", structure),
+        ("pass-through tensors byte-identical", f"{report.passthrough_checked - len(report.passthrough_problems)}"
+                                                f"/{report.passthrough_checked}"),
+        ("kernel device", report.numerics_device or "not run"),
+        ("tolerance (relative)", f"{report.tolerance:g}"),
+    ]))
+    table = Table("MoE layer", "experts bit-exact", "rel. error", "max abs error", "time", "result",
+                  title_justify="left")
+    for layer in report.layers:
+        table.add_row(layer.module, f"{layer.experts_exact}/{layer.experts_checked}",
+                      "-" if layer.relative_error is None else f"{layer.relative_error:.2e}",
+                      "-" if layer.max_abs_error is None else f"{layer.max_abs_error:.2e}",
+                      f"{layer.seconds:.2f} s", "[green]ok[/]" if layer.ok else "[red]FAIL[/]")
+    if report.layers:
+        out.print(table)
+    for problem in report.failures()[:20]:
+        err.print(f"[red]x[/] {problem}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def demo(
+    workdir: Optional[Path] = typer.Option(None, "--workdir", help="Keep the files here (default: a temporary folder)."),
+) -> None:
+    """Build a small synthetic GPTQ MoE checkpoint, convert it to the Triton layout and verify it."""
+    from moeconv.convert import convert as run_conversion
+    from moeconv.formats import GPTQ
+    from moeconv.plan import make_plan
+    from moeconv.synth import SynthSpec, make_checkpoint
+    from moeconv.verify import verify as run_verification
+
+    with tempfile.TemporaryDirectory(prefix="moeconv-demo-") as scratch:
+        root = Path(workdir or scratch)
+        spec = SynthSpec(architecture="qwen3_moe", source_format=GPTQ(bits=4, group_size=32, sym=False),
+                         layers=3, dense_layers=1, experts=8, hidden=256, intermediate=128)
+        source = make_checkpoint(root / "source", spec, max_shard_size=1_000_000)
+        err.print(f"made a synthetic {spec.architecture} checkpoint (GPTQ v1 4-bit asymmetric, g=32): {source}")
+        inspect(source, as_json=False)
+        plan = make_plan(source, backend="triton", max_shard_size=1_000_000)
+        report = run_conversion(plan, root / "converted")
+        err.print(f"converted to the triton layout in {report.seconds:.2f} s: {report.output}")
+        result = run_verification(report.output, numerics_layers=None)
+        _print_verify(result)
+        if not result.ok:
+            from moeconv.errors import VerificationFailed
+
+            raise VerificationFailed(f"demo: verification failed: {result.failures()[0]}")
+        out.print("[bold green]demo ok[/]: every expert bit-exact, kernel within tolerance, "
+                  "every other tensor byte-identical.")
+
+
+def _print_plan(summary: dict[str, Any]) -> None:
+    rows = [(key, summary[key]) for key in ("source", "backend", "layout_version", "architecture", "moe_layers")]
+    rows.append(("format", ", ".join(f"{k}={v}" for k, v in summary["format"].items())))
+    rows.append(("bytes in / out", f"{_human(summary['source_bytes'])} / {_human(summary['output_bytes'])}"))
+    out.print(_key_values("plan (nothing written)", rows))
+    table = Table("shard", "bytes", "tensors", title_justify="left")
+    for shard in summary["shards"]:
+        table.add_row(shard["file"], _human(shard["bytes"]), str(shard["tensors"]))
+    out.print(table)
+
+
+def main() -> None:
+    """Console entry point: user errors become one line on stderr and a non-zero exit.
+    (Usage errors are Click's own: it prints them with the usage line and exits 2.)"""
+    try:
+        app()
+    except MoeconvError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        sys.exit(error.exit_code)

@@ -1,0 +1,67 @@
+"""What a checkpoint is, from its configs and headers (plus the small GPTQ qzeros tensors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from moeconv.backends import REGISTRY as BACKENDS
+from moeconv.checkpoint.reader import TensorReader, open_checkpoint
+from moeconv.errors import MoeconvError
+from moeconv.formats import format_from_config
+from moeconv.formats.gptq import SuspiciousZeroTally, zero_tally
+from moeconv.models import architecture_from_config
+from moeconv.plan import find_moe_layers
+
+
+def inspect_checkpoint(source: Path) -> dict[str, Any]:
+    checkpoint = open_checkpoint(Path(source))
+    where = str(checkpoint.root / "config.json")
+    architecture = architecture_from_config(checkpoint.config, where)
+    if not checkpoint.quantization_config:
+        raise MoeconvError(f"{where}: no quantization_config and no quantize_config.json: not a quantized checkpoint")
+    source_format = format_from_config(checkpoint.quantization_config, where)
+    layers = find_moe_layers(checkpoint, architecture, source_format)
+    first = layers[0].shape
+    expert_bytes = sum(layer.source_bytes for layer in layers)
+    report: dict[str, Any] = {
+        "path": str(checkpoint.root),
+        "architecture": architecture.model_type,
+        "format": source_format.describe(),
+        "moe_layers": [layer.module for layer in layers],
+        "experts_per_layer": first.experts,
+        "expert_shapes": {
+            "gate": [first.intermediate, first.hidden],
+            "up": [first.intermediate, first.hidden],
+            "down": [first.hidden, first.intermediate],
+        },
+        "scale_dtype": first.scale_dtype,
+        "total_bytes": checkpoint.total_bytes,
+        "expert_bytes": expert_bytes,
+        "tensors": len(checkpoint.tensors),
+        "shards": [{"file": path.name, "bytes": path.stat().st_size} for path in checkpoint.files],
+        "backends": {name: _verdict(backend, layers) for name, backend in BACKENDS.items()},
+    }
+    tally = zero_tally(source_format)
+    if tally is not None:
+        report["suspicious_zero_slots"] = _count_suspicious(tally, layers)
+    return report
+
+
+def _verdict(backend, layers) -> dict[str, Any]:
+    for layer in layers:
+        reason = backend.refusal(layer.shape)
+        if reason:
+            return {"eligible": False, "reason": f"{layer.module}: {reason}"}
+    return {"eligible": True, "reason": None}
+
+
+def _count_suspicious(tally: SuspiciousZeroTally, layers) -> dict[str, Any]:
+    """GPTQ v1 stores zero − 1, so a true zero of 0 is stored as all ones, and producers disagree on
+    the bits around it (see formats/gptq.py). Count such slots and name the first tensor."""
+    with TensorReader() as reader:
+        for layer in layers:
+            for expert in layer.experts:
+                for linear in expert.values():
+                    tally.add(linear["qzeros"].name, reader.read(linear["qzeros"]))
+    return tally.report()

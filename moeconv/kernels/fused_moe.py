@@ -1,0 +1,329 @@
+"""Fused MoE over experts in the ``moe_wna16`` layout (W4A16 / W8A16), in Triton.
+
+This is moeconv's own kernel for numerical verification (DESIGN §7.3): it reads converted
+tensors exactly as the serving layout defines them (vllm-layouts.md §3.1), so a layout mistake
+shows up as a numerical error against a float reference that dequantizes the *source*.
+
+One Triton kernel does both expert GEMMs of a layer (``y = a · Wᵀ`` per token-expert pair):
+pairs are sorted by expert in torch and each expert's run is padded to ``block_m`` rows
+(:func:`align_tokens_to_experts`), so every row block of the grid reads a single expert.
+
+Tensors on a CUDA device run the compiled kernel. Tensors on the CPU run the very same kernel
+under Triton's interpreter (slow: small shapes only), picked per call from the device, so neither
+the ``TRITON_INTERPRET`` variable nor import order matters. Under the interpreter a cast to bf16
+followed by ``tl.dot`` returns garbage, so bf16 activations are only supported compiled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+SUPPORTED_BITS = (4, 8)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and launch parameters of one grouped GEMM launch."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """Token-expert pairs sorted by expert, each expert's run padded to ``block_m`` rows.
+
+    Pair ``p = token * topk + slot``. ``pair_ids[i]`` is the pair in row ``i`` (``num_pairs``
+    for padding); ``block_experts[b]`` is the expert of row block ``b`` (``num_experts`` for
+    blocks past the last used one, which the kernel skips at once).
+    """
+
+    pair_ids: torch.Tensor
+    block_experts: torch.Tensor
+    block_m: int
+    num_pairs: int
+    num_experts: int
+    topk: int
+
+
+def align_tokens_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """Sort token-expert pairs by expert and pad each expert's run to ``block_m`` rows.
+
+    Pure tensor ops without host synchronisation, so it can be captured in a CUDA graph.
+    Only experts that received tokens get blocks: at most ``min(num_experts, num_pairs)``
+    experts are non-empty, each adding fewer than ``block_m`` padding rows, which bounds the
+    row capacity (and the grid) tightly for decode batches.
+    """
+    device = topk_ids.device
+    expert_of_pair = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = expert_of_pair.numel()
+    sorted_experts, pair_order = torch.sort(expert_of_pair, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair))
+    padded_counts = (counts + block_m - 1) // block_m * block_m
+    padded_ends = padded_counts.cumsum(0)
+    run_starts = counts.cumsum(0) - counts
+    rank_in_expert = torch.arange(num_pairs, device=device) - run_starts[sorted_experts]
+    rows = (padded_ends - padded_counts)[sorted_experts] + rank_in_expert
+
+    capacity = _ceil_to(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    pair_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
+    pair_ids.scatter_(0, rows, pair_order.to(torch.int32))
+    block_starts = torch.arange(0, capacity, block_m, device=device)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True).to(torch.int32)
+    return ExpertBlocks(pair_ids, block_experts, block_m, num_pairs, num_experts, topk_ids.shape[-1])
+
+
+def choose_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per block: the average run length of a non-empty expert, rounded up to a tile.
+
+    Decode batches (1-16 tokens) give each selected expert a handful of rows, so 16 (the
+    smallest ``tl.dot`` tile) wastes least; longer runs take bigger tiles to reuse each weight
+    tile over more rows.
+    """
+    rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
+    for block_m in (16, 32, 64):
+        if rows_per_expert <= block_m:
+            return block_m
+    return 64
+
+
+def choose_config(num_pairs: int, num_experts: int, n: int, k: int, group_size: int, bits: int,
+                  block_m: int, device: torch.device) -> GemmConfig:
+    """A small heuristic for the tile shape of one GEMM (``n`` outputs, ``k`` inputs).
+
+    Decode is a stream of weight bytes, so the choice is about keeping enough bytes in flight:
+    * ``block_k``: the largest of 128/64/32/16 that divides the group, so each tile needs one
+      scale and one zero per output column and the scale is applied once per tile after the dot;
+    * ``block_n`` 128: one packed tile is 128 x 64 B (4-bit, k=128) per stage, four stages deep;
+    * ``split_k``: when the row blocks times column blocks give under two waves of the GPU
+      (decode of a long-K GEMM such as a down projection), split K until they do, keeping at
+      least four K tiles per split; partial sums meet through fp32 atomics.
+    Under the interpreter small tiles and no split keep tests to seconds.
+    """
+    group = k if group_size == -1 else group_size
+    min_block_k = 32 if bits == 4 else 16  # tl.dot needs at least 16 along K per nibble plane
+    block_k = next((b for b in (128, 64, 32, 16) if b >= min_block_k and group % b == 0), None)
+    if block_k is None:
+        raise ValueError(f"group size {group} must be a multiple of {min_block_k}")
+    if device.type != "cuda":
+        return GemmConfig(block_m=block_m, block_n=min(64, _ceil_to(n, 16)), block_k=block_k,
+                          num_warps=1, num_stages=1)
+    block_n = 128
+    active_experts = max(1, min(num_experts, num_pairs))
+    row_blocks = active_experts * math.ceil(num_pairs / active_experts / block_m)
+    tiles = row_blocks * math.ceil(n / block_n)
+    k_tiles = k // block_k
+    target = 2 * _multiprocessor_count(device)
+    split_k = 1
+    while tiles * split_k < target and k_tiles // (2 * split_k) >= 4:
+        split_k *= 2
+    return GemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k)
+
+
+def moe_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
+             blocks: ExpertBlocks, *, bits: int, group_size: int, topk_weights: torch.Tensor | None = None,
+             config: GemmConfig | None = None, out: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One grouped quantized GEMM: ``out[p] = a[row(p)] · W[expert(p)]ᵀ`` for every pair ``p``.
+
+    ``a`` holds one row per token (shared by its top-k pairs) or one row per pair. ``qweight``
+    (E, N, K·bits/8) uint8, ``scales`` (E, N, K/g), ``qzeros`` (E, N·bits/8, K/g) uint8 or None
+    (symmetric: zero 8 or 128), as in vllm-layouts.md §3.1; ``group_size`` -1 means channel-wise.
+    With ``topk_weights`` each output row is multiplied by its pair's router weight. Returns
+    ``out`` (num_pairs, N), allocated in ``out_dtype`` (default ``a.dtype``) when not given.
+    """
+    num_experts, n, packed_k = qweight.shape
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+    k = packed_k * 8 // bits
+    group = k if group_size == -1 else group_size
+    if a.shape[-1] != k or k % group:
+        raise ValueError(f"activations have K={a.shape[-1]}, weights K={k}, group size {group}")
+    if qweight.dtype != torch.uint8 or (qzeros is not None and qzeros.dtype != torch.uint8):
+        raise TypeError("qweight and qzeros must be uint8")
+    if scales.shape != (num_experts, n, k // group):
+        raise ValueError(f"scales {tuple(scales.shape)} do not match ({num_experts}, {n}, {k // group})")
+    if qzeros is not None and qzeros.shape != (num_experts, n * bits // 8, k // group):
+        raise ValueError(f"qzeros {tuple(qzeros.shape)} do not match ({num_experts}, {n * bits // 8}, {k // group})")
+    if a.shape[0] == blocks.num_pairs // blocks.topk:
+        pairs_per_a_row = blocks.topk
+    elif a.shape[0] == blocks.num_pairs:
+        pairs_per_a_row = 1
+    else:
+        raise ValueError(f"a has {a.shape[0]} rows: want one per token or one per pair ({blocks.num_pairs})")
+    if config is None:
+        config = choose_config(blocks.num_pairs, num_experts, n, k, group_size, bits, blocks.block_m, a.device)
+    if config.block_m != blocks.block_m or group % config.block_k:
+        raise ValueError(f"{config} does not fit block_m={blocks.block_m}, group size {group}")
+    if out is None:
+        out = torch.empty(blocks.num_pairs, n, dtype=out_dtype or a.dtype, device=a.device)
+
+    accumulate = config.split_k > 1
+    target = torch.zeros(out.shape, dtype=torch.float32, device=a.device) if accumulate else out
+    k_tiles = k // config.block_k
+    k_tiles_per_split = math.ceil(k_tiles / config.split_k)
+    code_int, code_float, code_magic = _exact_code_float(a.dtype, bits)
+    zeros_or_dummy = scales if qzeros is None else qzeros
+    router_weights = topk_weights.reshape(-1) if topk_weights is not None else scales
+    grid = (blocks.block_experts.numel(), triton.cdiv(n, config.block_n), math.ceil(k_tiles / k_tiles_per_split))
+    _kernel_for(a.device)[grid](
+        a, qweight, scales, zeros_or_dummy, target, router_weights, blocks.pair_ids, blocks.block_experts,
+        blocks.num_pairs, pairs_per_a_row, num_experts, n, group, k_tiles, k_tiles_per_split,
+        a.stride(0), a.stride(1),
+        qweight.stride(0), qweight.stride(1), qweight.stride(2),
+        scales.stride(0), scales.stride(1), scales.stride(2),
+        zeros_or_dummy.stride(0), zeros_or_dummy.stride(1), zeros_or_dummy.stride(2),
+        target.stride(0), target.stride(1),
+        BITS=bits, HAS_ZEROS=qzeros is not None, MUL_ROUTER_WEIGHT=topk_weights is not None,
+        ACCUMULATE=accumulate, CODE_INT=code_int, CODE_FLOAT=code_float, CODE_MAGIC=code_magic,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if accumulate:
+        out.copy_(target)
+    return out
+
+
+def fused_moe(x: torch.Tensor, w13_qweight: torch.Tensor, w13_scales: torch.Tensor, w13_qzeros: torch.Tensor | None,
+              w2_qweight: torch.Tensor, w2_scales: torch.Tensor, w2_qzeros: torch.Tensor | None,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, bits: int, group_size: int) -> torch.Tensor:
+    """A MoE layer: ``Σ_k w[t,k] · (silu(x·Wgateᵀ) * (x·Wupᵀ)) · W2ᵀ`` over each token's top-k experts.
+
+    Weights in the ``moe_wna16`` layout (rows [0, I) of w13 are gate, [I, 2I) up); one
+    ``group_size`` for both GEMMs, -1 for channel-wise. Accumulates in fp32; returns x.dtype.
+    """
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13_qweight.shape
+    intermediate = two_i // 2
+    num_pairs = topk_ids.numel()
+    block_m = choose_block_m(num_pairs, num_experts)
+    blocks = align_tokens_to_experts(topk_ids, num_experts, block_m)
+    gate_up = moe_gemm(x, w13_qweight, w13_scales, w13_qzeros, blocks, bits=bits, group_size=group_size)
+    activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+    down = moe_gemm(activated, w2_qweight, w2_scales, w2_qzeros, blocks, bits=bits, group_size=group_size,
+                    topk_weights=topk_weights.contiguous(), out_dtype=torch.float32)
+    return down.view(num_tokens, blocks.topk, hidden).sum(dim=1).to(x.dtype)
+
+
+def _exact_code_float(dtype: torch.dtype, bits: int):
+    """How the kernel turns a code into a float with integer ops only (no slow int->float cvt).
+
+    OR-ing a code into the mantissa of a power of two M gives exactly ``M + code`` when the code
+    fits the mantissa: fp16 ``0x6400`` = 1024 (10 bits), bf16 ``0x4300`` = 128 (7 bits: 4-bit
+    codes only), fp32 ``0x4B000000`` = 2^23. Subtracting ``M + zero`` formed the same way leaves
+    ``code - zero``, an integer exact in the activation dtype.
+    """
+    if dtype == torch.float16:
+        return tl.int16, tl.float16, 0x6400
+    if dtype == torch.bfloat16 and bits == 4:
+        return tl.int16, tl.bfloat16, 0x4300
+    if dtype in (torch.bfloat16, torch.float32):
+        return tl.int32, tl.float32, 0x4B000000
+    raise TypeError(f"activations must be fp16, bf16 or fp32, got {dtype}")
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_gemm_kernel(
+    a_ptr, b_ptr, scale_ptr, zero_ptr, c_ptr, router_weight_ptr, pair_ids_ptr, block_experts_ptr,
+    num_pairs, pairs_per_a_row, num_experts, N, group_size, k_tiles, k_tiles_per_split,
+    stride_am, stride_ak,
+    stride_be, stride_bn, stride_bk,
+    stride_se, stride_sn, stride_sg,
+    stride_ze, stride_zn, stride_zg,
+    stride_cm, stride_cn,
+    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, MUL_ROUTER_WEIGHT: tl.constexpr, ACCUMULATE: tl.constexpr,
+    CODE_INT: tl.constexpr, CODE_FLOAT: tl.constexpr, CODE_MAGIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Grid (row blocks, column blocks, K splits). Each K tile lies in one quantization group:
+    the dot runs on exact integers ``code - zero`` and the group's scale multiplies the partial
+    sum (BLOCK_M x BLOCK_N products instead of BLOCK_K x BLOCK_N). A 4-bit tile is loaded once
+    as bytes; its low nibbles (even k) and high nibbles (odd k) are two dots against the even
+    and odd columns of the activations, so no nibble interleaving is ever materialised."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    CODES_PER_BYTE: tl.constexpr = 8 // BITS
+    CODE_MASK: tl.constexpr = (1 << BITS) - 1
+    A_DTYPE: tl.constexpr = a_ptr.dtype.element_ty
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ids_ptr + offs_m)
+    row_valid = pair < num_pairs
+    a_row = (pair // pairs_per_a_row).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = offs_n % N  # the last column block wraps, so weight loads need no mask
+    offs_byte = tl.arange(0, BLOCK_K // CODES_PER_BYTE)
+    expert = expert.to(tl.int64)
+
+    b_ptrs = b_ptr + expert * stride_be + n_in[None, :] * stride_bn + offs_byte[:, None] * stride_bk
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + (offs_byte * CODES_PER_BYTE)[None, :] * stride_ak
+    scale_ptrs = scale_ptr + expert * stride_se + n_in * stride_sn
+    zero_ptrs = zero_ptr + expert * stride_ze + (n_in // CODES_PER_BYTE) * stride_zn
+    zero_shift = (n_in % CODES_PER_BYTE) * BITS
+
+    k_tile_begin = pid_k * k_tiles_per_split
+    k_tile_end = tl.minimum(k_tile_begin + k_tiles_per_split, k_tiles)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k_tile in range(k_tile_begin, k_tile_end):
+        k0 = k_tile * BLOCK_K
+        group = k0 // group_size
+        scale = tl.load(scale_ptrs + group * stride_sg).to(tl.float32)
+        if HAS_ZEROS:
+            zero = (tl.load(zero_ptrs + group * stride_zg) >> zero_shift) & CODE_MASK
+        else:
+            zero = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.int32)
+        zero = (zero.to(CODE_INT) | CODE_MAGIC).to(CODE_FLOAT, bitcast=True)
+        packed = tl.load(b_ptrs + (k0 // CODES_PER_BYTE) * stride_bk)
+        partial = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for plane in tl.static_range(CODES_PER_BYTE):
+            codes = (packed >> (plane * BITS)) & CODE_MASK
+            weights = ((codes.to(CODE_INT) | CODE_MAGIC).to(CODE_FLOAT, bitcast=True) - zero[None, :]).to(A_DTYPE)
+            a = tl.load(a_ptrs + (k0 + plane) * stride_ak, mask=row_valid[:, None], other=0.0)
+            partial = tl.dot(a, weights, partial, input_precision="ieee")
+        acc += partial * scale[None, :]
+
+    if MUL_ROUTER_WEIGHT:
+        acc *= tl.load(router_weight_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_mask = row_valid[:, None] & (offs_n[None, :] < N)
+    if ACCUMULATE:
+        tl.atomic_add(c_ptrs, acc, mask=c_mask, sem="relaxed")
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def _kernel_for(device: torch.device):
+    """The compiled kernel for CUDA tensors, the interpreted one for CPU tensors."""
+    return _moe_gemm_kernel if device.type == "cuda" else _interpreted_kernel()
+
+
+@cache
+def _interpreted_kernel():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(_moe_gemm_kernel.fn)
+
+
+@cache
+def _multiprocessor_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _ceil_to(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

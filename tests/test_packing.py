@@ -1,0 +1,58 @@
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moeconv import packing
+
+
+@given(bits=st.sampled_from([2, 4, 8]), container=st.sampled_from([torch.int32, torch.uint8]),
+       rows=st.integers(1, 5), words=st.integers(1, 6), dim=st.sampled_from([0, 1]), seed=st.integers(0, 2**31))
+def test_pack_unpack_round_trip(bits, container, rows, words, dim, seed):
+    per = (32 if container is torch.int32 else 8) // bits
+    shape = [rows, rows]
+    shape[dim] = words * per
+    codes = torch.randint(0, 1 << bits, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    packed = packing.pack(codes, bits, dim, container)
+    assert packed.dtype == container
+    assert packed.shape[dim] == words
+    assert torch.equal(packing.unpack(packed, bits, dim), codes)
+
+
+def test_int32_words_match_lsb_first_arithmetic():
+    """Value j of a word sits at bits [4j, 4j+4): computed here with Python integers."""
+    codes = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 15], [15, 15, 15, 15, 15, 15, 15, 15]], dtype=torch.uint8)
+    words = packing.pack(codes, 4, dim=1, container=torch.int32)
+    assert words.tolist() == [[0xF7654321 - (1 << 32)], [-1]]
+    assert torch.equal(packing.unpack(words, 4, dim=1), codes)
+
+
+def test_uint8_bytes_even_value_in_low_nibble():
+    codes = torch.tensor([[0x3, 0xA, 0xF, 0x0]], dtype=torch.uint8)
+    assert packing.pack(codes, 4, dim=1, container=torch.uint8).tolist() == [[0xA3, 0x0F]]
+
+
+def test_eight_bit_words_hold_bytes_in_order():
+    codes = torch.tensor([[0x01, 0x80, 0xFF, 0x7F]], dtype=torch.uint8)
+    assert packing.pack(codes, 8, dim=1, container=torch.int32).tolist() == [[0x7FFF8001]]
+
+
+def test_add_to_words_borrows_across_slots():
+    # 0x76543210 - 0x11111111 = 0x654320FF: nibble 0 (0 - 1) borrows from nibble 1, which then
+    # borrows from nibble 2 (1 - 1 - 1): a per-nibble "+1" reader would see zeros 16, 15, 2, ...
+    words = torch.tensor([0x76543210], dtype=torch.int32)
+    assert packing.add_to_words(words, -0x11111111).tolist() == [0x654320FF]
+    assert packing.add_to_words(torch.tensor([0x654320FF], dtype=torch.int32), 0x11111111).tolist() == [0x76543210]
+    # Wrapping past 2^32 in both directions.
+    assert packing.add_to_words(torch.tensor([0], dtype=torch.int32), -0x11111111).tolist() == [0xEEEEEEEF - (1 << 32)]
+
+
+def test_repeated_word():
+    assert packing.repeated_word(1, 4) == 0x11111111
+    assert packing.repeated_word(1, 8) == 0x01010101
+    assert packing.repeated_word(1, 2) == 0x55555555
+
+
+def test_refuses_widths_that_do_not_tile():
+    with pytest.raises(ValueError):
+        packing.pack(torch.zeros(1, 32, dtype=torch.uint8), 3, dim=1, container=torch.int32)
