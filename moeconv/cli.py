@@ -102,7 +102,7 @@ def convert(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder (must not exist, or be empty)."),
     backend: str = typer.Option("triton", "--backend", "-b", help="Target layout."),
     max_shard_size: int = typer.Option("5GB", "--max-shard-size", parser=parse_size, metavar="SIZE",
-                                       help="Largest output shard, e.g. 5GB, 500MB."),
+                                       help="Most tensor bytes per output shard (as transformers counts), e.g. 5GB, 500MB."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan (--dry-run) or the report as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),

@@ -83,15 +83,19 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None) -> Conve
     advance = progress or (lambda nbytes: None)
     started = time.perf_counter()
     suspicious = zero_tally(plan.source_format)
-    with TensorReader() as reader:
-        for shard in plan.shards:
-            _write_shard(plan, shard, staging / shard.file_name, reader, advance, suspicious)
-    files = {
-        shard.file_name: {"bytes": (staging / shard.file_name).stat().st_size,
-                          "sha256": sha256_file(staging / shard.file_name)}
-        for shard in plan.shards
-    }
-    _write_metadata(plan, staging, files)
+    try:
+        with TensorReader() as reader:
+            for shard in plan.shards:
+                _write_shard(plan, shard, staging / shard.file_name, reader, advance, suspicious)
+        files = {
+            shard.file_name: {"bytes": (staging / shard.file_name).stat().st_size,
+                              "sha256": sha256_file(staging / shard.file_name)}
+            for shard in plan.shards
+        }
+        _write_metadata(plan, staging, files)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if output.exists():
         output.rmdir()
     staging.rename(output)
@@ -102,8 +106,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None) -> Conve
 def _write_shard(plan: Plan, shard, path: Path, reader: TensorReader, advance: Progress,
                  suspicious: SuspiciousZeroTally | None) -> None:
     metadata = {"format": "pt", "producer": f"moeconv {__version__}", "backend": plan.backend.name}
-    writer = ShardWriter(path, [(t.name, t.dtype, t.shape) for t in shard.tensors], metadata)
-    try:
+    with ShardWriter(path, [(t.name, t.dtype, t.shape) for t in shard.tensors], metadata) as writer:
         for unit in shard.units:
             if isinstance(unit, PassThrough):
                 entry = unit.entry
@@ -111,8 +114,6 @@ def _write_shard(plan: Plan, shard, path: Path, reader: TensorReader, advance: P
                 advance(entry.nbytes)
             else:
                 _write_layer(plan, unit, writer, reader, advance, suspicious)
-    finally:
-        writer.close()
 
 
 def _write_layer(plan: Plan, layer: MoELayer, writer: ShardWriter, reader: TensorReader, advance: Progress,

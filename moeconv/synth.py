@@ -205,13 +205,10 @@ def make_checkpoint(path: Path, spec: SynthSpec = SynthSpec(), max_shard_size: i
     for index, units in enumerate(shards):
         file_name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
         declared = [tensor for unit in units for tensor in unit[0]]
-        writer = ShardWriter(path / file_name, declared, {"format": "pt"})
-        try:
+        with ShardWriter(path / file_name, declared, {"format": "pt"}) as writer:
             for _, make in units:
                 for name, tensor in make().items():
                     writer.write(name, tensor)
-        finally:
-            writer.close()
         for name, dtype, shape in declared:
             weight_map[name] = file_name
             total += DTYPE_SIZES[dtype] * _product(shape)

@@ -214,28 +214,19 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu (Triton interpreter)"
 
 
-def _kernels():
-    """Import the Triton kernels, in the interpreter when there is no GPU (the switch must be set
-    before the kernels are defined)."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from moeconv.kernels import fused_moe, reference
-
-    return fused_moe, reference
-
-
 def _check_numerics(plan: Plan, layer: MoELayer, outputs: dict[str, TensorEntry], reader: TensorReader,
                     tokens: int, generator: torch.Generator) -> tuple[float, float]:
-    fused_moe, reference = _kernels()
+    from moeconv.kernels import fused_moe, random_routing, reference_fused_moe, relative_error
+
     shape = layer.shape
     topk = min(int(plan.checkpoint.config.get("num_experts_per_tok", 2)), shape.experts)
-    weights, ids = reference.random_routing(tokens, shape.experts, topk, generator)
+    weights, ids = random_routing(tokens, shape.experts, topk, generator)
     used = sorted(set(ids.flatten().tolist()))
     local_ids = torch.tensor([used.index(e) for e in ids.flatten().tolist()]).reshape(ids.shape)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     stacked = {k: v.to(device) for k, v in _read_expert_slices(outputs, used, reader).items()}
     x = (torch.randn(tokens, shape.hidden, generator=generator)).to(torch.float16)
-    out = fused_moe.fused_moe(
+    out = fused_moe(
         x.to(device), stacked["w13_qweight"], stacked["w13_scales"], stacked.get("w13_qzeros"),
         stacked["w2_qweight"], stacked["w2_scales"], stacked.get("w2_qzeros"),
         weights.to(device), local_ids.to(device), bits=shape.bits, group_size=shape.group_size,
@@ -243,5 +234,5 @@ def _check_numerics(plan: Plan, layer: MoELayer, outputs: dict[str, TensorEntry]
     sources = [_source_expert(plan, layer, e, reader) for e in used]
     w13 = torch.stack([torch.cat([s.gate.dequantize(torch.float64), s.up.dequantize(torch.float64)]) for s in sources])
     w2 = torch.stack([s.down.dequantize(torch.float64) for s in sources])
-    ref = reference.reference_fused_moe(x.double(), w13, w2, weights.double(), local_ids, dtype=torch.float64)
-    return float(reference.relative_error(out.double(), ref)), float((out.double() - ref).abs().max())
+    ref = reference_fused_moe(x.double(), w13, w2, weights.double(), local_ids, dtype=torch.float64)
+    return float(relative_error(out.double(), ref)), float((out.double() - ref).abs().max())

@@ -33,7 +33,8 @@ def _require_little_endian() -> None:
 
 
 class ShardWriter:
-    """Declare every tensor up front, then fill their bytes in any order; `close` checks nothing is missing."""
+    """Declare every tensor up front, then fill their bytes in any order; `close` checks nothing is
+    missing. Use it as a context manager: leaving with an exception closes without that check."""
 
     def __init__(self, path: Path, tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]):
         _require_little_endian()
@@ -87,6 +88,15 @@ class ShardWriter:
                 if copied <= 0:
                     raise MoeconvError(f"{source}: ended early while copying tensor {name}")
                 begin, position = begin + copied, position + copied
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            os.close(self._fd)  # the caller's error wins; the partial file is the caller's to remove
 
     def close(self) -> None:
         """Fails if any declared byte was not written; the file is flushed to disk."""

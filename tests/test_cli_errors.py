@@ -1,0 +1,121 @@
+"""Bad input: one line naming the file and tensor, exit code 2, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moeconv import cli
+from moeconv.checkpoint.reader import open_checkpoint
+from moeconv.synth import SynthSpec, make_checkpoint
+
+
+def run_main(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["moeconv", *map(str, args)])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+@pytest.fixture
+def source(tmp_path) -> Path:
+    return make_checkpoint(tmp_path / "src", SynthSpec(), max_shard_size=100_000)
+
+
+def _edit_config(source: Path, **changes) -> None:
+    config = json.loads((source / "config.json").read_text())
+    for key, value in changes.items():
+        if key == "quantization_config":
+            config[key].update(value)
+        else:
+            config[key] = value
+    (source / "config.json").write_text(json.dumps(config))
+
+
+def _drop_tensor(source: Path, name: str) -> Path:
+    file_name = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(source / file_name)
+    del tensors[name]
+    save_file(tensors, source / file_name)
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    del index["weight_map"][name]
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    return source / file_name
+
+
+def _permute_g_idx(source: Path, name: str) -> None:
+    entry = open_checkpoint(source).tensors[name]
+    values = torch.flip(torch.arange(entry.shape[0], dtype=torch.int32) // 32, [0])
+    with open(entry.file, "r+b") as handle:
+        handle.seek(entry.begin)
+        handle.write(values.numpy().tobytes())
+
+
+EXPERT = "model.layers.1.mlp.experts.2"
+
+
+@pytest.mark.parametrize("break_it, expected", [
+    (lambda s: (s / "model-00002-of-00004.safetensors").unlink(), "model-00002-of-00004.safetensors: shard is missing"),
+    (lambda s: _edit_config(s, moe_intermediate_size=32),
+     "is a 64x128 (out x in) linear, but config.json makes the gate projection 32x128"),
+    (lambda s: _edit_config(s, quantization_config={"bits": 3}), "GPTQ with 3 bits is not supported"),
+    (lambda s: _edit_config(s, model_type="dbrx"), "unsupported architecture 'dbrx'; supported: deepseek_v2"),
+    (lambda s: _edit_config(s, num_experts=6), "has experts 0..3 (4), but config.json says 6"),
+    (lambda s: _drop_tensor(s, f"{EXPERT}.up_proj.qzeros"), "tensor model.layers.1.mlp.experts.2.<up>.qzeros is missing"),
+    (lambda s: _permute_g_idx(s, f"{EXPERT}.down_proj.g_idx"),
+     f"{EXPERT}.down_proj.qweight: g_idx is not the trivial k // group_size (act-order"),
+    (lambda s: (s / "config.json").write_text("{not json"), "config.json: not valid JSON"),
+], ids=["missing-shard", "shape-vs-config", "bits", "architecture", "expert-count", "missing-tensor", "act-order",
+        "bad-json"])
+def test_bad_input_is_one_line_exit_2_nothing_written(monkeypatch, capsys, tmp_path, source, break_it, expected):
+    break_it(source)
+    before = sorted(p.name for p in source.iterdir())
+    code, out, err = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "out", "--quiet")
+    assert code == 2
+    assert expected in err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in out + err
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no staging folder left behind
+    assert sorted(p.name for p in source.iterdir()) == before
+
+
+def test_output_folder_not_empty(monkeypatch, capsys, tmp_path, source):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    code, _, err = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "out")
+    assert code == 2
+    assert "out: output folder exists and is not empty" in err
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_unknown_backend_lists_the_choices(monkeypatch, capsys, tmp_path, source):
+    code, _, err = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "out", "--backend", "marlin")
+    assert code == 2
+    assert "backend 'marlin' is not available; expected one of ['triton']" in err
+
+
+def test_not_a_quantized_checkpoint(monkeypatch, capsys, tmp_path, source):
+    config = json.loads((source / "config.json").read_text())
+    del config["quantization_config"]
+    (source / "config.json").write_text(json.dumps(config))
+    (source / "quantize_config.json").unlink()
+    code, _, err = run_main(monkeypatch, capsys, "inspect", source)
+    assert code == 2 and "not a quantized checkpoint" in err
+
+
+def test_usage_error_exit_2_via_real_subprocess(tmp_path):
+    exe = Path(sys.executable).with_name("moeconv")
+    done = subprocess.run([str(exe), "convert", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    done = subprocess.run([str(exe), "inspect", str(tmp_path / "nope")], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: {tmp_path / 'nope'}: not a folder"

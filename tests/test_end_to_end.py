@@ -1,0 +1,157 @@
+"""synth -> convert -> reload: every expert decodes to the source's canonical form, every other
+tensor is byte-identical, the index and manifest are consistent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from moeconv.backends import TritonBackend
+from moeconv.checkpoint.reader import TensorReader, open_checkpoint
+from moeconv.checkpoint.writer import sha256_file
+from moeconv.formats import AWQ, GPTQ
+from moeconv.models import ARCHITECTURES
+from moeconv.plan import make_plan
+from moeconv.synth import SynthSpec, make_checkpoint
+
+from helpers import cli
+
+CASES = [
+    ("mixtral", "legacy", GPTQ(4, 32, sym=False)),
+    ("mixtral", "hf", AWQ(4, 64, zero_point=True)),
+    ("qwen2_moe", "hf", GPTQ(8, -1, sym=False, checkpoint_format="gptq_v2")),
+    ("qwen3_moe", "hf", AWQ(4, 32, zero_point=False)),
+    ("deepseek_v2", "hf", GPTQ(4, 128, sym=True)),
+    ("deepseek_v3", "hf", GPTQ(8, 32, sym=True, checkpoint_format="gptq_v2")),
+]
+
+
+def _load_all(folder: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for file_name in sorted(set(index["weight_map"].values())):
+        with safe_open(str(folder / file_name), framework="pt") as handle:
+            for name in handle.keys():
+                assert index["weight_map"][name] == file_name
+                tensors[name] = handle.get_tensor(name)
+    assert set(tensors) == set(index["weight_map"])
+    return tensors
+
+
+@pytest.mark.parametrize("architecture, naming, source_format", CASES, ids=lambda c: str(c))
+def test_convert_round_trip(tmp_path, architecture, naming, source_format):
+    spec = SynthSpec(architecture=architecture, mixtral_naming=naming, source_format=source_format,
+                     layers=3, dense_layers=0 if architecture == "mixtral" else 1, experts=4, hidden=256,
+                     intermediate=128)
+    source = make_checkpoint(tmp_path / "src", spec, max_shard_size=300_000)
+    before = {path.name: sha256_file(path) for path in source.iterdir()}
+    result = cli("convert", source, "-o", tmp_path / "out", "--max-shard-size", "400KB", "--quiet")
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+
+    # The source is untouched.
+    assert {path.name: sha256_file(path) for path in source.iterdir()} == before
+
+    converted = _load_all(out)
+    plan = make_plan(source)
+    backend = TritonBackend()
+    layers = {layer.module: layer for layer in plan.layers}
+    assert len(layers) == spec.layers - spec.dense_layers
+    with TensorReader() as reader:
+        for layer in plan.layers:
+            for e, expert in enumerate(layer.experts):
+                slices = {spec.suffix: converted[f"{layer.module}.{spec.suffix}"][e]
+                          for spec in backend.layer_tensors(layer.shape)}
+                decoded = backend.decode_expert(slices, layer.shape)
+                for projection, linear in expert.items():
+                    expected = source_format.decode({s: reader.read(entry) for s, entry in linear.items()})
+                    assert getattr(decoded, projection).mismatch(expected) is None
+        # Every other tensor keeps its name and its bytes.
+        expert_names = {entry.name for layer in plan.layers for expert in layer.experts
+                        for linear in expert.values() for entry in linear.values()}
+        passthrough = set(plan.checkpoint.tensors) - expert_names
+        assert passthrough and passthrough <= set(converted)
+        for name in passthrough:
+            original = reader.read(plan.checkpoint.tensors[name])
+            assert original.dtype == converted[name].dtype
+            assert torch.equal(original.reshape(-1).view(torch.uint8), converted[name].reshape(-1).view(torch.uint8))
+    assert set(converted) == passthrough | {f"{m}.{s.suffix}" for m, layer in layers.items()
+                                            for s in backend.layer_tensors(layer.shape)}
+
+    # Index, shards, manifest and configs agree.
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) > 1
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in converted.values())
+    manifest = json.loads((out / "moeconv.json").read_text())
+    assert set(manifest["files"]) == {path.name for path in shards}
+    entries = open_checkpoint(out).tensors.values()
+    for path in shards:
+        assert manifest["files"][path.name] == {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        # Tensor bytes per shard stay under the limit (as transformers counts it), unless the shard
+        # holds a single MoE layer that is larger than the limit by itself.
+        inside = [entry for entry in entries if entry.file == path]
+        modules = {entry.name.rsplit(".", 1)[0] for entry in inside}
+        assert sum(entry.nbytes for entry in inside) <= 400_000 or (len(modules) == 1 and modules <= set(layers))
+    assert manifest["source"]["path"] == str(source.absolute())
+    assert set(manifest["tensors"]) == set(converted)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == json.loads((out / "quantize_config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "moeconv"
+    assert config["quantization_config"]["has_zp"] == (not source_format.symmetric)
+    assert config["quantization_config"]["source_quantization_config"]["quant_method"] == source_format.method
+    assert (out / "generation_config.json").read_text() == (source / "generation_config.json").read_text()
+    assert (out / "tokenizer_config.json").is_file()
+    assert not list(tmp_path.glob(".*partial*"))
+
+
+def test_every_architecture_is_covered():
+    assert {case[0] for case in CASES} == set(ARCHITECTURES)
+
+
+def test_real_subprocess_convert_and_verify(tmp_path):
+    source = make_checkpoint(tmp_path / "src", SynthSpec(), max_shard_size=100_000)
+    exe = Path(sys.executable).with_name("moeconv")
+    done = subprocess.run([str(exe), "convert", str(source), "-o", str(tmp_path / "out"), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["plan"]["moe_layers"] == 2
+    assert report["suspicious_zero_slots"]["count"] > 0  # synth puts zero points of 0 in v1 GPTQ
+    done = subprocess.run([str(exe), "verify", str(tmp_path / "out"), "--json"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout)["ok"] is True
+
+
+def test_inspect_json_reads_headers(tmp_path):
+    source = make_checkpoint(tmp_path / "src", SynthSpec(architecture="deepseek_v3", dense_layers=1, layers=3,
+                                                         experts=8))
+    result = cli("inspect", source, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["architecture"] == "deepseek_v3"
+    assert report["experts_per_layer"] == 8
+    assert report["moe_layers"] == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+    assert report["expert_shapes"] == {"gate": [64, 128], "up": [64, 128], "down": [128, 64]}
+    assert report["format"]["bits"] == 4 and report["format"]["sym"] is False
+    assert report["backends"]["triton"]["eligible"] is True
+    assert report["suspicious_zero_slots"]["count"] > 0
+    assert 0 < report["expert_bytes"] < report["total_bytes"]
+    table = cli("inspect", source)
+    assert table.exit_code == 0 and "deepseek_v3" in table.stdout
+
+
+def test_dry_run_writes_nothing(tmp_path):
+    source = make_checkpoint(tmp_path / "src", SynthSpec())
+    result = cli("convert", source, "-o", tmp_path / "out", "--dry-run", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["backend"] == "triton"
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

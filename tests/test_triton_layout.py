@@ -1,0 +1,113 @@
+"""The Triton (moe_wna16) layout: bytes as vllm-layouts.md §3.1 describes them, and round trips."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moeconv.backends import TritonBackend
+from moeconv.backends.base import ExpertWeights
+from moeconv.canonical import MoELayerShape, QuantizedWeight
+from moeconv.formats import AWQ, GPTQ
+
+
+backend = TritonBackend()
+
+
+def _weight(codes, zeros, group_size):
+    codes = torch.tensor(codes, dtype=torch.uint8)
+    groups = codes.shape[1] // group_size
+    zeros = None if zeros is None else torch.tensor(zeros, dtype=torch.uint8)
+    return QuantizedWeight(codes, zeros, torch.ones(codes.shape[0], groups, dtype=torch.float16), 4, group_size)
+
+
+def test_hand_checked_bytes():
+    """I = 2, H = 4, 4-bit, one group per row. Expected bytes written from the spec by hand:
+    w13 byte [n, j] = c[n, 2j] | c[n, 2j+1] << 4 (gate rows, then up rows); zeros byte [r, g] =
+    z[2r] | z[2r+1] << 4."""
+    gate = _weight([[1, 2, 3, 4], [9, 10, 11, 12]], [[3], [12]], 4)
+    up = _weight([[0, 0, 0, 0], [15, 15, 15, 15]], [[0], [15]], 4)
+    down = _weight([[1, 2], [3, 4], [5, 6], [7, 8]], [[1], [2], [3], [4]], 2)
+    slices = backend.encode_expert(ExpertWeights(gate, up, down))
+    assert slices["w13_qweight"].tolist() == [[0x21, 0x43], [0xA9, 0xCB], [0x00, 0x00], [0xFF, 0xFF]]
+    assert slices["w13_qzeros"].tolist() == [[0xC3], [0xF0]]
+    assert slices["w2_qweight"].tolist() == [[0x21], [0x43], [0x65], [0x87]]
+    assert slices["w2_qzeros"].tolist() == [[0x21], [0x43]]
+    assert slices["w13_scales"].shape == (4, 1) and slices["w2_scales"].shape == (4, 1)
+
+
+def test_eight_bit_is_one_code_per_byte():
+    codes = torch.tensor([[0, 255, 128, 7]], dtype=torch.uint8)
+    weight = QuantizedWeight(codes, torch.tensor([[200]], dtype=torch.uint8), torch.ones(1, 1), 8, 4)
+    down = QuantizedWeight(codes.T.reshape(4, 1).repeat(1, 2)[:, :2].contiguous(), torch.zeros(4, 1, dtype=torch.uint8),
+                           torch.ones(4, 1), 8, 2)
+    slices = backend.encode_expert(ExpertWeights(weight, weight, down))
+    assert slices["w13_qweight"].tolist() == [[0, 255, 128, 7], [0, 255, 128, 7]]
+    assert slices["w13_qzeros"].tolist() == [[200], [200]]
+
+
+def test_gptq_qweight_transpose_equals_the_layout_on_little_endian():
+    """vLLM's GPTQ loader takes qweight.T.contiguous().view(uint8) (vllm-layouts.md §3.2); moeconv
+    computes the same bytes with explicit shifts."""
+    generator = torch.Generator().manual_seed(0)
+    weight = QuantizedWeight(torch.randint(0, 16, (16, 64), dtype=torch.uint8, generator=generator), None,
+                             torch.ones(16, 2, dtype=torch.float16), 4, 32)
+    qweight = GPTQ(4, 32, sym=True).encode(weight)["qweight"]
+    down = QuantizedWeight(torch.randint(0, 16, (64, 16), dtype=torch.uint8, generator=generator), None,
+                           torch.ones(64, 1, dtype=torch.float16), 4, 16)
+    slices = backend.encode_expert(ExpertWeights(weight, weight, down))
+    assert torch.equal(slices["w13_qweight"][:16], qweight.T.contiguous().view(torch.uint8))
+
+
+SOURCES = (
+    [AWQ(4, g, zero_point=zp) for g in (32, 64, 128, -1) for zp in (True, False)]
+    + [GPTQ(bits, g, sym, fmt) for bits in (4, 8) for g in (32, 64, 128, -1) for sym in (True, False)
+       for fmt in ("gptq", "gptq_v2")]
+)
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=str)
+@given(data=st.data())
+def test_round_trip_through_the_source_format(source, data):
+    """decode(source) == decode(triton_encode(decode(source))), bit for bit."""
+    hidden_groups, inter_groups = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2))
+    g = 32 if source.group_size == -1 else source.group_size
+    hidden, intermediate = g * hidden_groups, g * inter_groups
+    scale_dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]))
+
+    def linear(out_features, in_features):
+        """A canonical weight as the source format decodes it, edge codes and zeros included."""
+        generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+        groups = 1 if source.group_size == -1 else in_features // g
+        top = (1 << source.bits) - 1
+        codes = torch.randint(0, top + 1, (out_features, in_features), dtype=torch.uint8, generator=generator)
+        codes[0, 0], codes[-1, -1] = 0, top
+        zeros = None
+        if not source.symmetric:
+            zeros = torch.randint(0, top + 1, (out_features, groups), dtype=torch.uint8, generator=generator)
+            zeros[0, 0], zeros[-1, -1] = 0, top
+        scales = torch.rand(out_features, groups, generator=generator).to(scale_dtype)
+        canonical = QuantizedWeight(codes, zeros, scales, source.bits, in_features // groups)
+        return source.decode(source.encode(canonical))
+
+    expert = ExpertWeights(linear(intermediate, hidden), linear(intermediate, hidden), linear(hidden, intermediate))
+    shape = MoELayerShape(experts=1, hidden=hidden, intermediate=intermediate, bits=source.bits,
+                          group_size=source.group_size, symmetric=source.symmetric,
+                          scale_dtype="F16" if scale_dtype == torch.float16 else "BF16")
+    assert backend.refusal(shape) is None
+    slices = backend.encode_expert(expert)
+    specs = {spec.suffix: spec for spec in backend.layer_tensors(shape)}
+    assert set(slices) == set(specs)
+    for suffix, tensor in slices.items():
+        assert tuple(tensor.shape) == specs[suffix].shape[1:], suffix
+    decoded = backend.decode_expert(slices, shape)
+    for projection in ("gate", "up", "down"):
+        assert getattr(decoded, projection).mismatch(getattr(expert, projection)) is None
+
+
+@pytest.mark.parametrize("shape, reason", [
+    (MoELayerShape(4, 64, 32, 2, 32, True, "F16"), "4- or 8-bit"),
+    (MoELayerShape(4, 96, 32, 4, 64, True, "F16"), "does not divide 96"),
+])
+def test_refusals(shape, reason):
+    assert reason in backend.refusal(shape)
