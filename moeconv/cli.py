@@ -181,8 +181,10 @@ def _print_verify(report) -> None:
         ("kernel device", report.numerics_device or "not run"),
         ("tolerance (relative)", f"{report.tolerance:g}"),
     ]))
-    table = Table("MoE layer", "experts bit-exact", "rel. error", "max abs error", "time", "result",
-                  title_justify="left")
+    table = Table(title_justify="left")
+    table.add_column("MoE layer", no_wrap=True)
+    for header in ("bit-exact", "rel err", "max abs", "time", "result"):
+        table.add_column(header, no_wrap=True)
     for layer in report.layers:
         table.add_row(layer.module, f"{layer.experts_exact}/{layer.experts_checked}",
                       "-" if layer.relative_error is None else f"{layer.relative_error:.2e}",

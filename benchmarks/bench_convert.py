@@ -1,0 +1,101 @@
+"""Conversion throughput and peak memory against a plain copy of the same files, in the same run.
+
+    python benchmarks/bench_convert.py [--size-gb 3] [--workdir bench-data] [--json out.json]
+
+Builds (or reuses) a synthetic GPTQ checkpoint with realistic expert sizes (Qwen3-30B-A3B-like:
+H = 2048, I = 768, 128 experts per layer, 4-bit, g = 128, asymmetric v1), then alternates
+`cp -r` and `moeconv convert` several times, each a separate process, and reports the median
+time, GB/s, the ratio convert/copy, and each process's peak RSS (from wait4). Both read the
+source from the page cache after the first warm-up pass, so the ratio compares the work, not the
+disk's cold-read speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from moeconv.formats import GPTQ
+from moeconv.synth import SynthSpec, make_checkpoint
+
+
+def timed(command: list[str]) -> tuple[float, float]:
+    """(seconds, peak RSS in MB) of one child process."""
+    started = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(process.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{command} failed")
+    return time.perf_counter() - started, usage.ru_maxrss / 1024
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gb", type=float, default=3.0, help="approximate source size")
+    parser.add_argument("--workdir", type=Path, default=Path("bench-data"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    hidden, intermediate, experts = 2048, 768, 128
+    layer_bytes = experts * 3 * hidden * intermediate // 2 * 1.07  # 4-bit codes + scales/zeros, roughly
+    layers = max(1, round(args.size_gb * 1e9 / layer_bytes))
+    spec = SynthSpec(architecture="qwen3_moe", source_format=GPTQ(bits=4, group_size=128, sym=False),
+                     layers=layers, experts=experts, hidden=hidden, intermediate=intermediate, vocab=4096)
+    source = args.workdir / f"qwen3-like-{layers}L"
+    if not (source / "model.safetensors.index.json").is_file():
+        shutil.rmtree(source, ignore_errors=True)
+        started = time.perf_counter()
+        make_checkpoint(source, spec)
+        print(f"built {source} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    size = folder_bytes(source)
+    moeconv = str(Path(sys.executable).with_name("moeconv"))
+    copies, converts = [], []
+    for _ in range(args.repeats):
+        for target, runs, command in (
+            ("copy", copies, ["cp", "-r", str(source), str(args.workdir / "copy")]),
+            ("converted", converts, [moeconv, "convert", str(source), "-o", str(args.workdir / "converted"), "-q"]),
+        ):
+            shutil.rmtree(args.workdir / target, ignore_errors=True)
+            runs.append(timed(command))
+    for target in ("copy", "converted"):
+        shutil.rmtree(args.workdir / target, ignore_errors=True)
+    copy_s = statistics.median(t for t, _ in copies)
+    convert_s = statistics.median(t for t, _ in converts)
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "source_bytes": size,
+        "layers": layers,
+        "experts": experts,
+        "copy_seconds": round(copy_s, 3),
+        "convert_seconds": round(convert_s, 3),
+        "copy_gb_per_s": round(size / copy_s / 1e9, 3),
+        "convert_gb_per_s": round(size / convert_s / 1e9, 3),
+        "ratio_convert_to_copy": round(convert_s / copy_s, 2),
+        "convert_peak_rss_mb": round(max(rss for _, rss in converts)),
+        "copy_peak_rss_mb": round(max(rss for _, rss in copies)),
+        "runs": {"copy": copies, "convert": converts},
+    }
+    print(f"| {result['date']} | {size / 1e9:.2f} GB, {layers} layers x {experts} experts | "
+          f"copy {copy_s:.2f} s ({result['copy_gb_per_s']} GB/s) | convert {convert_s:.2f} s "
+          f"({result['convert_gb_per_s']} GB/s) | {result['ratio_convert_to_copy']}x | "
+          f"{result['convert_peak_rss_mb']} MB |")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
