@@ -16,11 +16,12 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from moeconv.backends.base import ExpertWeights
+from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader, open_checkpoint, read_json
 from moeconv.checkpoint.writer import sha256_file
 from moeconv.convert import MANIFEST_NAME, QUANTIZE_CONFIG_NAME, output_quantization_config
@@ -214,23 +215,37 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu (Triton interpreter)"
 
 
+def _run_triton(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch.Tensor,
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    from moeconv.kernels import fused_moe
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    on = {name: tensor.to(device) for name, tensor in tensors.items()}
+    return fused_moe(
+        x.to(device), on["w13_qweight"], on["w13_scales"], on.get("w13_qzeros"),
+        on["w2_qweight"], on["w2_scales"], on.get("w2_qzeros"),
+        topk_weights.to(device), topk_ids.to(device), bits=shape.bits, group_size=shape.group_size,
+    ).cpu()
+
+
+# Backend name -> the kernel that computes the fused MoE by reading that backend's tensors
+# (keyed by suffix, restricted to the experts the routing uses, dim 0 renumbered from 0).
+LAYER_KERNELS: dict[str, Callable[..., torch.Tensor]] = {"triton": _run_triton}
+
+
 def _check_numerics(plan: Plan, layer: MoELayer, outputs: dict[str, TensorEntry], reader: TensorReader,
                     tokens: int, generator: torch.Generator) -> tuple[float, float]:
-    from moeconv.kernels import fused_moe, random_routing, reference_fused_moe, relative_error
+    """The backend's kernel on the converted tensors against a float64 reference that dequantizes
+    the SOURCE through the source format's decoder. Only the experts the routing picks are read."""
+    from moeconv.kernels import random_routing, reference_fused_moe, relative_error
 
     shape = layer.shape
     topk = min(int(plan.checkpoint.config.get("num_experts_per_tok", 2)), shape.experts)
     weights, ids = random_routing(tokens, shape.experts, topk, generator)
     used = sorted(set(ids.flatten().tolist()))
     local_ids = torch.tensor([used.index(e) for e in ids.flatten().tolist()]).reshape(ids.shape)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    stacked = {k: v.to(device) for k, v in _read_expert_slices(outputs, used, reader).items()}
-    x = (torch.randn(tokens, shape.hidden, generator=generator)).to(torch.float16)
-    out = fused_moe(
-        x.to(device), stacked["w13_qweight"], stacked["w13_scales"], stacked.get("w13_qzeros"),
-        stacked["w2_qweight"], stacked["w2_scales"], stacked.get("w2_qzeros"),
-        weights.to(device), local_ids.to(device), bits=shape.bits, group_size=shape.group_size,
-    ).cpu()
+    x = torch.randn(tokens, shape.hidden, generator=generator).to(torch.float16)
+    out = LAYER_KERNELS[plan.backend.name](_read_expert_slices(outputs, used, reader), shape, x, weights, local_ids)
     sources = [_source_expert(plan, layer, e, reader) for e in used]
     w13 = torch.stack([torch.cat([s.gate.dequantize(torch.float64), s.up.dequantize(torch.float64)]) for s in sources])
     w2 = torch.stack([s.down.dequantize(torch.float64) for s in sources])
