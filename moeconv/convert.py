@@ -7,15 +7,21 @@ interrupted run never leaves a folder that looks finished. The source is only ev
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from moeconv import __version__
 from moeconv.backends.base import ExpertWeights
-from moeconv.checkpoint.reader import INDEX_NAME, TensorReader
+from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader
 from moeconv.checkpoint.writer import ShardWriter, sha256_file
 from moeconv.errors import MoeconvError
 from moeconv.formats.gptq import SuspiciousZeroTally, zero_tally
@@ -27,6 +33,7 @@ QUANTIZE_CONFIG_NAME = "quantize_config.json"
 _NOT_COPIED = {"config.json", INDEX_NAME, QUANTIZE_CONFIG_NAME, "quant_config.json", MANIFEST_NAME}
 
 Progress = Callable[[int], None]
+WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass
@@ -119,24 +126,60 @@ def _write_shard(plan: Plan, shard, path: Path, reader: TensorReader, advance: P
 def _write_layer(plan: Plan, layer: MoELayer, writer: ShardWriter, reader: TensorReader, advance: Progress,
                  suspicious: SuspiciousZeroTally | None) -> None:
     """Expert by expert: decode from the source format, encode into the expert's slice of each
-    stacked tensor. Only one expert's tensors are in memory at a time."""
+    stacked tensor, write the slice at its offset. Experts are converted by a few worker threads
+    (torch releases the GIL inside its ops) with a bounded window, so at most a few experts are in
+    memory at a time and the output bytes do not depend on the scheduling."""
     outputs = {tensor.name: tensor for tensor in plan.layer_tensors(layer)}
-    for index, expert in enumerate(layer.experts):
-        decoded = {}
-        for projection, linear in expert.items():
-            tensors = {suffix: reader.read(entry) for suffix, entry in linear.items()}
-            if suspicious is not None:
-                suspicious.add(linear["qzeros"].name, tensors["qzeros"])
-            try:
-                decoded[projection] = plan.source_format.decode(tensors)
-            except MoeconvError as error:
-                raise MoeconvError(f"{linear['qweight'].file}: {linear['qweight'].name}: {error}") from None
-        slices = plan.backend.encode_expert(ExpertWeights(**decoded))
+
+    def convert_one(expert: dict[str, dict[str, TensorEntry]]):
+        return _convert_expert(plan, expert, reader, track_zeros=suspicious is not None)
+
+    for index, (slices, zero_counts) in enumerate(_bounded_map(convert_one, layer.experts, WORKERS)):
+        for name, found in zero_counts:
+            suspicious.record(name, found)
         for suffix, data in slices.items():
             name = f"{layer.module}.{suffix}"
-            slice_bytes = outputs[name].nbytes // layer.shape.experts
-            writer.write(name, data, offset=index * slice_bytes)
-        advance(sum(entry.nbytes for linear in expert.values() for entry in linear.values()))
+            writer.write(name, data, offset=index * (outputs[name].nbytes // layer.shape.experts))
+        advance(sum(entry.nbytes for linear in layer.experts[index].values() for entry in linear.values()))
+
+
+def _convert_expert(plan: Plan, expert: dict[str, dict[str, TensorEntry]], reader: TensorReader, track_zeros: bool):
+    """One expert's backend slices, and (name, count) of v1 zero slots stored as all ones."""
+    decoded, zero_counts = {}, []
+    for projection, linear in expert.items():
+        tensors = {suffix: reader.read(entry) for suffix, entry in linear.items()}
+        if track_zeros:
+            zero_counts.append((linear["qzeros"].name, plan.source_format.suspicious_zero_slots(tensors["qzeros"])))
+        try:
+            decoded[projection] = plan.source_format.decode(tensors)
+        except MoeconvError as error:
+            first = next(iter(linear.values()))
+            prefix = first.name.rsplit(".", 1)[0]
+            raise MoeconvError(f"{first.file}: {prefix}: {error}") from None
+    return plan.backend.encode_expert(ExpertWeights(**decoded)), zero_counts
+
+
+def _bounded_map(function, items, workers: int):
+    """Like ThreadPoolExecutor.map, in order, but with at most 2 × workers items in flight."""
+    with ThreadPoolExecutor(max_workers=workers) as pool, _single_threaded_torch():
+        pending: deque = deque()
+        for item in items:
+            pending.append(pool.submit(function, item))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+@contextmanager
+def _single_threaded_torch():
+    """Parallelism comes from the expert workers; torch's own threads would only contend with them."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _write_metadata(plan: Plan, staging: Path, files: dict[str, dict[str, Any]]) -> None:

@@ -63,5 +63,6 @@ def _count_suspicious(tally: SuspiciousZeroTally, layers) -> dict[str, Any]:
         for layer in layers:
             for expert in layer.experts:
                 for linear in expert.values():
-                    tally.add(linear["qzeros"].name, reader.read(linear["qzeros"]))
+                    found = tally.source_format.suspicious_zero_slots(reader.read(linear["qzeros"]))
+                    tally.record(linear["qzeros"].name, found)
     return tally.report()

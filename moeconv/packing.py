@@ -89,3 +89,14 @@ def add_to_words(words: torch.Tensor, addend: int) -> torch.Tensor:
     """int32 words + addend modulo 2^32 (carries cross slots, exactly as integer arithmetic does)."""
     total = (words.to(torch.int64) + addend) & 0xFFFFFFFF
     return torch.where(total >= 1 << 31, total - (1 << 32), total).to(torch.int32)
+
+
+def int8_to_offset_codes(weight: torch.Tensor) -> torch.Tensor:
+    """Signed int8 w -> uint8 codes w + 128: the two's-complement byte with its top bit flipped
+    (a byte reinterpreted as a byte, so no byte-order question arises)."""
+    return weight.view(torch.uint8) ^ 0x80
+
+
+def offset_codes_to_int8(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of `int8_to_offset_codes`."""
+    return (codes ^ 0x80).view(torch.int8)

@@ -48,13 +48,15 @@ class TritonBackend:
         return specs
 
     def encode_expert(self, expert: ExpertWeights) -> dict[str, torch.Tensor]:
-        w13 = _stack_rows(expert.gate, expert.up)
         slices = {}
-        for prefix, weight in (("w13", w13), ("w2", expert.down)):
-            slices[f"{prefix}_qweight"] = packing.pack(weight.codes, weight.bits, dim=1, container=torch.uint8)
-            slices[f"{prefix}_scales"] = weight.scales.contiguous()
-            if weight.zeros is not None:
-                slices[f"{prefix}_qzeros"] = packing.pack(weight.zeros, weight.bits, dim=0, container=torch.uint8)
+        for prefix, rows in (("w13", (expert.gate, expert.up)), ("w2", (expert.down,))):
+            # Pack each projection, then stack the packed rows (gate first): smaller than stacking codes.
+            slices[f"{prefix}_qweight"] = torch.cat(
+                [packing.pack(w.codes, w.bits, dim=1, container=torch.uint8) for w in rows])
+            slices[f"{prefix}_scales"] = torch.cat([w.scales for w in rows])
+            if rows[0].zeros is not None:
+                zeros = torch.cat([w.zeros for w in rows])
+                slices[f"{prefix}_qzeros"] = packing.pack(zeros, rows[0].bits, dim=0, container=torch.uint8)
         return slices
 
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
@@ -81,18 +83,6 @@ class TritonBackend:
             "layout": "moe_wna16",
             "weight_bits_order": "even k in the low nibble" if layer.bits == 4 else "one code per byte",
         }
-
-
-def _stack_rows(first: QuantizedWeight, second: QuantizedWeight) -> QuantizedWeight:
-    """Gate rows then up rows: the fused w13 GEMM."""
-    zeros = None if first.zeros is None else torch.cat([first.zeros, second.zeros])
-    return QuantizedWeight(
-        codes=torch.cat([first.codes, second.codes]),
-        zeros=zeros,
-        scales=torch.cat([first.scales, second.scales]),
-        bits=first.bits,
-        group_size=first.group_size,
-    )
 
 
 def _split_rows(weight: QuantizedWeight, rows: int) -> tuple[QuantizedWeight, QuantizedWeight]:

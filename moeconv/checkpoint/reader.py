@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,11 +150,16 @@ class TensorReader:
 
     def __init__(self) -> None:
         self._files: dict[Path, int] = {}
+        self._opening = threading.Lock()  # readers share descriptors across threads; pread is thread-safe
+
+    def _descriptor(self, path: Path) -> int:
+        with self._opening:
+            if path not in self._files:
+                self._files[path] = os.open(path, os.O_RDONLY)
+            return self._files[path]
 
     def _read(self, entry: TensorEntry, begin: int, length: int, shape: tuple[int, ...]) -> torch.Tensor:
-        fd = self._files.get(entry.file)
-        if fd is None:
-            fd = self._files[entry.file] = os.open(entry.file, os.O_RDONLY)
+        fd = self._descriptor(entry.file)
         data = bytearray(length)
         view, position = memoryview(data), begin
         while view:

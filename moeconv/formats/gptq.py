@@ -86,7 +86,8 @@ class GPTQ:
         return packing.repeated_word(1, self.bits) if self.checkpoint_format == V1 else 0
 
     def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
-        codes = packing.unpack(tensors["qweight"], self.bits, dim=0).T.contiguous()
+        # Transpose the packed words (b/8 of the bytes of the codes), then unpack along the rows.
+        codes = packing.unpack(tensors["qweight"].T.contiguous(), self.bits, dim=1)
         in_features = codes.shape[1]
         group_size = effective_group_size(in_features, self.group_size)
         g_idx = tensors.get("g_idx")
@@ -152,15 +153,14 @@ class GPTQ:
 
 
 class SuspiciousZeroTally:
-    """Counts `suspicious_zero_slots` over many qzeros tensors and remembers the first one that has any."""
+    """Adds up `suspicious_zero_slots` over many qzeros tensors and remembers the first that has any."""
 
     def __init__(self, source_format: GPTQ):
         self.source_format = source_format
         self.count = 0
         self.first_tensor: str | None = None
 
-    def add(self, name: str, qzeros: torch.Tensor) -> None:
-        found = self.source_format.suspicious_zero_slots(qzeros)
+    def record(self, name: str, found: int) -> None:
         if found:
             self.count += found
             self.first_tensor = self.first_tensor or name

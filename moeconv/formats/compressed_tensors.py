@@ -1,0 +1,262 @@
+"""compressed-tensors checkpoints (quant_method "compressed-tensors"; llm-compressor output).
+
+Two storage formats (reference/checkpoints.md §2.3, compressed-tensors 0.20.1):
+
+* `pack-quantized` (W4A16, W8A16): `weight_packed` int32 (N, K·b/32) holds offset-binary codes
+  c = q + 2^(b−1) of the signed values q, packed along K LSB-first; `weight_scale` (N, K/g), or
+  (N, 1) for the channel strategy; `weight_shape` int64 [N, K]; asymmetric schemes add
+  `weight_zero_point` int32 (N·b/32, K/g), packed along N and offset-binary too (z = zp + 2^(b−1)).
+  Both sides carry the same offset, so c − z = q − zp: the stored zero point IS the canonical true
+  zero, with no ±1 correction; symmetric schemes have the implicit zero 2^(b−1).
+* `int-quantized` / `naive-quantized` (W8A8 INT8, or W8A16 without input activations): `weight` int8
+  (N, K) signed and symmetric, `weight_scale` (N, 1) per channel.
+
+Signed INT8 in the canonical form: codes = w + 128 as uint8 (XOR 0x80 on the two's-complement
+byte), zeros None (the implicit 128), bits 8, group size K, scales as stored. The mapping is a
+bijection on bytes, so nothing is lost; (codes − 128) · scale is the stored dequantization.
+That activations are dynamically int8-quantized per token is a property of the scheme, not of the
+weights: it travels as `activation_bits` (8 for W8A8, 16 otherwise) to `MoELayerShape`.
+
+Only widths that tile an int32 word (4, 8) are read; K and N must be multiples of 32/b (true of
+every MoE size in practice), so the dense packing compressed-tensors uses for odd widths never
+splits a value across words here. The experts must fall under one scheme (one config group, or
+several groups with the same scheme).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from moeconv import packing
+from moeconv.canonical import QuantizedWeight
+from moeconv.errors import MoeconvError
+from moeconv.formats.base import TensorShape, check_group_size, effective_group_size, groups_of
+from moeconv.models import ARCHITECTURES
+
+PACK_QUANTIZED = "pack-quantized"
+INT_QUANTIZED = "int-quantized"
+NAIVE_QUANTIZED = "naive-quantized"
+_BITS = {PACK_QUANTIZED: (4, 8), INT_QUANTIZED: (8,), NAIVE_QUANTIZED: (8,)}
+# actorder "weight" (alias "static") only changes calibration; "group" ("dynamic") stores g_idx.
+_LAYOUT_PRESERVING_ACTORDER = (None, False, "weight", "static")
+COMPRESSED_TENSORS_VERSION = "0.20.1"
+
+# Module names of routed-expert linears in every naming scheme moeconv reads: a config group whose
+# targets match one of them quantizes the experts.
+_EXPERT_LINEAR_NAMES = tuple(
+    f"model.layers.0.{parent}.experts.0.{projection}"
+    for architecture in ARCHITECTURES.values()
+    for parent in architecture.parents
+    for projection in architecture.projections
+)
+
+
+@dataclass(frozen=True)
+class CompressedTensors:
+    format: str = PACK_QUANTIZED
+    bits: int = 4
+    group_size: int = 128  # -1: channel strategy
+    symmetric: bool = True
+    activation_bits: int = 16  # 8: dynamic per-token symmetric int8 activations (W8A8)
+    ignore: tuple[str, ...] = ("lm_head", "re:.*mlp.gate$")
+    method: str = "compressed-tensors"
+
+    @property
+    def packed(self) -> bool:
+        return self.format == PACK_QUANTIZED
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], where: str) -> CompressedTensors:
+        field = f"{where}: quantization_config"
+        status = config.get("quantization_status", "compressed")
+        if status != "compressed":
+            raise MoeconvError(f"{field}.quantization_status is {status!r}; only 'compressed' checkpoints hold packed weights")
+        sparsity = config.get("sparsity_config") or {}
+        if sparsity.get("format") not in (None, "dense"):
+            raise MoeconvError(f"{field}.sparsity_config.format {sparsity['format']!r} is not supported")
+        groups = config.get("config_groups") or {}
+        if not groups:
+            raise MoeconvError(f"{field}.config_groups is missing or empty")
+        schemes = {
+            name: _scheme(group, group.get("format") or config.get("format"), f"{field}.config_groups.{name}")
+            for name, group in groups.items()
+            if _targets_experts(group.get("targets") or [])
+        }
+        if not schemes:
+            raise MoeconvError(f"{field}.config_groups: no group's targets cover the routed experts")
+        if len(set(schemes.values())) > 1:
+            names = ", ".join(sorted(schemes))
+            raise MoeconvError(
+                f"{field}.config_groups: the experts fall under groups with different schemes ({names}); "
+                "moeconv needs one scheme for all experts"
+            )
+        fmt, bits, group_size, symmetric, activation_bits = next(iter(schemes.values()))
+        return cls(format=fmt, bits=bits, group_size=group_size, symmetric=symmetric,
+                   activation_bits=activation_bits, ignore=tuple(config.get("ignore") or ()))
+
+    def suffixes(self) -> tuple[str, ...]:
+        if not self.packed:
+            return ("weight", "weight_scale")
+        required = ("weight_packed", "weight_scale", "weight_shape")
+        return required if self.symmetric else required + ("weight_zero_point",)
+
+    def optional_suffixes(self) -> tuple[str, ...]:
+        return ()
+
+    def linear_shape(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
+        if not self.packed:
+            return tuple(shapes["weight"])
+        out_features, words = shapes["weight_packed"]
+        return out_features, words * 32 // self.bits
+
+    def expected(self, out_features: int, in_features: int) -> dict[str, TensorShape]:
+        groups = groups_of(in_features, self.group_size)
+        if not self.packed:
+            return {"weight": TensorShape((out_features, in_features), "I8"),
+                    "weight_scale": TensorShape((out_features, 1), None)}
+        return {
+            "weight_packed": TensorShape((out_features, in_features * self.bits // 32), "I32"),
+            "weight_scale": TensorShape((out_features, groups), None),
+            "weight_shape": TensorShape((2,), "I64"),
+            "weight_zero_point": TensorShape((out_features * self.bits // 32, groups), "I32"),
+        }
+
+    def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
+        if self.packed:
+            codes = packing.unpack(tensors["weight_packed"], self.bits, dim=1)
+            stated = tuple(tensors["weight_shape"].tolist())
+            if stated != tuple(codes.shape):
+                raise MoeconvError(f"weight_shape says {list(stated)}, weight_packed holds {list(codes.shape)}")
+        else:
+            codes = packing.int8_to_offset_codes(tensors["weight"]).contiguous()
+        zeros = None
+        if not self.symmetric:
+            zeros = packing.unpack(tensors["weight_zero_point"], self.bits, dim=0)
+        return QuantizedWeight(
+            codes=codes,
+            zeros=zeros,
+            scales=tensors["weight_scale"].contiguous(),
+            bits=self.bits,
+            group_size=effective_group_size(codes.shape[1], self.group_size),
+        )
+
+    def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
+        if not self.packed:
+            return {"weight": packing.offset_codes_to_int8(weight.codes), "weight_scale": weight.scales.contiguous()}
+        tensors = {
+            "weight_packed": packing.pack(weight.codes, self.bits, dim=1, container=torch.int32),
+            "weight_scale": weight.scales.contiguous(),
+            "weight_shape": torch.tensor(weight.codes.shape, dtype=torch.int64),
+        }
+        if not self.symmetric:
+            tensors["weight_zero_point"] = packing.pack(weight.effective_zeros(), self.bits, dim=0,
+                                                        container=torch.int32)
+        return tensors
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "format": self.format,
+            "scheme": f"W{self.bits}A{self.activation_bits}",
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "activations": "dynamic per-token int8" if self.activation_bits == 8 else "16-bit float",
+        }
+
+    def quantization_config(self) -> dict[str, Any]:
+        """What compressed-tensors' `ModelCompressor.update_config` writes for this scheme."""
+        weights = {
+            "num_bits": self.bits, "type": "int", "symmetric": self.symmetric,
+            "strategy": "channel" if self.group_size == -1 else "group",
+            "group_size": None if self.group_size == -1 else self.group_size,
+            "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax",
+            "observer_kwargs": {},
+        }
+        activations = None
+        if self.activation_bits == 8:
+            activations = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                           "group_size": None, "block_structure": None, "dynamic": True, "actorder": None,
+                           "observer": None, "observer_kwargs": {}}
+        return {
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": activations, "output_activations": None,
+                                          "format": self.format}},
+            "format": self.format,
+            "ignore": list(self.ignore),
+            "quant_method": self.method,
+            "quantization_status": "compressed",
+            "kv_cache_scheme": None,
+            "sparsity_config": {},
+            "transform_config": {},
+            "global_compression_ratio": None,
+            "version": COMPRESSED_TENSORS_VERSION,
+        }
+
+
+def _targets_experts(targets: list[str]) -> bool:
+    """Whether a config group's targets (class names, module names, `re:` patterns) take in expert
+    linears, matched as compressed-tensors does (`re.match` for patterns)."""
+    for target in targets:
+        if target == "Linear":
+            return True
+        if target.startswith("re:"):
+            if any(re.match(target[3:], name) for name in _EXPERT_LINEAR_NAMES):
+                return True
+        elif any(name == target or name.endswith("." + target) for name in _EXPERT_LINEAR_NAMES):
+            return True
+    return False
+
+
+def _scheme(group: Mapping[str, Any], fmt: str | None, field: str) -> tuple[str, int, int, bool, int]:
+    """(format, bits, group_size, symmetric, activation_bits) of one config group, or a refusal
+    that names the field."""
+    if fmt not in _BITS:
+        raise MoeconvError(
+            f"{field}: format {fmt!r} is not supported (supported: {', '.join(_BITS)})"
+        )
+    weights = group.get("weights")
+    if not weights:
+        raise MoeconvError(f"{field}.weights is missing: the experts would not be quantized")
+    if weights.get("type", "int") != "int":
+        raise MoeconvError(f"{field}.weights.type {weights.get('type')!r} is not supported (only 'int')")
+    bits = int(weights.get("num_bits", 8))
+    if bits not in _BITS[fmt]:
+        allowed = ", ".join(map(str, _BITS[fmt]))
+        raise MoeconvError(f"{field}.weights.num_bits {bits} is not supported by {fmt} (supported: {allowed})")
+    if weights.get("dynamic"):
+        raise MoeconvError(f"{field}.weights.dynamic is true: weights quantized at run time are not stored packed")
+    actorder = weights.get("actorder")
+    if actorder not in _LAYOUT_PRESERVING_ACTORDER:
+        raise MoeconvError(f"{field}.weights.actorder {actorder!r} stores a g_idx permutation; not supported")
+    strategy = weights.get("strategy")
+    if strategy == "group" and fmt == PACK_QUANTIZED:
+        group_size = int(weights.get("group_size") or 0)
+        if group_size < 1:
+            raise MoeconvError(f"{field}.weights.group_size is missing for the group strategy")
+        check_group_size(group_size, f"{field}.weights")
+    elif strategy == "channel":
+        group_size = -1
+    else:
+        supported = "group or channel" if fmt == PACK_QUANTIZED else "channel"
+        raise MoeconvError(f"{field}.weights.strategy {strategy!r} is not supported by {fmt} (supported: {supported})")
+    symmetric = bool(weights.get("symmetric", True))
+    if not symmetric and fmt != PACK_QUANTIZED:
+        raise MoeconvError(f"{field}.weights.symmetric is false: {fmt} INT8 experts must be symmetric")
+    return fmt, bits, group_size, symmetric, _activation_bits(group.get("input_activations"), fmt, field)
+
+
+def _activation_bits(activations: Mapping[str, Any] | None, fmt: str, field: str) -> int:
+    if not activations:
+        return 16
+    wanted = {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True}
+    if fmt == PACK_QUANTIZED or any(activations.get(key) != value for key, value in wanted.items()):
+        raise MoeconvError(
+            f"{field}.input_activations is not supported: only 16-bit activations, or with int-quantized "
+            "weights dynamic per-token symmetric int8 (type int, num_bits 8, strategy token, dynamic true)"
+        )
+    return 8
