@@ -110,6 +110,7 @@ class MoELayerShape:
     group_size: int
     symmetric: bool
     scale_dtype: str  # safetensors dtype code of the source scales ("F16", "BF16", "F32")
+    activation_bits: int = 16  # 8: the scheme quantizes activations to int8 per token (W8A8)
 
     def group_size_for(self, in_features: int) -> int:
         return in_features if self.group_size in (-1, 0) else self.group_size

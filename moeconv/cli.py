@@ -1,7 +1,7 @@
 """The `moeconv` command line: parses, calls the library, renders with Rich. Nothing else.
 
 Results go to stdout, progress and errors to stderr. Exit codes: 0 ok, 1 verification failed,
-2 usage or input error.
+2 usage or input error, 3 interrupted (run the same command again to resume).
 """
 
 from __future__ import annotations
@@ -62,15 +62,22 @@ def _key_values(title: str, rows: list[tuple[str, Any]]) -> Table:
     return table
 
 
+SOURCE_HELP = "Checkpoint folder, or a Hugging Face id (org/model)."
+REVISION = typer.Option(None, "--revision", help="Hub branch, tag or commit (Hub ids only).")
+LOCAL_ONLY = typer.Option(False, "--local-files-only", help="Use the Hugging Face cache only, never download.")
+
+
 @app.command()
 def inspect(
-    source: Path = typer.Argument(..., help="Checkpoint folder."),
+    source: str = typer.Argument(..., help=SOURCE_HELP),
+    revision: Optional[str] = REVISION,
+    local_files_only: bool = LOCAL_ONLY,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Say what a checkpoint is: architecture, quant format, MoE layers, sizes. Reads headers and configs only."""
-    from moeconv.inspect import inspect_checkpoint
+    from moeconv.api import inspect as inspect_source
 
-    report = inspect_checkpoint(source)
+    report = inspect_source(source, revision=revision, local_files_only=local_files_only)
     if as_json:
         _print_json(report)
         return
@@ -98,7 +105,7 @@ def inspect(
 
 @app.command()
 def convert(
-    source: Path = typer.Argument(..., help="Checkpoint folder."),
+    source: str = typer.Argument(..., help=SOURCE_HELP),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder (must not exist, or be empty)."),
     backend: str = typer.Option("triton", "--backend", "-b", help="Target layout."),
     max_shard_size: int = typer.Option("5GB", "--max-shard-size", parser=parse_size, metavar="SIZE",
@@ -106,14 +113,18 @@ def convert(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan (--dry-run) or the report as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    revision: Optional[str] = REVISION,
+    local_files_only: bool = LOCAL_ONLY,
 ) -> None:
-    """Convert a checkpoint's experts into a backend layout; every other tensor is copied byte for byte."""
+    """Convert a checkpoint's experts into a backend layout; every other tensor is copied byte for byte.
+    An interrupted conversion resumes when the same command is run again."""
+    from moeconv.api import plan as make_plan
     from moeconv.convert import check_output_folder, convert as run_conversion
-    from moeconv.plan import make_plan
 
     if output is None and not dry_run:
         raise typer.BadParameter("an output folder is required (or --dry-run)", param_hint="'-o' / '--output'")
-    plan = make_plan(source, backend=backend, max_shard_size=max_shard_size)
+    plan = make_plan(source, backend=backend, max_shard_size=max_shard_size, revision=revision,
+                     local_files_only=local_files_only)
     if dry_run:
         summary = plan.summary()
         if as_json:
@@ -125,13 +136,19 @@ def convert(
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=err, disable=quiet) as progress:
         task = progress.add_task("converting", total=plan.checkpoint.total_bytes)
-        report = run_conversion(plan, output, progress=lambda nbytes: progress.advance(task, nbytes))
+        try:
+            report = run_conversion(plan, output, progress=lambda nbytes: progress.advance(task, nbytes))
+        except KeyboardInterrupt:
+            progress.stop()
+            err.print("[bold red]interrupted[/]: run the same command again to resume")
+            raise typer.Exit(3) from None
     if as_json:
         _print_json(report.to_json())
         return
     rows = [
         ("output", report.output),
         ("backend", f"{plan.backend.name} (layout v{plan.backend.layout_version})"),
+        ("resumed", f"{len(report.resumed_files)} finished shard(s) kept" if report.resumed_files else "no"),
         ("MoE layers", len(plan.layers)),
         ("shards", len(report.files)),
         ("bytes in / out", f"{_human(plan.checkpoint.total_bytes)} / {_human(plan.output_bytes)}"),

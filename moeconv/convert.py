@@ -43,6 +43,7 @@ class ConvertReport:
     seconds: float
     files: dict[str, dict[str, Any]]
     suspicious_zero_slots: dict[str, Any] = field(default_factory=dict)
+    resumed_files: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -50,6 +51,7 @@ class ConvertReport:
             "seconds": round(self.seconds, 3),
             "plan": self.plan,
             "files": self.files,
+            "resumed_files": self.resumed_files,
             "suspicious_zero_slots": self.suspicious_zero_slots,
         }
 
@@ -73,47 +75,119 @@ def check_output_folder(output: Path) -> None:
         raise MoeconvError(f"{output}: output folder exists and is not empty; choose another -o or remove it")
 
 
-def _prepare_output(output: Path) -> Path:
-    check_output_folder(output)
-    staging = output.parent / f".{output.name}.moeconv-partial"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    return staging
+def staging_folder(output: Path) -> Path:
+    """Where an unfinished conversion lives until it is renamed to `output`."""
+    output = Path(output).absolute()
+    return output.parent / f".{output.name}.moeconv-partial"
+
+
+def job_identity(plan: Plan) -> dict[str, Any]:
+    """Everything that decides the output's bytes. A resumed run must match it exactly."""
+    return {
+        "tool_version": __version__,
+        "backend": plan.backend.name,
+        "layout_version": plan.backend.layout_version,
+        "max_shard_size": plan.max_shard_size,
+        "source": plan.checkpoint.identity(),
+    }
 
 
 def convert(plan: Plan, output: Path, progress: Progress | None = None) -> ConvertReport:
+    """Writes the plan's output at `output`. Resumable: an interrupted run (Ctrl-C, kill -9, power
+    loss) leaves its finished shards and a journal in the staging folder; running again with the
+    same plan re-hashes them, keeps those that match, and writes the rest, so the result is
+    byte-identical to an uninterrupted run. A different source or different arguments refuse."""
     output = Path(output).absolute()
-    if output == plan.checkpoint.root.absolute() or plan.checkpoint.root.absolute() in output.parents:
+    source_root = plan.checkpoint.root.absolute()
+    if output == source_root or source_root in output.parents:
         raise MoeconvError(f"{output}: the output must not be inside the source checkpoint")
-    staging = _prepare_output(output)
+    check_output_folder(output)
     advance = progress or (lambda nbytes: None)
     started = time.perf_counter()
+    staging = staging_folder(output)
+    journal = _Journal.open(staging, job_identity(plan))
     suspicious = zero_tally(plan.source_format)
     try:
         with TensorReader() as reader:
             for shard in plan.shards:
+                if journal.is_done(shard.file_name):
+                    advance(_source_bytes(shard))
+                    continue
                 _write_shard(plan, shard, staging / shard.file_name, reader, advance, suspicious)
-        files = {
-            shard.file_name: {"bytes": (staging / shard.file_name).stat().st_size,
-                              "sha256": sha256_file(staging / shard.file_name)}
-            for shard in plan.shards
-        }
-        _write_metadata(plan, staging, files)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+                journal.mark_done(shard.file_name)
+        _write_metadata(plan, staging, journal.done)
+    except MoeconvError:
+        shutil.rmtree(staging, ignore_errors=True)  # a refusal, not an interruption: nothing to resume
         raise
+    journal.remove()
     if output.exists():
         output.rmdir()
     staging.rename(output)
-    return ConvertReport(output, plan.summary(), time.perf_counter() - started, files,
-                         suspicious.report() if suspicious else {})
+    return ConvertReport(output, plan.summary(), time.perf_counter() - started, journal.done,
+                         suspicious.report() if suspicious else {}, journal.reused)
+
+
+def _source_bytes(shard) -> int:
+    return sum(unit.entry.nbytes if isinstance(unit, PassThrough) else unit.source_bytes for unit in shard.units)
+
+
+class _Journal:
+    """The staging folder's record of finished shards, replaced atomically after each one."""
+
+    NAME = "moeconv-progress.json"
+
+    def __init__(self, staging: Path, job: dict[str, Any]):
+        self.staging, self.job = staging, job
+        self.done: dict[str, dict[str, Any]] = {}
+        self.reused: list[str] = []
+
+    @classmethod
+    def open(cls, staging: Path, job: dict[str, Any]) -> _Journal:
+        journal = cls(staging, job)
+        path = staging / cls.NAME
+        if path.is_file():
+            recorded = json.loads(path.read_text())
+            if recorded.get("job") != job:
+                before = recorded.get("job", {})
+                changed = sorted(key for key in job if before.get(key) != job[key])
+                raise MoeconvError(
+                    f"{staging}: an unfinished conversion with a different {', '.join(changed)} is there; "
+                    f"rerun with the same source and arguments to resume it, or remove that folder")
+            for name, info in recorded.get("done", {}).items():
+                file = staging / name
+                if file.is_file() and file.stat().st_size == info["bytes"] and sha256_file(file) == info["sha256"]:
+                    journal.done[name] = info
+                    journal.reused.append(name)
+        else:
+            shutil.rmtree(staging, ignore_errors=True)  # no journal yet: nothing finished there
+            staging.mkdir(parents=True)
+        journal._save()
+        return journal
+
+    def is_done(self, name: str) -> bool:
+        return name in self.done
+
+    def mark_done(self, name: str) -> None:
+        path = self.staging / name
+        self.done[name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        self._save()
+
+    def _save(self) -> None:
+        temporary = self.staging / (self.NAME + ".tmp")
+        temporary.write_text(json.dumps({"job": self.job, "done": self.done}, indent=2))
+        os.replace(temporary, self.staging / self.NAME)
+
+    def remove(self) -> None:
+        (self.staging / self.NAME).unlink()
 
 
 def _write_shard(plan: Plan, shard, path: Path, reader: TensorReader, advance: Progress,
                  suspicious: SuspiciousZeroTally | None) -> None:
+    """Written under a temporary name and renamed once complete and flushed, so a shard file under
+    its final name is always whole."""
     metadata = {"format": "pt", "producer": f"moeconv {__version__}", "backend": plan.backend.name}
-    with ShardWriter(path, [(t.name, t.dtype, t.shape) for t in shard.tensors], metadata) as writer:
+    temporary = path.with_name(path.name + ".partial")
+    with ShardWriter(temporary, [(t.name, t.dtype, t.shape) for t in shard.tensors], metadata) as writer:
         for unit in shard.units:
             if isinstance(unit, PassThrough):
                 entry = unit.entry
@@ -121,6 +195,7 @@ def _write_shard(plan: Plan, shard, path: Path, reader: TensorReader, advance: P
                 advance(entry.nbytes)
             else:
                 _write_layer(plan, unit, writer, reader, advance, suspicious)
+    os.replace(temporary, path)
 
 
 def _write_layer(plan: Plan, layer: MoELayer, writer: ShardWriter, reader: TensorReader, advance: Progress,
@@ -132,7 +207,7 @@ def _write_layer(plan: Plan, layer: MoELayer, writer: ShardWriter, reader: Tenso
     outputs = {tensor.name: tensor for tensor in plan.layer_tensors(layer)}
 
     def convert_one(expert: dict[str, dict[str, TensorEntry]]):
-        return _convert_expert(plan, expert, reader, track_zeros=suspicious is not None)
+        return _convert_expert(plan, layer, expert, reader, track_zeros=suspicious is not None)
 
     for index, (slices, zero_counts) in enumerate(_bounded_map(convert_one, layer.experts, WORKERS)):
         for name, found in zero_counts:
@@ -143,7 +218,8 @@ def _write_layer(plan: Plan, layer: MoELayer, writer: ShardWriter, reader: Tenso
         advance(sum(entry.nbytes for linear in layer.experts[index].values() for entry in linear.values()))
 
 
-def _convert_expert(plan: Plan, expert: dict[str, dict[str, TensorEntry]], reader: TensorReader, track_zeros: bool):
+def _convert_expert(plan: Plan, layer: MoELayer, expert: dict[str, dict[str, TensorEntry]], reader: TensorReader,
+                    track_zeros: bool):
     """One expert's backend slices, and (name, count) of v1 zero slots stored as all ones."""
     decoded, zero_counts = {}, []
     for projection, linear in expert.items():
@@ -156,7 +232,7 @@ def _convert_expert(plan: Plan, expert: dict[str, dict[str, TensorEntry]], reade
             first = next(iter(linear.values()))
             prefix = first.name.rsplit(".", 1)[0]
             raise MoeconvError(f"{first.file}: {prefix}: {error}") from None
-    return plan.backend.encode_expert(ExpertWeights(**decoded)), zero_counts
+    return plan.backend.encode_expert(ExpertWeights(**decoded), layer.shape), zero_counts
 
 
 def _bounded_map(function, items, workers: int):
@@ -201,8 +277,8 @@ def _write_metadata(plan: Plan, staging: Path, files: dict[str, dict[str, Any]])
         "tool_version": __version__,
         "backend": plan.backend.name,
         "layout_version": plan.backend.layout_version,
-        "source": {"path": str(source.root.absolute()), "revision": None,
-                   "files": [path.name for path in source.files]},
+        "arguments": job_identity(plan),
+        "source": {**source.identity(), "files": [path.name for path in source.files]},
         "format": plan.source_format.describe(),
         "files": files,
         "copied_files": copied,

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from moeconv.backends import REGISTRY as BACKENDS
-from moeconv.checkpoint.reader import TensorReader, open_checkpoint
+from moeconv.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
 from moeconv.errors import MoeconvError
 from moeconv.formats import format_from_config
 from moeconv.formats.gptq import SuspiciousZeroTally, zero_tally
@@ -14,8 +14,8 @@ from moeconv.models import architecture_from_config
 from moeconv.plan import find_moe_layers
 
 
-def inspect_checkpoint(source: Path) -> dict[str, Any]:
-    checkpoint = open_checkpoint(Path(source))
+def inspect_checkpoint(source: Path | Checkpoint) -> dict[str, Any]:
+    checkpoint = source if isinstance(source, Checkpoint) else open_checkpoint(Path(source))
     where = str(checkpoint.root / "config.json")
     architecture = architecture_from_config(checkpoint.config, where)
     if not checkpoint.quantization_config:
@@ -26,6 +26,7 @@ def inspect_checkpoint(source: Path) -> dict[str, Any]:
     expert_bytes = sum(layer.source_bytes for layer in layers)
     report: dict[str, Any] = {
         "path": str(checkpoint.root),
+        "origin": checkpoint.origin,
         "architecture": architecture.model_type,
         "format": source_format.describe(),
         "moe_layers": [layer.module for layer in layers],

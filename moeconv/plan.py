@@ -141,8 +141,8 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
                 out_features, in_features = (hidden, intermediate) if projection == "down" else (intermediate, hidden)
                 _check_linear(expert.get(projection, {}), f"{module}.{e}", projection, source_format,
                               out_features, in_features)
-        scale_dtypes = {linear["scales"].dtype for expert in ordered for linear in expert.values()
-                        if "scales" in linear}
+        scale_dtypes = {entry.dtype for expert in ordered for linear in expert.values()
+                        for entry in linear.values() if entry.dtype in FLOAT_DTYPES}  # scales: the only floats
         if len(scale_dtypes) != 1:
             raise MoeconvError(f"{checkpoint.root}: {module} mixes scale dtypes {sorted(scale_dtypes)}")
         shape = MoELayerShape(
@@ -153,6 +153,7 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
             group_size=source_format.group_size,
             symmetric=source_format.symmetric,
             scale_dtype=scale_dtypes.pop(),
+            activation_bits=source_format.activation_bits,
         )
         layers.append(MoELayer(module, shape, ordered))
     if not layers:
@@ -180,7 +181,7 @@ def _check_linear(linear: dict[str, TensorEntry], prefix: str, projection: str, 
             )
     found = source_format.linear_shape({suffix: entry.shape for suffix, entry in linear.items()})
     if found != (out_features, in_features):
-        entry = linear["qweight"]
+        entry = any_entry
         raise MoeconvError(
             f"{entry.file}: tensor {entry.name} is a {found[0]}x{found[1]} (out x in) linear, but config.json "
             f"makes the {projection} projection {out_features}x{in_features}"

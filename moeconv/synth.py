@@ -122,7 +122,7 @@ class _Builder:
 
 
 # Optional tensors real producers write: GPTQ always writes g_idx and (filler) qzeros.
-_WRITTEN_OPTIONAL = {"gptq": ("g_idx", "qzeros"), "awq": ()}
+_WRITTEN_OPTIONAL = {"gptq": ("g_idx", "qzeros"), "awq": (), "compressed-tensors": ()}
 _HF_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv-packers with the REAL quantization packers (AutoAWQ 0.2.9, auto-gptq 0.7.1,
-# GPTQModel 7.7.0, CPU only) that tests/test_real_packers.py cross-checks moeconv against.
+# GPTQModel 7.7.0, compressed-tensors 0.20.1; CPU only) that tests/test_real_packers.py and
+# tests/test_compressed_tensors.py cross-check moeconv against.
 #
 #   scripts/install-packers.sh               # idempotent: a no-op when the stamp is current
 #   PYTHON=python3.11 scripts/install-packers.sh

@@ -118,4 +118,4 @@ def test_usage_error_exit_2_via_real_subprocess(tmp_path):
     assert "Traceback" not in done.stderr
     done = subprocess.run([str(exe), "inspect", str(tmp_path / "nope")], capture_output=True, text=True)
     assert done.returncode == 2
-    assert done.stderr.strip() == f"error: {tmp_path / 'nope'}: not a folder"
+    assert done.stderr.strip() == f"error: {tmp_path / 'nope'}: not a folder, and not a Hugging Face id like org/model"

@@ -7,10 +7,11 @@ Backends map tensors to tensors; they know nothing of files, source formats or e
 from __future__ import annotations
 
 from moeconv.backends.base import Backend, TensorSpec
+from moeconv.backends.cpu import CpuBackend
 from moeconv.backends.triton import TritonBackend
 from moeconv.errors import MoeconvError
 
-REGISTRY: dict[str, Backend] = {backend.name: backend for backend in (TritonBackend(),)}
+REGISTRY: dict[str, Backend] = {backend.name: backend for backend in (TritonBackend(), CpuBackend())}
 
 
 def get_backend(name: str) -> Backend:
@@ -19,4 +20,4 @@ def get_backend(name: str) -> Backend:
     return REGISTRY[name]
 
 
-__all__ = ["Backend", "REGISTRY", "TensorSpec", "TritonBackend", "get_backend"]
+__all__ = ["Backend", "CpuBackend", "REGISTRY", "TensorSpec", "TritonBackend", "get_backend"]

@@ -5,6 +5,12 @@ Per MoE layer, experts stacked, gate/up fused gate rows first (vllm-layouts.md �
   w13_scales  (E, 2I, H/g) in the source dtype
   w13_qzeros  uint8 (E, 2I·b/8, H/g), asymmetric only, TRUE zeros, 4-bit: even n in the low nibble
   w2_qweight, w2_scales, w2_qzeros likewise with N = H, K = I.
+
+W8A8 INT8 schemes (activation_bits 8) take the int8 layout of vLLM `TritonExperts` (§6) instead:
+  w13_weight       int8 (E, 2I, H): the signed weight, i.e. the canonical code − 128
+  w13_weight_scale fp32 (E, 2I, 1): per-channel scale; fp16/bf16 -> fp32 is exact, and decoding
+                   casts back to the source dtype (MoELayerShape.scale_dtype), so it round-trips
+  w2_weight, w2_weight_scale likewise with N = H, K = I. Activations: dynamic per-token int8.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from moeconv import packing
 from moeconv.backends.base import ExpertWeights, TensorSpec
 from moeconv.canonical import MoELayerShape, QuantizedWeight
+from moeconv.checkpoint.reader import TORCH_DTYPES
 
 
 class TritonBackend:
@@ -23,6 +30,8 @@ class TritonBackend:
     layout_version = 1
 
     def refusal(self, layer: MoELayerShape) -> str | None:
+        if layer.activation_bits == 8:
+            return _int8_refusal(layer)
         if layer.bits not in (4, 8):
             return f"the moe_wna16 kernels take 4- or 8-bit weights, not {layer.bits}-bit"
         if layer.bits == 4 and (layer.hidden % 2 or layer.intermediate % 2):
@@ -33,6 +42,8 @@ class TritonBackend:
         return None
 
     def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:
+        if layer.activation_bits == 8:
+            return _int8_layer_tensors(layer)
         specs = []
         per_byte = 8 // layer.bits
         for prefix, out_features, in_features in (
@@ -47,9 +58,12 @@ class TritonBackend:
                 specs.append(TensorSpec(f"{prefix}_qzeros", (e, out_features // per_byte, groups), "U8"))
         return specs
 
-    def encode_expert(self, expert: ExpertWeights) -> dict[str, torch.Tensor]:
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape | None = None) -> dict[str, torch.Tensor]:
         slices = {}
         for prefix, rows in (("w13", (expert.gate, expert.up)), ("w2", (expert.down,))):
+            if layer is not None and layer.activation_bits == 8:
+                slices.update(_int8_encode(prefix, rows))
+                continue
             # Pack each projection, then stack the packed rows (gate first): smaller than stacking codes.
             slices[f"{prefix}_qweight"] = torch.cat(
                 [packing.pack(w.codes, w.bits, dim=1, container=torch.uint8) for w in rows])
@@ -62,6 +76,9 @@ class TritonBackend:
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
         decoded = {}
         for prefix in ("w13", "w2"):
+            if layer.activation_bits == 8:
+                decoded[prefix] = _int8_decode(prefix, slices, layer)
+                continue
             codes = packing.unpack(slices[f"{prefix}_qweight"], layer.bits, dim=1)
             zeros_packed = slices.get(f"{prefix}_qzeros")
             zeros = None if zeros_packed is None else packing.unpack(zeros_packed, layer.bits, dim=0)
@@ -76,6 +93,9 @@ class TritonBackend:
         return ExpertWeights(gate=gate, up=up, down=decoded["w2"])
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
+        if layer.activation_bits == 8:
+            return {"bits": 8, "group_size": -1, "has_zp": False, "layout": "int8_w8a8",
+                    "weight_scale_dtype": "float32", "activations": "dynamic per-token symmetric int8"}
         return {
             "bits": layer.bits,
             "group_size": layer.group_size,
@@ -97,3 +117,36 @@ def _split_rows(weight: QuantizedWeight, rows: int) -> tuple[QuantizedWeight, Qu
         )
 
     return part(slice(0, rows)), part(slice(rows, None))
+
+
+def _int8_refusal(layer: MoELayerShape) -> str | None:
+    if layer.bits != 8 or not layer.symmetric or layer.group_size not in (-1, 0):
+        return "the W8A8 int8 kernels take symmetric 8-bit weights with one scale per channel"
+    return None
+
+
+def _int8_layer_tensors(layer: MoELayerShape) -> list[TensorSpec]:
+    e, h, i = layer.experts, layer.hidden, layer.intermediate
+    return [
+        TensorSpec("w13_weight", (e, 2 * i, h), "I8"),
+        TensorSpec("w13_weight_scale", (e, 2 * i, 1), "F32"),
+        TensorSpec("w2_weight", (e, h, i), "I8"),
+        TensorSpec("w2_weight_scale", (e, h, 1), "F32"),
+    ]
+
+
+def _int8_encode(prefix: str, rows: tuple[QuantizedWeight, ...]) -> dict[str, torch.Tensor]:
+    """Rows stacked gate first, as in the moe_wna16 path."""
+    return {f"{prefix}_weight": torch.cat([packing.offset_codes_to_int8(w.codes) for w in rows]),
+            f"{prefix}_weight_scale": torch.cat([w.scales for w in rows]).to(torch.float32)}
+
+
+def _int8_decode(prefix: str, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> QuantizedWeight:
+    codes = packing.int8_to_offset_codes(slices[f"{prefix}_weight"]).contiguous()
+    return QuantizedWeight(
+        codes=codes,
+        zeros=None,
+        scales=slices[f"{prefix}_weight_scale"].to(TORCH_DTYPES[layer.scale_dtype]),
+        bits=8,
+        group_size=codes.shape[1],
+    )

@@ -9,6 +9,7 @@ resident memory would grow with the shard rather than stay at one expert.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -51,14 +52,21 @@ class Checkpoint:
     quantization_config: dict[str, Any]
     files: list[Path]
     tensors: dict[str, TensorEntry] = field(repr=False)
+    headers_sha256: str = ""  # over every shard's header and the config files: what the plan depends on
+    origin: dict[str, Any] = field(default_factory=dict)  # Hub sources: {"repo": ..., "revision": commit}
 
     @property
     def total_bytes(self) -> int:
         return sum(entry.nbytes for entry in self.tensors.values())
 
+    def identity(self) -> dict[str, Any]:
+        """Which source this is, for manifests and for refusing to resume against another one."""
+        return {"path": str(self.root.absolute()), **self.origin, "headers_sha256": self.headers_sha256}
 
-def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors file and the absolute offset where its data starts."""
+
+def read_header(path: Path, digest: Any = None) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the absolute offset where its data starts
+    (the raw header bytes are fed to `digest` when one is given)."""
     try:
         with open(path, "rb") as handle:
             prefix = handle.read(8)
@@ -67,7 +75,10 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             (length,) = struct.unpack("<Q", prefix)
             if length > _MAX_HEADER:
                 raise MoeconvError(f"{path}: not a safetensors file (header length {length})")
-            header = json.loads(handle.read(length))
+            raw = handle.read(length)
+            if digest is not None:
+                digest.update(raw)
+            header = json.loads(raw)
     except FileNotFoundError:
         raise MoeconvError(f"{path}: shard is missing") from None
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -84,8 +95,8 @@ def read_json(path: Path) -> dict[str, Any]:
         raise MoeconvError(f"{path}: not valid JSON ({error})") from None
 
 
-def _entries(path: Path) -> dict[str, TensorEntry]:
-    header, data_start = read_header(path)
+def _entries(path: Path, digest: Any) -> dict[str, TensorEntry]:
+    header, data_start = read_header(path, digest)
     file_size = path.stat().st_size
     entries = {}
     for name, info in header.items():
@@ -117,7 +128,7 @@ def _quantization_config(root: Path, config: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def open_checkpoint(root: Path) -> Checkpoint:
+def open_checkpoint(root: Path, origin: dict[str, Any] | None = None) -> Checkpoint:
     """Reads config, index and every shard's header. Touches no tensor data."""
     root = Path(root)
     if not root.is_dir():
@@ -133,8 +144,13 @@ def open_checkpoint(root: Path) -> Checkpoint:
     if not files:
         raise MoeconvError(f"{root}: no *.safetensors files and no {INDEX_NAME}")
     tensors: dict[str, TensorEntry] = {}
+    digest = hashlib.sha256()
+    for name in ("config.json", "quantize_config.json", "quant_config.json"):
+        if (root / name).is_file():
+            digest.update((root / name).read_bytes())
     for path in files:
-        for name, entry in _entries(path).items():
+        digest.update(path.name.encode())
+        for name, entry in _entries(path, digest).items():
             if name in tensors:
                 raise MoeconvError(f"{path}: tensor {name} also appears in {tensors[name].file.name}")
             tensors[name] = entry
@@ -142,7 +158,8 @@ def open_checkpoint(root: Path) -> Checkpoint:
         for name, file_name in weight_map.items():
             if name not in tensors:
                 raise MoeconvError(f"{root / file_name}: tensor {name} listed in {INDEX_NAME} is missing")
-    return Checkpoint(root, config, _quantization_config(root, config), files, tensors)
+    return Checkpoint(root, config, _quantization_config(root, config), files, tensors, digest.hexdigest(),
+                      dict(origin or {}))
 
 
 class TensorReader:

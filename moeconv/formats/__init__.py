@@ -12,10 +12,11 @@ from typing import Any, Mapping
 from moeconv.errors import MoeconvError
 from moeconv.formats.awq import AWQ
 from moeconv.formats.base import SourceFormat, TensorShape
+from moeconv.formats.compressed_tensors import CompressedTensors
 from moeconv.formats.gptq import GPTQ
 
 # quant_method in the checkpoint's config -> the class that reads it.
-REGISTRY: dict[str, type] = {"awq": AWQ, "gptq": GPTQ}
+REGISTRY: dict[str, type] = {"awq": AWQ, "gptq": GPTQ, "compressed-tensors": CompressedTensors}
 
 
 def format_from_config(config: Mapping[str, Any], where: str) -> SourceFormat:
@@ -29,4 +30,4 @@ def format_from_config(config: Mapping[str, Any], where: str) -> SourceFormat:
     return REGISTRY[method].from_config(config, where)
 
 
-__all__ = ["AWQ", "GPTQ", "REGISTRY", "SourceFormat", "TensorShape", "format_from_config"]
+__all__ = ["AWQ", "CompressedTensors", "GPTQ", "REGISTRY", "SourceFormat", "TensorShape", "format_from_config"]

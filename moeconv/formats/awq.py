@@ -46,6 +46,7 @@ class AWQ:
     group_size: int = 128
     zero_point: bool = True
     method: str = "awq"
+    activation_bits = 16  # class attribute, not a field: AWQ is weight-only
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], where: str) -> AWQ:

@@ -25,6 +25,7 @@ class SourceFormat(Protocol):
     method: str  # quant_method as configs spell it
     bits: int
     group_size: int  # as configured: -1 means channel-wise
+    activation_bits: int  # 16, or 8 for dynamic per-token int8 activations (W8A8)
 
     @property
     def symmetric(self) -> bool: ...

@@ -39,6 +39,7 @@ class GPTQ:
     sym: bool = True
     checkpoint_format: str = V1
     method: str = "gptq"
+    activation_bits = 16  # class attribute, not a field: GPTQ is weight-only
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], where: str) -> GPTQ:

@@ -165,22 +165,20 @@ def moe_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzero
         raise ValueError(f"a has {a.shape[0]} rows: want one per token or one per pair ({blocks.num_pairs})")
     if config is None:
         config = choose_config(blocks.num_pairs, num_experts, n, k, group_size, bits, blocks.block_m, a.device)
-    if config.block_m != blocks.block_m or group % config.block_k:
-        raise ValueError(f"{config} does not fit block_m={blocks.block_m}, group size {group}")
+    if config.block_m != blocks.block_m or group % config.block_k or (k // config.block_k) % config.split_k:
+        raise ValueError(f"{config} does not fit block_m={blocks.block_m}, group size {group}, K={k}")
     if out is None:
         out = torch.empty(blocks.num_pairs, n, dtype=out_dtype or a.dtype, device=a.device)
 
     accumulate = config.split_k > 1
     target = torch.zeros(out.shape, dtype=torch.float32, device=a.device) if accumulate else out
-    k_tiles = k // config.block_k
-    k_tiles_per_split = math.ceil(k_tiles / config.split_k)
-    code_int, code_float, code_magic = _exact_code_float(a.dtype, bits)
+    code_int, code_float, code_magic = _exact_code_float(a.dtype, bits, tensor_cores=config.block_m >= 16)
     zeros_or_dummy = scales if qzeros is None else qzeros
     router_weights = topk_weights.reshape(-1) if topk_weights is not None else scales
-    grid = (blocks.block_experts.numel(), triton.cdiv(n, config.block_n), math.ceil(k_tiles / k_tiles_per_split))
+    grid = (blocks.block_experts.numel(), triton.cdiv(n, config.block_n), config.split_k)
     _kernel_for(a.device)[grid](
         a, qweight, scales, zeros_or_dummy, target, router_weights, blocks.pair_ids, blocks.block_experts,
-        blocks.num_pairs, pairs_per_a_row, num_experts, n, group, k_tiles, k_tiles_per_split,
+        blocks.num_pairs, pairs_per_a_row, num_experts, n, group, k // config.block_k // config.split_k,
         a.stride(0), a.stride(1),
         qweight.stride(0), qweight.stride(1), qweight.stride(2),
         scales.stride(0), scales.stride(1), scales.stride(2),
@@ -217,27 +215,28 @@ def fused_moe(x: torch.Tensor, w13_qweight: torch.Tensor, w13_scales: torch.Tens
     return down.view(num_tokens, blocks.topk, hidden).sum(dim=1).to(x.dtype)
 
 
-def _exact_code_float(dtype: torch.dtype, bits: int):
+def _exact_code_float(dtype: torch.dtype, bits: int, *, tensor_cores: bool):
     """How the kernel turns a code into a float with integer ops only (no slow int->float cvt).
 
     OR-ing a code into the mantissa of a power of two M gives exactly ``M + code`` when the code
     fits the mantissa: fp16 ``0x6400`` = 1024 (10 bits), bf16 ``0x4300`` = 128 (7 bits: 4-bit
     codes only), fp32 ``0x4B000000`` = 2^23. Subtracting ``M + zero`` formed the same way leaves
-    ``code - zero``, an integer exact in the activation dtype.
+    ``code - zero``, an exact integer. Tensor cores take it in the activation dtype; the register
+    path multiplies in fp32.
     """
-    if dtype == torch.float16:
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"activations must be fp16, bf16 or fp32, got {dtype}")
+    if tensor_cores and dtype == torch.float16:
         return tl.int16, tl.float16, 0x6400
-    if dtype == torch.bfloat16 and bits == 4:
+    if tensor_cores and dtype == torch.bfloat16 and bits == 4:
         return tl.int16, tl.bfloat16, 0x4300
-    if dtype in (torch.bfloat16, torch.float32):
-        return tl.int32, tl.float32, 0x4B000000
-    raise TypeError(f"activations must be fp16, bf16 or fp32, got {dtype}")
+    return tl.int32, tl.float32, 0x4B000000
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
     a_ptr, b_ptr, scale_ptr, zero_ptr, c_ptr, router_weight_ptr, pair_ids_ptr, block_experts_ptr,
-    num_pairs, pairs_per_a_row, num_experts, N, group_size, k_tiles, k_tiles_per_split,
+    num_pairs, pairs_per_a_row, num_experts, N, group_size, k_tiles_per_split,
     stride_am, stride_ak,
     stride_be, stride_bn, stride_bk,
     stride_se, stride_sn, stride_sg,
@@ -247,11 +246,14 @@ def _moe_gemm_kernel(
     CODE_INT: tl.constexpr, CODE_FLOAT: tl.constexpr, CODE_MAGIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Grid (row blocks, column blocks, K splits). Each K tile lies in one quantization group:
-    the dot runs on exact integers ``code - zero`` and the group's scale multiplies the partial
-    sum (BLOCK_M x BLOCK_N products instead of BLOCK_K x BLOCK_N). A 4-bit tile is loaded once
-    as bytes; its low nibbles (even k) and high nibbles (odd k) are two dots against the even
-    and odd columns of the activations, so no nibble interleaving is ever materialised."""
+    """Grid (row blocks, column blocks, K splits). Each K tile lies in one quantization group, so
+    the tile computes with exact integers ``code - zero`` and the group's scale multiplies the
+    partial sum (BLOCK_M x BLOCK_N products instead of BLOCK_K x BLOCK_N). A packed tile is loaded
+    once as bytes and split into nibble planes (even k, odd k) in registers.
+
+    Row blocks of 16 or more use ``tl.dot`` (tensor cores). Smaller ones (decode: a selected
+    expert sees a few rows) multiply and reduce in fp32 registers instead: no shared-memory
+    round trip or barrier per tile, so many warps stream weights independently."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_experts_ptr + pid_m)
     if expert >= num_experts:
@@ -259,28 +261,37 @@ def _moe_gemm_kernel(
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     CODES_PER_BYTE: tl.constexpr = 8 // BITS
+    CODES_PER_WORD: tl.constexpr = 32 // BITS
+    WORDS_K: tl.constexpr = BLOCK_K // CODES_PER_WORD
     CODE_MASK: tl.constexpr = (1 << BITS) - 1
+    USE_DOT: tl.constexpr = BLOCK_M >= 16
     A_DTYPE: tl.constexpr = a_ptr.dtype.element_ty
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(pair_ids_ptr + offs_m)
     row_valid = pair < num_pairs
-    a_row = (pair // pairs_per_a_row).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = offs_n % N  # the last column block wraps, so weight loads need no mask
-    offs_byte = tl.arange(0, BLOCK_K // CODES_PER_BYTE)
     expert = expert.to(tl.int64)
-
-    b_ptrs = b_ptr + expert * stride_be + n_in[None, :] * stride_bn + offs_byte[:, None] * stride_bk
-    a_ptrs = a_ptr + a_row[:, None] * stride_am + (offs_byte * CODES_PER_BYTE)[None, :] * stride_ak
+    # code k of a row sits in int32 word k // CODES_PER_WORD at bit BITS * (k % CODES_PER_WORD)
+    offs_word = tl.arange(0, WORDS_K)
+    code_shift = tl.arange(0, CODES_PER_WORD) * BITS
+    w_ptrs = b_ptr + expert * stride_be + n_in[:, None] * stride_bn + offs_word[None, :] * stride_bk
+    if USE_DOT:
+        a_row = (pair // pairs_per_a_row).to(tl.int64)
+        a_ptrs = a_ptr + a_row[:, None] * stride_am + tl.arange(0, BLOCK_K)[None, :] * stride_ak
+    else:  # one row (so no padding): element k = CODES_PER_WORD * word + code, one code position at a time
+        a_ptrs = a_ptr + (tl.load(pair_ids_ptr + pid_m) // pairs_per_a_row).to(tl.int64) * stride_am \
+            + offs_word * CODES_PER_WORD * stride_ak
     scale_ptrs = scale_ptr + expert * stride_se + n_in * stride_sn
     zero_ptrs = zero_ptr + expert * stride_ze + (n_in // CODES_PER_BYTE) * stride_zn
     zero_shift = (n_in % CODES_PER_BYTE) * BITS
 
-    k_tile_begin = pid_k * k_tiles_per_split
-    k_tile_end = tl.minimum(k_tile_begin + k_tiles_per_split, k_tiles)
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    for k_tile in range(k_tile_begin, k_tile_end):
+    if USE_DOT:
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    else:
+        acc = tl.full((BLOCK_N,), 0.0, tl.float32)
+    for k_tile in range(pid_k * k_tiles_per_split, (pid_k + 1) * k_tiles_per_split):
         k0 = k_tile * BLOCK_K
         group = k0 // group_size
         scale = tl.load(scale_ptrs + group * stride_sg).to(tl.float32)
@@ -289,15 +300,23 @@ def _moe_gemm_kernel(
         else:
             zero = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.int32)
         zero = (zero.to(CODE_INT) | CODE_MAGIC).to(CODE_FLOAT, bitcast=True)
-        packed = tl.load(b_ptrs + (k0 // CODES_PER_BYTE) * stride_bk)
-        partial = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        for plane in tl.static_range(CODES_PER_BYTE):
-            codes = (packed >> (plane * BITS)) & CODE_MASK
-            weights = ((codes.to(CODE_INT) | CODE_MAGIC).to(CODE_FLOAT, bitcast=True) - zero[None, :]).to(A_DTYPE)
-            a = tl.load(a_ptrs + (k0 + plane) * stride_ak, mask=row_valid[:, None], other=0.0)
-            partial = tl.dot(a, weights, partial, input_precision="ieee")
-        acc += partial * scale[None, :]
+        words = tl.load(w_ptrs + (k0 // CODES_PER_WORD) * stride_bk)
+        if USE_DOT:
+            codes = (words[:, :, None] >> code_shift[None, None, :]) & CODE_MASK  # (BLOCK_N, WORDS_K, CODES_PER_WORD)
+            weights = (codes.to(CODE_INT) | CODE_MAGIC).to(CODE_FLOAT, bitcast=True) - zero[:, None, None]
+            weights = tl.reshape(weights.to(A_DTYPE), (BLOCK_N, BLOCK_K))
+            a = tl.load(a_ptrs + k0 * stride_ak, mask=row_valid[:, None], other=0.0)
+            acc += tl.dot(a, tl.trans(weights), input_precision="ieee") * scale[None, :]
+        else:  # fp32 multiply-adds in the layout the words were loaded in; one reduction per tile
+            products = tl.full((BLOCK_N, WORDS_K), 0.0, tl.float32)
+            for code in tl.static_range(CODES_PER_WORD):
+                weights = (((words >> (code * BITS)) & CODE_MASK) | CODE_MAGIC).to(CODE_FLOAT, bitcast=True)
+                a = tl.load(a_ptrs + (k0 + code) * stride_ak).to(tl.float32)
+                products += (weights - zero[:, None]) * a[None, :]
+            acc += tl.sum(products, axis=1) * scale
 
+    if not USE_DOT:
+        acc = acc[None, :]
     if MUL_ROUTER_WEIGHT:
         acc *= tl.load(router_weight_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)[:, None]
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn

@@ -19,6 +19,8 @@ AUTOAWQ = "autoawq"  # awq WQLinear_GEMM.from_linear
 AUTOGPTQ = "autogptq"  # auto_gptq qlinear_cuda.QuantLinear.pack (honours g_idx)
 AUTOGPTQ_OLD = "autogptq_old"  # auto_gptq qlinear_cuda_old.QuantLinear.pack
 GPTQMODEL = "gptqmodel"  # gptqmodel TorchLinear.pack_block (v2), then convert_gptq_v2_to_v1_format_module
+CT_PACK = "ct_pack_quantized"  # compressed_tensors PackedQuantizationCompressor.compress (pack_to_int32)
+CT_INT = "ct_int_quantized"  # compressed_tensors IntQuantizationCompressor.compress (W8A8 int8)
 
 N_OUT = 64
 K_IN = 256
@@ -97,3 +99,14 @@ assert len(CASES_BY_NAME) == len(CASES), "case names must be unique"
 
 # AutoGPTQ's qlinear_cuda honours a non-trivial g_idx (act-order); moeconv must refuse it, not misread it.
 ACT_ORDER_NAME = "autogptq-4bit-g64-actorder"
+
+
+def _build_compressed_tensors() -> list[Case]:
+    """Kept out of CASES: tests/test_compressed_tensors.py checks these, with their own packer run."""
+    specs = [(CT_PACK, 4, g, "full") for g in (32, 128, -1)] + [(CT_PACK, 4, 64, "sym"), (CT_PACK, 4, -1, "sym"),
+             (CT_PACK, 8, 64, "full"), (CT_PACK, 8, -1, "sym"), (CT_INT, 8, -1, "sym")]
+    return [Case(*spec, seed=2000 + index) for index, spec in enumerate(specs)]
+
+
+CT_CASES: list[Case] = _build_compressed_tensors()
+assert len({case.name for case in CASES + CT_CASES}) == len(CASES) + len(CT_CASES), "case names must be unique"

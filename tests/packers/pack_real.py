@@ -4,6 +4,7 @@ Runs in .venv-packers (scripts/install-packers.sh), never in the main venv:
 
     .venv-packers/bin/python tests/packers/pack_real.py OUT.safetensors
     .venv-packers/bin/python tests/packers/pack_real.py --self-check
+    .venv-packers/bin/python tests/packers/pack_real.py --compressed-tensors OUT.safetensors
 
 For every case in cases.py: draw codes (N, K), true zeros (N, G) and scales (N, G) from the case's
 seed; build the float weight W = (codes − zeros) · scales so that the packer's own arithmetic,
@@ -12,6 +13,10 @@ clamp silently); let the packer pack it; save, under "<case>.<tensor>":
   codes, zeros, scales          what we meant (uint8, uint8, float16), in moeconv's canonical layout
   qweight, qzeros, pscales, g_idx  what the packer produced (pscales: the packer's scales tensor)
   qzeros_v2                     GPTQModel only: qzeros before its v2 -> v1 conversion
+With --compressed-tensors only the CT_CASES are packed, by compressed-tensors' own compressors
+(quantize with the given scales and signed zero points, then pack_to_int32), and saved as the
+compressor returns them (weight_packed, weight_scale, weight_shape, weight_zero_point / weight) plus
+`unpacked`, compressed-tensors' unpack_from_int32 of weight_packed (signed int8).
 The file's metadata holds the case list and the packer versions as JSON.
 
 The packages are imported without running their heavy package __init__ (AutoAWQ's needs datasets and
@@ -44,12 +49,14 @@ from cases import (  # noqa: E402
     AUTOGPTQ,
     AUTOGPTQ_OLD,
     CASES,
+    CT_CASES,
+    CT_INT,
     GPTQMODEL,
     ZERO0_SLOTS,
     Case,
 )
 
-PACKAGES = ("autoawq", "auto-gptq", "gptqmodel", "transformers", "torch", "numpy")
+PACKAGES = ("autoawq", "auto-gptq", "gptqmodel", "compressed-tensors", "transformers", "torch", "numpy")
 
 
 def _stub_package(name: str) -> None:
@@ -209,6 +216,34 @@ def versions() -> dict[str, str]:
     return {name: importlib.metadata.version(name) for name in PACKAGES}
 
 
+def pack_compressed_tensors(case: Case) -> dict[str, torch.Tensor]:
+    from compressed_tensors.compressors import IntQuantizationCompressor, PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    codes, zeros, scales = choose(case)
+    offset = 1 << (case.bits - 1)
+    strategy = {"strategy": "channel"} if case.group_size == -1 else {"strategy": "group", "group_size": case.group_size}
+    weights = QuantizationArgs(num_bits=case.bits, symmetric=case.sym, **strategy)
+    state = {"weight": float_weight(case, codes, zeros, scales), "weight_scale": scales,
+             "weight_zero_point": (zeros.to(torch.int16) - offset).to(torch.int8)}  # signed, as CT's observers make
+    if case.packer == CT_INT:
+        tokens = QuantizationArgs(num_bits=8, symmetric=True, strategy="token", dynamic=True)
+        out = IntQuantizationCompressor.compress(state, QuantizationScheme(targets=["Linear"], weights=weights,
+                                                                           input_activations=tokens))
+    else:
+        out = PackedQuantizationCompressor.compress(state, QuantizationScheme(targets=["Linear"], weights=weights))
+        out["unpacked"] = unpack_from_int32(out["weight_packed"], case.bits, torch.Size((case.n, case.k)))
+    out.update(codes=codes, zeros=zeros, scales=scales)
+    return {key: value.detach().contiguous().clone() for key, value in out.items() if value is not None}
+
+
+def pack_all_compressed_tensors(path: Path) -> None:
+    tensors = {f"{case.name}.{key}": value for case in CT_CASES for key, value in pack_compressed_tensors(case).items()}
+    metadata = {"cases": json.dumps([case.to_json() for case in CT_CASES]), "versions": json.dumps(versions())}
+    save_file(tensors, str(path), metadata=metadata)
+
+
 def pack_all(path: Path) -> None:
     api = import_packers()
     tensors: dict[str, torch.Tensor] = {}
@@ -228,13 +263,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", type=Path, help="safetensors file to write")
     parser.add_argument("--self-check", action="store_true", help="pack every case into a scratch file")
+    parser.add_argument("--compressed-tensors", action="store_true", help="pack only the compressed-tensors cases")
     args = parser.parse_args()
     if args.self_check:
         with tempfile.TemporaryDirectory() as scratch:
             pack_all(Path(scratch) / "packed.safetensors")
+            pack_all_compressed_tensors(Path(scratch) / "ct.safetensors")
         print("pack_real: OK", json.dumps(versions()))
     elif args.out is not None:
-        pack_all(args.out)
+        (pack_all_compressed_tensors if args.compressed_tensors else pack_all)(args.out)
     else:
         parser.error("give an output file or --self-check")
 

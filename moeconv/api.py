@@ -1,0 +1,50 @@
+"""The Python API, mirroring the CLI: `moeconv.inspect`, `moeconv.convert`, `moeconv.verify`.
+
+Each takes what the command takes and returns what the command prints with `--json`; user errors
+raise `moeconv.errors.MoeconvError` (exit_code 2) and a failed verification is a report with
+`ok == False` (the CLI turns it into exit code 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from moeconv.checkpoint.reader import Checkpoint, open_checkpoint
+from moeconv.convert import ConvertReport
+from moeconv.convert import convert as _execute
+from moeconv.inspect import inspect_checkpoint
+from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
+from moeconv.source import resolve_source
+from moeconv.verify import VerifyReport
+from moeconv.verify import verify as _verify
+
+
+def open_source(source: str | Path, revision: str | None = None, local_files_only: bool = False) -> Checkpoint:
+    """A local folder or a Hub id (`org/model`, optionally at `revision`), read as headers."""
+    resolved = resolve_source(source, revision=revision, local_files_only=local_files_only)
+    return open_checkpoint(resolved.path, origin=resolved.origin)
+
+
+def inspect(source: str | Path, *, revision: str | None = None, local_files_only: bool = False) -> dict[str, Any]:
+    return inspect_checkpoint(open_source(source, revision, local_files_only))
+
+
+def plan(source: str | Path, *, backend: str = "triton", revision: str | None = None,
+         local_files_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Plan:
+    return make_plan(open_source(source, revision, local_files_only), backend=backend, max_shard_size=max_shard_size)
+
+
+def convert(source: str | Path, output: str | Path, *, backend: str = "triton", revision: str | None = None,
+            local_files_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+            progress: Callable[[int], None] | None = None) -> ConvertReport:
+    """Convert (resuming an interrupted run with the same arguments) and return the report."""
+    conversion = plan(source, backend=backend, revision=revision, local_files_only=local_files_only,
+                      max_shard_size=max_shard_size)
+    return _execute(conversion, Path(output), progress=progress)
+
+
+def verify(output: str | Path, *, source: str | Path | None = None, sample: int | None = None,
+           numerics: bool = True, tokens: int = 8, numerics_layers: int | None = None) -> VerifyReport:
+    return _verify(Path(output), source=None if source is None else Path(source), sample=sample,
+                   numerics=numerics, tokens=tokens, numerics_layers=numerics_layers)

@@ -1,0 +1,163 @@
+"""Fused MoE over experts in the INT8 W8A8 layout (vLLM `TritonExperts` with ``use_int8_w8a8``).
+
+moeconv's second reference kernel, for compressed-tensors ``int-quantized`` checkpoints converted
+to the Triton backend: ``w13_weight`` int8 (E, 2I, H), ``w13_weight_scale`` fp32 (E, 2I, 1) and
+the ``w2_*`` likewise (vllm-layouts.md §6). As the serving kernel does, the activations of each
+GEMM are quantized per token (per row) on the fly: ``s_a = max|a| / 127``, ``q = round(a / s_a)``.
+The dot runs on int8 × int8 → int32, exact, and the row scale times the weight's channel scale
+turns the int32 sum into the output: ``out = (q · Wᵀ) · s_a · s_w``.
+
+Token-expert pairs are sorted and padded per expert exactly as for the W4A16 kernel (shared
+helpers of :mod:`moeconv.kernels.fused_moe`). CPU tensors run the same kernel under Triton's
+interpreter, CUDA tensors run it compiled, picked per call from the device.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from moeconv.kernels.fused_moe import ExpertBlocks, GemmConfig, align_tokens_to_experts, choose_block_m, choose_config
+
+INT8_MAX = 127
+
+
+def quantize_per_token(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric int8 quantization of each row: (int8 rows, fp32 scales (rows,)).
+
+    Round half to even, as vLLM's ``scaled_int8_quant``; an all-zero row gets scale 1, not 0/0.
+    """
+    a32 = a.float()
+    scales = a32.abs().amax(dim=-1) / INT8_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    quantized = torch.round(a32 / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return quantized, scales
+
+
+def int8_moe_gemm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, blocks: ExpertBlocks, *,
+                  topk_weights: torch.Tensor | None = None, config: GemmConfig | None = None,
+                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One grouped W8A8 GEMM: ``out[p] = quant(a[row(p)]) · W[expert(p)]ᵀ`` for every pair ``p``.
+
+    ``a`` float, one row per token or one per pair; ``weight`` int8 (E, N, K); ``weight_scale``
+    (E, N, 1) fp32. With ``topk_weights`` each row is multiplied by its pair's router weight.
+    """
+    num_experts, n, k = weight.shape
+    if weight.dtype != torch.int8 or a.shape[-1] != k:
+        raise ValueError(f"want int8 weights (E, N, {a.shape[-1]}), got {weight.dtype}{tuple(weight.shape)}")
+    if weight_scale.shape != (num_experts, n, 1):
+        raise ValueError(f"weight_scale {tuple(weight_scale.shape)} is not ({num_experts}, {n}, 1)")
+    if a.shape[0] == blocks.num_pairs // blocks.topk:
+        pairs_per_a_row = blocks.topk
+    elif a.shape[0] == blocks.num_pairs:
+        pairs_per_a_row = 1
+    else:
+        raise ValueError(f"a has {a.shape[0]} rows: want one per token or one per pair ({blocks.num_pairs})")
+    if config is None:
+        config = choose_config(blocks.num_pairs, num_experts, n, k, -1, 8, blocks.block_m, a.device)
+    quantized, a_scale = quantize_per_token(a)
+    accumulate = config.split_k > 1
+    out = torch.empty(blocks.num_pairs, n, dtype=out_dtype, device=a.device)
+    target = torch.zeros(out.shape, dtype=torch.float32, device=a.device) if accumulate else out
+    k_tiles = k // config.block_k
+    k_tiles_per_split = math.ceil(k_tiles / config.split_k)
+    router_weights = topk_weights.reshape(-1) if topk_weights is not None else a_scale
+    grid = (blocks.block_experts.numel(), triton.cdiv(n, config.block_n), math.ceil(k_tiles / k_tiles_per_split))
+    _kernel_for(a.device)[grid](
+        quantized, a_scale, weight, weight_scale, target, router_weights, blocks.pair_ids, blocks.block_experts,
+        blocks.num_pairs, pairs_per_a_row, num_experts, n, k_tiles, k_tiles_per_split,
+        quantized.stride(0), quantized.stride(1),
+        weight.stride(0), weight.stride(1), weight.stride(2),
+        weight_scale.stride(0), weight_scale.stride(1),
+        target.stride(0), target.stride(1),
+        MUL_ROUTER_WEIGHT=topk_weights is not None, ACCUMULATE=accumulate,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if accumulate:
+        out.copy_(target)
+    return out
+
+
+def int8_fused_moe(x: torch.Tensor, w13_weight: torch.Tensor, w13_weight_scale: torch.Tensor,
+                   w2_weight: torch.Tensor, w2_weight_scale: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+    """A W8A8 MoE layer: ``Σ_k w[t,k] · (silu(x·Wgateᵀ) * (x·Wupᵀ)) · W2ᵀ``, both GEMMs on
+    per-token int8 activations. The gate/up output and SiLU-and-mul stay in x.dtype, as in vLLM."""
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13_weight.shape
+    block_m = max(16, choose_block_m(topk_ids.numel(), num_experts))  # int8 tl.dot needs 16 rows or more
+    blocks = align_tokens_to_experts(topk_ids, num_experts, block_m)
+    gate_up = int8_moe_gemm(x, w13_weight, w13_weight_scale, blocks, out_dtype=x.dtype)
+    activated = F.silu(gate_up[:, : two_i // 2]) * gate_up[:, two_i // 2:]
+    down = int8_moe_gemm(activated, w2_weight, w2_weight_scale, blocks, topk_weights=topk_weights.contiguous())
+    return down.view(num_tokens, blocks.topk, hidden).sum(dim=1).to(x.dtype)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _int8_moe_gemm_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, router_weight_ptr, pair_ids_ptr, block_experts_ptr,
+    num_pairs, pairs_per_a_row, num_experts, N, k_tiles, k_tiles_per_split,
+    stride_am, stride_ak,
+    stride_be, stride_bn, stride_bk,
+    stride_se, stride_sn,
+    stride_cm, stride_cn,
+    MUL_ROUTER_WEIGHT: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Grid (row blocks, column blocks, K splits); every row block reads one expert. The int32
+    accumulator is exact, so the two scales are applied once, after the K loop."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ids_ptr + offs_m)
+    row_valid = pair < num_pairs
+    a_row = (pair // pairs_per_a_row).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = offs_n % N  # the last column block wraps, so weight loads need no mask
+    offs_k = tl.arange(0, BLOCK_K)
+    expert = expert.to(tl.int64)
+
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + n_in[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    k_tile_begin = pid_k * k_tiles_per_split
+    k_tile_end = tl.minimum(k_tile_begin + k_tiles_per_split, k_tiles)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0, tl.int32)
+    for k_tile in range(k_tile_begin, k_tile_end):
+        k0 = k_tile * BLOCK_K
+        a = tl.load(a_ptrs + k0 * stride_ak, mask=row_valid[:, None], other=0)
+        b = tl.load(b_ptrs + k0 * stride_bk)
+        acc = tl.dot(a, b, acc)
+
+    a_scale = tl.load(a_scale_ptr + a_row, mask=row_valid, other=0.0)
+    b_scale = tl.load(b_scale_ptr + expert * stride_se + n_in * stride_sn)
+    result = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
+    if MUL_ROUTER_WEIGHT:
+        result *= tl.load(router_weight_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_mask = row_valid[:, None] & (offs_n[None, :] < N)
+    if ACCUMULATE:
+        tl.atomic_add(c_ptrs, result, mask=c_mask, sem="relaxed")
+    else:
+        tl.store(c_ptrs, result.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def _kernel_for(device: torch.device):
+    """The compiled kernel for CUDA tensors, the interpreted one for CPU tensors."""
+    return _int8_moe_gemm_kernel if device.type == "cuda" else _interpreted_kernel()
+
+
+@cache
+def _interpreted_kernel():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(_int8_moe_gemm_kernel.fn)

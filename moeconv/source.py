@@ -1,0 +1,70 @@
+"""A local folder or a Hugging Face Hub id -> a checkpoint folder on disk.
+
+Hub ids go through `huggingface_hub.snapshot_download`, restricted to the files a conversion needs,
+into the normal cache; `HF_HUB_OFFLINE=1` and `local_files_only` are honoured by the library.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moeconv.errors import MoeconvError
+
+# safetensors shards and index, configs, tokenizer and generation files.
+ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.py"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    path: Path
+    origin: dict[str, Any] = field(default_factory=dict)  # {"repo", "revision"} for Hub sources
+
+
+def resolve_source(source: str | Path, revision: str | None = None, local_files_only: bool = False) -> ResolvedSource:
+    """A folder that exists wins; otherwise `org/name` is fetched (or found in the cache)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if revision:
+            raise MoeconvError(f"{path}: --revision applies to Hub ids, not to a local folder")
+        return ResolvedSource(path)
+    text = str(source)
+    if not _REPO_ID.match(text):
+        raise MoeconvError(f"{text}: not a folder, and not a Hugging Face id like org/model")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub import errors as hub
+
+    wanted = f"{text}@{revision or 'main'}"
+    try:
+        folder = snapshot_download(text, revision=revision, allow_patterns=ALLOW_PATTERNS,
+                                   local_files_only=local_files_only)
+    except hub.RevisionNotFoundError:
+        raise MoeconvError(f"{wanted}: revision {revision!r} does not exist in {text}") from None
+    except hub.RepositoryNotFoundError:
+        raise MoeconvError(f"{text}: no such model repository on the Hub (or it is private: log in with `hf auth login`)") from None
+    except hub.LocalEntryNotFoundError:
+        raise MoeconvError(_not_cached(text, revision)) from None
+    except hub.HfHubHTTPError as error:
+        raise MoeconvError(f"{wanted}: the Hub refused the download ({error.__class__.__name__}: {error})") from None
+    folder = Path(folder)
+    return ResolvedSource(folder, {"repo": text, "revision": folder.name})
+
+
+def _not_cached(repo_id: str, revision: str | None) -> str:
+    """Downloads are off: say whether the repository or only the revision is missing from the cache."""
+    from huggingface_hub import CacheNotFound, constants, scan_cache_dir
+
+    off = "it could not be downloaded (no network, HF_HUB_OFFLINE=1 or --local-files-only)"
+    try:
+        cached = next((repo for repo in scan_cache_dir().repos
+                       if repo.repo_id == repo_id and repo.repo_type == "model"), None)
+    except CacheNotFound:
+        cached = None
+    if cached is None:
+        return f"{repo_id}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and {off}"
+    known = sorted({ref for rev in cached.revisions for ref in rev.refs} | {rev.commit_hash[:12] for rev in cached.revisions})
+    return (f"{repo_id}@{revision or 'main'}: revision not in the local cache (cached: {', '.join(known)}) "
+            f"and {off}")
