@@ -31,16 +31,18 @@ def inspect(source: str | Path, *, revision: str | None = None, local_files_only
 
 
 def plan(source: str | Path, *, backend: str = "triton", revision: str | None = None,
-         local_files_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Plan:
-    return make_plan(open_source(source, revision, local_files_only), backend=backend, max_shard_size=max_shard_size)
+         local_files_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, trust: str | None = None) -> Plan:
+    """trust: None (refuse when tensors and config disagree), "config" or "data"."""
+    return make_plan(open_source(source, revision, local_files_only), backend=backend,
+                     max_shard_size=max_shard_size, trust=trust)
 
 
 def convert(source: str | Path, output: str | Path, *, backend: str = "triton", revision: str | None = None,
             local_files_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-            progress: Callable[[int], None] | None = None) -> ConvertReport:
+            trust: str | None = None, progress: Callable[[int], None] | None = None) -> ConvertReport:
     """Convert (resuming an interrupted run with the same arguments) and return the report."""
     conversion = plan(source, backend=backend, revision=revision, local_files_only=local_files_only,
-                      max_shard_size=max_shard_size)
+                      max_shard_size=max_shard_size, trust=trust)
     return _execute(conversion, Path(output), progress=progress)
 
 

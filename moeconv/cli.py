@@ -94,6 +94,12 @@ def inspect(
         ("total / expert bytes", f"{_human(report['total_bytes'])} / {_human(report['expert_bytes'])}"),
         ("tensors / shards", f"{report['tensors']} / {len(report['shards'])}"),
     ]
+    detection = report["detection"]
+    rows.append(("format evidence", "; ".join(detection["evidence"]) or "-"))
+    for disagreement in detection["disagreements"]:
+        rows.append(("[red]config disagrees[/]", disagreement))
+    if detection["act_order"]:
+        rows.append(("[red]act-order[/]", detection["act_order"]))
     for name, verdict in report["backends"].items():
         rows.append((f"backend {name}", "eligible" if verdict["eligible"] else f"NOT eligible: {verdict['reason']}"))
     if "suspicious_zero_slots" in report:
@@ -115,6 +121,8 @@ def convert(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     revision: Optional[str] = REVISION,
     local_files_only: bool = LOCAL_ONLY,
+    trust_config: bool = typer.Option(False, "--trust-config", help="When tensors and config disagree, follow the config."),
+    trust_data: bool = typer.Option(False, "--trust-data", help="When tensors and config disagree, follow the tensors."),
 ) -> None:
     """Convert a checkpoint's experts into a backend layout; every other tensor is copied byte for byte.
     An interrupted conversion resumes when the same command is run again."""
@@ -123,8 +131,11 @@ def convert(
 
     if output is None and not dry_run:
         raise typer.BadParameter("an output folder is required (or --dry-run)", param_hint="'-o' / '--output'")
+    if trust_config and trust_data:
+        raise typer.BadParameter("choose one of --trust-config and --trust-data", param_hint="'--trust-data'")
+    trust = "config" if trust_config else "data" if trust_data else None
     plan = make_plan(source, backend=backend, max_shard_size=max_shard_size, revision=revision,
-                     local_files_only=local_files_only)
+                     local_files_only=local_files_only, trust=trust)
     if dry_run:
         summary = plan.summary()
         if as_json:

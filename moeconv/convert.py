@@ -88,6 +88,8 @@ def job_identity(plan: Plan) -> dict[str, Any]:
         "backend": plan.backend.name,
         "layout_version": plan.backend.layout_version,
         "max_shard_size": plan.max_shard_size,
+        "trust": plan.trust,
+        "format": plan.source_format.describe(),
         "source": plan.checkpoint.identity(),
     }
 

@@ -7,20 +7,18 @@ from typing import Any
 
 from moeconv.backends import REGISTRY as BACKENDS
 from moeconv.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
-from moeconv.errors import MoeconvError
-from moeconv.formats import format_from_config
 from moeconv.formats.gptq import SuspiciousZeroTally, zero_tally
 from moeconv.models import architecture_from_config
-from moeconv.plan import find_moe_layers
+from moeconv.plan import detect_format, find_moe_layers
 
 
 def inspect_checkpoint(source: Path | Checkpoint) -> dict[str, Any]:
     checkpoint = source if isinstance(source, Checkpoint) else open_checkpoint(Path(source))
     where = str(checkpoint.root / "config.json")
     architecture = architecture_from_config(checkpoint.config, where)
-    if not checkpoint.quantization_config:
-        raise MoeconvError(f"{where}: no quantization_config and no quantize_config.json: not a quantized checkpoint")
-    source_format = format_from_config(checkpoint.quantization_config, where)
+    configured, detection = detect_format(checkpoint, architecture)
+    # Describe the checkpoint as the tensors show it; disagreements are reported, not fatal, here.
+    source_format = detection.detected if detection.disagreements and detection.detected else configured
     layers = find_moe_layers(checkpoint, architecture, source_format)
     first = layers[0].shape
     expert_bytes = sum(layer.source_bytes for layer in layers)
@@ -29,6 +27,8 @@ def inspect_checkpoint(source: Path | Checkpoint) -> dict[str, Any]:
         "origin": checkpoint.origin,
         "architecture": architecture.model_type,
         "format": source_format.describe(),
+        "config_format": configured.describe(),
+        "detection": detection.to_json(),
         "moe_layers": [layer.module for layer in layers],
         "experts_per_layer": first.experts,
         "expert_shapes": {

@@ -18,6 +18,7 @@ from moeconv.backends import Backend, get_backend
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import DTYPE_SIZES, Checkpoint, TensorEntry, _product, open_checkpoint
 from moeconv.errors import MoeconvError
+from moeconv.detect import Detection, detect, sample_linears
 from moeconv.formats import SourceFormat, format_from_config
 from moeconv.formats.base import FLOAT_DTYPES
 from moeconv.models import PROJECTIONS, Architecture, architecture_from_config
@@ -77,6 +78,8 @@ class Plan:
     layers: tuple[MoELayer, ...]
     shards: tuple[OutputShard, ...]
     max_shard_size: int
+    trust: str | None = None
+    detection: Detection | None = None
 
     def layer_tensors(self, layer: MoELayer) -> list[OutputTensor]:
         return [
@@ -99,6 +102,7 @@ class Plan:
             "layout_version": self.backend.layout_version,
             "architecture": self.architecture.model_type,
             "format": self.source_format.describe(),
+            "detection": self.detection.to_json() if self.detection else None,
             "moe_layers": len(self.layers),
             "source_bytes": self.checkpoint.total_bytes,
             "source_expert_bytes": self.source_expert_bytes,
@@ -115,10 +119,8 @@ def _natural_key(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_format: SourceFormat) -> list[MoELayer]:
-    """Group the routed-expert tensors into layers and check them against the config."""
-    where = checkpoint.root / "config.json"
-    experts_expected, hidden, intermediate = architecture.expected_sizes(checkpoint.config, str(where))
+def group_experts(checkpoint: Checkpoint, architecture: Architecture) -> dict[str, dict[int, dict[str, dict[str, TensorEntry]]]]:
+    """module -> expert -> projection -> suffix -> tensor, for every routed-expert tensor name."""
     grouped: dict[str, dict[int, dict[str, dict[str, TensorEntry]]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(dict))
     )
@@ -126,6 +128,41 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
         parsed = architecture.parse(name)
         if parsed is not None:
             grouped[parsed.module][parsed.expert][parsed.projection][parsed.suffix] = entry
+    return grouped
+
+
+def detect_format(checkpoint: Checkpoint, architecture: Architecture) -> tuple[SourceFormat, Detection]:
+    """The format the config declares, and what a sample of the expert tensors shows."""
+    config_path = str(checkpoint.root / "config.json")
+    if not checkpoint.quantization_config:
+        raise MoeconvError(f"{config_path}: no quantization_config and no quantize_config.json: not a quantized checkpoint")
+    configured = format_from_config(checkpoint.quantization_config, config_path)
+    _, hidden, intermediate = architecture.expected_sizes(checkpoint.config, config_path)
+    sizes = {"gate": (intermediate, hidden), "up": (intermediate, hidden), "down": (hidden, intermediate)}
+    return configured, detect(sample_linears(group_experts(checkpoint, architecture), sizes), configured)
+
+
+def resolve_format(checkpoint: Checkpoint, architecture: Architecture,
+                   trust: str | None = None) -> tuple[SourceFormat, Detection]:
+    """The source format to decode with: the config's, unless the tensors disagree. Then stop and
+    explain, or follow `trust` ("config" or "data"). Act-order is refused either way."""
+    configured, detection = detect_format(checkpoint, architecture)
+    if detection.act_order:
+        raise MoeconvError(detection.act_order)
+    if not detection.disagreements or trust == "config":
+        return configured, detection
+    if trust == "data" and detection.detected is not None:
+        return detection.detected, detection
+    more = f" (and {len(detection.disagreements) - 1} more)" if len(detection.disagreements) > 1 else ""
+    hint = "pass --trust-config or --trust-data to choose" if detection.detected else "pass --trust-config to go on"
+    raise MoeconvError(f"{checkpoint.root / 'config.json'}: {detection.disagreements[0]}{more}; {hint}")
+
+
+def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_format: SourceFormat) -> list[MoELayer]:
+    """Group the routed-expert tensors into layers and check them against the config."""
+    where = checkpoint.root / "config.json"
+    experts_expected, hidden, intermediate = architecture.expected_sizes(checkpoint.config, str(where))
+    grouped = group_experts(checkpoint, architecture)
     layers = []
     for module in sorted(grouped, key=_natural_key):
         experts = grouped[module]
@@ -205,14 +242,12 @@ def _ranges(values: list[int]) -> str:
 
 
 def make_plan(source: Path | Checkpoint, backend: str = "triton",
-              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Plan:
-    """Reads headers and configs only."""
+              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, trust: str | None = None) -> Plan:
+    """From headers and configs, plus a small sample of expert tensors to check the format (detect.py)."""
     checkpoint = source if isinstance(source, Checkpoint) else open_checkpoint(Path(source))
     config_path = str(checkpoint.root / "config.json")
     architecture = architecture_from_config(checkpoint.config, config_path)
-    if not checkpoint.quantization_config:
-        raise MoeconvError(f"{config_path}: no quantization_config and no quantize_config.json: not a quantized checkpoint")
-    source_format = format_from_config(checkpoint.quantization_config, config_path)
+    source_format, detection = resolve_format(checkpoint, architecture, trust)
     target = get_backend(backend)
     layers = find_moe_layers(checkpoint, architecture, source_format)
     for layer in layers:
@@ -224,9 +259,9 @@ def make_plan(source: Path | Checkpoint, backend: str = "triton",
     units: list[tuple[str, Unit]] = [(layer.module, layer) for layer in layers]
     units += [(name, PassThrough(entry)) for name, entry in checkpoint.tensors.items() if name not in expert_names]
     units.sort(key=lambda item: _natural_key(item[0]))
-    plan = Plan(checkpoint, architecture, source_format, target, tuple(layers), (), max_shard_size)
+    plan = Plan(checkpoint, architecture, source_format, target, tuple(layers), (), max_shard_size, trust, detection)
     return Plan(checkpoint, architecture, source_format, target, tuple(layers),
-                _assign_shards(plan, [unit for _, unit in units], max_shard_size), max_shard_size)
+                _assign_shards(plan, [unit for _, unit in units], max_shard_size), max_shard_size, trust, detection)
 
 
 def _unit_tensors(plan: Plan, unit: Unit) -> list[OutputTensor]:

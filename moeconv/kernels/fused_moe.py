@@ -265,6 +265,8 @@ def _moe_gemm_kernel(
     WORDS_K: tl.constexpr = BLOCK_K // CODES_PER_WORD
     CODE_MASK: tl.constexpr = (1 << BITS) - 1
     USE_DOT: tl.constexpr = BLOCK_M >= 16
+    MANTISSA_LOW: tl.constexpr = 23 - BITS  # a code in bits [23 - BITS, 23) of an fp32 is code / 2^BITS
+    ONE_FP32: tl.constexpr = 0x3F800000
     A_DTYPE: tl.constexpr = a_ptr.dtype.element_ty
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -299,21 +301,31 @@ def _moe_gemm_kernel(
             zero = (tl.load(zero_ptrs + group * stride_zg) >> zero_shift) & CODE_MASK
         else:
             zero = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.int32)
-        zero = (zero.to(CODE_INT) | CODE_MAGIC).to(CODE_FLOAT, bitcast=True)
-        words = tl.load(w_ptrs + (k0 // CODES_PER_WORD) * stride_bk)
+        words = tl.load(w_ptrs + k_tile * WORDS_K * stride_bk)
         if USE_DOT:
+            zero = (zero.to(CODE_INT) | CODE_MAGIC).to(CODE_FLOAT, bitcast=True)
             codes = (words[:, :, None] >> code_shift[None, None, :]) & CODE_MASK  # (BLOCK_N, WORDS_K, CODES_PER_WORD)
             weights = (codes.to(CODE_INT) | CODE_MAGIC).to(CODE_FLOAT, bitcast=True) - zero[:, None, None]
             weights = tl.reshape(weights.to(A_DTYPE), (BLOCK_N, BLOCK_K))
             a = tl.load(a_ptrs + k0 * stride_ak, mask=row_valid[:, None], other=0.0)
             acc += tl.dot(a, tl.trans(weights), input_precision="ieee") * scale[None, :]
-        else:  # fp32 multiply-adds in the layout the words were loaded in; one reduction per tile
+        else:
+            # Each code goes into the top mantissa bits of 1.0: w = 1 + code / 2^BITS exactly, with
+            # one shift and one and-or. Then sum(a * (code - zero)) = 2^BITS * sum(a * w)
+            # - (2^BITS + zero) * sum(a): one fused multiply-add per weight, no cancellation.
             products = tl.full((BLOCK_N, WORDS_K), 0.0, tl.float32)
+            a_sum = tl.full((WORDS_K,), 0.0, tl.float32)
             for code in tl.static_range(CODES_PER_WORD):
-                weights = (((words >> (code * BITS)) & CODE_MASK) | CODE_MAGIC).to(CODE_FLOAT, bitcast=True)
+                if code * BITS <= MANTISSA_LOW:
+                    moved = words << (MANTISSA_LOW - code * BITS)
+                else:
+                    moved = words >> (code * BITS - MANTISSA_LOW)
+                weights = ((moved & (CODE_MASK << MANTISSA_LOW)) | ONE_FP32).to(tl.float32, bitcast=True)
                 a = tl.load(a_ptrs + (k0 + code) * stride_ak).to(tl.float32)
-                products += (weights - zero[:, None]) * a[None, :]
-            acc += tl.sum(products, axis=1) * scale
+                products += weights * a[None, :]
+                a_sum += a
+            zero_sum = ((1 << BITS) + zero.to(tl.float32)) * tl.sum(a_sum, axis=0)
+            acc += ((1 << BITS) * tl.sum(products, axis=1) - zero_sum) * scale
 
     if not USE_DOT:
         acc = acc[None, :]

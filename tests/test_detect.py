@@ -1,0 +1,101 @@
+"""Data-driven format detection: configs that lie, both ways, are caught before anything is written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moeconv.errors import MoeconvError
+from moeconv.formats import AWQ, GPTQ
+from moeconv.checkpoint.reader import open_checkpoint
+from moeconv.models import architecture_from_config
+from moeconv.plan import detect_format, make_plan
+from moeconv.synth import SynthSpec, make_checkpoint
+
+from helpers import cli
+
+
+def _lie(source: Path, **fields) -> None:
+    """Make config.json (and quantize_config.json, where present) claim something else."""
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"].update(fields)
+    (source / "config.json").write_text(json.dumps(config))
+    quantize_config = source / "quantize_config.json"
+    if quantize_config.is_file():
+        data = json.loads(quantize_config.read_text())
+        data.update(fields)
+        quantize_config.write_text(json.dumps(data))
+
+
+def _make(tmp_path: Path, source_format) -> Path:
+    return make_checkpoint(tmp_path / "src", SynthSpec(source_format=source_format, layers=2, experts=8, hidden=256,
+                                                       intermediate=128))
+
+
+@pytest.mark.parametrize("truth, claim, message", [
+    (GPTQ(4, 32, sym=False, checkpoint_format="gptq"), {"checkpoint_format": "gptq_v2"},
+     "config says checkpoint_format=gptq_v2 but the tensors look like checkpoint_format=gptq (v1)"),
+    (GPTQ(4, 32, sym=False, checkpoint_format="gptq_v2"), {"checkpoint_format": "gptq"},
+     "config says checkpoint_format=gptq (v1) but the tensors look like checkpoint_format=gptq_v2"),
+    (GPTQ(4, 32, sym=True, checkpoint_format="gptq_v2"), {"checkpoint_format": "gptq"},
+     "config says checkpoint_format=gptq (v1) but the tensors look like checkpoint_format=gptq_v2"),
+    (GPTQ(8, 64, sym=False), {"bits": 4}, "config says bits=4 but the tensors look like bits=8"),
+    (GPTQ(4, 64, sym=True), {"sym": False}, "config says sym=False but the tensors look like sym=True"),
+    (GPTQ(4, 64, sym=False), {"group_size": 128}, "config says group_size=128 but the tensors look like group_size=64"),
+])
+def test_lying_gptq_config_is_refused_with_the_reason(tmp_path, truth, claim, message):
+    source = _make(tmp_path, truth)
+    _lie(source, **claim)
+    with pytest.raises(MoeconvError, match="--trust-config or --trust-data") as refusal:
+        make_plan(source)
+    assert message in str(refusal.value)
+    assert make_plan(source, trust="data").source_format == truth
+
+
+def test_awq_tensors_under_a_gptq_config(tmp_path):
+    source = _make(tmp_path, AWQ(4, 32, zero_point=True))
+    _lie(source, quant_method="gptq", sym=False)
+    with pytest.raises(MoeconvError, match="config says gptq but the tensors are packed like awq"):
+        make_plan(source)
+
+
+def test_trust_data_converts_and_verifies(tmp_path):
+    source = _make(tmp_path, GPTQ(4, 32, sym=False, checkpoint_format="gptq_v2"))
+    _lie(source, checkpoint_format="gptq")
+    result = cli("convert", source, "-o", tmp_path / "out", "--trust-data", "--quiet")
+    assert result.exit_code == 0, result.output
+    report = cli("verify", tmp_path / "out", "--no-numerics", "--json")
+    assert report.exit_code == 0, report.output
+    assert json.loads((tmp_path / "out" / "moeconv.json").read_text())["arguments"]["trust"] == "data"
+
+
+def test_trust_config_follows_the_config(tmp_path):
+    source = _make(tmp_path, GPTQ(4, 32, sym=False, checkpoint_format="gptq_v2"))
+    _lie(source, checkpoint_format="gptq")
+    plan = make_plan(source, trust="config")
+    assert plan.source_format.checkpoint_format == "gptq"
+    assert plan.detection.disagreements
+
+
+def test_inspect_reports_the_disagreement_without_failing(tmp_path):
+    source = _make(tmp_path, GPTQ(4, 32, sym=False, checkpoint_format="gptq_v2"))
+    _lie(source, checkpoint_format="gptq")
+    result = cli("inspect", source, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["config_format"]["checkpoint_format"] == "gptq"
+    assert report["format"]["checkpoint_format"] == "gptq_v2"
+    assert report["detection"]["disagreements"]
+
+
+@pytest.mark.parametrize("truth", [GPTQ(4, 32, sym=False), GPTQ(8, -1, sym=True, checkpoint_format="gptq_v2"),
+                                   AWQ(4, 64, zero_point=False), AWQ(4, 32, zero_point=True), GPTQ(2, 32, sym=False)],
+                         ids=str)
+def test_honest_configs_pass_detection(tmp_path, truth):
+    source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=truth, experts=4, hidden=256, intermediate=128))
+    checkpoint = open_checkpoint(source)
+    configured, detection = detect_format(checkpoint, architecture_from_config(checkpoint.config, "config.json"))
+    assert configured == truth
+    assert detection.disagreements == [] and detection.detected == truth
