@@ -26,23 +26,28 @@ def open_source(source: str | Path, revision: str | None = None, local_files_onl
     return open_checkpoint(resolved.path, origin=resolved.origin)
 
 
-def inspect(source: str | Path, *, revision: str | None = None, local_files_only: bool = False) -> dict[str, Any]:
-    return inspect_checkpoint(open_source(source, revision, local_files_only))
+def inspect(source: str | Path, *, revision: str | None = None, local_files_only: bool = False,
+            tp: int = 1) -> dict[str, Any]:
+    return inspect_checkpoint(open_source(source, revision, local_files_only), tp=tp)
 
 
 def plan(source: str | Path, *, backend: str = "triton", revision: str | None = None,
-         local_files_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, trust: str | None = None) -> Plan:
-    """trust: None (refuse when tensors and config disagree), "config" or "data"."""
+         local_files_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, trust: str | None = None,
+         tp: int = 1, regroup: bool = False) -> Plan:
+    """backend: a backend name or "auto". trust: None (refuse when tensors and config disagree),
+    "config" or "data". tp: tensor-parallel size to check eligibility for. regroup: allow a lossless
+    halving of the group size when that makes the backend fit."""
     return make_plan(open_source(source, revision, local_files_only), backend=backend,
-                     max_shard_size=max_shard_size, trust=trust)
+                     max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup)
 
 
 def convert(source: str | Path, output: str | Path, *, backend: str = "triton", revision: str | None = None,
             local_files_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-            trust: str | None = None, progress: Callable[[int], None] | None = None) -> ConvertReport:
+            trust: str | None = None, tp: int = 1, regroup: bool = False,
+            progress: Callable[[int], None] | None = None) -> ConvertReport:
     """Convert (resuming an interrupted run with the same arguments) and return the report."""
     conversion = plan(source, backend=backend, revision=revision, local_files_only=local_files_only,
-                      max_shard_size=max_shard_size, trust=trust)
+                      max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup)
     return _execute(conversion, Path(output), progress=progress)
 
 

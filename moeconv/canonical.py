@@ -111,6 +111,23 @@ class MoELayerShape:
     symmetric: bool
     scale_dtype: str  # safetensors dtype code of the source scales ("F16", "BF16", "F32")
     activation_bits: int = 16  # 8: the scheme quantizes activations to int8 per token (W8A8)
+    tp: int = 1  # tensor-parallel ranks the layer will be split over (eligibility only: tensors stay whole)
 
     def group_size_for(self, in_features: int) -> int:
         return in_features if self.group_size in (-1, 0) else self.group_size
+
+    @property
+    def intermediate_per_rank(self) -> int:
+        """I / tp: the rows of w13 and the input width of w2 one rank holds."""
+        return self.intermediate // self.tp
+
+
+def regroup(weight: QuantizedWeight, factor: int) -> QuantizedWeight:
+    """The same weight with groups `factor` times smaller: every scale and zero point repeated
+    `factor` times along K. Lossless (the dequantized weight is identical); it is what the
+    moe_wna16 loader does when the group size does not divide a per-rank size."""
+    if factor == 1:
+        return weight
+    zeros = None if weight.zeros is None else weight.zeros.repeat_interleave(factor, dim=1)
+    return QuantizedWeight(codes=weight.codes, zeros=zeros, scales=weight.scales.repeat_interleave(factor, dim=1),
+                           bits=weight.bits, group_size=weight.group_size // factor)

@@ -65,6 +65,7 @@ def _key_values(title: str, rows: list[tuple[str, Any]]) -> Table:
 SOURCE_HELP = "Checkpoint folder, or a Hugging Face id (org/model)."
 REVISION = typer.Option(None, "--revision", help="Hub branch, tag or commit (Hub ids only).")
 LOCAL_ONLY = typer.Option(False, "--local-files-only", help="Use the Hugging Face cache only, never download.")
+TP = typer.Option(1, "--tp", min=1, help="Tensor-parallel size the output will be served with (eligibility checks).")
 
 
 @app.command()
@@ -72,12 +73,14 @@ def inspect(
     source: str = typer.Argument(..., help=SOURCE_HELP),
     revision: Optional[str] = REVISION,
     local_files_only: bool = LOCAL_ONLY,
+    tp: int = TP,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """Say what a checkpoint is: architecture, quant format, MoE layers, sizes. Reads headers and configs only."""
+    """Say what a checkpoint is: architecture, quant format (from the config and from the tensors),
+    MoE layers, sizes, and which backends can take it. Reads headers, configs and a few small tensors."""
     from moeconv.api import inspect as inspect_source
 
-    report = inspect_source(source, revision=revision, local_files_only=local_files_only)
+    report = inspect_source(source, revision=revision, local_files_only=local_files_only, tp=tp)
     if as_json:
         _print_json(report)
         return
@@ -101,7 +104,13 @@ def inspect(
     if detection["act_order"]:
         rows.append(("[red]act-order[/]", detection["act_order"]))
     for name, verdict in report["backends"].items():
-        rows.append((f"backend {name}", "eligible" if verdict["eligible"] else f"NOT eligible: {verdict['reason']}"))
+        if verdict["eligible"]:
+            text = "eligible"
+        elif verdict["eligible_with_regroup"]:
+            text = f"eligible with --regroup (group size / {verdict['regroup_factor']}): {verdict['reason']}"
+        else:
+            text = f"NOT eligible: {verdict['reason']}"
+        rows.append((f"backend {name} (tp={report['tp']})", text))
     if "suspicious_zero_slots" in report:
         found = report["suspicious_zero_slots"]
         rows.append(("v1 zero slots stored as all ones",
@@ -113,7 +122,8 @@ def inspect(
 def convert(
     source: str = typer.Argument(..., help=SOURCE_HELP),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder (must not exist, or be empty)."),
-    backend: str = typer.Option("triton", "--backend", "-b", help="Target layout."),
+    backend: str = typer.Option("triton", "--backend", "-b",
+                                help="Target layout: triton, cpu, or auto (the first that fits, in the engines' order)."),
     max_shard_size: int = typer.Option("5GB", "--max-shard-size", parser=parse_size, metavar="SIZE",
                                        help="Most tensor bytes per output shard (as transformers counts), e.g. 5GB, 500MB."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and write nothing."),
@@ -123,6 +133,8 @@ def convert(
     local_files_only: bool = LOCAL_ONLY,
     trust_config: bool = typer.Option(False, "--trust-config", help="When tensors and config disagree, follow the config."),
     trust_data: bool = typer.Option(False, "--trust-data", help="When tensors and config disagree, follow the tensors."),
+    tp: int = TP,
+    regroup: bool = typer.Option(False, "--regroup", help="Halve the group size (lossless) where that makes the backend fit."),
 ) -> None:
     """Convert a checkpoint's experts into a backend layout; every other tensor is copied byte for byte.
     An interrupted conversion resumes when the same command is run again."""
@@ -135,7 +147,9 @@ def convert(
         raise typer.BadParameter("choose one of --trust-config and --trust-data", param_hint="'--trust-data'")
     trust = "config" if trust_config else "data" if trust_data else None
     plan = make_plan(source, backend=backend, max_shard_size=max_shard_size, revision=revision,
-                     local_files_only=local_files_only, trust=trust)
+                     local_files_only=local_files_only, trust=trust, tp=tp, regroup=regroup)
+    for name, reason in plan.skipped_backends:
+        err.print(f"backend {name} skipped: {reason}", highlight=False, soft_wrap=True)
     if dry_run:
         summary = plan.summary()
         if as_json:

@@ -89,6 +89,8 @@ def job_identity(plan: Plan) -> dict[str, Any]:
         "layout_version": plan.backend.layout_version,
         "max_shard_size": plan.max_shard_size,
         "trust": plan.trust,
+        "tp": plan.tp,
+        "regroup_factor": plan.regroup_factor,
         "format": plan.source_format.describe(),
         "source": plan.checkpoint.identity(),
     }
@@ -229,7 +231,7 @@ def _convert_expert(plan: Plan, layer: MoELayer, expert: dict[str, dict[str, Ten
         if track_zeros:
             zero_counts.append((linear["qzeros"].name, plan.source_format.suspicious_zero_slots(tensors["qzeros"])))
         try:
-            decoded[projection] = plan.source_format.decode(tensors)
+            decoded[projection] = plan.decode_linear(tensors)
         except MoeconvError as error:
             first = next(iter(linear.values()))
             prefix = first.name.rsplit(".", 1)[0]

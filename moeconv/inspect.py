@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -9,17 +10,18 @@ from moeconv.backends import REGISTRY as BACKENDS
 from moeconv.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
 from moeconv.formats.gptq import SuspiciousZeroTally, zero_tally
 from moeconv.models import architecture_from_config
-from moeconv.plan import detect_format, find_moe_layers
+from moeconv.plan import detect_format, eligibility, find_moe_layers
 
 
-def inspect_checkpoint(source: Path | Checkpoint) -> dict[str, Any]:
+def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]:
     checkpoint = source if isinstance(source, Checkpoint) else open_checkpoint(Path(source))
     where = str(checkpoint.root / "config.json")
     architecture = architecture_from_config(checkpoint.config, where)
     configured, detection = detect_format(checkpoint, architecture)
     # Describe the checkpoint as the tensors show it; disagreements are reported, not fatal, here.
     source_format = detection.detected if detection.disagreements and detection.detected else configured
-    layers = find_moe_layers(checkpoint, architecture, source_format)
+    layers = [replace(layer, shape=replace(layer.shape, tp=tp))
+              for layer in find_moe_layers(checkpoint, architecture, source_format)]
     first = layers[0].shape
     expert_bytes = sum(layer.source_bytes for layer in layers)
     report: dict[str, Any] = {
@@ -41,6 +43,7 @@ def inspect_checkpoint(source: Path | Checkpoint) -> dict[str, Any]:
         "expert_bytes": expert_bytes,
         "tensors": len(checkpoint.tensors),
         "shards": [{"file": path.name, "bytes": path.stat().st_size} for path in checkpoint.files],
+        "tp": tp,
         "backends": {name: _verdict(backend, layers) for name, backend in BACKENDS.items()},
     }
     tally = zero_tally(source_format)
@@ -50,11 +53,16 @@ def inspect_checkpoint(source: Path | Checkpoint) -> dict[str, Any]:
 
 
 def _verdict(backend, layers) -> dict[str, Any]:
-    for layer in layers:
-        reason = backend.refusal(layer.shape)
-        if reason:
-            return {"eligible": False, "reason": f"{layer.module}: {reason}"}
-    return {"eligible": True, "reason": None}
+    """Whether the backend takes the checkpoint (as it is, or after --regroup), with each layer's reason."""
+    factor, reason = eligibility(backend, layers, allow_regroup=True)
+    refusals = {layer.module: backend.refusal(layer.shape) for layer in layers}
+    return {
+        "eligible": reason is None and factor == 1,
+        "eligible_with_regroup": reason is None,
+        "regroup_factor": factor,
+        "reason": reason or next((f"{m}: {r}" for m, r in refusals.items() if r), None),
+        "layers": {module: refusal or "ok" for module, refusal in refusals.items()},
+    }
 
 
 def _count_suspicious(tally: SuspiciousZeroTally, layers) -> dict[str, Any]:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Union
 
-from moeconv.backends import Backend, get_backend
-from moeconv.canonical import MoELayerShape
+import torch
+
+from moeconv.backends import REGISTRY, Backend, get_backend
+from moeconv.canonical import MoELayerShape, QuantizedWeight, regroup
 from moeconv.checkpoint.reader import DTYPE_SIZES, Checkpoint, TensorEntry, _product, open_checkpoint
 from moeconv.errors import MoeconvError
 from moeconv.detect import Detection, detect, sample_linears
@@ -80,6 +82,13 @@ class Plan:
     max_shard_size: int
     trust: str | None = None
     detection: Detection | None = None
+    regroup_factor: int = 1  # group size divided by this (scales and zeros repeated): lossless
+    tp: int = 1
+    skipped_backends: tuple[tuple[str, str], ...] = ()  # --backend auto: (name, why not)
+
+    def decode_linear(self, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
+        """One source linear in the canonical form this plan writes (after any regrouping)."""
+        return regroup(self.source_format.decode(tensors), self.regroup_factor)
 
     def layer_tensors(self, layer: MoELayer) -> list[OutputTensor]:
         return [
@@ -102,6 +111,9 @@ class Plan:
             "layout_version": self.backend.layout_version,
             "architecture": self.architecture.model_type,
             "format": self.source_format.describe(),
+            "regroup_factor": self.regroup_factor,
+            "tp": self.tp,
+            "skipped_backends": [{"backend": name, "reason": reason} for name, reason in self.skipped_backends],
             "detection": self.detection.to_json() if self.detection else None,
             "moe_layers": len(self.layers),
             "source_bytes": self.checkpoint.total_bytes,
@@ -241,27 +253,85 @@ def _ranges(values: list[int]) -> str:
     return f"{values[0]}..{values[-1]}" if values == list(range(values[0], values[-1] + 1)) else str(values[:8])
 
 
-def make_plan(source: Path | Checkpoint, backend: str = "triton",
-              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, trust: str | None = None) -> Plan:
-    """From headers and configs, plus a small sample of expert tensors to check the format (detect.py)."""
+# The order in which the engines' MoE oracles try backends; `--backend auto` takes the first that fits.
+BACKEND_PRIORITY = ("triton", "humming", "cpu")
+MIN_REGROUPED_GROUP_SIZE = 32
+
+
+def _first_refusal(backend: Backend, layers: list[MoELayer], factor: int) -> str | None:
+    for layer in layers:
+        shape = layer.shape if factor == 1 else replace(layer.shape, group_size=layer.shape.group_size // factor)
+        reason = backend.refusal(shape)
+        if reason:
+            return f"{layer.module}: {reason}"
+    return None
+
+
+def eligibility(backend: Backend, layers: list[MoELayer], allow_regroup: bool) -> tuple[int, str | None]:
+    """(regroup factor, None) when the backend takes every layer, possibly after regrouping (halving
+    the group size, losslessly, until the sizes divide); otherwise (1, the reason)."""
+    reason = _first_refusal(backend, layers, 1)
+    group_size = layers[0].shape.group_size
+    factor = 2
+    while reason and group_size > 0 and group_size % factor == 0 and group_size // factor >= MIN_REGROUPED_GROUP_SIZE:
+        if _first_refusal(backend, layers, factor) is None:
+            if allow_regroup:
+                return factor, None
+            return 1, f"{reason} (--regroup makes it eligible: group size {group_size // factor}, lossless)"
+        factor *= 2
+    return 1, reason
+
+
+def choose_backend(name: str, layers: list[MoELayer], allow_regroup: bool) -> tuple[Backend, int, tuple]:
+    """The backend, its regroup factor, and (for "auto") each skipped backend with its reason."""
+    if name != "auto":
+        backend = get_backend(name)
+        factor, reason = eligibility(backend, layers, allow_regroup)
+        if reason:
+            eligible = [other for other, candidate in REGISTRY.items()
+                        if eligibility(candidate, layers, allow_regroup)[1] is None]
+            raise MoeconvError(f"backend {name!r} does not support this checkpoint: {reason}; "
+                               f"expected one of {eligible}")
+        return backend, factor, ()
+    skipped = []
+    for candidate in BACKEND_PRIORITY:
+        if candidate not in REGISTRY:
+            skipped.append((candidate, "not available in this version of moeconv"))
+            continue
+        factor, reason = eligibility(REGISTRY[candidate], layers, allow_regroup)
+        if reason is None:
+            return REGISTRY[candidate], factor, tuple(skipped)
+        skipped.append((candidate, reason))
+    raise MoeconvError("no backend takes this checkpoint: " + "; ".join(f"{n}: {r}" for n, r in skipped))
+
+
+def make_plan(source: Path | Checkpoint, backend: str = "triton", max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+              trust: str | None = None, tp: int = 1, regroup: bool = False) -> Plan:
+    """From headers and configs, plus a small sample of expert tensors to check the format (detect.py).
+
+    backend: a registered backend or "auto". tp: the tensor-parallel size the output will be served
+    with (eligibility only). regroup: allow halving the group size when that makes the backend fit.
+    """
+    if tp < 1:
+        raise MoeconvError(f"--tp must be at least 1, not {tp}")
     checkpoint = source if isinstance(source, Checkpoint) else open_checkpoint(Path(source))
     config_path = str(checkpoint.root / "config.json")
     architecture = architecture_from_config(checkpoint.config, config_path)
     source_format, detection = resolve_format(checkpoint, architecture, trust)
-    target = get_backend(backend)
-    layers = find_moe_layers(checkpoint, architecture, source_format)
-    for layer in layers:
-        reason = target.refusal(layer.shape)
-        if reason:
-            raise MoeconvError(f"{checkpoint.root}: backend {target.name!r} cannot take {layer.module}: {reason}")
+    layers = [replace(layer, shape=replace(layer.shape, tp=tp))
+              for layer in find_moe_layers(checkpoint, architecture, source_format)]
+    target, factor, skipped = choose_backend(backend, layers, regroup)
+    if factor > 1:
+        layers = [replace(layer, shape=replace(layer.shape, group_size=layer.shape.group_size // factor))
+                  for layer in layers]
     expert_names = {entry.name for layer in layers for expert in layer.experts
                     for linear in expert.values() for entry in linear.values()}
     units: list[tuple[str, Unit]] = [(layer.module, layer) for layer in layers]
     units += [(name, PassThrough(entry)) for name, entry in checkpoint.tensors.items() if name not in expert_names]
     units.sort(key=lambda item: _natural_key(item[0]))
-    plan = Plan(checkpoint, architecture, source_format, target, tuple(layers), (), max_shard_size, trust, detection)
-    return Plan(checkpoint, architecture, source_format, target, tuple(layers),
-                _assign_shards(plan, [unit for _, unit in units], max_shard_size), max_shard_size, trust, detection)
+    plan = Plan(checkpoint, architecture, source_format, target, tuple(layers), (), max_shard_size, trust,
+                detection, factor, tp, skipped)
+    return replace(plan, shards=_assign_shards(plan, [unit for _, unit in units], max_shard_size))
 
 
 def _unit_tensors(plan: Plan, unit: Unit) -> list[OutputTensor]:

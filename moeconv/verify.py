@@ -102,7 +102,8 @@ def verify(output: Path, source: Path | None = None, sample: int | None = None, 
     manifest = read_json(output / MANIFEST_NAME)
     source = Path(source or manifest["source"]["path"])
     arguments = manifest.get("arguments", {})
-    plan = make_plan(source, backend=manifest["backend"], trust=arguments.get("trust"))
+    plan = make_plan(source, backend=manifest["backend"], trust=arguments.get("trust"), tp=arguments.get("tp", 1),
+                     regroup=arguments.get("regroup_factor", 1) > 1)
     report = VerifyReport(str(output), str(source), tolerance=max(numerics_tolerance(l.shape) for l in plan.layers))
     converted = open_checkpoint(output)
     report.structure_problems = _check_structure(plan, output, manifest, converted.tensors)
@@ -199,7 +200,7 @@ def _read_expert_slices(outputs: dict[str, TensorEntry], experts: list[int],
 def _source_expert(plan: Plan, layer: MoELayer, expert: int, reader: TensorReader) -> ExpertWeights:
     decoded = {}
     for projection, linear in layer.experts[expert].items():
-        decoded[projection] = plan.source_format.decode({s: reader.read(entry) for s, entry in linear.items()})
+        decoded[projection] = plan.decode_linear({s: reader.read(entry) for s, entry in linear.items()})
     return ExpertWeights(**decoded)
 
 

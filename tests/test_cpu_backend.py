@@ -242,7 +242,8 @@ def test_plan_refuses_layers_that_do_not_block(tmp_path, fields, reason):
     source = make_checkpoint(tmp_path / "src", SynthSpec(**fields))
     result = cli("convert", source, "-o", tmp_path / "out", "--backend", "cpu")
     assert isinstance(result.exception, MoeconvError) and result.exception.exit_code == 2
-    assert f"backend 'cpu' cannot take model.layers.0.mlp.experts: {reason}" in str(result.exception)
+    message = str(result.exception)
+    assert "backend 'cpu' cannot take model.layers.0.mlp.experts: " in message and reason in message
     assert not (tmp_path / "out").exists()
 
 

@@ -1,7 +1,7 @@
 """The Triton fused-MoE kernel against a float64 reference, on the CPU under Triton's interpreter.
 
-No ``TRITON_INTERPRET`` variable is needed: ``moeconv.kernels`` runs CPU tensors through the
-interpreter by itself, whatever was imported first. bf16 activations are left to
+``moeconv.kernels`` runs CPU tensors under the interpreter by itself, so no ``TRITON_INTERPRET``
+is needed here, and no import order matters. bf16 activations are left to
 tests/test_kernel_gpu.py (compiled), since the interpreter mishandles a bf16 cast before tl.dot.
 
 Quantized inputs are drawn here as codes, zeros and scales, packed into the moe_wna16 bytes by
@@ -151,7 +151,8 @@ def test_kernel_matches_float_reference(bits, with_zeros, group_size, dtype, num
 
 def check_layer_and_gemm(*, bits, with_zeros, group_size, dtype, num_tokens, device, num_experts=NUM_EXPERTS,
                          hidden=HIDDEN, intermediate=INTERMEDIATE, topk=TOPK):
-    """The whole layer against the reference, and its down GEMM alone into a NaN-poisoned output."""
+    """The whole layer against the reference (tile shapes from the heuristic), and a down GEMM alone
+    on the one-row register path into a NaN-poisoned output."""
     options = dict(bits=bits, group_size=group_size, with_zeros=with_zeros, dtype=dtype, device=device,
                    seed=bits * 1000 + group_size + with_zeros + num_tokens,
                    scale_dtype=torch.bfloat16 if (bits + group_size) % 3 == 0 else torch.float16)  # both occur
@@ -159,22 +160,27 @@ def check_layer_and_gemm(*, bits, with_zeros, group_size, dtype, num_tokens, dev
                           topk=topk, **options)
     assert err < TOLERANCE[dtype]
     _, topk_ids = random_routing(num_tokens, num_experts, topk, torch.Generator().manual_seed(num_tokens))
-    assert check_moe_gemm(topk_ids=topk_ids, n=hidden, k=intermediate, **options) < TOLERANCE[dtype] / 2
+    one_row = GemmConfig(block_m=1, block_n=min(hidden, 256), block_k=32 if group_size == 32 else 64)
+    err = check_moe_gemm(topk_ids=topk_ids, n=hidden, k=intermediate, config=one_row, **options)
+    assert err < TOLERANCE[dtype] / 2
 
 
+@pytest.mark.parametrize("block_m", [1, 16])  # the register path and the tensor-core path
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_moe_gemm_writes_every_row_with_router_weights(bits, dtype):
+def test_moe_gemm_writes_every_row_with_router_weights(bits, dtype, block_m):
     # Expert 2 of 5 gets no token, expert 4 gets more rows than one 16-row block holds.
     topk_ids = torch.tensor([[4, 0]] * 12 + [[1, 3], [4, 3], [0, 4], [3, 1], [4, 1], [1, 0], [4, 3], [0, 4]])
+    config = GemmConfig(block_m=block_m, block_n=HIDDEN, block_k=64)
     err = check_moe_gemm(bits=bits, group_size=64, with_zeros=True, dtype=dtype, topk_ids=topk_ids, seed=7,
-                         device="cpu")
+                         device="cpu", config=config)
     assert err < TOLERANCE[dtype] / 2  # one GEMM: only the output is rounded
 
 
-def test_split_k_partial_sums_meet():
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_split_k_partial_sums_meet(block_m):
     topk_ids = torch.tensor([[0, 1], [1, 2], [2, 0]])
-    config = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=2)
+    config = GemmConfig(block_m=block_m, block_n=128, block_k=32, split_k=2)
     err = check_moe_gemm(bits=4, group_size=32, with_zeros=False, dtype=torch.float32, topk_ids=topk_ids, seed=3,
                          device="cpu", config=config)
     assert err < TOLERANCE[torch.float32]

@@ -107,7 +107,8 @@ def test_round_trip_through_the_source_format(source, data):
 
 @pytest.mark.parametrize("shape, reason", [
     (MoELayerShape(4, 64, 32, 2, 32, True, "F16"), "4- or 8-bit"),
-    (MoELayerShape(4, 96, 32, 4, 64, True, "F16"), "does not divide 96"),
+    (MoELayerShape(4, 96, 32, 4, 64, True, "F16"), "group size 64 does not divide the hidden size 96"),
+    (MoELayerShape(4, 128, 704, 4, 128, True, "F16", tp=2), "does not divide the intermediate size per rank 352"),
 ])
 def test_refusals(shape, reason):
     assert reason in backend.refusal(shape)

@@ -34,11 +34,14 @@ class TritonBackend:
             return _int8_refusal(layer)
         if layer.bits not in (4, 8):
             return f"the moe_wna16 kernels take 4- or 8-bit weights, not {layer.bits}-bit"
-        if layer.bits == 4 and (layer.hidden % 2 or layer.intermediate % 2):
-            return "4-bit packing needs even hidden and intermediate sizes"
-        for in_features in (layer.hidden, layer.intermediate):
+        if layer.intermediate % layer.tp:
+            return f"intermediate size {layer.intermediate} does not split over tp={layer.tp}"
+        per_rank = layer.intermediate_per_rank
+        if layer.bits == 4 and (layer.hidden % 2 or per_rank % 2):
+            return f"4-bit packing needs even sizes (hidden {layer.hidden}, intermediate per rank {per_rank})"
+        for what, in_features in (("hidden size", layer.hidden), ("intermediate size per rank", per_rank)):
             if in_features % layer.group_size_for(in_features):
-                return f"group size {layer.group_size} does not divide {in_features}"
+                return f"group size {layer.group_size} does not divide the {what} {in_features}"
         return None
 
     def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:

@@ -8,10 +8,12 @@ One Triton kernel does both expert GEMMs of a layer (``y = a · Wᵀ`` per token
 pairs are sorted by expert in torch and each expert's run is padded to ``block_m`` rows
 (:func:`align_tokens_to_experts`), so every row block of the grid reads a single expert.
 
-Tensors on a CUDA device run the compiled kernel. Tensors on the CPU run the very same kernel
-under Triton's interpreter (slow: small shapes only), picked per call from the device, so neither
-the ``TRITON_INTERPRET`` variable nor import order matters. Under the interpreter a cast to bf16
-followed by ``tl.dot`` returns garbage, so bf16 activations are only supported compiled.
+Tensors on a CUDA device run the compiled kernel; CPU tensors run the same kernel under Triton's
+interpreter (slow: small shapes only). The choice is made per call from the device, so neither
+``TRITON_INTERPRET`` nor import order matters. The price: a kernel interpreted this way cannot
+call other ``@triton.jit`` functions, Triton's own ``tl.sum`` included, hence ``tl.reduce`` with
+Triton's sum combiner below. Under the interpreter a cast to bf16 followed by ``tl.dot`` returns
+garbage, so there bf16 activations are unsupported.
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.standard import _sum_combine  # what tl.sum reduces with; see the module docstring
+from triton.runtime.interpreter import InterpretedFunction
 
 SUPPORTED_BITS = (4, 8)
+REGISTER_PATH_MAX_ROWS = 2  # average rows per selected expert up to which one row per program wins
+WAVES = 4  # programs per multiprocessor that split-K aims for, to keep enough weight bytes in flight
 
 
 @dataclass(frozen=True)
@@ -85,51 +91,52 @@ def align_tokens_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: i
     return ExpertBlocks(pair_ids, block_experts, block_m, num_pairs, num_experts, topk_ids.shape[-1])
 
 
-def choose_block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per block: the average run length of a non-empty expert, rounded up to a tile.
+def choose_block_m(num_pairs: int, num_experts: int, device: torch.device | None = None) -> int:
+    """Rows per block, from the average run length of a non-empty expert.
 
-    Decode batches (1-16 tokens) give each selected expert a handful of rows, so 16 (the
-    smallest ``tl.dot`` tile) wastes least; longer runs take bigger tiles to reuse each weight
-    tile over more rows.
+    Decode gives each selected expert about one row: then one row per program (the register
+    path) streams the weights with the fewest instructions per byte. Longer runs take tensor-core
+    tiles of 16-64 rows so that each dequantized weight tile serves many rows. The interpreter
+    (``device`` not CUDA; None means a GPU) runs fastest with the fewest programs, so there every
+    block has 16 rows or more.
     """
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
-    for block_m in (16, 32, 64):
-        if rows_per_expert <= block_m:
-            return block_m
-    return 64
+    if rows_per_expert <= REGISTER_PATH_MAX_ROWS and (device is None or device.type == "cuda"):
+        return 1
+    return 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64
 
 
 def choose_config(num_pairs: int, num_experts: int, n: int, k: int, group_size: int, bits: int,
                   block_m: int, device: torch.device) -> GemmConfig:
     """A small heuristic for the tile shape of one GEMM (``n`` outputs, ``k`` inputs).
 
-    Decode is a stream of weight bytes, so the choice is about keeping enough bytes in flight:
-    * ``block_k``: the largest of 128/64/32/16 that divides the group, so each tile needs one
-      scale and one zero per output column and the scale is applied once per tile after the dot;
-    * ``block_n`` 128: one packed tile is 128 x 64 B (4-bit, k=128) per stage, four stages deep;
-    * ``split_k``: when the row blocks times column blocks give under two waves of the GPU
-      (decode of a long-K GEMM such as a down projection), split K until they do, keeping at
-      least four K tiles per split; partial sums meet through fp32 atomics.
-    Under the interpreter small tiles and no split keep tests to seconds.
+    Decode streams weight bytes, so the aim is many bytes in flight on every multiprocessor:
+    * ``block_k``: at most 64 and a divisor of the group, so a tile needs one scale and one zero
+      per column; 64 keeps the register path near 70 registers (high occupancy);
+    * ``block_n``: 256 rows on the register path (each activation load serves 4 rows per
+      thread), 128 on the tensor-core path, 64 once blocks have 64 rows (register pressure);
+    * ``split_k``: while the grid gives fewer than ``WAVES`` programs per multiprocessor (decode
+      of a long-K GEMM), split K in two, keeping at least two K tiles per split; partial sums
+      meet through fp32 atomics. Prefill-sized blocks already fill the GPU and are not split.
+    Under the interpreter, small tiles and no split keep tests to seconds.
     """
     group = k if group_size == -1 else group_size
-    min_block_k = 32 if bits == 4 else 16  # tl.dot needs at least 16 along K per nibble plane
-    block_k = next((b for b in (128, 64, 32, 16) if b >= min_block_k and group % b == 0), None)
+    block_k = next((b for b in (64, 32, 16) if group % b == 0), None)
     if block_k is None:
-        raise ValueError(f"group size {group} must be a multiple of {min_block_k}")
+        raise ValueError(f"group size {group} must be a multiple of 16")
     if device.type != "cuda":
-        return GemmConfig(block_m=block_m, block_n=min(64, _ceil_to(n, 16)), block_k=block_k,
-                          num_warps=1, num_stages=1)
-    block_n = 128
+        return GemmConfig(block_m=block_m, block_n=min(256, _ceil_to(n, 16)), block_k=block_k, num_warps=1,
+                          num_stages=1)
+    block_n = 256 if block_m == 1 else 128 if block_m < 64 else 64
     active_experts = max(1, min(num_experts, num_pairs))
-    row_blocks = active_experts * math.ceil(num_pairs / active_experts / block_m)
-    tiles = row_blocks * math.ceil(n / block_n)
+    programs = active_experts * math.ceil(num_pairs / active_experts / block_m) * math.ceil(n / block_n)
     k_tiles = k // block_k
-    target = 2 * _multiprocessor_count(device)
     split_k = 1
-    while tiles * split_k < target and k_tiles // (2 * split_k) >= 4:
+    while (block_m < 64 and programs * split_k < WAVES * _multiprocessor_count(device)
+           and k_tiles % (2 * split_k) == 0 and k_tiles // (2 * split_k) >= 2):
         split_k *= 2
-    return GemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k)
+    return GemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
+                      num_stages=4 if block_m < 64 else 3)
 
 
 def moe_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
@@ -165,22 +172,26 @@ def moe_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzero
         raise ValueError(f"a has {a.shape[0]} rows: want one per token or one per pair ({blocks.num_pairs})")
     if config is None:
         config = choose_config(blocks.num_pairs, num_experts, n, k, group_size, bits, blocks.block_m, a.device)
-    if config.block_m != blocks.block_m or group % config.block_k or (k // config.block_k) % config.split_k:
-        raise ValueError(f"{config} does not fit block_m={blocks.block_m}, group size {group}, K={k}")
+    if (config.block_m != blocks.block_m or (config.block_m != 1 and config.block_m % 16) or group % config.block_k
+            or config.block_k % 16 or (k // config.block_k) % config.split_k):
+        raise ValueError(f"{config} does not fit block_m={blocks.block_m}, group size {group}, K={k}: block_m "
+                         "must be 1 or a multiple of 16, block_k a multiple of 16 dividing the group, split_k "
+                         "a divisor of the number of K tiles")
     if out is None:
         out = torch.empty(blocks.num_pairs, n, dtype=out_dtype or a.dtype, device=a.device)
 
     accumulate = config.split_k > 1
     target = torch.zeros(out.shape, dtype=torch.float32, device=a.device) if accumulate else out
-    code_int, code_float, code_magic = _exact_code_float(a.dtype, bits, tensor_cores=config.block_m >= 16)
+    code_int, code_float, code_magic = _exact_code_float(a.dtype, bits)
+    words = qweight.view(torch.int32)  # 4 bytes at a time; little-endian: byte 0 is bits 0-7
     zeros_or_dummy = scales if qzeros is None else qzeros
     router_weights = topk_weights.reshape(-1) if topk_weights is not None else scales
     grid = (blocks.block_experts.numel(), triton.cdiv(n, config.block_n), config.split_k)
     _kernel_for(a.device)[grid](
-        a, qweight, scales, zeros_or_dummy, target, router_weights, blocks.pair_ids, blocks.block_experts,
+        a, words, scales, zeros_or_dummy, target, router_weights, blocks.pair_ids, blocks.block_experts,
         blocks.num_pairs, pairs_per_a_row, num_experts, n, group, k // config.block_k // config.split_k,
         a.stride(0), a.stride(1),
-        qweight.stride(0), qweight.stride(1), qweight.stride(2),
+        words.stride(0), words.stride(1), words.stride(2),
         scales.stride(0), scales.stride(1), scales.stride(2),
         zeros_or_dummy.stride(0), zeros_or_dummy.stride(1), zeros_or_dummy.stride(2),
         target.stride(0), target.stride(1),
@@ -206,7 +217,7 @@ def fused_moe(x: torch.Tensor, w13_qweight: torch.Tensor, w13_scales: torch.Tens
     num_experts, two_i, _ = w13_qweight.shape
     intermediate = two_i // 2
     num_pairs = topk_ids.numel()
-    block_m = choose_block_m(num_pairs, num_experts)
+    block_m = choose_block_m(num_pairs, num_experts, x.device)
     blocks = align_tokens_to_experts(topk_ids, num_experts, block_m)
     gate_up = moe_gemm(x, w13_qweight, w13_scales, w13_qzeros, blocks, bits=bits, group_size=group_size)
     activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
@@ -215,22 +226,21 @@ def fused_moe(x: torch.Tensor, w13_qweight: torch.Tensor, w13_scales: torch.Tens
     return down.view(num_tokens, blocks.topk, hidden).sum(dim=1).to(x.dtype)
 
 
-def _exact_code_float(dtype: torch.dtype, bits: int, *, tensor_cores: bool):
-    """How the kernel turns a code into a float with integer ops only (no slow int->float cvt).
+def _exact_code_float(dtype: torch.dtype, bits: int):
+    """How the tensor-core path turns a code into a float with integer ops only (no int->float cvt).
 
     OR-ing a code into the mantissa of a power of two M gives exactly ``M + code`` when the code
     fits the mantissa: fp16 ``0x6400`` = 1024 (10 bits), bf16 ``0x4300`` = 128 (7 bits: 4-bit
     codes only), fp32 ``0x4B000000`` = 2^23. Subtracting ``M + zero`` formed the same way leaves
-    ``code - zero``, an exact integer. Tensor cores take it in the activation dtype; the register
-    path multiplies in fp32.
+    ``code - zero``, an integer exact in the activation dtype.
     """
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"activations must be fp16, bf16 or fp32, got {dtype}")
-    if tensor_cores and dtype == torch.float16:
+    if dtype == torch.float16:
         return tl.int16, tl.float16, 0x6400
-    if tensor_cores and dtype == torch.bfloat16 and bits == 4:
+    if dtype == torch.bfloat16 and bits == 4:
         return tl.int16, tl.bfloat16, 0x4300
-    return tl.int32, tl.float32, 0x4B000000
+    if dtype in (torch.bfloat16, torch.float32):
+        return tl.int32, tl.float32, 0x4B000000
+    raise TypeError(f"activations must be fp16, bf16 or fp32, got {dtype}")
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -246,14 +256,16 @@ def _moe_gemm_kernel(
     CODE_INT: tl.constexpr, CODE_FLOAT: tl.constexpr, CODE_MAGIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Grid (row blocks, column blocks, K splits). Each K tile lies in one quantization group, so
-    the tile computes with exact integers ``code - zero`` and the group's scale multiplies the
-    partial sum (BLOCK_M x BLOCK_N products instead of BLOCK_K x BLOCK_N). A packed tile is loaded
-    once as bytes and split into nibble planes (even k, odd k) in registers.
+    """Grid (row blocks, column blocks, K splits); ``b_ptr`` is the packed weights seen as int32.
 
-    Row blocks of 16 or more use ``tl.dot`` (tensor cores). Smaller ones (decode: a selected
-    expert sees a few rows) multiply and reduce in fp32 registers instead: no shared-memory
-    round trip or barrier per tile, so many warps stream weights independently."""
+    Each K tile lies in one quantization group, so the tile computes with exact integers
+    ``code - zero`` and the group's scale multiplies the partial sum once per column. Weights are
+    loaded once per tile, 16 bytes per thread, and unpacked in registers with shifts and masks.
+
+    Row blocks of 16 or more use ``tl.dot`` (tensor cores; Triton pipelines the loads through
+    shared memory). Blocks of one row (decode, where a selected expert sees about one token) use
+    fp32 multiply-adds in the layout the weights were loaded in: no shared-memory round trip and
+    about 5 instructions per weight (SASS for sm_90), against about 7 for the dot path."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_experts_ptr + pid_m)
     if expert >= num_experts:
@@ -324,8 +336,8 @@ def _moe_gemm_kernel(
                 a = tl.load(a_ptrs + (k0 + code) * stride_ak).to(tl.float32)
                 products += weights * a[None, :]
                 a_sum += a
-            zero_sum = ((1 << BITS) + zero.to(tl.float32)) * tl.sum(a_sum, axis=0)
-            acc += ((1 << BITS) * tl.sum(products, axis=1) - zero_sum) * scale
+            zero_sum = ((1 << BITS) + zero.to(tl.float32)) * tl.reduce(a_sum, 0, _sum_combine)
+            acc += ((1 << BITS) * tl.reduce(products, 1, _sum_combine) - zero_sum) * scale
 
     if not USE_DOT:
         acc = acc[None, :]
@@ -346,8 +358,8 @@ def _kernel_for(device: torch.device):
 
 @cache
 def _interpreted_kernel():
-    from triton.runtime.interpreter import InterpretedFunction
-
+    if isinstance(_moe_gemm_kernel, InterpretedFunction):  # TRITON_INTERPRET=1 was set before import
+        return _moe_gemm_kernel
     return InterpretedFunction(_moe_gemm_kernel.fn)
 
 

@@ -136,7 +136,7 @@ def _int8_moe_gemm_kernel(
         k0 = k_tile * BLOCK_K
         a = tl.load(a_ptrs + k0 * stride_ak, mask=row_valid[:, None], other=0)
         b = tl.load(b_ptrs + k0 * stride_bk)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # compiled, int8 dots must name their int32 accumulator
 
     a_scale = tl.load(a_scale_ptr + a_row, mask=row_valid, other=0.0)
     b_scale = tl.load(b_scale_ptr + expert * stride_se + n_in * stride_sn)

@@ -1,0 +1,66 @@
+"""Preflight: which backend can take a checkpoint at a tensor-parallel size, before anything is written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moeconv.errors import MoeconvError
+from moeconv.formats import GPTQ
+from moeconv.plan import make_plan
+from moeconv.synth import SynthSpec, make_checkpoint
+
+from helpers import cli
+
+
+@pytest.fixture(scope="module")
+def lite(tmp_path_factory):
+    """DeepSeek-V2-Lite's expert width (I = 1408) at g = 128: fine whole, but 704 per rank at tp=2,
+    which 128 does not divide (the case vLLM's moe_wna16 loader regroups for)."""
+    return make_checkpoint(tmp_path_factory.mktemp("lite") / "src",
+                           SynthSpec(architecture="deepseek_v2", source_format=GPTQ(4, 128, sym=False), layers=2,
+                                     dense_layers=1, experts=2, hidden=256, intermediate=1408))
+
+
+def test_triton_refuses_tp2_and_offers_regroup(lite, tmp_path):
+    assert make_plan(lite, tp=1).regroup_factor == 1
+    with pytest.raises(MoeconvError) as refusal:
+        make_plan(lite, tp=2)
+    message = str(refusal.value)
+    assert "backend 'triton' does not support this checkpoint" in message
+    assert "group size 128 does not divide the intermediate size per rank 704" in message
+    assert "--regroup makes it eligible: group size 64, lossless" in message
+    result = cli("convert", lite, "-o", tmp_path / "out", "--tp", "2")
+    assert result.exit_code != 0 and not (tmp_path / "out").exists()
+
+
+def test_regroup_converts_losslessly_and_verifies(lite, tmp_path):
+    result = cli("convert", lite, "-o", tmp_path / "out", "--tp", "2", "--regroup", "--quiet")
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["group_size"] == 64
+    verified = cli("verify", tmp_path / "out", "--json", "--numerics-layers", "0")
+    assert verified.exit_code == 0, verified.output
+
+
+def test_inspect_shows_per_backend_per_layer_verdicts(lite):
+    result = cli("inspect", lite, "--tp", "2", "--json")
+    assert result.exit_code == 0, result.output
+    triton = json.loads(result.stdout)["backends"]["triton"]
+    assert triton["eligible"] is False and triton["eligible_with_regroup"] is True
+    assert triton["regroup_factor"] == 2
+    assert "704" in triton["layers"]["model.layers.1.mlp.experts"]
+
+
+def test_auto_takes_the_first_eligible_backend_and_says_why(tmp_path):
+    source = make_checkpoint(tmp_path / "src", SynthSpec())
+    plan = make_plan(source, backend="auto")
+    assert plan.backend.name == "triton" and plan.skipped_backends == ()
+
+
+def test_auto_with_nothing_eligible_lists_every_reason(tmp_path):
+    source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(2, 32, sym=False)))
+    with pytest.raises(MoeconvError, match="no backend takes this checkpoint: triton: .*2-bit") as refusal:
+        make_plan(source, backend="auto")
+    assert "humming: not available in this version of moeconv" in str(refusal.value)
