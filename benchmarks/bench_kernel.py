@@ -4,8 +4,8 @@ For each model shape, token count and zero-point mode it reports each GEMM's tim
 layer's, the HBM roofline (bytes of the weights, scales and zeros of only the experts the routing
 selects, over the device-to-device copy bandwidth measured in the same run), the share of it
 reached, and torch's dequantize-then-matmul time over the same experts. Every timed output is
-checked against that torch result. ``--sweep`` also times the tile levers (block sizes, split-K,
-stages, warps) per GEMM. ``--smoke`` runs tiny shapes on the CPU under Triton's interpreter (fp16:
+checked against that torch result. ``--sweep`` also times the tile levers (rows per block, N tile,
+split-K, warps) per GEMM. ``--smoke`` runs tiny shapes on the CPU under Triton's interpreter (fp16:
 the interpreter cannot do bf16), so the script cannot rot unnoticed.
 
     python benchmarks/bench_kernel.py --json results.json [--sweep]
@@ -19,7 +19,7 @@ import datetime
 import itertools
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
@@ -84,21 +84,30 @@ class QuantizedLinear:
         return DequantizedExperts(*self.args(), bits=BITS, group_size=GROUP_SIZE)
 
 
-def measure_ms(fn, device: torch.device) -> float:
-    """Median milliseconds of ``fn``; on CUDA through do_bench, which flushes L2 before each call."""
-    if device.type == "cuda":
-        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-    fn()
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
+def measure_ms(fn, device: torch.device, *, graph: bool, rep_ms: int = 40) -> float:
+    """Median milliseconds of ``fn``. On CUDA through do_bench, which flushes L2 before each call;
+    with ``graph`` the call is one CUDA-graph replay, so the host's launch overhead (tens of µs
+    per launch on the benchmark machine, more than small decode kernels take) stays out."""
+    if device.type != "cuda":
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    if graph:
+        fn()  # compile and warm up outside the capture
+        torch.cuda.synchronize()
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            fn()
+        fn = captured.replay
+    return triton.testing.do_bench(fn, warmup=rep_ms // 4, rep=rep_ms, return_mode="median")
 
 
 def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
     """Bytes per second of a device-to-device copy, counting bytes read plus bytes written."""
     src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * num_bytes / (measure_ms(lambda: dst.copy_(src), device) * 1e-3)
+    return 2 * num_bytes / (measure_ms(lambda: dst.copy_(src), device, graph=False) * 1e-3)
 
 
 class Case:
@@ -122,7 +131,7 @@ class Case:
     def gemm(self, which: str, config: GemmConfig | None = None):
         """A callable running one GEMM as fused_moe does (``config`` None: the heuristic's)."""
         num_pairs = self.topk_ids.numel()
-        block_m = config.block_m if config else choose_block_m(num_pairs, self.model.num_experts)
+        block_m = config.block_m if config else choose_block_m(num_pairs, self.model.num_experts, self.device)
         blocks = align_tokens_to_experts(self.topk_ids, self.model.num_experts, block_m)
         if which == "w13":
             return lambda: moe_gemm(self.x, *self.w13.args(), blocks, bits=BITS, group_size=GROUP_SIZE, config=config)
@@ -132,7 +141,7 @@ class Case:
     def heuristic_config(self, which: str) -> GemmConfig:
         num_pairs, e, h, i = self.topk_ids.numel(), self.model.num_experts, self.model.hidden, self.model.intermediate
         n, k = (2 * i, h) if which == "w13" else (h, i)
-        return choose_config(num_pairs, e, n, k, GROUP_SIZE, BITS, choose_block_m(num_pairs, e), self.device)
+        return choose_config(num_pairs, e, n, k, GROUP_SIZE, BITS, choose_block_m(num_pairs, e, self.device), self.device)
 
     def layer(self):
         return fused_moe(self.x, *self.w13.args(), *self.w2.args(), self.topk_weights, self.topk_ids, bits=BITS,
@@ -145,14 +154,16 @@ class Case:
 
 def run_case(case: Case, bandwidth: float) -> dict:
     device = case.device
-    times = {which: measure_ms(case.gemm(which), device) for which in ("w13", "w2")}
-    layer_ms = measure_ms(case.layer, device)
-    torch_ms = measure_ms(case.torch_layer, device)
+    times = {which: measure_ms(case.gemm(which), device, graph=True) for which in ("w13", "w2")}
+    layer_ms = measure_ms(case.layer, device, graph=True)
+    layer_eager_ms = measure_ms(case.layer, device, graph=False)
+    torch_ms = measure_ms(case.torch_layer, device, graph=False)  # syncs with the host: no graph
     roofline_ms = sum(case.gemm_bytes.values()) / bandwidth * 1e3
     return {
         "model": case.model.name, "tokens": case.num_tokens, "zeros": case.with_zeros,
         "config_w13": asdict(case.heuristic_config("w13")), "config_w2": asdict(case.heuristic_config("w2")),
         "w13_ms": times["w13"], "w2_ms": times["w2"], "gemms_ms": times["w13"] + times["w2"], "layer_ms": layer_ms,
+        "layer_eager_ms": layer_eager_ms,
         "roofline_ms": roofline_ms, "roofline_pct_gemms": 100 * roofline_ms / (times["w13"] + times["w2"]),
         "roofline_pct_layer": 100 * roofline_ms / layer_ms, "torch_ms": torch_ms,
         "bytes": sum(case.gemm_bytes.values()),
@@ -161,14 +172,18 @@ def run_case(case: Case, bandwidth: float) -> dict:
 
 
 def lever_configs(case: Case, which: str):
-    """Configurations to time around the heuristic: a grid over the main levers, then stages/warps."""
-    base = case.heuristic_config(which)
-    if base.block_m == 16 and case.num_tokens <= 16:  # decode: bytes in flight and grid fill
-        grid = itertools.product((64, 128, 256), (64, 128), (1, 2, 4, 8, 16))
-        yield from (replace(base, block_n=n, block_k=k, split_k=s) for n, k, s in grid)
-    else:  # more rows per expert: tile reuse
-        grid = itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8))
-        yield from (replace(base, block_m=m, block_n=n, num_warps=w, split_k=1, num_stages=3) for m, n, w in grid)
+    """Configurations to time: the heuristic's, then one-row (register path) and 16-row tiles over
+    N tile width, K split and warps, then prefill tiles over rows, columns and warps."""
+    yield case.heuristic_config(which)
+    k_tiles = (case.model.hidden if which == "w13" else case.model.intermediate) // 64
+    if case.num_tokens <= 16:
+        grid = [(1, n, w) for n in (128, 256, 512) for w in (4, 8)] + [(16, 128, 4)]
+        for (m, n, w), split in itertools.product(grid, (1, 4, 16)):
+            if k_tiles % split == 0:
+                yield GemmConfig(block_m=m, block_n=n, block_k=64, split_k=split, num_warps=w, num_stages=4)
+    else:
+        for m, n, w in itertools.product((32, 64, 128), (64, 128), (4, 8)):
+            yield GemmConfig(block_m=m, block_n=n, block_k=64, num_warps=w, num_stages=3)
 
 
 def sweep(case: Case, bandwidth: float) -> list[dict]:
@@ -177,12 +192,8 @@ def sweep(case: Case, bandwidth: float) -> list[dict]:
         reference = case.gemm(which)().float()
         timed = {}
         for config in lever_configs(case, which):
-            timed[config] = measure_ms(case.gemm(which, config), case.device)
-        best = min(timed, key=timed.get)
-        for stages, warps in itertools.product((2, 3, 4, 5), (4, 8)):
-            config = replace(best, num_stages=stages, num_warps=warps)
             if config not in timed:
-                timed[config] = measure_ms(case.gemm(which, config), case.device)
+                timed[config] = measure_ms(case.gemm(which, config), case.device, graph=True, rep_ms=15)
         roofline_ms = case.gemm_bytes[which] / bandwidth * 1e3
         for config, ms in timed.items():
             err = relative_error(case.gemm(which, config)(), reference)
@@ -193,14 +204,15 @@ def sweep(case: Case, bandwidth: float) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| model | tokens | zeros | w13 µs | w2 µs | GEMMs µs | layer µs | roofline µs | % roof GEMMs "
-          "| % roof layer | torch µs | vs torch | rel err |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| model | tokens | zeros | w13 µs | w2 µs | GEMMs µs | layer µs | layer eager µs | roofline µs "
+          "| % roof GEMMs | % roof layer | torch µs | vs torch | rel err |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['model']} | {r['tokens']} | {'yes' if r['zeros'] else 'no'} | {r['w13_ms'] * 1e3:.1f} "
               f"| {r['w2_ms'] * 1e3:.1f} | {r['gemms_ms'] * 1e3:.1f} | {r['layer_ms'] * 1e3:.1f} "
-              f"| {r['roofline_ms'] * 1e3:.1f} | {r['roofline_pct_gemms']:.0f}% | {r['roofline_pct_layer']:.0f}% "
-              f"| {r['torch_ms'] * 1e3:.0f} | {r['torch_ms'] / r['layer_ms']:.1f}x | {r['rel_err_vs_torch']:.1e} |")
+              f"| {r['layer_eager_ms'] * 1e3:.0f} | {r['roofline_ms'] * 1e3:.1f} | {r['roofline_pct_gemms']:.0f}% "
+              f"| {r['roofline_pct_layer']:.0f}% | {r['torch_ms'] * 1e3:.0f} | {r['torch_ms'] / r['layer_ms']:.1f}x "
+              f"| {r['rel_err_vs_torch']:.1e} |")
 
 
 def print_sweep_summary(rows: list[dict]) -> None:
@@ -229,7 +241,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the interpreter")
     parser.add_argument("--sweep", action="store_true", help="also time the tile levers around the heuristic")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024])
-    parser.add_argument("--sweep-tokens", type=int, nargs="+", default=[1, 16, 1024])
+    parser.add_argument("--sweep-tokens", type=int, nargs="+", default=[1])
     args = parser.parse_args()
 
     if args.smoke:
@@ -244,20 +256,26 @@ def main() -> None:
     print(f"{datetime.date.today()} {device_name}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
           f"torch {torch.__version__}, triton {triton.__version__}")
 
-    results, sweep_rows = [], []
+    report = {"date": str(datetime.date.today()), "device": device_name, "copy_bandwidth": bandwidth,
+              "torch": torch.__version__, "triton": triton.__version__, "bits": BITS, "group_size": GROUP_SIZE,
+              "results": [], "sweep": []}
     for model, num_tokens, with_zeros in itertools.product(models, tokens, (False, True)):
-        case = Case(model, num_tokens, with_zeros, dtype, device, seed=num_tokens)
-        results.append(run_case(case, bandwidth))
-        if args.sweep and not with_zeros and num_tokens in sweep_tokens:
-            rows = sweep(case, bandwidth)
+        report["results"].append(run_case(Case(model, num_tokens, with_zeros, dtype, device, seed=num_tokens),
+                                          bandwidth))
+    print_table(report["results"])
+    save(report, args.json)
+    if args.sweep:  # after the table, so that a sweep cut short loses only itself
+        for model, num_tokens in itertools.product(models, sweep_tokens):
+            rows = sweep(Case(model, num_tokens, False, dtype, device, seed=num_tokens), bandwidth)
             print_sweep_summary(rows)
-            sweep_rows += rows
-    print_table(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": str(datetime.date.today()), "device": device_name, "copy_bandwidth": bandwidth,
-                       "torch": torch.__version__, "triton": triton.__version__, "bits": BITS,
-                       "group_size": GROUP_SIZE, "results": results, "sweep": sweep_rows}, f, indent=1)
+            report["sweep"] += rows
+            save(report, args.json)
+
+
+def save(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ from moeconv.backends.base import ExpertWeights
 from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.errors import MoeconvError
 from moeconv.formats import CompressedTensors, format_from_config
-from moeconv.kernels import int8_fused_moe, quantize_per_token, random_routing, reference_fused_moe, relative_error
+from moeconv.kernels import (GemmConfig, align_tokens_to_experts, int8_fused_moe, int8_moe_gemm, quantize_per_token,
+                             random_routing, reference_fused_moe, relative_error)
 from moeconv.verify import W8A8_NUMERICS_TOLERANCE
 
 from helpers import cli, synth
@@ -240,6 +241,18 @@ def test_int8_kernel_against_references(experts, hidden, intermediate, tokens, t
                                     topk_weights.double(), topk_ids)
     error = relative_error(out, reference)
     assert 1e-3 < error < W8A8_NUMERICS_TOLERANCE  # the activation rounding shows, within the bound
+
+
+def test_int8_split_k_partial_sums_meet():
+    """Split K (the GPU's decode path) adds scaled partial sums with fp32 atomics: same result."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randint(-128, 128, (4, 64, 256), dtype=torch.int8, generator=generator)
+    scale = torch.rand(4, 64, 1, generator=generator)
+    x = torch.randn(8, 256, generator=generator).to(torch.float16)
+    blocks = align_tokens_to_experts(torch.randint(0, 4, (8, 2), generator=generator), 4, 16)
+    whole = int8_moe_gemm(x, weight, scale, blocks)
+    split = int8_moe_gemm(x, weight, scale, blocks, config=GemmConfig(16, 64, 32, split_k=4))
+    assert relative_error(split, whole) < 1e-6
 
 
 # ------------------------------------------------------------------------------ end to end

@@ -21,7 +21,7 @@ from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.checkpoint.writer import sha256_file
 from moeconv.errors import MoeconvError
-from moeconv.formats import AWQ, GPTQ
+from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.kernels import random_routing, reference_fused_moe, relative_error
 from moeconv.kernels.cpu_reference import blocked_linear, cpu_fused_moe, quantize_rows
 from moeconv.plan import make_plan
@@ -99,6 +99,7 @@ def test_symmetric_layers_store_zero_point_8():
 SOURCES = (
     [AWQ(4, g, zero_point=zp) for g in (32, 64, 128, -1) for zp in (True, False)]
     + [GPTQ(4, g, sym, fmt) for g in (32, 64, 128, -1) for sym in (True, False) for fmt in ("gptq", "gptq_v2")]
+    + [CompressedTensors(bits=4, group_size=g, symmetric=sym) for g in (32, -1) for sym in (True, False)]
 )
 
 
@@ -107,10 +108,11 @@ SOURCES = (
 def test_round_trip_through_the_source_format(source, data):
     """decode(source) == decode_cpu(encode_cpu(decode(source))), bit for bit, edge codes and zeros included."""
     if source.group_size == -1:
-        hidden, intermediate = data.draw(st.sampled_from([32, 96, 128, 384])), data.draw(st.sampled_from([32, 64, 128]))
+        # K = 384 > 128: one group spans three K blocks.
+        hidden, intermediate = data.draw(st.sampled_from([32, 96, 384])), data.draw(st.sampled_from([32, 128]))
     else:
         unit = max(source.group_size, 32)
-        hidden, intermediate = unit * data.draw(st.integers(1, 3)), unit * data.draw(st.integers(1, 2))
+        hidden, intermediate = unit * data.draw(st.integers(1, 2)), unit * data.draw(st.integers(1, 2))
     scale_dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]))
 
     def linear(out_features, in_features):
@@ -158,7 +160,7 @@ def _random_layer(hidden, intermediate, experts, group_size, symmetric, seed=0):
 
 def test_w4a8_gemm_error_is_the_activation_rounding_error():
     """Rounding row m to steps Δ_m = max|x_m| / 127 adds δ_m, uniform in ±Δ_m/2 (variance Δ_m²/12), so
-    E‖δ·Wᵀ‖² = Σ_m Δ_m²/12 · ‖W‖_F²: the W4A8 GEMM must show that error (±10%), W4A16 essentially none."""
+    E‖δ·Wᵀ‖² = Σ_m Δ_m²/12 · ‖W‖_F²: the W4A8 GEMM must show that error (±10%), W4A16 almost none."""
     _, weights, _, _, _ = _random_layer(512, 256, 1, 128, symmetric=False)
     weight = weights[0].gate
     x = torch.randn(64, 512, generator=torch.Generator().manual_seed(1)).to(torch.float16)
@@ -180,7 +182,8 @@ def test_quantize_rows_rounds_half_away_from_zero():
 
 # Per GEMM the W4A8 error is (max|a| / rms a) / (127·√12) ≈ 7e-3 for random tokens (max/rms ≈ 3) and
 # larger after SiLU-and-mul (heavier tails); the two stages add to 1.3e-2 (H=128) .. 2.3e-2 (H=4096).
-# A zero-point convention slip (+1) gives ~0.3 and a nibble-order slip ~1, so 5e-2 separates them.
+# The first GEMM alone gives ≈ 7e-3: the lower bound below. A zero-point slip (+1) gives ~0.3 and swapped
+# channels order 1, so 5e-2 separates them. W4A16 only rounds intermediates to fp16 (4.9e-4 each).
 W4A8_TOLERANCE = 5e-2
 
 
@@ -198,7 +201,8 @@ def test_blocked_reference_against_the_float_reference(hidden, intermediate, gro
     damaged = dict(tensors, w13_blocked_qweight=tensors["w13_blocked_qweight"].clone())
     damaged["w13_blocked_qweight"][:, 0, 0, -128] ^= 0x40
     assert relative_error(cpu_fused_moe(damaged, shape, x, weights, ids), reference) > 4 * W4A8_TOLERANCE
-    assert relative_error(cpu_fused_moe(damaged, shape, x, weights, ids, quantize_activations=False), reference) == w4a16
+    w4a16_damaged = cpu_fused_moe(damaged, shape, x, weights, ids, quantize_activations=False)
+    assert relative_error(w4a16_damaged, reference) == w4a16
 
 
 @pytest.mark.parametrize("suffix, index, change, message", [
@@ -208,7 +212,7 @@ def test_blocked_reference_against_the_float_reference(hidden, intermediate, gro
     ("w2_blocked_scales", (0, 0, 0), lambda s: torch.nextafter(s, s + 1), "w2_blocked_scales: scales that are not"),
 ])
 def test_decode_refuses_bytes_no_canonical_weight_encodes_to(suffix, index, change, message):
-    shape, weights, tensors, _, _ = _random_layer(64, 32, 1, 32, symmetric=False)
+    shape, _, tensors, _, _ = _random_layer(64, 32, 1, 32, symmetric=False)
     slices = {name: tensor[0].clone() for name, tensor in tensors.items()}
     slices[suffix][index] = change(slices[suffix][index])
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -236,14 +240,14 @@ def test_refusals(shape, reason):
 
 @pytest.mark.parametrize("fields, reason", [
     ({"hidden": 48, "source_format": GPTQ(4, 16, sym=False)}, "hidden size 48 is not a multiple of the 32-channel"),
-    ({"source_format": GPTQ(8, 32, sym=True)}, "takes 4-bit weights, not 8-bit"),
+    ({"source_format": GPTQ(8, 32, sym=True)}, "the x86 CPU MoE layout takes 4-bit weights, not 8-bit"),
 ])
 def test_plan_refuses_layers_that_do_not_block(tmp_path, fields, reason):
     source = make_checkpoint(tmp_path / "src", SynthSpec(**fields))
     result = cli("convert", source, "-o", tmp_path / "out", "--backend", "cpu")
     assert isinstance(result.exception, MoeconvError) and result.exception.exit_code == 2
     message = str(result.exception)
-    assert "backend 'cpu' cannot take model.layers.0.mlp.experts: " in message and reason in message
+    assert "backend 'cpu'" in message and f"model.layers.0.mlp.experts: {reason}" in message
     assert not (tmp_path / "out").exists()
 
 
@@ -331,7 +335,7 @@ def test_one_flipped_weight_byte_fails_verify(converted, tmp_path):
     expert[0, 0, 5] ^= 0x10
     _write_slice(out, name, 2, expert)
     failures = _verify_failures(out)
-    assert any(f"{name.rsplit('.', 1)[1]}: 1 compensation sum(s) disagree" in failure for failure in failures), failures
+    assert any("w13_blocked_qweight: 1 compensation sum(s) disagree" in failure for failure in failures), failures
 
 
 def test_consistently_wrong_code_fails_verify(converted, tmp_path):

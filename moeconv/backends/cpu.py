@@ -87,9 +87,9 @@ class CpuBackend:
             block_k = block_k_for(g)
             blocks = (layer.experts, out_features // BLOCK_N)
             names = blocked_suffixes(prefix)
+            block_bytes = block_k * BLOCK_N // 2 + COMPENSATION_BYTES
             specs += [
-                TensorSpec(names.qweight, (*blocks, in_features // block_k, block_k * BLOCK_N // 2 + COMPENSATION_BYTES),
-                           "U8"),
+                TensorSpec(names.qweight, (*blocks, in_features // block_k, block_bytes), "U8"),
                 TensorSpec(names.scales, (*blocks, in_features // g, BLOCK_N), "F32"),
                 TensorSpec(names.zeros, (*blocks, in_features // g, BLOCK_N), "I8"),
             ]
@@ -179,10 +179,12 @@ def unblock_int4(blocked: BlockedInt4, names: BlockedInt4, group_size: int, scal
 
 
 def _compensation(codes: torch.Tensor, zeros: torch.Tensor, group_size: int, block_k: int) -> torch.Tensor:
-    """int32 (N/32, K/block_k, 32): Σ over each K block of (code − zero), per channel."""
+    """int32 (N/32, K/block_k, 32): Σ over each K block of (code − zero) = Σ code − block_k · zero,
+    per channel (a K block lies inside one group)."""
     n, k = codes.shape
-    signed = codes.to(torch.int32) - zeros.to(torch.int32).repeat_interleave(group_size, dim=1)
-    sums = signed.view(n, k // block_k, block_k).sum(dim=-1, dtype=torch.int32)
+    code_sums = codes.view(n, k // block_k, block_k).sum(dim=-1, dtype=torch.int32)
+    block_zeros = zeros.to(torch.int32).repeat_interleave(group_size // block_k, dim=1)
+    sums = code_sums - block_k * block_zeros
     return sums.view(n // BLOCK_N, BLOCK_N, -1).transpose(1, 2).contiguous()
 
 
@@ -196,7 +198,6 @@ def _unblock_channels(blocked: torch.Tensor) -> torch.Tensor:
     """(N/32, G, 32) -> (N, G)."""
     nc, groups, _ = blocked.shape
     return blocked.transpose(1, 2).reshape(nc * BLOCK_N, groups)
-
 
 
 def _gate_and_up(w13: BlockedInt4, gate_blocks: int) -> list[BlockedInt4]:

@@ -9,7 +9,7 @@ from moeconv.kernels.fused_moe import (
     fused_moe,
     moe_gemm,
 )
-from moeconv.kernels.int8_moe import int8_fused_moe, int8_moe_gemm, quantize_per_token
+from moeconv.kernels.int8_moe import choose_int8_config, int8_fused_moe, int8_moe_gemm, quantize_per_token
 from moeconv.kernels.reference import (
     DequantizedExperts,
     dequantize_wna16,

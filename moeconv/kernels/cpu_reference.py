@@ -67,14 +67,15 @@ def _group_of_block(blocked: BlockedInt4) -> torch.Tensor:
 def blocked_linear(x: torch.Tensor, blocked: BlockedInt4, *, quantize_activations: bool = True) -> torch.Tensor:
     """x (M, K) · Wᵀ from the blocked tensors -> fp32 (M, N)."""
     weights = signed_block_weights(blocked)
-    nc, kc, block_k, _ = weights.shape
+    _, kc, block_k, _ = weights.shape
     if quantize_activations:
         codes, row_scales = quantize_rows(x)
-        dots = torch.einsum("mck,nckj->mncj", codes.view(-1, kc, block_k), weights)  # exact int32
+        dots = torch.einsum("mck,nckj->mncj", codes.reshape(-1, kc, block_k), weights)  # exact int32
         dots = dots - ACTIVATION_ZERO_POINT * stored_compensation(blocked)
         partial = dots.to(torch.float32) * row_scales[:, None, None, None]
     else:
-        partial = torch.einsum("mck,nckj->mncj", x.to(torch.float32).view(-1, kc, block_k), weights.to(torch.float32))
+        partial = torch.einsum("mck,nckj->mncj", x.to(torch.float32).reshape(-1, kc, block_k),
+                               weights.to(torch.float32))
     partial = partial * blocked.scales[:, _group_of_block(blocked)]
     return partial.sum(dim=2).flatten(1)
 

@@ -31,7 +31,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 SUPPORTED_BITS = (4, 8)
 REGISTER_PATH_MAX_ROWS = 2  # average rows per selected expert up to which one row per program wins
-WAVES = 4  # programs per multiprocessor that split-K aims for, to keep enough weight bytes in flight
+WAVES = 8  # programs per multiprocessor that split-K aims for, to keep enough weight bytes in flight
+MAX_SPLIT_K = 16  # the largest split measured; each split adds a round of fp32 atomics
 
 
 @dataclass(frozen=True)
@@ -110,14 +111,17 @@ def choose_config(num_pairs: int, num_experts: int, n: int, k: int, group_size: 
                   block_m: int, device: torch.device) -> GemmConfig:
     """A small heuristic for the tile shape of one GEMM (``n`` outputs, ``k`` inputs).
 
-    Decode streams weight bytes, so the aim is many bytes in flight on every multiprocessor:
+    Decode streams weight bytes, so the aim is many bytes in flight on every multiprocessor.
+    Each choice below was the best or within 5% of it in the H200 sweeps of
+    benchmarks/bench_kernel.py (E=8 top-2 H=4096 I=14336 and E=128 top-8 H=2048 I=768):
     * ``block_k``: at most 64 and a divisor of the group, so a tile needs one scale and one zero
-      per column; 64 keeps the register path near 70 registers (high occupancy);
-    * ``block_n``: 256 rows on the register path (each activation load serves 4 rows per
-      thread), 128 on the tensor-core path, 64 once blocks have 64 rows (register pressure);
-    * ``split_k``: while the grid gives fewer than ``WAVES`` programs per multiprocessor (decode
-      of a long-K GEMM), split K in two, keeping at least two K tiles per split; partial sums
-      meet through fp32 atomics. Prefill-sized blocks already fill the GPU and are not split.
+      per column; 64 beat 32 and 128 in the sweeps;
+    * ``block_n`` 128 on both paths (it beat 256 and 512 on the one-row path, 64 and 256 on the
+      tensor-core path), with 4 warps (they beat 8);
+    * ``split_k``: while the grid gives fewer than ``WAVES`` programs per multiprocessor (decode,
+      above all of the long-K down projection: 3.5x faster at one token), split K in two, up
+      to ``MAX_SPLIT_K`` and keeping at least two K tiles per split; partial sums meet through
+      fp32 atomics. Prefill-sized blocks already fill the GPU and are not split.
     Under the interpreter, small tiles and no split keep tests to seconds.
     """
     group = k if group_size == -1 else group_size
@@ -127,12 +131,12 @@ def choose_config(num_pairs: int, num_experts: int, n: int, k: int, group_size: 
     if device.type != "cuda":
         return GemmConfig(block_m=block_m, block_n=min(256, _ceil_to(n, 16)), block_k=block_k, num_warps=1,
                           num_stages=1)
-    block_n = 256 if block_m == 1 else 128 if block_m < 64 else 64
+    block_n = 128
     active_experts = max(1, min(num_experts, num_pairs))
     programs = active_experts * math.ceil(num_pairs / active_experts / block_m) * math.ceil(n / block_n)
     k_tiles = k // block_k
     split_k = 1
-    while (block_m < 64 and programs * split_k < WAVES * _multiprocessor_count(device)
+    while (block_m < 64 and split_k < MAX_SPLIT_K and programs * split_k < WAVES * _multiprocessor_count(device)
            and k_tiles % (2 * split_k) == 0 and k_tiles // (2 * split_k) >= 2):
         split_k *= 2
     return GemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
@@ -177,11 +181,13 @@ def moe_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzero
         raise ValueError(f"{config} does not fit block_m={blocks.block_m}, group size {group}, K={k}: block_m "
                          "must be 1 or a multiple of 16, block_k a multiple of 16 dividing the group, split_k "
                          "a divisor of the number of K tiles")
+    accumulate = config.split_k > 1  # partial sums meet in a zeroed fp32 buffer through atomics
+    target = torch.zeros(blocks.num_pairs, n, dtype=torch.float32, device=a.device) if accumulate else out
     if out is None:
-        out = torch.empty(blocks.num_pairs, n, dtype=out_dtype or a.dtype, device=a.device)
-
-    accumulate = config.split_k > 1
-    target = torch.zeros(out.shape, dtype=torch.float32, device=a.device) if accumulate else out
+        out_dtype = out_dtype or a.dtype
+        fp32_target = accumulate and out_dtype == torch.float32
+        out = target if fp32_target else torch.empty(blocks.num_pairs, n, dtype=out_dtype, device=a.device)
+    target = out if target is None else target
     code_int, code_float, code_magic = _exact_code_float(a.dtype, bits)
     words = qweight.view(torch.int32)  # 4 bytes at a time; little-endian: byte 0 is bits 0-7
     zeros_or_dummy = scales if qzeros is None else qzeros
@@ -200,7 +206,7 @@ def moe_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzero
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if accumulate:
+    if target is not out:
         out.copy_(target)
     return out
 
@@ -280,6 +286,9 @@ def _moe_gemm_kernel(
     MANTISSA_LOW: tl.constexpr = 23 - BITS  # a code in bits [23 - BITS, 23) of an fp32 is code / 2^BITS
     ONE_FP32: tl.constexpr = 0x3F800000
     A_DTYPE: tl.constexpr = a_ptr.dtype.element_ty
+    # fp32 activations: three tf32 products recover fp32 accuracy on tensor cores (a plain fp32
+    # dot falls back to FMAs and spills); fp16/bf16 ignore the setting.
+    DOT_PRECISION: tl.constexpr = "tf32x3" if A_DTYPE == tl.float32 else "ieee"
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(pair_ids_ptr + offs_m)
@@ -320,7 +329,7 @@ def _moe_gemm_kernel(
             weights = (codes.to(CODE_INT) | CODE_MAGIC).to(CODE_FLOAT, bitcast=True) - zero[:, None, None]
             weights = tl.reshape(weights.to(A_DTYPE), (BLOCK_N, BLOCK_K))
             a = tl.load(a_ptrs + k0 * stride_ak, mask=row_valid[:, None], other=0.0)
-            acc += tl.dot(a, tl.trans(weights), input_precision="ieee") * scale[None, :]
+            acc += tl.dot(a, tl.trans(weights), input_precision=DOT_PRECISION) * scale[None, :]
         else:
             # Each code goes into the top mantissa bits of 1.0: w = 1 + code / 2^BITS exactly, with
             # one shift and one and-or. Then sum(a * (code - zero)) = 2^BITS * sum(a * w)

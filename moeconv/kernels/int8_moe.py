@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moeconv.kernels.fused_moe import ExpertBlocks, GemmConfig, align_tokens_to_experts, choose_block_m, choose_config
+from moeconv.kernels.fused_moe import ExpertBlocks, GemmConfig, align_tokens_to_experts, choose_block_m
 
 INT8_MAX = 127
 
@@ -39,6 +39,26 @@ def quantize_per_token(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scales
 
 
+def choose_int8_config(num_pairs: int, num_experts: int, n: int, k: int, block_m: int,
+                       device: torch.device) -> GemmConfig:
+    """Tiles for the int8 tensor-core dot (16 rows at least, power-of-two tiles): ``block_k`` the
+    largest of 128/64/32/16 dividing K (128 int8 = one 128-byte line per weight row); ``block_n``
+    128; K split in two while the grid is under two waves of the GPU and each split keeps four K
+    tiles (decode of a long-K GEMM). Under the interpreter, small tiles and no split."""
+    block_k = next((b for b in (128, 64, 32, 16) if k % b == 0), None)
+    if block_k is None:
+        raise ValueError(f"K={k} must be a multiple of 16")
+    if device.type != "cuda":
+        return GemmConfig(block_m=block_m, block_n=64, block_k=block_k, num_warps=1, num_stages=1)
+    active_experts = max(1, min(num_experts, num_pairs))
+    programs = active_experts * math.ceil(num_pairs / active_experts / block_m) * math.ceil(n / 128)
+    k_tiles, split_k = k // block_k, 1
+    target = 2 * _multiprocessor_count(device)
+    while programs * split_k < target and k_tiles % (2 * split_k) == 0 and k_tiles // (2 * split_k) >= 4:
+        split_k *= 2
+    return GemmConfig(block_m=block_m, block_n=128, block_k=block_k, split_k=split_k)
+
+
 def int8_moe_gemm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, blocks: ExpertBlocks, *,
                   topk_weights: torch.Tensor | None = None, config: GemmConfig | None = None,
                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -50,6 +70,8 @@ def int8_moe_gemm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     num_experts, n, k = weight.shape
     if weight.dtype != torch.int8 or a.shape[-1] != k:
         raise ValueError(f"want int8 weights (E, N, {a.shape[-1]}), got {weight.dtype}{tuple(weight.shape)}")
+    if blocks.block_m < 16:
+        raise ValueError(f"block_m {blocks.block_m}: the int8 tl.dot needs row blocks of 16 or more")
     if weight_scale.shape != (num_experts, n, 1):
         raise ValueError(f"weight_scale {tuple(weight_scale.shape)} is not ({num_experts}, {n}, 1)")
     if a.shape[0] == blocks.num_pairs // blocks.topk:
@@ -59,7 +81,7 @@ def int8_moe_gemm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     else:
         raise ValueError(f"a has {a.shape[0]} rows: want one per token or one per pair ({blocks.num_pairs})")
     if config is None:
-        config = choose_config(blocks.num_pairs, num_experts, n, k, -1, 8, blocks.block_m, a.device)
+        config = choose_int8_config(blocks.num_pairs, num_experts, n, k, blocks.block_m, a.device)
     quantized, a_scale = quantize_per_token(a)
     accumulate = config.split_k > 1
     out = torch.empty(blocks.num_pairs, n, dtype=out_dtype, device=a.device)
@@ -154,6 +176,11 @@ def _int8_moe_gemm_kernel(
 def _kernel_for(device: torch.device):
     """The compiled kernel for CUDA tensors, the interpreted one for CPU tensors."""
     return _int8_moe_gemm_kernel if device.type == "cuda" else _interpreted_kernel()
+
+
+@cache
+def _multiprocessor_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @cache
