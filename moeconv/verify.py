@@ -39,7 +39,7 @@ NUMERICS_TOLERANCE = 1e-2
 # √(2 ln K) ≈ 3-4.4 for random tokens and heavier tails after SiLU-and-mul. Measured on random
 # layers: 1.3e-2 (H=128) to 3.0e-2 (H=4096, I=14336); 6e-2 leaves 2x room, and a layout mistake
 # still shows as an error of order 1.
-W8A8_NUMERICS_TOLERANCE = 6e-2
+W8A8_NUMERICS_TOLERANCE = 6e-2  # also the x86 CPU kernel's W4A8 (int8 activations): measured 1.3e-2 to 2.3e-2
 _COMPARE_CHUNK = 16 * 1024 * 1024
 
 
@@ -104,7 +104,8 @@ def verify(output: Path, source: Path | None = None, sample: int | None = None, 
     arguments = manifest.get("arguments", {})
     plan = make_plan(source, backend=manifest["backend"], trust=arguments.get("trust"), tp=arguments.get("tp", 1),
                      regroup=arguments.get("regroup_factor", 1) > 1)
-    report = VerifyReport(str(output), str(source), tolerance=max(numerics_tolerance(l.shape) for l in plan.layers))
+    kernel = LAYER_KERNELS[plan.backend.name]
+    report = VerifyReport(str(output), str(source), tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
     converted = open_checkpoint(output)
     report.structure_problems = _check_structure(plan, output, manifest, converted.tensors)
     if report.structure_problems:
@@ -114,13 +115,13 @@ def verify(output: Path, source: Path | None = None, sample: int | None = None, 
     with TensorReader() as reader:
         for index, layer in enumerate(plan.layers):
             started = time.perf_counter()
-            result = LayerResult(layer.module, tolerance=numerics_tolerance(layer.shape))
+            result = LayerResult(layer.module, tolerance=kernel.tolerance(layer.shape))
             experts = _sampled(layer.shape.experts, sample, generator)
             outputs = {t.name: converted.tensors[t.name] for t in plan.layer_tensors(layer)}
             result.lossless_failures, result.experts_exact = _check_lossless(plan, layer, experts, outputs, reader)
             result.experts_checked = len(experts)
             if numerics and (numerics_layers is None or index < numerics_layers):
-                report.numerics_device = _device()
+                report.numerics_device = kernel.device()
                 result.relative_error, result.max_abs_error = _check_numerics(
                     plan, layer, outputs, reader, tokens, generator)
             result.seconds = time.perf_counter() - started
@@ -210,7 +211,11 @@ def _check_lossless(plan: Plan, layer: MoELayer, experts: list[int], outputs: di
     failures, exact = [], 0
     for expert in experts:
         stacked = _read_expert_slices(outputs, [expert], reader)
-        converted = plan.backend.decode_expert({k: v[0] for k, v in stacked.items()}, layer.shape)
+        try:
+            converted = plan.backend.decode_expert({k: v[0] for k, v in stacked.items()}, layer.shape)
+        except ValueError as error:  # the layout's own redundancy (e.g. CPU compensation sums) disagrees
+            failures.append(f"expert {expert}: {error}")
+            continue
         source = _source_expert(plan, layer, expert, reader)
         for projection in ("gate", "up", "down"):
             problem = getattr(converted, projection).mismatch(getattr(source, projection))
@@ -218,14 +223,6 @@ def _check_lossless(plan: Plan, layer: MoELayer, experts: list[int], outputs: di
                 failures.append(f"expert {expert} {projection}: {problem}")
         exact += not any(failure.startswith(f"expert {expert} ") for failure in failures)
     return failures, exact
-
-
-def _device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu (Triton interpreter)"
-
-
-def numerics_tolerance(shape: MoELayerShape) -> float:
-    return W8A8_NUMERICS_TOLERANCE if shape.activation_bits == 8 else NUMERICS_TOLERANCE
 
 
 def _run_triton(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch.Tensor,
@@ -246,16 +243,36 @@ def _run_triton(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch
 
 def _run_cpu(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch.Tensor,
              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """The CPU kernel's blocked-layout reference, with float activations for now: its W4A8 error
-    (1.3e-2 to 2.3e-2 on random tokens) needs the W8A8 tolerance, given here by activation_bits only."""
+    """The x86 kernel's semantics (W4A8: activations rounded to uint8 per row), read from the blocked layout."""
     from moeconv.kernels.cpu_reference import cpu_fused_moe
 
-    return cpu_fused_moe(tensors, shape, x, topk_weights, topk_ids, quantize_activations=False)
+    return cpu_fused_moe(tensors, shape, x, topk_weights, topk_ids)
 
 
-# Backend name -> the kernel that computes the fused MoE by reading that backend's tensors
-# (keyed by suffix, restricted to the experts the routing uses, dim 0 renumbered from 0).
-LAYER_KERNELS: dict[str, Callable[..., torch.Tensor]] = {"triton": _run_triton, "cpu": _run_cpu}
+@dataclass(frozen=True)
+class LayerKernel:
+    """How verify checks one backend's numerics: the kernel that computes the fused MoE by reading
+    that backend's tensors (keyed by suffix, restricted to the experts the routing uses, dim 0
+    renumbered from 0), where it runs, and the relative error its arithmetic allows."""
+
+    run: Callable[..., torch.Tensor]
+    device: Callable[[], str]
+    tolerance: Callable[[MoELayerShape], float]
+
+
+def _triton_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu (Triton interpreter)"
+
+
+def _triton_tolerance(shape: MoELayerShape) -> float:
+    return W8A8_NUMERICS_TOLERANCE if shape.activation_bits == 8 else NUMERICS_TOLERANCE
+
+
+LAYER_KERNELS: dict[str, LayerKernel] = {
+    "triton": LayerKernel(_run_triton, _triton_device, _triton_tolerance),
+    "cpu": LayerKernel(_run_cpu, lambda: "cpu (torch model of the x86 W4A8 kernel)",
+                       lambda shape: W8A8_NUMERICS_TOLERANCE),
+}
 
 
 def _check_numerics(plan: Plan, layer: MoELayer, outputs: dict[str, TensorEntry], reader: TensorReader,
@@ -270,7 +287,7 @@ def _check_numerics(plan: Plan, layer: MoELayer, outputs: dict[str, TensorEntry]
     used = sorted(set(ids.flatten().tolist()))
     local_ids = torch.tensor([used.index(e) for e in ids.flatten().tolist()]).reshape(ids.shape)
     x = torch.randn(tokens, shape.hidden, generator=generator).to(torch.float16)
-    out = LAYER_KERNELS[plan.backend.name](_read_expert_slices(outputs, used, reader), shape, x, weights, local_ids)
+    out = LAYER_KERNELS[plan.backend.name].run(_read_expert_slices(outputs, used, reader), shape, x, weights, local_ids)
     sources = [_source_expert(plan, layer, e, reader) for e in used]
     w13 = torch.stack([torch.cat([s.gate.dequantize(torch.float64), s.up.dequantize(torch.float64)]) for s in sources])
     w2 = torch.stack([s.down.dequantize(torch.float64) for s in sources])

@@ -290,17 +290,14 @@ def test_verify_passes(converted):
     _, out = converted
     report = verify(out)
     assert report.ok, report.failures()
-    assert all(layer.experts_exact == 4 and layer.relative_error < 2e-3 for layer in report.layers)
+    # verify models the kernel's W4A8 arithmetic: int8 activation rounding dominates (about 1.3e-2 here).
+    assert report.numerics_device == "cpu (torch model of the x86 W4A8 kernel)"
+    assert all(layer.experts_exact == 4 and 3e-3 < layer.relative_error < 5e-2 for layer in report.layers)
 
 
 def _verify_failures(out) -> list[str]:
-    """verify's failures. A decode that refuses the bytes counts as one: verify lets that ValueError
-    out today (the lead is asked to record it as a lossless failure instead)."""
-    try:
-        report = verify(out)
-    except ValueError as error:
-        return [str(error)]
-    return report.failures()
+    """verify's failures; a decode that refuses the bytes (bad compensation sums) is one of them."""
+    return verify(out).failures()
 
 
 def _copy(folder, destination):

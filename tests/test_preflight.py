@@ -64,3 +64,21 @@ def test_auto_with_nothing_eligible_lists_every_reason(tmp_path):
     with pytest.raises(MoeconvError, match="no backend takes this checkpoint: triton: .*2-bit") as refusal:
         make_plan(source, backend="auto")
     assert "humming: not available in this version of moeconv" in str(refusal.value)
+
+
+def test_cpu_refuses_what_does_not_block(tmp_path):
+    """Mixtral-like expert width 48 (not a multiple of the 32-channel block) and an 8-bit source."""
+    narrow = make_checkpoint(tmp_path / "narrow", SynthSpec(architecture="mixtral", intermediate=48, hidden=128,
+                                                            source_format=GPTQ(4, 16, sym=False)))
+    with pytest.raises(MoeconvError, match="backend 'cpu' does not support this checkpoint: .*intermediate size 48"):
+        make_plan(narrow, backend="cpu")
+    eight = make_checkpoint(tmp_path / "eight", SynthSpec(source_format=GPTQ(8, 32, sym=True)))
+    with pytest.raises(MoeconvError, match="takes 4-bit weights, not 8-bit.*expected one of \\['triton'\\]"):
+        make_plan(eight, backend="cpu")
+
+
+def test_cpu_per_rank_sizes(tmp_path):
+    source = make_checkpoint(tmp_path / "src", SynthSpec(intermediate=64, hidden=128))
+    assert make_plan(source, backend="cpu", tp=2).backend.name == "cpu"  # 32 per rank still blocks
+    with pytest.raises(MoeconvError, match="intermediate size 16 is not a multiple of the 32-channel block"):
+        make_plan(source, backend="cpu", tp=4)

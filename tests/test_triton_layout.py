@@ -28,7 +28,8 @@ def test_hand_checked_bytes():
     gate = _weight([[1, 2, 3, 4], [9, 10, 11, 12]], [[3], [12]], 4)
     up = _weight([[0, 0, 0, 0], [15, 15, 15, 15]], [[0], [15]], 4)
     down = _weight([[1, 2], [3, 4], [5, 6], [7, 8]], [[1], [2], [3], [4]], 2)
-    slices = backend.encode_expert(ExpertWeights(gate, up, down))
+    shape = MoELayerShape(experts=1, hidden=4, intermediate=2, bits=4, group_size=-1, symmetric=False, scale_dtype="F16")
+    slices = backend.encode_expert(ExpertWeights(gate, up, down), shape)
     assert slices["w13_qweight"].tolist() == [[0x21, 0x43], [0xA9, 0xCB], [0x00, 0x00], [0xFF, 0xFF]]
     assert slices["w13_qzeros"].tolist() == [[0xC3], [0xF0]]
     assert slices["w2_qweight"].tolist() == [[0x21], [0x43], [0x65], [0x87]]
@@ -39,9 +40,10 @@ def test_hand_checked_bytes():
 def test_eight_bit_is_one_code_per_byte():
     codes = torch.tensor([[0, 255, 128, 7]], dtype=torch.uint8)
     weight = QuantizedWeight(codes, torch.tensor([[200]], dtype=torch.uint8), torch.ones(1, 1), 8, 4)
-    down = QuantizedWeight(codes.T.reshape(4, 1).repeat(1, 2)[:, :2].contiguous(), torch.zeros(4, 1, dtype=torch.uint8),
-                           torch.ones(4, 1), 8, 2)
-    slices = backend.encode_expert(ExpertWeights(weight, weight, down))
+    down = QuantizedWeight(torch.zeros(4, 1, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8),
+                           torch.ones(4, 1), 8, 1)
+    shape = MoELayerShape(experts=1, hidden=4, intermediate=1, bits=8, group_size=-1, symmetric=False, scale_dtype="F32")
+    slices = backend.encode_expert(ExpertWeights(weight, weight, down), shape)
     assert slices["w13_qweight"].tolist() == [[0, 255, 128, 7], [0, 255, 128, 7]]
     assert slices["w13_qzeros"].tolist() == [[200], [200]]
 
@@ -55,7 +57,8 @@ def test_gptq_qweight_transpose_equals_the_layout_on_little_endian():
     qweight = GPTQ(4, 32, sym=True).encode(weight)["qweight"]
     down = QuantizedWeight(torch.randint(0, 16, (64, 16), dtype=torch.uint8, generator=generator), None,
                            torch.ones(64, 1, dtype=torch.float16), 4, 16)
-    slices = backend.encode_expert(ExpertWeights(weight, weight, down))
+    shape = MoELayerShape(experts=1, hidden=64, intermediate=16, bits=4, group_size=32, symmetric=True, scale_dtype="F16")
+    slices = backend.encode_expert(ExpertWeights(weight, weight, down), shape)
     assert torch.equal(slices["w13_qweight"][:16], qweight.T.contiguous().view(torch.uint8))
 
 
@@ -95,7 +98,7 @@ def test_round_trip_through_the_source_format(source, data):
                           group_size=source.group_size, symmetric=source.symmetric,
                           scale_dtype="F16" if scale_dtype == torch.float16 else "BF16")
     assert backend.refusal(shape) is None
-    slices = backend.encode_expert(expert)
+    slices = backend.encode_expert(expert, shape)
     specs = {spec.suffix: spec for spec in backend.layer_tensors(shape)}
     assert set(slices) == set(specs)
     for suffix, tensor in slices.items():

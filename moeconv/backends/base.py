@@ -34,7 +34,7 @@ class Backend(Protocol):
         """The stacked tensors of one MoE layer. Dim 0 is the expert, and expert e's slice of every
         tensor is the contiguous e-th block of its bytes, so experts can be written one at a time."""
 
-    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape | None = None) -> dict[str, torch.Tensor]:
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
         """One expert's slice (without the expert dim) of every tensor of `layer_tensors`. `layer`
         carries what the canonical weights cannot (activation_bits: W8A8 and W8A16 weights are alike)."""
 

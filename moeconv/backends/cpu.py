@@ -19,6 +19,7 @@ per-projection functions next to `block_int4`/`unblock_int4`, chosen by `layer.b
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
@@ -62,6 +63,10 @@ class CpuBackend:
     layout_version = 1
 
     def refusal(self, layer: MoELayerShape) -> str | None:
+        if layer.intermediate % layer.tp:
+            return f"intermediate size {layer.intermediate} does not split over tp={layer.tp}"
+        if layer.tp > 1:  # every check below is about what one rank holds
+            layer = replace(layer, intermediate=layer.intermediate_per_rank, tp=1)
         if layer.bits != 4:
             return (f"the x86 CPU MoE layout takes 4-bit weights, not {layer.bits}-bit "
                     f"(the INT8 W8A8 VNNI layout is not implemented yet)")
@@ -95,7 +100,7 @@ class CpuBackend:
             ]
         return specs
 
-    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape | None = None) -> dict[str, torch.Tensor]:
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
         slices = {}
         for prefix, projections in (("w13", (expert.gate, expert.up)), ("w2", (expert.down,))):
             blocked = [block_int4(weight) for weight in projections]

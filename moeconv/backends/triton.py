@@ -61,10 +61,10 @@ class TritonBackend:
                 specs.append(TensorSpec(f"{prefix}_qzeros", (e, out_features // per_byte, groups), "U8"))
         return specs
 
-    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape | None = None) -> dict[str, torch.Tensor]:
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
         slices = {}
         for prefix, rows in (("w13", (expert.gate, expert.up)), ("w2", (expert.down,))):
-            if layer is not None and layer.activation_bits == 8:
+            if layer.activation_bits == 8:
                 slices.update(_int8_encode(prefix, rows))
                 continue
             # Pack each projection, then stack the packed rows (gate first): smaller than stacking codes.
