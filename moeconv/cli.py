@@ -83,7 +83,11 @@ def inspect(
     report = inspect_source(source, revision=revision, local_files_only=local_files_only, tp=tp)
     if as_json:
         _print_json(report)
-        return
+    else:
+        _print_inspect(report, str(source))
+
+
+def _print_inspect(report: dict[str, Any], title: str) -> None:
     fmt = report["format"]
     shapes = report["expert_shapes"]
     rows = [
@@ -115,7 +119,7 @@ def inspect(
         found = report["suspicious_zero_slots"]
         rows.append(("v1 zero slots stored as all ones",
                      f"{found['count']} (first: {found['first_tensor']})" if found["count"] else "0"))
-    out.print(_key_values(str(source), rows))
+    out.print(_key_values(title, rows))
 
 
 @app.command()
@@ -229,8 +233,8 @@ def _print_verify(report) -> None:
         table.add_column(header, no_wrap=True)
     for layer in report.layers:
         table.add_row(layer.module, f"{layer.experts_exact}/{layer.experts_checked}",
-                      "-" if layer.relative_error is None else f"{layer.relative_error:.2e}",
-                      "-" if layer.max_abs_error is None else f"{layer.max_abs_error:.2e}",
+                      "-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
+                      "-" if layer.max_abs_error is None else f"{layer.max_abs_error:.1e}",
                       f"{layer.seconds:.2f} s", "[green]ok[/]" if layer.ok else "[red]FAIL[/]")
     if report.layers:
         out.print(table)
@@ -243,6 +247,7 @@ def demo(
     workdir: Optional[Path] = typer.Option(None, "--workdir", help="Keep the files here (default: a temporary folder)."),
 ) -> None:
     """Build a small synthetic GPTQ MoE checkpoint, convert it to the Triton layout and verify it."""
+    from moeconv.api import inspect as inspect_source
     from moeconv.convert import convert as run_conversion
     from moeconv.formats import GPTQ
     from moeconv.plan import make_plan
@@ -255,7 +260,7 @@ def demo(
                          layers=3, dense_layers=1, experts=8, hidden=256, intermediate=128)
         source = make_checkpoint(root / "source", spec, max_shard_size=1_000_000)
         err.print(f"made a synthetic {spec.architecture} checkpoint (GPTQ v1 4-bit asymmetric, g=32): {source}")
-        inspect(source, as_json=False)
+        _print_inspect(inspect_source(source), str(source))
         plan = make_plan(source, backend="triton", max_shard_size=1_000_000)
         report = run_conversion(plan, root / "converted")
         err.print(f"converted to the triton layout in {report.seconds:.2f} s: {report.output}")

@@ -155,3 +155,10 @@ def test_dry_run_writes_nothing(tmp_path):
     assert json.loads(result.stdout)["backend"] == "triton"
     assert not (tmp_path / "out").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    result = cli("demo", "--workdir", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "demo ok" in result.stdout
+    assert (tmp_path / "converted" / "moeconv.json").is_file()
