@@ -47,14 +47,18 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("bench-data"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--smoke", action="store_true", help="a tiny checkpoint, one repeat (checks the script runs)")
     args = parser.parse_args()
 
-    hidden, intermediate, experts = 2048, 768, 128
+    hidden, intermediate, experts = (256, 128, 8) if args.smoke else (2048, 768, 128)
+    if args.smoke:
+        args.repeats = 1
     layer_bytes = experts * 3 * hidden * intermediate // 2 * 1.07  # 4-bit codes + scales/zeros, roughly
-    layers = max(1, round(args.size_gb * 1e9 / layer_bytes))
+    layers = 2 if args.smoke else max(1, round(args.size_gb * 1e9 / layer_bytes))
     spec = SynthSpec(architecture="qwen3_moe", source_format=GPTQ(bits=4, group_size=128, sym=False),
-                     layers=layers, experts=experts, hidden=hidden, intermediate=intermediate, vocab=4096)
-    source = args.workdir / f"qwen3-like-{layers}L"
+                     layers=layers, experts=experts, hidden=hidden, intermediate=intermediate,
+                     vocab=256 if args.smoke else 4096)
+    source = args.workdir / f"qwen3-like-{layers}L-{experts}E-{hidden}H"
     if not (source / "model.safetensors.index.json").is_file():
         shutil.rmtree(source, ignore_errors=True)
         started = time.perf_counter()
