@@ -112,6 +112,7 @@ class MoELayerShape:
     scale_dtype: str  # safetensors dtype code of the source scales ("F16", "BF16", "F32")
     activation_bits: int = 16  # 8: the scheme quantizes activations to int8 per token (W8A8)
     tp: int = 1  # tensor-parallel ranks the layer will be split over (eligibility only: tensors stay whole)
+    projection_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # the checkpoint's, gate/up/down
 
     def group_size_for(self, in_features: int) -> int:
         return in_features if self.group_size in (-1, 0) else self.group_size
@@ -120,6 +121,25 @@ class MoELayerShape:
     def intermediate_per_rank(self) -> int:
         """I / tp: the rows of w13 and the input width of w2 one rank holds."""
         return self.intermediate // self.tp
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One dense (non-expert) quantized linear, for backends that convert those too.
+
+    group_size is the configured one (−1: channel-wise), as in `MoELayerShape`."""
+
+    out_features: int
+    in_features: int
+    bits: int
+    group_size: int
+    symmetric: bool
+    scale_dtype: str
+    activation_bits: int = 16
+
+    @property
+    def effective_group_size(self) -> int:
+        return self.in_features if self.group_size in (-1, 0) else self.group_size
 
 
 def regroup(weight: QuantizedWeight, factor: int) -> QuantizedWeight:

@@ -224,6 +224,8 @@ def _print_verify(report) -> None:
         ("structure, index, configs, sha256", structure),
         ("pass-through tensors byte-identical", f"{report.passthrough_checked - len(report.passthrough_problems)}"
                                                 f"/{report.passthrough_checked}"),
+        *([("dense linears bit-exact", f"{report.dense_linears_checked - len(report.dense_linear_problems)}"
+                                       f"/{report.dense_linears_checked}")] if report.dense_linears_checked else []),
         ("kernel device", report.numerics_device or "not run"),
         ("tolerance (relative)", f"{report.tolerance:g}"),
     ]))

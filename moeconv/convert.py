@@ -20,12 +20,14 @@ from typing import Any, Callable
 import torch
 
 from moeconv import __version__
-from moeconv.backends.base import ExpertWeights
+from moeconv.backends.base import ExpertWeights, converts_dense_linears
+from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader
 from moeconv.checkpoint.writer import ShardWriter, sha256_file
 from moeconv.errors import MoeconvError
 from moeconv.formats.gptq import SuspiciousZeroTally, zero_tally
-from moeconv.plan import MoELayer, PassThrough, Plan
+from moeconv.models import PROJECTIONS
+from moeconv.plan import DenseLinear, MoELayer, PassThrough, Plan
 
 MANIFEST_NAME = "moeconv.json"
 QUANTIZE_CONFIG_NAME = "quantize_config.json"
@@ -58,8 +60,16 @@ class ConvertReport:
 
 def output_quantization_config(plan: Plan) -> dict[str, Any]:
     """What a loader needs: the expert layout, and the source's own config for everything else
-    (attention and shared experts keep the source format and pass through unchanged)."""
+    (attention and shared experts keep the source format and pass through unchanged). A backend that
+    converts dense linears too writes the whole config in its own scheme; moeconv's fields then go
+    under "moeconv"."""
     first = plan.layers[0].shape
+    if converts_dense_linears(plan.backend):
+        return {
+            **plan.backend.checkpoint_quantization_config(first, plan.model_dtype, plan.unquantized_modules()),
+            "moeconv": {"backend": plan.backend.name, "layout_version": plan.backend.layout_version,
+                        "source_quantization_config": plan.checkpoint.quantization_config},
+        }
     return {
         "quant_method": "moeconv",
         "backend": plan.backend.name,
@@ -197,6 +207,9 @@ def _write_shard(plan: Plan, shard, path: Path, reader: TensorReader, advance: P
                 entry = unit.entry
                 writer.copy_range(entry.name, entry.file, entry.begin, entry.end)
                 advance(entry.nbytes)
+            elif isinstance(unit, DenseLinear):
+                _write_dense_linear(plan, unit, writer, reader, suspicious)
+                advance(unit.source_bytes)
             else:
                 _write_layer(plan, unit, writer, reader, advance, suspicious)
     os.replace(temporary, path)
@@ -209,6 +222,7 @@ def _write_layer(plan: Plan, layer: MoELayer, writer: ShardWriter, reader: Tenso
     (torch releases the GIL inside its ops) with a bounded window, so at most a few experts are in
     memory at a time and the output bytes do not depend on the scheduling."""
     outputs = {tensor.name: tensor for tensor in plan.layer_tensors(layer)}
+    experts = layer.shape.experts
 
     def convert_one(expert: dict[str, dict[str, TensorEntry]]):
         return _convert_expert(plan, layer, expert, reader, track_zeros=suspicious is not None)
@@ -216,10 +230,30 @@ def _write_layer(plan: Plan, layer: MoELayer, writer: ShardWriter, reader: Tenso
     for index, (slices, zero_counts) in enumerate(_bounded_map(convert_one, layer.experts, WORKERS)):
         for name, found in zero_counts:
             suspicious.record(name, found)
+        slots = plan.expert_slots(layer, index)
         for suffix, data in slices.items():
-            name = f"{layer.module}.{suffix}"
-            writer.write(name, data, offset=index * (outputs[name].nbytes // layer.shape.experts))
+            name, stacked = slots[suffix]
+            writer.write(name, data, offset=index * (outputs[name].nbytes // experts) if stacked else 0)
         advance(sum(entry.nbytes for linear in layer.experts[index].values() for entry in linear.values()))
+
+
+def _write_dense_linear(plan: Plan, linear: DenseLinear, writer: ShardWriter, reader: TensorReader,
+                        suspicious: SuspiciousZeroTally | None) -> None:
+    tensors = {suffix: reader.read(entry) for suffix, entry in linear.tensors.items()}
+    if suspicious is not None:
+        suspicious.record(linear.tensors["qzeros"].name, plan.source_format.suspicious_zero_slots(tensors["qzeros"]))
+    weight = _decoded(plan, linear.tensors, tensors)
+    for suffix, data in plan.backend.encode_linear(weight, linear.shape).items():
+        writer.write(f"{linear.prefix}.{suffix}", data)
+
+
+def _decoded(plan: Plan, entries: dict[str, TensorEntry], tensors: dict[str, torch.Tensor]):
+    """The canonical form of one source linear; a refusal names the file and the linear."""
+    try:
+        return plan.decode_linear(tensors)
+    except MoeconvError as error:
+        first = next(iter(entries.values()))
+        raise MoeconvError(f"{first.file}: {first.name.rsplit('.', 1)[0]}: {error}") from None
 
 
 def _convert_expert(plan: Plan, layer: MoELayer, expert: dict[str, dict[str, TensorEntry]], reader: TensorReader,
@@ -230,12 +264,7 @@ def _convert_expert(plan: Plan, layer: MoELayer, expert: dict[str, dict[str, Ten
         tensors = {suffix: reader.read(entry) for suffix, entry in linear.items()}
         if track_zeros:
             zero_counts.append((linear["qzeros"].name, plan.source_format.suspicious_zero_slots(tensors["qzeros"])))
-        try:
-            decoded[projection] = plan.decode_linear(tensors)
-        except MoeconvError as error:
-            first = next(iter(linear.values()))
-            prefix = first.name.rsplit(".", 1)[0]
-            raise MoeconvError(f"{first.file}: {prefix}: {error}") from None
+        decoded[projection] = _decoded(plan, linear, tensors)
     return plan.backend.encode_expert(ExpertWeights(**decoded), layer.shape), zero_counts
 
 
@@ -294,17 +323,29 @@ def _tensor_sources(plan: Plan) -> dict[str, dict[str, Any]]:
     sources: dict[str, dict[str, Any]] = {}
     for shard in plan.shards:
         for unit in shard.units:
+            transform = f"{plan.source_format.method}->{plan.backend.name}"
             if isinstance(unit, PassThrough):
                 sources[unit.entry.name] = {"transform": "copy", "sources": [unit.entry.name]}
-                continue
-            for tensor in plan.layer_tensors(unit):
-                # Every w13 tensor derives from the gate and up linears, every w2 one from down.
-                projections = ("gate", "up") if tensor.name.rsplit(".", 1)[1].startswith("w13") else ("down",)
-                names = [entry.name for expert in unit.experts for projection in projections
-                         for entry in expert[projection].values()]
-                sources[tensor.name] = {"transform": f"{plan.source_format.method}->{plan.backend.name}",
-                                        "sources": names}
+            elif isinstance(unit, DenseLinear):
+                names = [entry.name for entry in unit.tensors.values()]
+                sources.update({t.name: {"transform": transform, "sources": names} for t in plan.linear_tensors(unit)})
+            else:
+                for e, expert in enumerate(unit.experts):
+                    for suffix, (name, _) in plan.expert_slots(unit, e).items():
+                        entry = sources.setdefault(name, {"transform": transform, "sources": []})
+                        entry["sources"] += [source.name for projection in _source_projections(suffix, unit.shape)
+                                             for source in expert[projection].values()]
     return sources
+
+
+def _source_projections(suffix: str, shape: MoELayerShape) -> tuple[str, ...]:
+    """The source projections a backend tensor derives from: the one it is named after, else (stacked
+    layouts) gate and up for a fused w13 tensor and down for a w2 one."""
+    named = dict(zip(shape.projection_names, PROJECTIONS))
+    first = suffix.split(".", 1)[0]
+    if first in named:
+        return (named[first],)
+    return ("gate", "up") if suffix.startswith("w13") else ("down",)
 
 
 def _dump(path: Path, data: dict[str, Any]) -> None:

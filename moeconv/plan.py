@@ -12,12 +12,13 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 
 from moeconv.backends import REGISTRY, Backend, get_backend
-from moeconv.canonical import MoELayerShape, QuantizedWeight, regroup
+from moeconv.backends.base import TensorSpec, converts_dense_linears
+from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, regroup
 from moeconv.checkpoint.reader import DTYPE_SIZES, Checkpoint, TensorEntry, _product, open_checkpoint
 from moeconv.errors import MoeconvError
 from moeconv.detect import Detection, detect, sample_linears
@@ -47,6 +48,28 @@ class PassThrough:
 
 
 @dataclass(frozen=True)
+class DenseLinear:
+    """A quantized linear outside the routed experts (attention, shared experts, dense MLPs), converted
+    by backends that convert dense linears: tensors[suffix] -> source tensor."""
+
+    prefix: str
+    tensors: dict[str, TensorEntry]
+    shape: LinearShape
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(entry.nbytes for entry in self.tensors.values())
+
+
+class ExpertSlot(NamedTuple):
+    """Where one expert's slice of a backend tensor lives: a stacked tensor (dim 0 the expert) or a
+    tensor of its own."""
+
+    name: str
+    stacked: bool
+
+
+@dataclass(frozen=True)
 class OutputTensor:
     name: str
     dtype: str
@@ -57,7 +80,7 @@ class OutputTensor:
         return DTYPE_SIZES[self.dtype] * _product(self.shape)
 
 
-Unit = Union[PassThrough, MoELayer]
+Unit = Union[PassThrough, MoELayer, DenseLinear]
 
 
 @dataclass(frozen=True)
@@ -91,10 +114,41 @@ class Plan:
         return regroup(self.source_format.decode(tensors), self.regroup_factor)
 
     def layer_tensors(self, layer: MoELayer) -> list[OutputTensor]:
-        return [
-            OutputTensor(f"{layer.module}.{spec.suffix}", spec.dtype, spec.shape)
-            for spec in self.backend.layer_tensors(layer.shape)
-        ]
+        tensors = []
+        for spec in self.backend.layer_tensors(layer.shape):
+            experts = range(layer.shape.experts) if spec.per_expert else (None,)
+            tensors += [OutputTensor(self._slot(layer, spec, e).name, spec.dtype, spec.shape) for e in experts]
+        return tensors
+
+    def expert_slots(self, layer: MoELayer, expert: int) -> dict[str, ExpertSlot]:
+        """suffix -> where expert `expert`'s slice of that backend tensor goes."""
+        return {spec.suffix: self._slot(layer, spec, expert) for spec in self.backend.layer_tensors(layer.shape)}
+
+    @staticmethod
+    def _slot(layer: MoELayer, spec: TensorSpec, expert: int | None) -> ExpertSlot:
+        if spec.per_expert:
+            return ExpertSlot(f"{layer.module}.{expert}.{spec.suffix}", stacked=False)
+        return ExpertSlot(f"{layer.module}.{spec.suffix}", stacked=True)
+
+    def linear_tensors(self, linear: DenseLinear) -> list[OutputTensor]:
+        return [OutputTensor(f"{linear.prefix}.{spec.suffix}", spec.dtype, spec.shape)
+                for spec in self.backend.linear_tensors(linear.shape)]
+
+    @property
+    def dense_linears(self) -> list[DenseLinear]:
+        return [unit for shard in self.shards for unit in shard.units if isinstance(unit, DenseLinear)]
+
+    def unquantized_modules(self) -> list[str]:
+        """Modules whose 2-D float `weight` passes through: the linears a whole-checkpoint scheme must
+        be told to leave in float (embeddings are listed too; a loader only asks about linears)."""
+        return sorted((unit.entry.name.removesuffix(".weight") for shard in self.shards for unit in shard.units
+                       if isinstance(unit, PassThrough) and unit.entry.name.endswith(".weight")
+                       and len(unit.entry.shape) == 2 and unit.entry.dtype in FLOAT_DTYPES), key=_natural_key)
+
+    @property
+    def model_dtype(self) -> str | None:
+        config = self.checkpoint.config
+        return config.get("torch_dtype") or config.get("dtype")
 
     @property
     def output_bytes(self) -> int:
@@ -203,6 +257,7 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
             symmetric=source_format.symmetric,
             scale_dtype=scale_dtypes.pop(),
             activation_bits=source_format.activation_bits,
+            projection_names=tuple(_projection_name(ordered[0][projection]) for projection in PROJECTIONS),
         )
         layers.append(MoELayer(module, shape, ordered))
     if not layers:
@@ -212,6 +267,40 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
             f"{next(iter(architecture.projections))}.qweight)"
         )
     return layers
+
+
+def _projection_name(linear: dict[str, TensorEntry]) -> str:
+    """The checkpoint's own name of a projection (`gate_proj`, `w1`, ...): names end `.<projection>.<suffix>`."""
+    return next(iter(linear.values())).name.rsplit(".", 2)[-2]
+
+
+def find_dense_linears(checkpoint: Checkpoint, source_format: SourceFormat, backend: Backend, names: list[str],
+                       regroup_factor: int) -> list[DenseLinear]:
+    """The quantized linears among `names` (the non-expert tensors): every module that has all of the
+    format's required suffixes. Tensors with other suffixes (bias) stay pass-through."""
+    modules: dict[str, dict[str, TensorEntry]] = defaultdict(dict)
+    for name in names:
+        prefix, _, suffix = name.rpartition(".")
+        modules[prefix][suffix] = checkpoint.tensors[name]
+    required, optional = source_format.suffixes(), source_format.optional_suffixes()
+    linears = []
+    for prefix, tensors in modules.items():
+        if not all(suffix in tensors for suffix in required):
+            continue
+        own = {suffix: entry for suffix, entry in tensors.items() if suffix in required or suffix in optional}
+        out_features, in_features = source_format.linear_shape({suffix: e.shape for suffix, e in own.items()})
+        _check_linear(own, prefix, "linear", source_format, out_features, in_features)
+        scale_dtype = next(entry.dtype for entry in own.values() if entry.dtype in FLOAT_DTYPES)
+        group_size = source_format.group_size
+        shape = LinearShape(out_features, in_features, source_format.bits,
+                            group_size // regroup_factor if group_size > 0 else group_size,
+                            source_format.symmetric, scale_dtype, source_format.activation_bits)
+        reason = backend.linear_refusal(shape)
+        if reason:
+            raise MoeconvError(f"{checkpoint.root}: {prefix}: backend {backend.name!r} cannot convert this "
+                               f"{out_features}x{in_features} linear: {reason}")
+        linears.append(DenseLinear(prefix, own, shape))
+    return linears
 
 
 def _check_linear(linear: dict[str, TensorEntry], prefix: str, projection: str, source_format: SourceFormat,
@@ -327,7 +416,13 @@ def make_plan(source: Path | Checkpoint, backend: str = "triton", max_shard_size
     expert_names = {entry.name for layer in layers for expert in layer.experts
                     for linear in expert.values() for entry in linear.values()}
     units: list[tuple[str, Unit]] = [(layer.module, layer) for layer in layers]
-    units += [(name, PassThrough(entry)) for name, entry in checkpoint.tensors.items() if name not in expert_names]
+    others = [name for name in checkpoint.tensors if name not in expert_names]
+    if converts_dense_linears(target):
+        linears = find_dense_linears(checkpoint, source_format, target, others, factor)
+        units += [(linear.prefix, linear) for linear in linears]
+        converted = {entry.name for linear in linears for entry in linear.tensors.values()}
+        others = [name for name in others if name not in converted]
+    units += [(name, PassThrough(checkpoint.tensors[name])) for name in others]
     units.sort(key=lambda item: _natural_key(item[0]))
     plan = Plan(checkpoint, architecture, source_format, target, tuple(layers), (), max_shard_size, trust,
                 detection, factor, tp, skipped)
@@ -337,6 +432,8 @@ def make_plan(source: Path | Checkpoint, backend: str = "triton", max_shard_size
 def _unit_tensors(plan: Plan, unit: Unit) -> list[OutputTensor]:
     if isinstance(unit, PassThrough):
         return [OutputTensor(unit.entry.name, unit.entry.dtype, unit.entry.shape)]
+    if isinstance(unit, DenseLinear):
+        return plan.linear_tensors(unit)
     return plan.layer_tensors(unit)
 
 

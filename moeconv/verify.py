@@ -2,9 +2,9 @@
 
 1. structure: every tensor the layout needs is there with its shape and dtype; index, config,
    quantize_config and manifest agree; each file's sha256 matches the manifest (streamed).
-2. lossless: every expert decodes from the output back to the canonical form, and equals what the
-   SOURCE format's decoder gives for the source tensors, bit for bit; pass-through tensors are
-   byte-identical to the source.
+2. lossless: every expert (and every dense linear a backend converts) decodes from the output back
+   to the canonical form, and equals what the SOURCE format's decoder gives for the source tensors,
+   bit for bit; pass-through tensors are byte-identical to the source.
 3. numerics: moeconv's Triton fused-MoE kernel runs on the converted tensors for random tokens and
    routing; the reference dequantizes the source independently and computes in float64.
 """
@@ -20,13 +20,14 @@ from typing import Any, Callable
 
 import torch
 
+from moeconv.backends import get_backend
 from moeconv.backends.base import ExpertWeights
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader, open_checkpoint, read_json
 from moeconv.checkpoint.writer import sha256_file
 from moeconv.convert import MANIFEST_NAME, QUANTIZE_CONFIG_NAME, output_quantization_config
 from moeconv.errors import MoeconvError
-from moeconv.plan import MoELayer, PassThrough, Plan, make_plan
+from moeconv.plan import DenseLinear, MoELayer, PassThrough, Plan, make_plan
 
 # Relative error ‖out − ref‖ / ‖ref‖ allowed for the kernel with fp16 activations against the
 # float64 reference of the source. The kernel rounds activations, the fused gate/up output and
@@ -67,16 +68,19 @@ class VerifyReport:
     structure_problems: list[str] = field(default_factory=list)
     passthrough_checked: int = 0
     passthrough_problems: list[str] = field(default_factory=list)
+    dense_linears_checked: int = 0
+    dense_linear_problems: list[str] = field(default_factory=list)
     layers: list[LayerResult] = field(default_factory=list)
     numerics_device: str | None = None
     tolerance: float = NUMERICS_TOLERANCE
 
     @property
     def ok(self) -> bool:
-        return not self.structure_problems and not self.passthrough_problems and all(l.ok for l in self.layers)
+        return (not self.structure_problems and not self.passthrough_problems and not self.dense_linear_problems
+                and all(l.ok for l in self.layers))
 
     def failures(self) -> list[str]:
-        found = self.structure_problems + self.passthrough_problems
+        found = self.structure_problems + self.passthrough_problems + self.dense_linear_problems
         for layer in self.layers:
             found += [f"{layer.module}: {problem}" for problem in layer.lossless_failures]
             if not layer.ok and not layer.lossless_failures:
@@ -113,6 +117,9 @@ def verify(output: Path, source: Path | None = None, sample: int | None = None, 
     report.passthrough_problems, report.passthrough_checked = _check_passthrough(plan, converted.tensors)
     generator = torch.Generator().manual_seed(seed)
     with TensorReader() as reader:
+        dense_linears = plan.dense_linears
+        report.dense_linear_problems = _check_dense_linears(plan, dense_linears, converted.tensors, reader)
+        report.dense_linears_checked = len(dense_linears)
         for index, layer in enumerate(plan.layers):
             started = time.perf_counter()
             result = LayerResult(layer.module, tolerance=kernel.tolerance(layer.shape))
@@ -191,11 +198,16 @@ def _sampled(count: int, sample: int | None, generator: torch.Generator) -> list
     return sorted(torch.randperm(count, generator=generator)[:sample].tolist())
 
 
-def _read_expert_slices(outputs: dict[str, TensorEntry], experts: list[int],
+def _read_expert_slices(plan: Plan, layer: MoELayer, outputs: dict[str, TensorEntry], experts: list[int],
                         reader: TensorReader) -> dict[str, torch.Tensor]:
-    """The stacked output tensors restricted to `experts` (dim 0), keyed by suffix."""
-    return {name.rsplit(".", 1)[1]: torch.stack([reader.read_index(entry, e) for e in experts])
-            for name, entry in outputs.items()}
+    """The layer's backend tensors restricted to `experts`, stacked along dim 0 and keyed by suffix,
+    whether the layout stacks experts in one tensor or writes one tensor per expert."""
+    slices: dict[str, list[torch.Tensor]] = {}
+    for e in experts:
+        for suffix, (name, stacked) in plan.expert_slots(layer, e).items():
+            entry = outputs[name]
+            slices.setdefault(suffix, []).append(reader.read_index(entry, e) if stacked else reader.read(entry))
+    return {suffix: torch.stack(tensors) for suffix, tensors in slices.items()}
 
 
 def _source_expert(plan: Plan, layer: MoELayer, expert: int, reader: TensorReader) -> ExpertWeights:
@@ -210,7 +222,7 @@ def _check_lossless(plan: Plan, layer: MoELayer, experts: list[int], outputs: di
     """Mismatch descriptions, and how many experts matched on all three projections."""
     failures, exact = [], 0
     for expert in experts:
-        stacked = _read_expert_slices(outputs, [expert], reader)
+        stacked = _read_expert_slices(plan, layer, outputs, [expert], reader)
         try:
             converted = plan.backend.decode_expert({k: v[0] for k, v in stacked.items()}, layer.shape)
         except ValueError as error:  # the layout's own redundancy (e.g. CPU compensation sums) disagrees
@@ -223,6 +235,19 @@ def _check_lossless(plan: Plan, layer: MoELayer, experts: list[int], outputs: di
                 failures.append(f"expert {expert} {projection}: {problem}")
         exact += not any(failure.startswith(f"expert {expert} ") for failure in failures)
     return failures, exact
+
+
+def _check_dense_linears(plan: Plan, linears: list[DenseLinear], tensors: dict[str, TensorEntry],
+                         reader: TensorReader) -> list[str]:
+    """Every converted dense linear decodes to the source's canonical form, bit for bit."""
+    problems = []
+    for linear in linears:
+        converted = {t.name.rsplit(".", 1)[1]: reader.read(tensors[t.name]) for t in plan.linear_tensors(linear)}
+        source = plan.decode_linear({suffix: reader.read(entry) for suffix, entry in linear.tensors.items()})
+        problem = plan.backend.decode_linear(converted, linear.shape).mismatch(source)
+        if problem:
+            problems.append(f"{linear.prefix}: {problem}")
+    return problems
 
 
 def _run_triton(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch.Tensor,
@@ -243,10 +268,23 @@ def _run_triton(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch
 
 def _run_cpu(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch.Tensor,
              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """The x86 kernel's semantics (W4A8: activations rounded to uint8 per row), read from the blocked layout."""
+    """The x86 kernels' semantics (W4A8 or W8A8: activations rounded to uint8 per row), read from the layout
+    the cpu backend wrote (blocked INT4 or VNNI INT8)."""
     from moeconv.kernels.cpu_reference import cpu_fused_moe
 
     return cpu_fused_moe(tensors, shape, x, topk_weights, topk_ids)
+
+
+def _run_humming(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch.Tensor,
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel on the Humming tensors, re-encoded through the canonical form: the same
+    GEMMs Humming computes (4-bit Humming words are the Triton bytes; zero points transposed)."""
+    humming, triton = get_backend("humming"), get_backend("triton")
+    experts = next(iter(tensors.values())).shape[0]
+    encoded = [triton.encode_expert(humming.decode_expert({k: v[e] for k, v in tensors.items()}, shape), shape)
+               for e in range(experts)]
+    stacked = {suffix: torch.stack([expert[suffix] for expert in encoded]) for suffix in encoded[0]}
+    return _run_triton(stacked, shape, x, topk_weights, topk_ids)
 
 
 @dataclass(frozen=True)
@@ -270,7 +308,10 @@ def _triton_tolerance(shape: MoELayerShape) -> float:
 
 LAYER_KERNELS: dict[str, LayerKernel] = {
     "triton": LayerKernel(_run_triton, _triton_device, _triton_tolerance),
-    "cpu": LayerKernel(_run_cpu, lambda: "cpu (torch model of the x86 W4A8 kernel)",
+    # W4A8 and W8A8 alike round activations to int8 per row, the error W8A8_NUMERICS_TOLERANCE bounds:
+    # measured for the CPU W8A8 model 1.3e-2 (H=128) to 2.6e-2 (H=4096, I=1536).
+    "humming": LayerKernel(_run_humming, _triton_device, _triton_tolerance),
+    "cpu": LayerKernel(_run_cpu, lambda: "cpu (torch model of the x86 W4A8 / W8A8 kernels)",
                        lambda shape: W8A8_NUMERICS_TOLERANCE),
 }
 
@@ -287,7 +328,8 @@ def _check_numerics(plan: Plan, layer: MoELayer, outputs: dict[str, TensorEntry]
     used = sorted(set(ids.flatten().tolist()))
     local_ids = torch.tensor([used.index(e) for e in ids.flatten().tolist()]).reshape(ids.shape)
     x = torch.randn(tokens, shape.hidden, generator=generator).to(torch.float16)
-    out = LAYER_KERNELS[plan.backend.name].run(_read_expert_slices(outputs, used, reader), shape, x, weights, local_ids)
+    slices = _read_expert_slices(plan, layer, outputs, used, reader)
+    out = LAYER_KERNELS[plan.backend.name].run(slices, shape, x, weights, local_ids)
     sources = [_source_expert(plan, layer, e, reader) for e in used]
     w13 = torch.stack([torch.cat([s.gate.dequantize(torch.float64), s.up.dequantize(torch.float64)]) for s in sources])
     w2 = torch.stack([s.down.dequantize(torch.float64) for s in sources])

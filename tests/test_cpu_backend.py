@@ -1,12 +1,13 @@
-"""The x86 CPU blocked INT4 layout: bytes as vllm-layouts.md §5.1 describes them, round trips from every
-4-bit source, the blocked-layout W4A8 reference against the float reference, plan-time refusals,
-and synth -> `moeconv convert --backend cpu` -> verify."""
+"""The x86 CPU layouts: blocked INT4 (vllm-layouts.md §5.1) and VNNI INT8 W8A8 (§5.2). Bytes as the
+reference describes them, round trips, the layout-reading W4A8 / W8A8 references against the float
+reference, plan-time refusals, and synth -> `moeconv convert --backend cpu` -> verify."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,17 +17,17 @@ from safetensors import safe_open
 
 from moeconv.backends import CpuBackend
 from moeconv.backends.base import ExpertWeights
-from moeconv.backends.cpu import block_int4
+from moeconv.backends.cpu import block_int4, vnni_suffixes
 from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.checkpoint.writer import sha256_file
 from moeconv.errors import MoeconvError
 from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.kernels import random_routing, reference_fused_moe, relative_error
-from moeconv.kernels.cpu_reference import blocked_linear, cpu_fused_moe, quantize_rows
+from moeconv.kernels.cpu_reference import blocked_linear, cpu_fused_moe, quantize_rows, vnni_linear
 from moeconv.plan import make_plan
 from moeconv.synth import SynthSpec, make_checkpoint, quantize, random_weight
-from moeconv.verify import verify
+from moeconv.verify import W8A8_NUMERICS_TOLERANCE, verify
 
 from helpers import cli
 
@@ -140,15 +141,18 @@ def test_round_trip_through_the_source_format(source, data):
         assert getattr(decoded, projection).mismatch(getattr(expert, projection)) is None
 
 
-def _random_layer(hidden, intermediate, experts, group_size, symmetric, seed=0):
-    """Synth-quantized experts, their stacked cpu-layout tensors and the float64 dense weights."""
+def _random_layer(hidden, intermediate, experts, group_size=-1, symmetric=True, seed=0, w8a8=False):
+    """Synth-quantized experts (4-bit, or W8A8 int8 per channel), their stacked cpu-layout tensors and the
+    float64 dense weights."""
     generator = torch.Generator().manual_seed(seed)
+    bits, scale_dtype = (8, torch.bfloat16) if w8a8 else (4, torch.float16)
 
     def linear(out_features, in_features):
-        return quantize(random_weight(out_features, in_features, group_size, generator), 4, group_size, symmetric,
-                        torch.float16)
+        return quantize(random_weight(out_features, in_features, group_size, generator), bits, group_size, symmetric,
+                        scale_dtype)
 
-    shape = MoELayerShape(experts, hidden, intermediate, 4, group_size, symmetric, "F16")
+    shape = MoELayerShape(experts, hidden, intermediate, bits, group_size, symmetric,
+                          "BF16" if w8a8 else "F16", activation_bits=8 if w8a8 else 16)
     weights = [ExpertWeights(linear(intermediate, hidden), linear(intermediate, hidden), linear(hidden, intermediate))
                for _ in range(experts)]
     slices = [backend.encode_expert(expert, shape) for expert in weights]
@@ -230,7 +234,7 @@ def test_decode_refuses_symmetric_zeros_other_than_8():
 @pytest.mark.parametrize("shape, reason", [
     (MoELayerShape(4, 48, 64, 4, 16, True, "F16"), "hidden size 48 is not a multiple of the 32-channel block"),
     (MoELayerShape(4, 64, 48, 4, 16, True, "F16"), "intermediate size 48 is not a multiple"),
-    (MoELayerShape(4, 64, 64, 8, 32, True, "F16"), "takes 4-bit weights, not 8-bit"),
+    (MoELayerShape(4, 64, 64, 8, 32, True, "F16"), "takes 4-bit weights, not 8-bit (8-bit weights only as a W8A8"),
     (MoELayerShape(4, 192, 64, 4, -1, True, "F16"), "w13: K = 192 does not split into K blocks"),
     (MoELayerShape(4, 384, 64, 4, 256, True, "F16"), "w13: group size 256 does not divide K = 384"),
 ])
@@ -251,7 +255,177 @@ def test_plan_refuses_layers_that_do_not_block(tmp_path, fields, reason):
     assert not (tmp_path / "out").exists()
 
 
-CONVERSIONS = {"gptq-asym-g32": GPTQ(4, 32, sym=False), "awq-sym-channel": AWQ(4, -1, zero_point=False)}
+# ------------------------------------------------------------------------------ INT8 W8A8 (§5.2)
+
+
+W8A8 = CompressedTensors(format="int-quantized", bits=8, group_size=-1, activation_bits=8)
+
+
+def _w8a8_shape(experts=1, hidden=32, intermediate=32, scale_dtype="BF16", **changes) -> MoELayerShape:
+    return MoELayerShape(experts, hidden, intermediate, 8, -1, True, scale_dtype, activation_bits=8, **changes)
+
+
+def _int8_weight(out_features, in_features, signed, scale_dtype=torch.bfloat16) -> QuantizedWeight:
+    """Canonical codes (w + 128) from a formula w(n, k) of the signed weight."""
+    codes = torch.tensor([[signed(n, k) + 128 for k in range(in_features)] for n in range(out_features)],
+                         dtype=torch.uint8)
+    scales = (torch.arange(1, out_features + 1, dtype=torch.float32)[:, None] / 64).to(scale_dtype)
+    return QuantizedWeight(codes, None, scales, 8, in_features)
+
+
+def _expected_vnni_rows(weights: list[QuantizedWeight]) -> list[list[int]]:
+    """§5.2 byte by byte with plain integers: the stacked weights' (N, K + 4) int8 rows."""
+    signed = [[c - 128 for c in row] for w in weights for row in w.codes.tolist()]
+    n_total, k_total = len(signed), len(signed[0])
+    out = []
+    for nb in range(n_total // 32):
+        block = [0] * (32 * (k_total + 4))
+        for q in range(k_total // 4):
+            for n in range(32):
+                for ki in range(4):
+                    block[q * 128 + n * 4 + ki] = signed[32 * nb + n][4 * q + ki]
+        for n in range(32):
+            compensation = (128 * sum(signed[32 * nb + n])) & 0xFFFFFFFF
+            block[32 * k_total + 4 * n: 32 * k_total + 4 * n + 4] = list(compensation.to_bytes(4, "little"))
+        block = [b - 256 if b >= 128 else b for b in block]  # int8 view of each byte
+        out += [block[r * (k_total + 4): (r + 1) * (k_total + 4)] for r in range(32)]
+    return out
+
+
+def test_int8_hand_checked_bytes():
+    """H = I = 32: w13 is two 32-channel blocks (gate, up) with K = 32; gate w[n, k] = (7n + 3k) % 256 − 128,
+    and up's channel 0 is all −128 (the most negative compensation), channel 1 all 127, channel 2 all 0."""
+    gate = _int8_weight(32, 32, lambda n, k: (7 * n + 3 * k) % 256 - 128)
+    up = _int8_weight(32, 32, lambda n, k: [-128, 127, 0][n] if n < 3 else (n * k) % 256 - 128)
+    down = _int8_weight(32, 32, lambda n, k: (5 * n + k) % 256 - 128)
+    shape = _w8a8_shape()
+    slices = backend.encode_expert(ExpertWeights(gate, up, down), shape)
+    w13 = slices["w13_vnni_weight"]
+    assert w13.dtype == torch.int8 and w13.tolist() == _expected_vnni_rows([gate, up])
+    assert slices["w2_vnni_weight"].tolist() == _expected_vnni_rows([down])
+    block = w13.view(-1).view(torch.uint8)
+    # channel 0 at k = 0..3, then channel 1 at k = 0..3: [K/4][32][4]
+    assert block[:8].view(torch.int8).tolist() == [-128, -125, -122, -119, -121, -118, -115, -112]
+    assert block[128:132].view(torch.int8).tolist() == [-116, -113, -110, -107]  # q = 1: channel 0, k = 4..7
+    # after 32·32 weight bytes: 128·Σ_k (3k − 128) = 128·(1488 − 4096) = −333824 = 0xFFFAE800
+    assert block[1024:1028].tolist() == [0x00, 0xE8, 0xFA, 0xFF]
+    up_compensation = block[36 * 32 + 1024:][:12].tolist()  # up is block 1, at 32·(K + 4) bytes
+    assert up_compensation == [0x00, 0x00, 0xF8, 0xFF, 0x00, 0xF0, 0x07, 0x00, 0, 0, 0, 0]  # −524288, 520192, 0
+    assert slices["w13_weight_scale"].dtype == torch.float32
+    assert slices["w13_weight_scale"].flatten().tolist() == [n / 64 for n in range(1, 33)] * 2
+    specs = {spec.suffix: (spec.shape, spec.dtype) for spec in backend.layer_tensors(shape)}
+    assert specs == {"w13_vnni_weight": ((1, 64, 36), "I8"), "w13_weight_scale": ((1, 64, 1), "F32"),
+                     "w2_vnni_weight": ((1, 32, 36), "I8"), "w2_weight_scale": ((1, 32, 1), "F32")}
+    config = backend.quantization_config(shape)
+    assert (config["layout"], config["compute"], config["bits"], config["has_zp"]) == ("x86_int8_vnni", "w8a8", 8, False)
+
+
+@given(data=st.data())
+def test_int8_round_trip_through_the_source_format(data):
+    """decode(ct) == decode_cpu(encode_cpu(decode(ct))), bit for bit, with whole rows at −128, 127 and 0."""
+    hidden, intermediate = 32 * data.draw(st.integers(1, 3)), 32 * data.draw(st.integers(1, 3))
+    scale_dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]))
+    edge_rows = data.draw(st.permutations([0, 255, 128]))  # codes of w = −128, 127, 0
+
+    def linear(out_features, in_features):
+        generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+        codes = torch.randint(0, 256, (out_features, in_features), dtype=torch.uint8, generator=generator)
+        for row, code in enumerate(edge_rows):
+            codes[row] = code
+        scales = (torch.rand(out_features, 1, generator=generator) * 0.1 + 1e-4).to(scale_dtype)
+        return W8A8.decode(W8A8.encode(QuantizedWeight(codes, None, scales, 8, in_features)))
+
+    expert = ExpertWeights(linear(intermediate, hidden), linear(intermediate, hidden), linear(hidden, intermediate))
+    shape = _w8a8_shape(hidden=hidden, intermediate=intermediate,
+                        scale_dtype="F16" if scale_dtype == torch.float16 else "BF16")
+    assert backend.refusal(shape) is None
+    slices = backend.encode_expert(expert, shape)
+    assert {suffix: tuple(tensor.shape) for suffix, tensor in slices.items()} == \
+        {spec.suffix: spec.shape[1:] for spec in backend.layer_tensors(shape)}
+    decoded = backend.decode_expert(slices, shape)
+    for projection in ("gate", "up", "down"):
+        assert getattr(decoded, projection).mismatch(getattr(expert, projection)) is None
+
+
+def test_vnni_linear_is_the_exact_w8a8_product():
+    """Reading the VNNI bytes, u8·s8 dots minus the stored 128·Σw equal Σ (q − 128)·w: the result is the
+    float64 product of the dequantized int8 activations and weights up to fp32 rounding."""
+    _, weights, tensors, _, _ = _random_layer(256, 64, 1, w8a8=True)
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(1)).to(torch.float16)
+    codes, row_scales = quantize_rows(x)
+    exact = ((codes - 128).double() * row_scales.double()[:, None]) @ weights[0].gate.dequantize(torch.float64).T
+    got = vnni_linear(x, type(vnni_suffixes("w13"))(*(tensors[n][0, :64] for n in vnni_suffixes("w13"))))
+    assert relative_error(got, exact) < 1e-6
+
+
+# W8A8 rounds each GEMM's input to int8 per row (step max|a|/127): per GEMM (max|a| / rms a) / (127·√12)
+# ≈ 7e-3 for random tokens, more after SiLU-and-mul; both stages measured 1.3e-2 (H=128) to 2.6e-2
+# (H=4096, I=1536). verify's 6e-2 (W8A8_NUMERICS_TOLERANCE) leaves 2x; a wrong byte order or compensation
+# gives order 1. W8A16 (the same bytes, float activations) only rounds intermediates to fp16 (4.9e-4 each).
+@pytest.mark.parametrize("hidden, intermediate", [(128, 64), (512, 256)])
+def test_w8a8_reference_against_the_float_reference(hidden, intermediate):
+    shape, _, tensors, w13, w2 = _random_layer(hidden, intermediate, 4, w8a8=True)
+    generator = torch.Generator().manual_seed(2)
+    weights, ids = random_routing(32, 4, 2, generator)
+    x = torch.randn(32, hidden, generator=generator).to(torch.float16)
+    reference = reference_fused_moe(x.double(), w13, w2, weights.double(), ids)
+    w8a8 = relative_error(cpu_fused_moe(tensors, shape, x, weights, ids), reference)
+    w8a16 = relative_error(cpu_fused_moe(tensors, shape, x, weights, ids, quantize_activations=False), reference)
+    assert 7e-3 < w8a8 < W8A8_NUMERICS_TOLERANCE / 2 and w8a16 < 2e-3, (w8a8, w8a16)
+    # The W8A8 path subtracts the stored compensation: one wrong value shows, in W8A8 only.
+    damaged = dict(tensors, w2_vnni_weight=tensors["w2_vnni_weight"].clone())
+    damaged["w2_vnni_weight"][:, 31, -1] ^= 0x04  # block 0 ends with the top byte of channel 31's compensation
+    assert relative_error(cpu_fused_moe(damaged, shape, x, weights, ids), reference) > 4 * W8A8_NUMERICS_TOLERANCE
+    w8a16_damaged = cpu_fused_moe(damaged, shape, x, weights, ids, quantize_activations=False)
+    assert relative_error(w8a16_damaged, reference) == w8a16
+
+
+@pytest.mark.parametrize("suffix, index, message", [
+    # row 3, byte 5 of w13 (K = 64) is byte 3·68 + 5 = 1·128 + 20·4 + 1 of block 0: channel 20, k = 5
+    ("w13_vnni_weight", (3, 5), "w13_vnni_weight: 1 compensation value(s) disagree with 128·Σ_k w (first: channel 20)"),
+    ("w2_vnni_weight", (31, 35), "w2_vnni_weight: 1 compensation value(s) disagree with 128·Σ_k w (first: channel 31)"),
+    ("w2_weight_scale", (0, 0), "w2_weight_scale: scales that are not exactly torch.bfloat16 values"),
+])
+def test_int8_decode_refuses_bytes_no_canonical_weight_encodes_to(suffix, index, message):
+    shape, _, tensors, _, _ = _random_layer(64, 32, 1, w8a8=True)
+    slices = {name: tensor[0].clone() for name, tensor in tensors.items()}
+    if suffix.endswith("scale"):
+        slices[suffix][index] = torch.nextafter(slices[suffix][index], slices[suffix][index] + 1)
+    else:
+        slices[suffix][index] ^= 0x10
+    with pytest.raises(ValueError, match=re.escape(message)):
+        backend.decode_expert(slices, shape)
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"hidden": 48}, "hidden size 48 is not a multiple of 32: the INT8 VNNI layout packs full 32-channel blocks"),
+    ({"intermediate": 80}, "intermediate size 80 is not a multiple of 32"),
+    ({"intermediate": 64, "tp": 4}, "intermediate size 16 is not a multiple of 32"),  # per rank
+    ({"group_size": 32}, "the x86 CPU W8A8 kernel takes symmetric 8-bit weights with one scale per channel"),
+    ({"symmetric": False}, "the x86 CPU W8A8 kernel takes symmetric 8-bit weights"),
+])
+def test_int8_refusals(changes, reason):
+    assert reason in backend.refusal(replace(_w8a8_shape(hidden=64, intermediate=64), **changes))
+
+
+def test_plan_refuses_w8a8_layers_that_do_not_block(tmp_path):
+    source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=W8A8, hidden=48))
+    result = cli("convert", source, "-o", tmp_path / "out", "--backend", "cpu")
+    assert isinstance(result.exception, MoeconvError) and result.exception.exit_code == 2
+    assert "model.layers.0.mlp.experts: hidden size 48 is not a multiple of 32" in str(result.exception)
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+CONVERSIONS = {"gptq-asym-g32": GPTQ(4, 32, sym=False), "awq-sym-channel": AWQ(4, -1, zero_point=False),
+               "ct-w8a8": W8A8}
+
+
+def _weight_suffix(prefix: str, shape: MoELayerShape) -> str:
+    """The tensor that holds a GEMM's weight bytes and compensation in the layout of the layer's scheme."""
+    return vnni_suffixes(prefix).weight if shape.activation_bits == 8 else f"{prefix}_blocked_qweight"
 
 
 @pytest.fixture(scope="module", params=list(CONVERSIONS))
@@ -282,16 +456,19 @@ def test_converted_experts_decode_to_the_source(converted):
                     expected = plan.source_format.decode({s: reader.read(entry) for s, entry in linear.items()})
                     assert getattr(decoded, projection).mismatch(expected) is None
     config = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert config["backend"] == "cpu" and config["layout"] == "x86_int4_blocked"
-    assert config["zero_point_convention"] == "awq" and config["has_zp"] == (not plan.source_format.symmetric)
+    assert config["backend"] == "cpu" and config["has_zp"] == (not plan.source_format.symmetric)
+    if plan.layers[0].shape.activation_bits == 8:
+        assert (config["layout"], config["compute"], config["bits"]) == ("x86_int8_vnni", "w8a8", 8)
+    else:
+        assert (config["layout"], config["zero_point_convention"]) == ("x86_int4_blocked", "awq")
 
 
 def test_verify_passes(converted):
     _, out = converted
     report = verify(out)
     assert report.ok, report.failures()
-    # verify models the kernel's W4A8 arithmetic: int8 activation rounding dominates (about 1.3e-2 here).
-    assert report.numerics_device == "cpu (torch model of the x86 W4A8 kernel)"
+    # verify models the kernels' W4A8 / W8A8 arithmetic: int8 activation rounding dominates (about 1.3e-2 here).
+    assert report.numerics_device == "cpu (torch model of the x86 W4A8 / W8A8 kernels)"
     assert all(layer.experts_exact == 4 and 3e-3 < layer.relative_error < 5e-2 for layer in report.layers)
 
 
@@ -323,16 +500,18 @@ LAYER = "model.layers.1.mlp.experts"
 
 
 def test_one_flipped_weight_byte_fails_verify(converted, tmp_path):
-    _, out = converted
+    source, out = converted
     out = _copy(out, tmp_path / "out")
-    name = f"{LAYER}.w13_blocked_qweight"
+    suffix = _weight_suffix("w13", make_plan(source, backend="cpu").layers[0].shape)
+    name = f"{LAYER}.{suffix}"
     entry = open_checkpoint(out).tensors[name]
     with safe_open(str(entry.file), framework="pt") as handle:
         expert = handle.get_tensor(name)[2]
-    expert[0, 0, 5] ^= 0x10
+    flat = expert.view(-1).view(torch.uint8)  # byte 5 of the first block: a weight byte in both layouts
+    flat[5] ^= 0x10
     _write_slice(out, name, 2, expert)
     failures = _verify_failures(out)
-    assert any("w13_blocked_qweight: 1 compensation sum(s) disagree" in failure for failure in failures), failures
+    assert any(f"{suffix}: 1 compensation" in failure and "disagree" in failure for failure in failures), failures
 
 
 def test_consistently_wrong_code_fails_verify(converted, tmp_path):
@@ -349,5 +528,6 @@ def test_consistently_wrong_code_fails_verify(converted, tmp_path):
     codes[7, 9] ^= 1
     decoded["down"] = QuantizedWeight(codes, down.zeros, down.scales, down.bits, down.group_size)
     slices = backend.encode_expert(ExpertWeights(**decoded), layer.shape)
-    _write_slice(out, f"{LAYER}.w2_blocked_qweight", 3, slices["w2_blocked_qweight"])
+    suffix = _weight_suffix("w2", layer.shape)
+    _write_slice(out, f"{LAYER}.{suffix}", 3, slices[suffix])
     assert f"{LAYER}: expert 3 down: codes: 1 byte(s) differ" in _verify_failures(out)

@@ -63,7 +63,7 @@ def test_auto_with_nothing_eligible_lists_every_reason(tmp_path):
     source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(2, 32, sym=False)))
     with pytest.raises(MoeconvError, match="no backend takes this checkpoint: triton: .*2-bit") as refusal:
         make_plan(source, backend="auto")
-    assert "humming: not available in this version of moeconv" in str(refusal.value)
+    assert "humming: model.layers.0.mlp.experts: moeconv writes" in str(refusal.value)
 
 
 def test_cpu_refuses_what_does_not_block(tmp_path):
@@ -73,7 +73,7 @@ def test_cpu_refuses_what_does_not_block(tmp_path):
     with pytest.raises(MoeconvError, match="backend 'cpu' does not support this checkpoint: .*intermediate size 48"):
         make_plan(narrow, backend="cpu")
     eight = make_checkpoint(tmp_path / "eight", SynthSpec(source_format=GPTQ(8, 32, sym=True)))
-    with pytest.raises(MoeconvError, match="takes 4-bit weights, not 8-bit.*expected one of \\['triton'\\]"):
+    with pytest.raises(MoeconvError, match="takes 4-bit weights, not 8-bit.*expected one of \\['triton', 'humming'\\]"):
         make_plan(eight, backend="cpu")
 
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from moeconv.backends.base import Backend, TensorSpec
 from moeconv.backends.cpu import CpuBackend
+from moeconv.backends.humming import HummingBackend
 from moeconv.backends.triton import TritonBackend
 from moeconv.errors import MoeconvError
 
-REGISTRY: dict[str, Backend] = {backend.name: backend for backend in (TritonBackend(), CpuBackend())}
+REGISTRY: dict[str, Backend] = {backend.name: backend for backend in (TritonBackend(), HummingBackend(), CpuBackend())}
 
 
 def get_backend(name: str) -> Backend:
@@ -20,4 +21,4 @@ def get_backend(name: str) -> Backend:
     return REGISTRY[name]
 
 
-__all__ = ["Backend", "CpuBackend", "REGISTRY", "TensorSpec", "TritonBackend", "get_backend"]
+__all__ = ["Backend", "CpuBackend", "HummingBackend", "REGISTRY", "TensorSpec", "TritonBackend", "get_backend"]

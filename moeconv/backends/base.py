@@ -6,15 +6,19 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from moeconv.canonical import MoELayerShape, QuantizedWeight
+from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
 
 
 class TensorSpec(NamedTuple):
-    """An output tensor's suffix (appended to the experts module path), shape and safetensors dtype."""
+    """An output tensor's suffix (appended to the experts module path), shape and safetensors dtype.
+
+    per_expert: one tensor per expert, named `<module>.<e>.<suffix>` and shaped like ONE expert's
+    slice (no expert dim); otherwise one tensor stacked over experts, dim 0 the expert."""
 
     suffix: str
     shape: tuple[int, ...]
     dtype: str
+    per_expert: bool = False
 
 
 class ExpertWeights(NamedTuple):
@@ -43,3 +47,30 @@ class Backend(Protocol):
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         """Backend fields of the output's quantization config."""
+
+
+class DenseLinearBackend(Backend, Protocol):
+    """A backend whose scheme covers the whole checkpoint (`converts_dense_linears = True`): dense
+    quantized linears (attention, shared experts, dense MLPs) are converted too, and its config is the
+    checkpoint's own quantization_config rather than a section of moeconv's."""
+
+    converts_dense_linears: bool
+
+    def linear_refusal(self, linear: LinearShape) -> str | None:
+        """Why this backend cannot take the dense linear, or None if it can."""
+
+    def linear_tensors(self, linear: LinearShape) -> list[TensorSpec]:
+        """The tensors of one dense linear; suffixes are appended to the linear's module path."""
+
+    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, torch.Tensor]: ...
+
+    def decode_linear(self, tensors: dict[str, torch.Tensor], linear: LinearShape) -> QuantizedWeight: ...
+
+    def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,
+                                       unquantized_modules: list[str]) -> dict[str, Any]:
+        """The whole `quantization_config`; `unquantized_modules` are the linears left in float."""
+
+
+def converts_dense_linears(backend: Backend) -> bool:
+    """Backends without the attribute leave dense linears to pass through."""
+    return bool(getattr(backend, "converts_dense_linears", False))

@@ -13,8 +13,15 @@ go in blocks of BLOCK_N = 32, K in blocks of block_k = min(g, 128) (g = K when c
 Gate and up are blocked separately (the kernel reads gate block nb and up block nb + I/32 together),
 so w13's first I/32 channel blocks are the gate's.
 
-INT8 W8A8 (VNNI-4 rows of K + 4 bytes with 128·Σw compensation, §5.2) will be a second set of
-per-projection functions next to `block_int4`/`unblock_int4`, chosen by `layer.bits`.
+W8A8 schemes (activation_bits 8, symmetric int8 per channel) take the INT8 VNNI layout instead (vLLM
+`CPUExpertsInt8`, sgl-kernel `convert_weight_packed` / `pack_vnni<int8_t>` / `s8s8_compensation`; §5.2):
+  {w13,w2}_vnni_weight  int8 (E, N, K + 4). Each block of 32 output channels (32·(K + 4) bytes) holds
+      byte q·128 + n·4 + ki = w[32·nb + n, 4q + ki] (the signed weight, code − 128; [K/4][32][4], VNNI-4),
+      then 32 little-endian int32 compensation values 128·Σ_k w[n, k]: the kernel multiplies uint8
+      activations (zero point 128) with int8 weights and subtracts these to get the signed dot product.
+  {w13,w2}_weight_scale float32 (E, N, 1): per-channel scale, exact from fp16/bf16; decode casts back.
+w13 is blocked over its 2I rows as one tensor; since I % 32 == 0 no block straddles gate and up, and the
+kernel reads gate block nb with up block nb + I/32.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ BLOCK_N = 32  # output channels per block: two 16-channel halves of one AVX-512 
 MAX_BLOCK_K = 128
 VNNI = 4  # consecutive k per 32-bit lane of a VNNI dot product
 COMPENSATION_BYTES = BLOCK_N * 4  # one int32 per channel
+COMPENSATION_BYTES_PER_ROW = 4  # INT8: the int32 of each channel widens its row from K to K + 4 bytes
+ACTIVATION_ZERO_POINT = 128  # both kernels feed uint8 activations q + 128 to the u8·s8 VNNI dot product
 SYMMETRIC_ZERO = 8
 
 
@@ -42,6 +51,17 @@ class BlockedInt4(NamedTuple):
     qweight: torch.Tensor  # uint8 (N/32, K/block_k, block_k·16 + 128)
     scales: torch.Tensor  # float32 (N/32, G, 32)
     zeros: torch.Tensor  # int8 (N/32, G, 32)
+
+
+class VnniInt8(NamedTuple):
+    """The INT8 W8A8 tensors of one GEMM, without the expert dim."""
+
+    weight: torch.Tensor  # int8 (N, K + 4)
+    scale: torch.Tensor  # float32 (N, 1)
+
+
+def vnni_suffixes(prefix: str) -> VnniInt8:
+    return VnniInt8(f"{prefix}_vnni_weight", f"{prefix}_weight_scale")
 
 
 def block_k_for(group_size: int) -> int:
@@ -59,6 +79,8 @@ def _gemms(layer: MoELayerShape) -> tuple[tuple[str, int, int], ...]:
 
 
 class CpuBackend:
+    """Dispatches each layer to the layout of the x86 kernel that computes its scheme."""
+
     name = "cpu"
     layout_version = 1
 
@@ -67,9 +89,30 @@ class CpuBackend:
             return f"intermediate size {layer.intermediate} does not split over tp={layer.tp}"
         if layer.tp > 1:  # every check below is about what one rank holds
             layer = replace(layer, intermediate=layer.intermediate_per_rank, tp=1)
+        return _layout(layer).refusal(layer)
+
+    def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:
+        return _layout(layer).layer_tensors(layer)
+
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
+        return _layout(layer).encode_expert(expert, layer)
+
+    def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
+        """Raises ValueError naming the tensor when the bytes hold something no canonical weight
+        encodes to: wrong compensation sums, inexact fp32 scales, symmetric zeros other than 8."""
+        return _layout(layer).decode_expert(slices, layer)
+
+    def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
+        return _layout(layer).quantization_config(layer)
+
+
+class Int4BlockedLayout:
+    """W4A8 `CPUExpertsInt4` (§5.1)."""
+
+    def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.bits != 4:
             return (f"the x86 CPU MoE layout takes 4-bit weights, not {layer.bits}-bit "
-                    f"(the INT8 W8A8 VNNI layout is not implemented yet)")
+                    f"(8-bit weights only as a W8A8 scheme with int8 activations)")
         if layer.intermediate % BLOCK_N:
             return (f"intermediate size {layer.intermediate} is not a multiple of the {BLOCK_N}-channel block "
                     f"(the gate and up halves of w13 are blocked separately)")
@@ -102,15 +145,13 @@ class CpuBackend:
 
     def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
         slices = {}
-        for prefix, projections in (("w13", (expert.gate, expert.up)), ("w2", (expert.down,))):
+        for prefix, projections in _projections(expert):
             blocked = [block_int4(weight) for weight in projections]
             for name, parts in zip(blocked_suffixes(prefix), zip(*blocked)):
                 slices[name] = torch.cat(parts)
         return slices
 
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
-        """Raises ValueError naming the tensor when the bytes hold something no canonical weight
-        encodes to: wrong compensation sums, inexact fp32 scales, symmetric zeros other than 8."""
         scale_dtype = TORCH_DTYPES[layer.scale_dtype]
         decoded = []
         for prefix, _, in_features in _gemms(layer):
@@ -132,6 +173,74 @@ class CpuBackend:
             "zero_point_convention": "awq",  # TRUE zero points used as stored, no +1; symmetric stores 8
             "compute": "w4a8",  # activations quantized per row to uint8, zero point 128
         }
+
+
+class Int8VnniLayout:
+    """W8A8 `CPUExpertsInt8` (§5.2)."""
+
+    def refusal(self, layer: MoELayerShape) -> str | None:
+        if layer.bits != 8 or not layer.symmetric or layer.group_size not in (-1, 0):
+            return "the x86 CPU W8A8 kernel takes symmetric 8-bit weights with one scale per channel"
+        for what, size in (("hidden size", layer.hidden), ("intermediate size", layer.intermediate)):
+            if size % BLOCK_N:
+                return (f"{what} {size} is not a multiple of {BLOCK_N}: the INT8 VNNI layout packs full "
+                        f"{BLOCK_N}-channel blocks and K in multiples of {BLOCK_N} (it is N of one GEMM and K "
+                        f"of the other)")
+        return None
+
+    def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:
+        specs = []
+        for prefix, out_features, in_features in _gemms(layer):
+            names = vnni_suffixes(prefix)
+            row_bytes = in_features + COMPENSATION_BYTES_PER_ROW
+            specs += [TensorSpec(names.weight, (layer.experts, out_features, row_bytes), "I8"),
+                      TensorSpec(names.scale, (layer.experts, out_features, 1), "F32")]
+        return specs
+
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
+        slices = {}
+        for prefix, projections in _projections(expert):
+            names = vnni_suffixes(prefix)
+            signed = torch.cat([packing.offset_codes_to_int8(w.codes) for w in projections])
+            slices[names.weight] = pack_int8_vnni(signed)
+            slices[names.scale] = torch.cat([w.scales for w in projections]).to(torch.float32)
+        return slices
+
+    def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
+        scale_dtype = TORCH_DTYPES[layer.scale_dtype]
+        decoded = []
+        for prefix, out_features, in_features in _gemms(layer):
+            names = vnni_suffixes(prefix)
+            codes = packing.int8_to_offset_codes(unpack_int8_vnni(slices[names.weight], names.weight))
+            scales = _exact_scales(slices[names.scale], scale_dtype, names.scale)
+            rows = layer.intermediate if prefix == "w13" else out_features  # w13: gate rows, then up rows
+            decoded += [QuantizedWeight(codes=c.contiguous(), zeros=None, scales=s.contiguous(), bits=8,
+                                        group_size=in_features) for c, s in zip(codes.split(rows), scales.split(rows))]
+        return ExpertWeights(*decoded)
+
+    def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
+        return {
+            "bits": 8,
+            "group_size": -1,
+            "has_zp": False,
+            "layout": "x86_int8_vnni",
+            "block_n": BLOCK_N,
+            "compensation": "int32 128·Σ_k w[n, k] after each 32-channel block",
+            "weight_scale_dtype": "float32",
+            "compute": "w8a8",  # activations quantized per row to uint8, zero point 128
+        }
+
+
+INT4_BLOCKED, INT8_VNNI = Int4BlockedLayout(), Int8VnniLayout()
+
+
+def _layout(layer: MoELayerShape) -> Int4BlockedLayout | Int8VnniLayout:
+    """W8A8 schemes run the INT8 kernel; everything else the W4A8 one (which refuses non-4-bit)."""
+    return INT8_VNNI if layer.activation_bits == 8 else INT4_BLOCKED
+
+
+def _projections(expert: ExpertWeights) -> tuple[tuple[str, tuple[QuantizedWeight, ...]], ...]:
+    return ("w13", (expert.gate, expert.up)), ("w2", (expert.down,))
 
 
 def block_int4(weight: QuantizedWeight) -> BlockedInt4:
@@ -175,12 +284,49 @@ def unblock_int4(blocked: BlockedInt4, names: BlockedInt4, group_size: int, scal
         first = wrong.nonzero()[0].tolist()
         raise ValueError(f"{names.qweight}: {int(wrong.sum())} compensation sum(s) disagree with the codes "
                          f"(first: channel block {first[0]}, K block {first[1]}, channel {first[2]})")
-    scales32 = _unblock_channels(blocked.scales)
-    scales = scales32.to(scale_dtype)
-    if not torch.equal(scales.to(torch.float32).view(torch.int32), scales32.view(torch.int32)):
-        raise ValueError(f"{names.scales}: scales that are not exactly {scale_dtype} values")
+    scales = _exact_scales(_unblock_channels(blocked.scales), scale_dtype, names.scales)
     return QuantizedWeight(codes=codes.contiguous(), zeros=None if symmetric else zeros, scales=scales,
                            bits=4, group_size=group_size)
+
+
+def pack_int8_vnni(weight: torch.Tensor) -> torch.Tensor:
+    """Signed int8 (N, K) -> int8 (N, K + 4): per 32-channel block, byte q·128 + n·4 + ki = w[n, 4q + ki],
+    then the block's 32 compensation values as little-endian int32 (explicit shifts)."""
+    n, k = weight.shape
+    quads = weight.view(torch.uint8).view(n // BLOCK_N, BLOCK_N, k // VNNI, VNNI).transpose(1, 2)  # (nb, q, n, ki)
+    compensation = packing.unpack(int8_compensation(weight).view(n // BLOCK_N, BLOCK_N), 8, dim=-1)
+    blocks = torch.cat([quads.reshape(n // BLOCK_N, -1), compensation], dim=-1)
+    return blocks.view(torch.int8).reshape(n, k + COMPENSATION_BYTES_PER_ROW)
+
+
+def unpack_int8_vnni(packed: torch.Tensor, name: str) -> torch.Tensor:
+    """Inverse of `pack_int8_vnni`; raises ValueError naming the tensor when a compensation value is not
+    128·Σ_k w of its channel."""
+    n, row_bytes = packed.shape
+    k = row_bytes - COMPENSATION_BYTES_PER_ROW
+    blocks = packed.view(torch.uint8).reshape(n // BLOCK_N, BLOCK_N * row_bytes)
+    quads = blocks[:, : BLOCK_N * k].reshape(n // BLOCK_N, k // VNNI, BLOCK_N, VNNI).transpose(1, 2)
+    weight = quads.reshape(n, k).view(torch.int8)
+    stored = packing.pack(blocks[:, BLOCK_N * k:], 8, dim=-1, container=torch.int32).flatten()
+    wrong = stored != int8_compensation(weight)
+    if bool(wrong.any()):
+        raise ValueError(f"{name}: {int(wrong.sum())} compensation value(s) disagree with 128·Σ_k w "
+                         f"(first: channel {int(wrong.nonzero()[0])})")
+    return weight
+
+
+def int8_compensation(weight: torch.Tensor) -> torch.Tensor:
+    """int32 (N,): 128·Σ_k w[n, k], what the u8·s8 dot product of q + 128 with w has in excess of q·w
+    (int32 arithmetic, wrapping as the kernel's accumulators do)."""
+    return ACTIVATION_ZERO_POINT * weight.sum(dim=1, dtype=torch.int32)
+
+
+def _exact_scales(scales32: torch.Tensor, scale_dtype: torch.dtype, name: str) -> torch.Tensor:
+    """The fp32 scales back in the source dtype; refuses any that dtype cannot hold exactly."""
+    scales = scales32.to(scale_dtype)
+    if not torch.equal(scales.to(torch.float32).view(torch.int32), scales32.view(torch.int32)):
+        raise ValueError(f"{name}: scales that are not exactly {scale_dtype} values")
+    return scales
 
 
 def _compensation(codes: torch.Tensor, zeros: torch.Tensor, group_size: int, block_k: int) -> torch.Tensor:

@@ -1,15 +1,21 @@
-"""A torch reference of the x86 CPU INT4 MoE kernel (sgl-kernel `fused_experts_int4_w4a8`, used by vLLM
-`CPUExpertsInt4`) that reads the blocked layout of moeconv.backends.cpu the way the kernel does: nibbles
-by their byte position in each (32-channel, block_k) block, the STORED compensation sums, the blocked
-scales and zero points. It never goes through the backend's decoder, so verify's numerics check covers
-the bytes the kernel would read.
+"""Torch references of the x86 CPU MoE kernels that read the cpu backend's layouts the way the kernels
+do, never through the backend's decoder, so verify's numerics check covers the bytes the kernel would
+read:
 
-W4A8, as the kernel computes: each activation row is quantized to uint8 with zero point 128 and scale
-max|x|/127; per block the integer dot product Σ q·(c − z) minus 128·compensation gives Σ (q − 128)·(c − z);
-that times the row scale and the channel's group scale is accumulated over K blocks in fp32.
-Intermediates are rounded to the activation dtype where the kernel stores them (gate/up output,
-SiLU·up, the weighted down output). With `quantize_activations=False` the same reads run with float
-activations (W4A16), which isolates the error that activation quantization adds.
+* INT4 (sgl-kernel `fused_experts_int4_w4a8`, vLLM `CPUExpertsInt4`): nibbles by their byte position
+  in each (32-channel, block_k) block, the STORED compensation sums, the blocked scales and zero points.
+  Per block the integer dot product Σ q·(c − z) minus 128·compensation gives Σ (q − 128)·(c − z); that
+  times the row scale and the channel's group scale is accumulated over K blocks in fp32. Gate/up
+  outputs, SiLU·up and the weighted down output are rounded to the activation dtype.
+* INT8 (sgl-kernel `fused_experts_int8_kernel_impl`, vLLM `CPUExpertsInt8`): int8 weights by their
+  VNNI position in each 32-channel block and the STORED compensation 128·Σw. Σ q·w over all of K minus
+  the compensation gives Σ (q − 128)·w, times the row scale times the channel scale, in fp32. SiLU·up
+  is fused on the fp32 accumulators and stored in the activation dtype, as is the weighted down output.
+
+Both quantize activations as the kernels do (W8A8 / W4A8): each row to uint8 with zero point 128 and
+scale max|x|/127 (`quantize_row_int8`), i.e. symmetric int8 codes shifted by 128 so that the u8·s8
+VNNI instruction applies; the compensation removes the shift. With `quantize_activations=False` the same
+reads run with float activations (W4A16 / W8A16), which isolates the error activation quantization adds.
 """
 
 from __future__ import annotations
@@ -20,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from moeconv import packing
-from moeconv.backends.cpu import BLOCK_N, COMPENSATION_BYTES, VNNI, BlockedInt4, blocked_suffixes
+from moeconv.backends.cpu import (ACTIVATION_ZERO_POINT, BLOCK_N, COMPENSATION_BYTES, COMPENSATION_BYTES_PER_ROW,
+                                  VNNI, BlockedInt4, VnniInt8, blocked_suffixes, vnni_suffixes)
 from moeconv.canonical import MoELayerShape
 
-ACTIVATION_ZERO_POINT = 128
 ACTIVATION_LEVELS = 127  # max|x| maps to ±127, so codes stay in [1, 255]
 _MIN_ABS_MAX = 1e-7  # the kernel's floor under max|x|
 
@@ -65,7 +71,7 @@ def _group_of_block(blocked: BlockedInt4) -> torch.Tensor:
 
 
 def blocked_linear(x: torch.Tensor, blocked: BlockedInt4, *, quantize_activations: bool = True) -> torch.Tensor:
-    """x (M, K) · Wᵀ from the blocked tensors -> fp32 (M, N)."""
+    """x (M, K) · Wᵀ from the blocked INT4 tensors -> fp32 (M, N)."""
     weights = signed_block_weights(blocked)
     _, kc, block_k, _ = weights.shape
     if quantize_activations:
@@ -80,19 +86,59 @@ def blocked_linear(x: torch.Tensor, blocked: BlockedInt4, *, quantize_activation
     return partial.sum(dim=2).flatten(1)
 
 
+def vnni_int8_weights(packed: torch.Tensor) -> torch.Tensor:
+    """int32 (N/32, K, 32) of the signed weights, k-major inside each 32-channel block: read as the
+    kernel's VNNI loads do, byte q·128 + n·4 + ki of a block -> channel n at k = 4q + ki."""
+    n, row_bytes = packed.shape
+    k = row_bytes - COMPENSATION_BYTES_PER_ROW
+    blocks = packed.reshape(n // BLOCK_N, BLOCK_N * row_bytes)[:, : BLOCK_N * k].to(torch.int32)
+    return blocks.reshape(n // BLOCK_N, k // VNNI, BLOCK_N, VNNI).transpose(2, 3).reshape(n // BLOCK_N, k, BLOCK_N)
+
+
+def stored_vnni_compensation(packed: torch.Tensor) -> torch.Tensor:
+    """int32 (N/32, 32): the little-endian values after each block's weights, as stored."""
+    n, row_bytes = packed.shape
+    tails = packed.view(torch.uint8).reshape(n // BLOCK_N, BLOCK_N * row_bytes)[:, -COMPENSATION_BYTES:]
+    return packing.pack(tails, 8, dim=-1, container=torch.int32)
+
+
+def vnni_linear(x: torch.Tensor, tensors: VnniInt8, *, quantize_activations: bool = True) -> torch.Tensor:
+    """x (M, K) · Wᵀ from the INT8 VNNI tensors -> fp32 (M, N)."""
+    weights = vnni_int8_weights(tensors.weight)
+    if quantize_activations:
+        codes, row_scales = quantize_rows(x)
+        dots = torch.einsum("mk,bkj->mbj", codes, weights)  # exact int32, u8·s8 as VNNI computes it
+        dots = dots - stored_vnni_compensation(tensors.weight)
+        out = dots.flatten(1).to(torch.float32) * row_scales[:, None]
+    else:
+        out = torch.einsum("mk,bkj->mbj", x.to(torch.float32), weights.to(torch.float32)).flatten(1)
+    return out * tensors.scale[:, 0]
+
+
+def _expert_gemm(tensors: Mapping[str, torch.Tensor], shape: MoELayerShape, prefix: str, expert: int,
+                 x: torch.Tensor, quantize_activations: bool) -> torch.Tensor:
+    """One expert's GEMM in the layout the cpu backend wrote for this scheme, fp32 (M, N)."""
+    if shape.activation_bits == 8:
+        vnni = VnniInt8(*(tensors[name][expert] for name in vnni_suffixes(prefix)))
+        return vnni_linear(x, vnni, quantize_activations=quantize_activations)
+    blocked = BlockedInt4(*(tensors[name][expert] for name in blocked_suffixes(prefix)))
+    return blocked_linear(x, blocked, quantize_activations=quantize_activations)
+
+
 def cpu_fused_moe(tensors: Mapping[str, torch.Tensor], shape: MoELayerShape, x: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                   quantize_activations: bool = True) -> torch.Tensor:
     """Σ_k w[t,k] · (silu(x·W13gateᵀ) * (x·W13upᵀ)) · W2ᵀ in x.dtype, from the cpu backend's stacked
-    tensors keyed by suffix (dim 0: the experts topk_ids index)."""
-    stacks = {prefix: BlockedInt4(*(tensors[name] for name in blocked_suffixes(prefix))) for prefix in ("w13", "w2")}
+    tensors keyed by suffix (dim 0: the experts topk_ids index); the INT8 kernel when
+    `shape.activation_bits` is 8, else the INT4 one."""
     out = torch.zeros(x.shape, dtype=torch.float32)
     for expert in topk_ids.unique().tolist():
         tokens, slots = (topk_ids == expert).nonzero(as_tuple=True)
-        w13, w2 = (BlockedInt4(*(tensor[expert] for tensor in stacks[prefix])) for prefix in ("w13", "w2"))
-        gate_up = blocked_linear(x[tokens], w13, quantize_activations=quantize_activations).to(x.dtype).float()
+        gate_up = _expert_gemm(tensors, shape, "w13", expert, x[tokens], quantize_activations)
+        if shape.activation_bits != 8:  # the INT8 kernel fuses SiLU·up on the fp32 accumulators instead
+            gate_up = gate_up.to(x.dtype).float()
         gate, up = gate_up[:, : shape.intermediate], gate_up[:, shape.intermediate:]
         activated = (F.silu(gate) * up).to(x.dtype)
-        down = blocked_linear(activated, w2, quantize_activations=quantize_activations)
+        down = _expert_gemm(tensors, shape, "w2", expert, activated, quantize_activations)
         out.index_add_(0, tokens, (down * topk_weights[tokens, slots].float()[:, None]).to(x.dtype).float())
     return out.to(x.dtype)

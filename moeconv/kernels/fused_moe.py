@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +93,16 @@ def align_tokens_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: i
     return ExpertBlocks(pair_ids, block_experts, block_m, num_pairs, num_experts, topk_ids.shape[-1])
 
 
+def pairs_per_activation_row(a: torch.Tensor, blocks: ExpertBlocks) -> int:
+    """How many token-expert pairs read each row of ``a``: top-k when it holds one row per token
+    (the first GEMM), 1 when it holds one row per pair (the second)."""
+    if a.shape[0] == blocks.num_pairs // blocks.topk:
+        return blocks.topk
+    if a.shape[0] == blocks.num_pairs:
+        return 1
+    raise ValueError(f"a has {a.shape[0]} rows: want one per token or one per pair ({blocks.num_pairs})")
+
+
 def choose_block_m(num_pairs: int, num_experts: int, device: torch.device | None = None) -> int:
     """Rows per block, from the average run length of a non-empty expert.
 
@@ -136,7 +147,7 @@ def choose_config(num_pairs: int, num_experts: int, n: int, k: int, group_size: 
     programs = active_experts * math.ceil(num_pairs / active_experts / block_m) * math.ceil(n / block_n)
     k_tiles = k // block_k
     split_k = 1
-    while (block_m < 64 and split_k < MAX_SPLIT_K and programs * split_k < WAVES * _multiprocessor_count(device)
+    while (block_m < 64 and split_k < MAX_SPLIT_K and programs * split_k < WAVES * multiprocessor_count(device)
            and k_tiles % (2 * split_k) == 0 and k_tiles // (2 * split_k) >= 2):
         split_k *= 2
     return GemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
@@ -168,12 +179,7 @@ def moe_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzero
         raise ValueError(f"scales {tuple(scales.shape)} do not match ({num_experts}, {n}, {k // group})")
     if qzeros is not None and qzeros.shape != (num_experts, n * bits // 8, k // group):
         raise ValueError(f"qzeros {tuple(qzeros.shape)} do not match ({num_experts}, {n * bits // 8}, {k // group})")
-    if a.shape[0] == blocks.num_pairs // blocks.topk:
-        pairs_per_a_row = blocks.topk
-    elif a.shape[0] == blocks.num_pairs:
-        pairs_per_a_row = 1
-    else:
-        raise ValueError(f"a has {a.shape[0]} rows: want one per token or one per pair ({blocks.num_pairs})")
+    pairs_per_a_row = pairs_per_activation_row(a, blocks)
     if config is None:
         config = choose_config(blocks.num_pairs, num_experts, n, k, group_size, bits, blocks.block_m, a.device)
     if (config.block_m != blocks.block_m or (config.block_m != 1 and config.block_m % 16) or group % config.block_k
@@ -193,7 +199,7 @@ def moe_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzero
     zeros_or_dummy = scales if qzeros is None else qzeros
     router_weights = topk_weights.reshape(-1) if topk_weights is not None else scales
     grid = (blocks.block_experts.numel(), triton.cdiv(n, config.block_n), config.split_k)
-    _kernel_for(a.device)[grid](
+    kernel_for_device(_moe_gemm_kernel, a.device)[grid](
         a, words, scales, zeros_or_dummy, target, router_weights, blocks.pair_ids, blocks.block_experts,
         blocks.num_pairs, pairs_per_a_row, num_experts, n, group, k // config.block_k // config.split_k,
         a.stride(0), a.stride(1),
@@ -219,16 +225,27 @@ def fused_moe(x: torch.Tensor, w13_qweight: torch.Tensor, w13_scales: torch.Tens
     Weights in the ``moe_wna16`` layout (rows [0, I) of w13 are gate, [I, 2I) up); one
     ``group_size`` for both GEMMs, -1 for channel-wise. Accumulates in fp32; returns x.dtype.
     """
+    num_experts = w13_qweight.shape[0]
+    w13_gemm = partial(moe_gemm, qweight=w13_qweight, scales=w13_scales, qzeros=w13_qzeros, bits=bits,
+                       group_size=group_size)
+    w2_gemm = partial(moe_gemm, qweight=w2_qweight, scales=w2_scales, qzeros=w2_qzeros, bits=bits,
+                      group_size=group_size)
+    block_m = choose_block_m(topk_ids.numel(), num_experts, x.device)
+    return run_fused_experts(x, topk_weights, topk_ids, num_experts, block_m, w13_gemm, w2_gemm)
+
+
+def run_fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                      block_m: int, w13_gemm: Callable[..., torch.Tensor],
+                      w2_gemm: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """What every fused-MoE kernel here does around its grouped GEMM: sort and pad the token-expert
+    pairs, gate/up GEMM (output in x.dtype), SiLU-and-mul, down GEMM weighted by the router (fp32),
+    sum over each token's top-k. The launchers take ``(a, blocks=, out_dtype=, [topk_weights=])``."""
     num_tokens, hidden = x.shape
-    num_experts, two_i, _ = w13_qweight.shape
-    intermediate = two_i // 2
-    num_pairs = topk_ids.numel()
-    block_m = choose_block_m(num_pairs, num_experts, x.device)
     blocks = align_tokens_to_experts(topk_ids, num_experts, block_m)
-    gate_up = moe_gemm(x, w13_qweight, w13_scales, w13_qzeros, blocks, bits=bits, group_size=group_size)
+    gate_up = w13_gemm(x, blocks=blocks, out_dtype=x.dtype)
+    intermediate = gate_up.shape[1] // 2
     activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-    down = moe_gemm(activated, w2_qweight, w2_scales, w2_qzeros, blocks, bits=bits, group_size=group_size,
-                    topk_weights=topk_weights.contiguous(), out_dtype=torch.float32)
+    down = w2_gemm(activated, blocks=blocks, topk_weights=topk_weights.contiguous(), out_dtype=torch.float32)
     return down.view(num_tokens, blocks.topk, hidden).sum(dim=1).to(x.dtype)
 
 
@@ -360,20 +377,20 @@ def _moe_gemm_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-def _kernel_for(device: torch.device):
+def kernel_for_device(kernel, device: torch.device):
     """The compiled kernel for CUDA tensors, the interpreted one for CPU tensors."""
-    return _moe_gemm_kernel if device.type == "cuda" else _interpreted_kernel()
+    return kernel if device.type == "cuda" else _interpreted(kernel)
 
 
 @cache
-def _interpreted_kernel():
-    if isinstance(_moe_gemm_kernel, InterpretedFunction):  # TRITON_INTERPRET=1 was set before import
-        return _moe_gemm_kernel
-    return InterpretedFunction(_moe_gemm_kernel.fn)
+def _interpreted(kernel):
+    if isinstance(kernel, InterpretedFunction):  # TRITON_INTERPRET=1 was set before import
+        return kernel
+    return InterpretedFunction(kernel.fn)
 
 
 @cache
-def _multiprocessor_count(device: torch.device) -> int:
+def multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

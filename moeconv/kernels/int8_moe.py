@@ -15,14 +15,14 @@ interpreter, CUDA tensors run it compiled, picked per call from the device.
 from __future__ import annotations
 
 import math
-from functools import cache
+from functools import partial
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moeconv.kernels.fused_moe import ExpertBlocks, GemmConfig, align_tokens_to_experts, choose_block_m
+from moeconv.kernels.fused_moe import (ExpertBlocks, GemmConfig, choose_block_m, kernel_for_device,
+                                       multiprocessor_count, pairs_per_activation_row, run_fused_experts)
 
 INT8_MAX = 127
 
@@ -53,7 +53,7 @@ def choose_int8_config(num_pairs: int, num_experts: int, n: int, k: int, block_m
     active_experts = max(1, min(num_experts, num_pairs))
     programs = active_experts * math.ceil(num_pairs / active_experts / block_m) * math.ceil(n / 128)
     k_tiles, split_k = k // block_k, 1
-    target = 2 * _multiprocessor_count(device)
+    target = 2 * multiprocessor_count(device)
     while programs * split_k < target and k_tiles % (2 * split_k) == 0 and k_tiles // (2 * split_k) >= 4:
         split_k *= 2
     return GemmConfig(block_m=block_m, block_n=128, block_k=block_k, split_k=split_k)
@@ -74,12 +74,7 @@ def int8_moe_gemm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
         raise ValueError(f"block_m {blocks.block_m}: the int8 tl.dot needs row blocks of 16 or more")
     if weight_scale.shape != (num_experts, n, 1):
         raise ValueError(f"weight_scale {tuple(weight_scale.shape)} is not ({num_experts}, {n}, 1)")
-    if a.shape[0] == blocks.num_pairs // blocks.topk:
-        pairs_per_a_row = blocks.topk
-    elif a.shape[0] == blocks.num_pairs:
-        pairs_per_a_row = 1
-    else:
-        raise ValueError(f"a has {a.shape[0]} rows: want one per token or one per pair ({blocks.num_pairs})")
+    pairs_per_a_row = pairs_per_activation_row(a, blocks)
     if config is None:
         config = choose_int8_config(blocks.num_pairs, num_experts, n, k, blocks.block_m, a.device)
     quantized, a_scale = quantize_per_token(a)
@@ -90,7 +85,7 @@ def int8_moe_gemm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     k_tiles_per_split = math.ceil(k_tiles / config.split_k)
     router_weights = topk_weights.reshape(-1) if topk_weights is not None else a_scale
     grid = (blocks.block_experts.numel(), triton.cdiv(n, config.block_n), math.ceil(k_tiles / k_tiles_per_split))
-    _kernel_for(a.device)[grid](
+    kernel_for_device(_int8_moe_gemm_kernel, a.device)[grid](
         quantized, a_scale, weight, weight_scale, target, router_weights, blocks.pair_ids, blocks.block_experts,
         blocks.num_pairs, pairs_per_a_row, num_experts, n, k_tiles, k_tiles_per_split,
         quantized.stride(0), quantized.stride(1),
@@ -111,14 +106,11 @@ def int8_fused_moe(x: torch.Tensor, w13_weight: torch.Tensor, w13_weight_scale: 
                    topk_ids: torch.Tensor) -> torch.Tensor:
     """A W8A8 MoE layer: ``Σ_k w[t,k] · (silu(x·Wgateᵀ) * (x·Wupᵀ)) · W2ᵀ``, both GEMMs on
     per-token int8 activations. The gate/up output and SiLU-and-mul stay in x.dtype, as in vLLM."""
-    num_tokens, hidden = x.shape
-    num_experts, two_i, _ = w13_weight.shape
+    num_experts = w13_weight.shape[0]
     block_m = max(16, choose_block_m(topk_ids.numel(), num_experts))  # int8 tl.dot needs 16 rows or more
-    blocks = align_tokens_to_experts(topk_ids, num_experts, block_m)
-    gate_up = int8_moe_gemm(x, w13_weight, w13_weight_scale, blocks, out_dtype=x.dtype)
-    activated = F.silu(gate_up[:, : two_i // 2]) * gate_up[:, two_i // 2:]
-    down = int8_moe_gemm(activated, w2_weight, w2_weight_scale, blocks, topk_weights=topk_weights.contiguous())
-    return down.view(num_tokens, blocks.topk, hidden).sum(dim=1).to(x.dtype)
+    return run_fused_experts(x, topk_weights, topk_ids, num_experts, block_m,
+                             partial(int8_moe_gemm, weight=w13_weight, weight_scale=w13_weight_scale),
+                             partial(int8_moe_gemm, weight=w2_weight, weight_scale=w2_weight_scale))
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -171,20 +163,3 @@ def _int8_moe_gemm_kernel(
         tl.atomic_add(c_ptrs, result, mask=c_mask, sem="relaxed")
     else:
         tl.store(c_ptrs, result.to(c_ptr.dtype.element_ty), mask=c_mask)
-
-
-def _kernel_for(device: torch.device):
-    """The compiled kernel for CUDA tensors, the interpreted one for CPU tensors."""
-    return _int8_moe_gemm_kernel if device.type == "cuda" else _interpreted_kernel()
-
-
-@cache
-def _multiprocessor_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@cache
-def _interpreted_kernel():
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(_int8_moe_gemm_kernel.fn)

@@ -1,0 +1,152 @@
+"""The Humming standard schema (`quant_method: "humming"`, vllm-layouts.md §4.1, §4.2, §4.7).
+
+Per expert and projection, under the checkpoint's own names (`<module>.<e>.<projection>.<suffix>`),
+and for every dense quantized linear (`<module>.<suffix>`), unpadded and N-first:
+  weight        int32 (N, K·b/32): codes packed along K, value i of every 32 at stream bits
+                [i·b, i·b + b), stream bit t = bit t mod 32 of word t div 32 (4-bit: GPTQ's
+                qweight transposed; 8-bit: the bytes of the codes, i.e. int8 ^ 0x80 for W8A8)
+  weight_scale  (N, K/g) in the source dtype, (N, 1) channel-wise
+  zero_point    int32 (N·b/32, K/g), asymmetric only: TRUE zero points packed along N the same way
+                (GPTQ v1's stored z − 1 is corrected by the source decoder, never copied)
+
+Every word is built with explicit shifts (moeconv.packing), never by viewing bytes as int32, so the
+output does not depend on the host's byte order. What depends on the GPU (the kernel repack, the
+scale and zero-point permutations, padding N to 256 and K to 128, signed conversion for int8
+activations) stays at load time (§4.6).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moeconv import packing
+from moeconv.backends.base import ExpertWeights, TensorSpec
+from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
+from moeconv.models import PROJECTIONS
+
+# Humming's pack kernels work on runs of 32 values (upstream asserts L % 32 == 0).
+PACK_RUN = 32
+_DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+_MODEL_DTYPES = {"float16": "F16", "half": "F16", "bfloat16": "BF16", "float32": "F32", "float": "F32"}
+
+
+class HummingBackend:
+    name = "humming"
+    layout_version = 1
+    converts_dense_linears = True
+
+    def refusal(self, layer: MoELayerShape) -> str | None:
+        if layer.intermediate % layer.tp:
+            return f"intermediate size {layer.intermediate} does not split over tp={layer.tp}"
+        for what, size in (("hidden size", layer.hidden), ("intermediate size per rank", layer.intermediate_per_rank)):
+            reason = _pack_refusal(what, size) or _group_refusal(what, size, layer.group_size)
+            if reason:
+                return reason
+        return _bits_refusal(layer.bits)
+
+    def linear_refusal(self, linear: LinearShape) -> str | None:
+        return (_pack_refusal("output size", linear.out_features) or _pack_refusal("input size", linear.in_features)
+                or _group_refusal("input size", linear.in_features, linear.group_size) or _bits_refusal(linear.bits))
+
+    def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:
+        return [spec._replace(suffix=f"{name}.{spec.suffix}", per_expert=True)
+                for name, linear in zip(layer.projection_names, _projection_shapes(layer))
+                for spec in self.linear_tensors(linear)]
+
+    def linear_tensors(self, linear: LinearShape) -> list[TensorSpec]:
+        n, k, bits = linear.out_features, linear.in_features, linear.bits
+        groups = k // linear.effective_group_size
+        specs = [TensorSpec("weight", (n, k * bits // 32), "I32"),
+                 TensorSpec("weight_scale", (n, groups), linear.scale_dtype)]
+        if not linear.symmetric:
+            specs.append(TensorSpec("zero_point", (n * bits // 32, groups), "I32"))
+        return specs
+
+    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, torch.Tensor]:
+        tensors = {"weight": packing.pack(weight.codes, weight.bits, dim=1, container=torch.int32),
+                   "weight_scale": weight.scales.contiguous()}
+        if weight.zeros is not None:
+            tensors["zero_point"] = packing.pack(weight.zeros, weight.bits, dim=0, container=torch.int32)
+        return tensors
+
+    def decode_linear(self, tensors: dict[str, torch.Tensor], linear: LinearShape) -> QuantizedWeight:
+        zero_point = tensors.get("zero_point")
+        return QuantizedWeight(
+            codes=packing.unpack(tensors["weight"], linear.bits, dim=1),
+            zeros=None if zero_point is None else packing.unpack(zero_point, linear.bits, dim=0),
+            scales=tensors["weight_scale"],
+            bits=linear.bits,
+            group_size=linear.effective_group_size,
+        )
+
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
+        return {f"{name}.{suffix}": tensor
+                for name, projection, linear in zip(layer.projection_names, PROJECTIONS, _projection_shapes(layer))
+                for suffix, tensor in self.encode_linear(getattr(expert, projection), linear).items()}
+
+    def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
+        decoded = {}
+        for name, projection, linear in zip(layer.projection_names, PROJECTIONS, _projection_shapes(layer)):
+            prefix = f"{name}."
+            own = {key[len(prefix):]: tensor for key, tensor in slices.items() if key.startswith(prefix)}
+            decoded[projection] = self.decode_linear(own, linear)
+        return ExpertWeights(**decoded)
+
+    def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
+        """The weight schema as `HummingWeightSchema.from_config` reads it. Channel-wise is group_size
+        0; zero points need GROUP scales upstream, so asymmetric channel-wise says "group" explicitly
+        (group size 0 then means the whole K: the same (N, 1) scales)."""
+        config: dict[str, Any] = {
+            "quant_method": "humming",
+            "b_dtype": f"uint{layer.bits}",
+            "group_size": 0 if layer.group_size in (-1, 0) else layer.group_size,
+            "has_zero_point": not layer.symmetric,
+        }
+        if not layer.symmetric and layer.group_size in (-1, 0):
+            config["weight_scale_type"] = "group"
+        if layer.activation_bits == 8:
+            # Humming takes the activation precision from its input schema (VLLM_HUMMING_INPUT_QUANT_CONFIG
+            # in vLLM, §6); this records what the source's scheme did.
+            config["activations"] = "dynamic per-token symmetric int8"
+        return config
+
+    def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,
+                                       unquantized_modules: list[str]) -> dict[str, Any]:
+        """Scales keep the source dtype; `bs_dtype` says so when that is not the model dtype (Humming
+        otherwise assumes the params dtype). `ignored_layers` is the first key Humming's vLLM config
+        reads for linears to leave in float (it would quantize them online otherwise)."""
+        config = self.quantization_config(layer)
+        if _MODEL_DTYPES.get(str(model_dtype)) != layer.scale_dtype:
+            config["bs_dtype"] = _DTYPE_NAMES[layer.scale_dtype]
+        config["ignored_layers"] = unquantized_modules
+        return config
+
+
+def _projection_shapes(layer: MoELayerShape) -> tuple[LinearShape, LinearShape, LinearShape]:
+    """gate, up, down of one expert, as standalone linears (Humming does not fuse them on disk)."""
+    def linear(out_features: int, in_features: int) -> LinearShape:
+        return LinearShape(out_features, in_features, layer.bits, layer.group_size, layer.symmetric,
+                           layer.scale_dtype, layer.activation_bits)
+
+    gate_up = linear(layer.intermediate, layer.hidden)
+    return gate_up, gate_up, linear(layer.hidden, layer.intermediate)
+
+
+def _bits_refusal(bits: int) -> str | None:
+    if bits not in (4, 8):
+        return f"moeconv writes (and verifies with its Triton kernel) 4- and 8-bit Humming weights, not {bits}-bit"
+    return None
+
+
+def _pack_refusal(what: str, size: int) -> str | None:
+    if size % PACK_RUN:
+        return f"Humming packs runs of {PACK_RUN} values: the {what} {size} is not a multiple of {PACK_RUN}"
+    return None
+
+
+def _group_refusal(what: str, in_features: int, group_size: int) -> str | None:
+    if group_size not in (-1, 0) and in_features % group_size:
+        return f"group size {group_size} does not divide the {what} {in_features}"
+    return None

@@ -1,0 +1,262 @@
+"""The Humming standard schema: bytes as vllm-layouts.md §4.1/§4.2 describe them, round trips from
+every source, true zero points for GPTQ v1, and a whole checkpoint converted, reloaded and verified."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from safetensors import safe_open
+
+from moeconv.backends import HummingBackend, humming
+from moeconv.backends.base import ExpertWeights
+from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
+from moeconv.checkpoint.reader import TensorReader
+from moeconv.formats import AWQ, GPTQ, CompressedTensors
+from moeconv.formats.compressed_tensors import INT_QUANTIZED
+from moeconv.plan import make_plan
+from moeconv.synth import SynthSpec, make_checkpoint, quantize, random_weight
+from moeconv.verify import verify
+
+from helpers import cli
+from test_verify import _flip_byte
+
+backend = HummingBackend()
+
+
+def _signed(word: int) -> int:
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+def _linear(codes, zeros, group_size, bits=4) -> tuple[QuantizedWeight, LinearShape]:
+    codes = torch.tensor(codes, dtype=torch.uint8)
+    n, k = codes.shape
+    zeros = None if zeros is None else torch.tensor(zeros, dtype=torch.uint8)
+    weight = QuantizedWeight(codes, zeros, torch.ones(n, k // group_size, dtype=torch.float16), bits, group_size)
+    return weight, LinearShape(n, k, bits, group_size, zeros is None, "F16")
+
+
+def test_hand_checked_words():
+    """4-bit, N = 8, K = 8, one group. §4.2: value i of a row at bits [4i, 4i + 4) of the row's word, so
+    codes 1..8 read as the hex digits from the right; zero points are packed the same way along N."""
+    rows = [[1, 2, 3, 4, 5, 6, 7, 8], [15] * 8, [0] * 8, [0, 15, 0, 15, 0, 15, 0, 15]] + [[9] * 8] * 4
+    weight, shape = _linear(rows, [[z] for z in (3, 12, 0, 15, 1, 2, 4, 8)], 8)
+    tensors = backend.encode_linear(weight, shape)
+    assert tensors["weight"].dtype == torch.int32 and tensors["weight"].shape == (8, 1)
+    assert tensors["weight"][:4, 0].tolist() == [_signed(0x87654321), _signed(0xFFFFFFFF), 0, _signed(0xF0F0F0F0)]
+    assert tensors["zero_point"].tolist() == [[_signed(0x8421F0C3)]]
+    assert tensors["weight_scale"].shape == (8, 1)
+    # The same words from independent integer arithmetic over the whole row.
+    for row, word in zip(rows, tensors["weight"][:, 0].tolist()):
+        assert word == _signed(sum(code << (4 * i) for i, code in enumerate(row)))
+
+
+def test_eight_bit_words_are_the_int8_bytes_xor_0x80():
+    """8-bit: little-endian bytes of the codes; for an int8 (W8A8) source the codes are w ^ 0x80 (§4.3)."""
+    int8 = torch.tensor([[1, -128, -1, 127]], dtype=torch.int8).repeat(4, 1)
+    source = CompressedTensors(format=INT_QUANTIZED, bits=8, group_size=-1, activation_bits=8)
+    weight = source.decode({"weight": int8, "weight_scale": torch.ones(4, 1)})
+    tensors = backend.encode_linear(weight, LinearShape(4, 4, 8, -1, True, "F32", 8))
+    assert tensors["weight"][0].tolist() == [_signed(0xFF7F0081)]  # bytes 0x81, 0x00, 0x7F, 0xFF
+
+
+def test_packing_uses_explicit_shifts():
+    """No byte-order dependence: nothing in the backend views bytes as words."""
+    source = inspect.getsource(humming)
+    assert "explicit shifts" in source and ".view(" not in source
+
+
+SOURCES = (
+    [AWQ(4, g, zero_point=zp) for g in (32, 64, 128, -1) for zp in (True, False)]
+    + [GPTQ(bits, g, sym, fmt) for bits in (4, 8) for g in (32, 64, 128, -1) for sym in (True, False)
+       for fmt in ("gptq", "gptq_v2")]
+    + [CompressedTensors(bits=bits, group_size=g, symmetric=sym) for bits in (4, 8) for g in (32, 128, -1)
+       for sym in (True, False)]
+    + [CompressedTensors(format=INT_QUANTIZED, bits=8, group_size=-1, activation_bits=8)]
+)
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=str)
+@given(data=st.data())
+def test_round_trip_through_the_source_format(source, data):
+    """decode(source) == decode_humming(encode_humming(decode(source))), bit for bit, edge codes and
+    zeros (0 and 2^b − 1) included."""
+    g = 32 if source.group_size == -1 else source.group_size
+    hidden, intermediate = g * data.draw(st.integers(1, 3)), g * data.draw(st.integers(1, 2))
+    scale_dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]))
+    top = (1 << source.bits) - 1
+
+    def linear(out_features, in_features):
+        generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+        groups = 1 if source.group_size == -1 else in_features // g
+        codes = torch.randint(0, top + 1, (out_features, in_features), dtype=torch.uint8, generator=generator)
+        codes[0, 0], codes[-1, -1] = 0, top
+        zeros = None
+        if not source.symmetric:
+            zeros = torch.randint(0, top + 1, (out_features, groups), dtype=torch.uint8, generator=generator)
+            zeros[0, 0], zeros[-1, -1] = 0, top
+        scales = torch.rand(out_features, groups, generator=generator).to(scale_dtype)
+        return source.decode(source.encode(QuantizedWeight(codes, zeros, scales, source.bits, in_features // groups)))
+
+    expert = ExpertWeights(linear(intermediate, hidden), linear(intermediate, hidden), linear(hidden, intermediate))
+    shape = MoELayerShape(experts=1, hidden=hidden, intermediate=intermediate, bits=source.bits,
+                          group_size=source.group_size, symmetric=source.symmetric,
+                          scale_dtype="F16" if scale_dtype == torch.float16 else "BF16",
+                          activation_bits=source.activation_bits, projection_names=("w1", "w3", "w2"))
+    assert backend.refusal(shape) is None
+    slices = backend.encode_expert(expert, shape)
+    specs = {spec.suffix: spec for spec in backend.layer_tensors(shape)}
+    assert all(spec.per_expert for spec in specs.values())
+    assert {suffix: tuple(t.shape) for suffix, t in slices.items()} == {s: spec.shape for s, spec in specs.items()}
+    assert {suffix: t.dtype for suffix, t in slices.items() if not suffix.endswith("scale")} == \
+        {suffix: torch.int32 for suffix in specs if not suffix.endswith("scale")}
+    assert ("w2.zero_point" in slices) == (not source.symmetric)
+    decoded = backend.decode_expert(slices, shape)
+    for projection in ("gate", "up", "down"):
+        assert getattr(decoded, projection).mismatch(getattr(expert, projection)) is None
+
+
+def _humming_0119_gptq_zero_point(qzeros: torch.Tensor) -> torch.Tensor:
+    """What Humming 0.1.19's GPTQWeightSchema writes (§4.3): qzeros.T, raw, without GPTQ v1's +1.
+    Unpacked here with independent integer arithmetic: nibble j of word [r, g] is row 8r + j."""
+    words = qzeros.T.tolist()  # (N/8, G)
+    return torch.tensor([[(words[n // 8][g] >> (4 * (n % 8))) & 0xF for g in range(len(words[0]))]
+                         for n in range(8 * len(words))], dtype=torch.uint8)
+
+
+def test_gptq_v1_zero_point_0_converts_to_true_zero_and_copying_v1_zeros_does_not():
+    """GPTQ v1 asymmetric, zero point 0 in some groups: moeconv writes the true zero 0; Humming 0.1.19's
+    own conversion (raw v1 qzeros) is off by one everywhere (and by 15 where the zero is 0), which puts its
+    dequantized weight far from the source's float reference."""
+    generator = torch.Generator().manual_seed(0)
+    source = GPTQ(4, 32, sym=False, checkpoint_format="gptq")
+    floats = random_weight(64, 256, 32, generator)
+    canonical = quantize(floats, 4, 32, symmetric=False, scale_dtype=torch.float16)
+    assert bool((canonical.zeros == 0).any()) and bool((canonical.zeros == 15).any())
+    stored = source.encode(canonical)
+    decoded = source.decode(stored)
+    assert decoded.mismatch(canonical) is None
+
+    shape = LinearShape(64, 256, 4, 32, False, "F16")
+    tensors = backend.encode_linear(decoded, shape)
+    zero_point = [[(word >> (4 * (n % 8))) & 0xF for word in row] for n, row in
+                  enumerate(tensors["zero_point"].repeat_interleave(8, dim=0).tolist())]
+    assert zero_point == canonical.zeros.tolist()  # TRUE zeros, 0 included
+
+    ours = backend.decode_linear(tensors, shape).dequantize(torch.float64)
+    raw = QuantizedWeight(decoded.codes, _humming_0119_gptq_zero_point(stored["qzeros"]), decoded.scales, 4, 32)
+    theirs = raw.dequantize(torch.float64)
+    reference = floats.double()
+    relative = {name: float((w - reference).norm() / reference.norm()) for name, w in (("moeconv", ours),
+                                                                                      ("humming_raw_v1", theirs))}
+    dequantized = canonical.dequantize(torch.float64)
+    assert torch.equal(ours, dequantized)  # exactly the source's dequantization
+    assert relative["moeconv"] < 0.1 < 0.3 < relative["humming_raw_v1"], relative
+    print(f"relative error vs float reference: {relative}; raw-v1 vs the source's own dequantization: "
+          f"{float((theirs - dequantized).norm() / dequantized.norm()):.3f}")
+
+
+CONVERSIONS = {
+    "qwen2_moe-gptq-v1-asym": SynthSpec(architecture="qwen2_moe", source_format=GPTQ(4, 32, sym=False),
+                                        layers=3, dense_layers=1, experts=4, hidden=128, intermediate=64),
+    "mixtral-ct-w8a8": SynthSpec(architecture="mixtral", layers=2, experts=4, hidden=128, intermediate=64,
+                                 source_format=CompressedTensors(format=INT_QUANTIZED, bits=8, group_size=-1,
+                                                                 activation_bits=8)),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONVERSIONS))
+def converted(request, tmp_path_factory):
+    """synth -> `moeconv convert --backend humming`, once per case."""
+    root = tmp_path_factory.mktemp(request.param)
+    source = make_checkpoint(root / "src", CONVERSIONS[request.param], max_shard_size=100_000)
+    result = cli("convert", source, "-o", root / "out", "--backend", "humming", "--max-shard-size", "150KB", "--quiet")
+    assert result.exit_code == 0, result.output
+    return source, root / "out"
+
+
+def _load_all(folder: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for file_name in sorted(set(index["weight_map"].values())):
+        with safe_open(str(folder / file_name), framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return tensors
+
+
+def test_every_linear_decodes_to_the_source_and_the_rest_is_byte_identical(converted):
+    source, out = converted
+    plan = make_plan(source, backend="humming")
+    tensors = _load_all(out)
+    written = set()
+    with TensorReader() as reader:
+        for layer in plan.layers:
+            shape = layer.shape
+            for e, expert in enumerate(layer.experts):
+                slices = {spec.suffix: tensors[f"{layer.module}.{e}.{spec.suffix}"]
+                          for spec in backend.layer_tensors(shape)}
+                written |= {f"{layer.module}.{e}.{suffix}" for suffix in slices}
+                decoded = backend.decode_expert(slices, shape)
+                for projection, linear in expert.items():
+                    expected = plan.source_format.decode({s: reader.read(entry) for s, entry in linear.items()})
+                    assert getattr(decoded, projection).mismatch(expected) is None
+        assert plan.dense_linears
+        for linear in plan.dense_linears:
+            own = {spec.suffix: tensors[f"{linear.prefix}.{spec.suffix}"] for spec in backend.linear_tensors(linear.shape)}
+            written |= {f"{linear.prefix}.{suffix}" for suffix in own}
+            expected = plan.source_format.decode({s: reader.read(entry) for s, entry in linear.tensors.items()})
+            assert backend.decode_linear(own, linear.shape).mismatch(expected) is None
+        passthrough = set(tensors) - written
+        for name in passthrough:
+            original = reader.read(plan.checkpoint.tensors[name])
+            assert original.dtype == tensors[name].dtype and original.dtype.is_floating_point
+            assert torch.equal(original.reshape(-1).view(torch.uint8), tensors[name].reshape(-1).view(torch.uint8))
+    names = set(tensors)
+    if plan.architecture.model_type == "mixtral":
+        assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in names
+        assert "model.layers.0.self_attn.q_proj.weight_scale" in names
+    else:
+        assert {"model.layers.1.mlp.experts.3.up_proj.zero_point", "model.layers.0.mlp.down_proj.weight",
+                "model.layers.2.mlp.shared_expert.gate_proj.zero_point"} <= names
+    assert not any(name.endswith(("qweight", "qzeros", "scales", "g_idx", "weight_packed")) for name in names)
+
+
+def test_config_is_humming(converted):
+    source, out = converted
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    fmt = make_plan(source, backend="humming").source_format
+    assert config["quant_method"] == "humming"
+    assert config["b_dtype"] == f"uint{fmt.bits}"
+    assert config["group_size"] == (0 if fmt.group_size == -1 else fmt.group_size)
+    assert config["has_zero_point"] == (not fmt.symmetric)
+    assert config["moeconv"]["backend"] == "humming"
+    assert config["moeconv"]["source_quantization_config"]["quant_method"] == fmt.method
+    assert "lm_head" in config["ignored_layers"]
+    if fmt.symmetric:  # W8A8: fp16 model, fp16 per-channel scales from synth: no bs_dtype needed
+        assert config["activations"] == "dynamic per-token symmetric int8"
+    else:
+        assert {"model.layers.1.mlp.gate", "model.layers.1.mlp.shared_expert_gate"} <= set(config["ignored_layers"])
+    assert "bs_dtype" not in config
+    assert not any(".self_attn." in module for module in config["ignored_layers"])
+
+
+def test_verify_passes_and_a_flipped_expert_byte_fails(converted, tmp_path):
+    source, out = converted
+    report = verify(out)
+    assert report.ok, report.failures()
+    assert report.dense_linears_checked > 0 and not report.dense_linear_problems
+    assert all(layer.experts_exact == 4 and layer.relative_error is not None for layer in report.layers)
+    copy = tmp_path / "out"
+    copy.mkdir()
+    for path in out.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    module = make_plan(source, backend="humming").layers[-1].module
+    name = module + (".2.w1.weight" if ".block_sparse_moe." in module else ".2.gate_proj.weight")
+    _flip_byte(copy, name, expert=0, offset=5, mask=0x10)
+    failures = verify(copy).failures()
+    assert any("expert 2 gate: codes: 1 byte(s) differ" in failure for failure in failures), failures
