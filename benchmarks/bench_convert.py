@@ -5,7 +5,7 @@
 Builds (or reuses) a synthetic GPTQ checkpoint with realistic expert sizes (Qwen3-30B-A3B-like:
 H = 2048, I = 768, 128 experts per layer, 4-bit, g = 128, asymmetric v1), then alternates
 `cp -r` and `moeconv convert` several times, each a separate process, and reports the median
-time, GB/s, the ratio convert/copy, and each process's peak RSS (from wait4). Both read the
+time, GB/s, the ratio convert/copy, and moeconv's peak RSS (VmHWM, which it reports itself). Both read the
 source from the page cache after the first warm-up pass, so the ratio compares the work, not the
 disk's cold-read speed.
 """
@@ -27,14 +27,15 @@ from moeconv.formats import GPTQ
 from moeconv.synth import SynthSpec, make_checkpoint
 
 
-def timed(command: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS in MB) of one child process."""
+def timed(command: list[str]) -> tuple[float, float | None]:
+    """(seconds, peak RSS in MB) of one child process. moeconv reports its own peak (VmHWM, counted
+    from exec) in its --json report; a child's wait4 maxrss would include this process's pages."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(process.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
         raise SystemExit(f"{command} failed")
-    return time.perf_counter() - started, usage.ru_maxrss / 1024
+    return seconds, json.loads(done.stdout)["peak_rss_mb"] if "--json" in command else None
 
 
 def folder_bytes(path: Path) -> int:
@@ -70,7 +71,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for target, runs, command in (
             ("copy", copies, ["cp", "-r", str(source), str(args.workdir / "copy")]),
-            ("converted", converts, [moeconv, "convert", str(source), "-o", str(args.workdir / "converted"), "-q"]),
+            ("converted", converts, [moeconv, "convert", str(source), "-o", str(args.workdir / "converted"), "-q", "--json"]),
         ):
             shutil.rmtree(args.workdir / target, ignore_errors=True)
             runs.append(timed(command))
@@ -90,7 +91,6 @@ def main() -> None:
         "convert_gb_per_s": round(size / convert_s / 1e9, 3),
         "ratio_convert_to_copy": round(convert_s / copy_s, 2),
         "convert_peak_rss_mb": round(max(rss for _, rss in converts)),
-        "copy_peak_rss_mb": round(max(rss for _, rss in copies)),
         "runs": {"copy": copies, "convert": converts},
     }
     print(f"| {result['date']} | {size / 1e9:.2f} GB, {layers} layers x {experts} experts | "

@@ -46,6 +46,7 @@ class ConvertReport:
     files: dict[str, dict[str, Any]]
     suspicious_zero_slots: dict[str, Any] = field(default_factory=dict)
     resumed_files: list[str] = field(default_factory=list)
+    peak_rss_mb: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -54,6 +55,7 @@ class ConvertReport:
             "plan": self.plan,
             "files": self.files,
             "resumed_files": self.resumed_files,
+            "peak_rss_mb": self.peak_rss_mb,
             "suspicious_zero_slots": self.suspicious_zero_slots,
         }
 
@@ -138,7 +140,17 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None) -> Conve
         output.rmdir()
     staging.rename(output)
     return ConvertReport(output, plan.summary(), time.perf_counter() - started, journal.done,
-                         suspicious.report() if suspicious else {}, journal.reused)
+                         suspicious.report() if suspicious else {}, journal.reused, peak_rss_mb())
+
+
+def peak_rss_mb() -> float | None:
+    """This process's resident-memory high-water mark. VmHWM (Linux) starts at exec; getrusage's
+    maxrss would also count the pages of a large parent the process was forked from."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return None
 
 
 def _source_bytes(shard) -> int:
