@@ -4,7 +4,7 @@
 
 Builds (or reuses) a synthetic GPTQ checkpoint with realistic expert sizes (Qwen3-30B-A3B-like:
 H = 2048, I = 768, 128 experts per layer, 4-bit, g = 128, asymmetric v1), then alternates
-`cp -r` and `moeconv convert` several times, each a separate process, and reports the median
+`cp -r` + `sync` and `moeconv convert` several times, each a separate process, and reports the median
 time, GB/s, the ratio convert/copy, and moeconv's peak RSS (VmHWM, which it reports itself). Both read the
 source from the page cache after the first warm-up pass, so the ratio compares the work, not the
 disk's cold-read speed.
@@ -70,7 +70,9 @@ def main() -> None:
     copies, converts = [], []
     for _ in range(args.repeats):
         for target, runs, command in (
-            ("copy", copies, ["cp", "-r", str(source), str(args.workdir / "copy")]),
+            # moeconv fsyncs what it writes (a finished shard must survive a power loss, for resume),
+            # so the copy is flushed to disk too: `sync FILE...` fsyncs the copied files.
+            ("copy", copies, ["sh", "-c", f'cp -r "{source}" "{args.workdir / "copy"}" && sync "{args.workdir / "copy"}"/*']),
             ("converted", converts, [moeconv, "convert", str(source), "-o", str(args.workdir / "converted"), "-q", "--json"]),
         ):
             shutil.rmtree(args.workdir / target, ignore_errors=True)
