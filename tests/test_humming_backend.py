@@ -232,7 +232,8 @@ def test_config_is_humming(converted):
     fmt = make_plan(source, backend="humming").source_format
     assert config["quant_method"] == "humming"
     assert config["b_dtype"] == f"uint{fmt.bits}"
-    assert config["group_size"] == (0 if fmt.group_size == -1 else fmt.group_size)
+    assert config["weight_scale_group_size"] == (0 if fmt.group_size == -1 else fmt.group_size)
+    assert "group_size" not in config  # Humming's input schema would read it as an activation group size
     assert config["has_zero_point"] == (not fmt.symmetric)
     assert config["moeconv"]["backend"] == "humming"
     assert config["moeconv"]["source_quantization_config"]["quant_method"] == fmt.method

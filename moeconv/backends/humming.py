@@ -95,13 +95,16 @@ class HummingBackend:
         return ExpertWeights(**decoded)
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
-        """The weight schema as `HummingWeightSchema.from_config` reads it. Channel-wise is group_size
+        """The weight schema as `HummingWeightSchema.from_config` reads it. Channel-wise is group size
         0; zero points need GROUP scales upstream, so asymmetric channel-wise says "group" explicitly
-        (group size 0 then means the whole K: the same (N, 1) scales)."""
+        (group size 0 then means the whole K: the same (N, 1) scales). The group size is written as
+        `weight_scale_group_size`, not its alias `group_size`: Humming's loader also parses the config
+        as an INPUT schema, where `group_size` means the activation-scale group, and then refuses the
+        layer (seen with humming-kernels 0.1.20 on an H200, 2026-11-30)."""
         config: dict[str, Any] = {
             "quant_method": "humming",
             "b_dtype": f"uint{layer.bits}",
-            "group_size": 0 if layer.group_size in (-1, 0) else layer.group_size,
+            "weight_scale_group_size": 0 if layer.group_size in (-1, 0) else layer.group_size,
             "has_zero_point": not layer.symmetric,
         }
         if not layer.symmetric and layer.group_size in (-1, 0):
