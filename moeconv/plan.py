@@ -1,4 +1,5 @@
-"""What goes where, computed from headers and configs alone.
+"""What goes where, computed from headers and configs (plus a small sample of expert tensors, read
+only to check the config's format against the data: detect.py).
 
 The plan names every output tensor with its shape and dtype, says where its bytes come from (a raw
 byte range of a source shard, or one MoE layer's experts re-encoded by the backend) and which output
