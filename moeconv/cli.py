@@ -141,8 +141,8 @@ def convert(
     tp: int = TP,
     regroup: bool = typer.Option(False, "--regroup", help="Halve the group size (lossless) where that makes the backend fit."),
 ) -> None:
-    """Convert a checkpoint's experts into a backend layout; every other tensor is copied byte for byte.
-    An interrupted conversion resumes when the same command is run again."""
+    """Convert a checkpoint into a backend's layout (docs/FORMAT.md); what the backend does not convert is
+    copied byte for byte. An interrupted conversion resumes when the same command is run again."""
     from moeconv.api import plan as make_plan
     from moeconv.convert import check_output_folder, convert as run_conversion
 

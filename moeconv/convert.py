@@ -23,7 +23,7 @@ from moeconv import __version__
 from moeconv.backends.base import ExpertWeights, converts_dense_linears
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader
-from moeconv.checkpoint.writer import ShardWriter, sha256_file
+from moeconv.checkpoint.writer import PrefixHasher, ShardWriter, sha256_file
 from moeconv.errors import MoeconvError
 from moeconv.formats.gptq import SuspiciousZeroTally, zero_tally
 from moeconv.models import PROJECTIONS
@@ -129,8 +129,8 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None) -> Conve
                 if journal.is_done(shard.file_name):
                     advance(_source_bytes(shard))
                     continue
-                _write_shard(plan, shard, staging / shard.file_name, reader, advance, suspicious)
-                journal.mark_done(shard.file_name)
+                digest = _write_shard(plan, shard, staging / shard.file_name, reader, advance, suspicious)
+                journal.mark_done(shard.file_name, digest)
         _write_metadata(plan, staging, journal.done)
     except MoeconvError:
         shutil.rmtree(staging, ignore_errors=True)  # a refusal, not an interruption: nothing to resume
@@ -193,9 +193,8 @@ class _Journal:
     def is_done(self, name: str) -> bool:
         return name in self.done
 
-    def mark_done(self, name: str) -> None:
-        path = self.staging / name
-        self.done[name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    def mark_done(self, name: str, sha256: str) -> None:
+        self.done[name] = {"bytes": (self.staging / name).stat().st_size, "sha256": sha256}
         self._save()
 
     def _save(self) -> None:
@@ -208,23 +207,46 @@ class _Journal:
 
 
 def _write_shard(plan: Plan, shard, path: Path, reader: TensorReader, advance: Progress,
-                 suspicious: SuspiciousZeroTally | None) -> None:
-    """Written under a temporary name and renamed once complete and flushed, so a shard file under
-    its final name is always whole."""
+                 suspicious: SuspiciousZeroTally | None) -> str:
+    """Writes the shard and returns its sha256. Written under a temporary name and renamed once
+    complete and flushed, so a shard file under its final name is always whole."""
     metadata = {"format": "pt", "producer": f"moeconv {__version__}", "backend": plan.backend.name}
     temporary = path.with_name(path.name + ".partial")
-    with ShardWriter(temporary, [(t.name, t.dtype, t.shape) for t in shard.tensors], metadata) as writer:
-        for unit in shard.units:
-            if isinstance(unit, PassThrough):
-                entry = unit.entry
-                writer.copy_range(entry.name, entry.file, entry.begin, entry.end)
-                advance(entry.nbytes)
-            elif isinstance(unit, DenseLinear):
-                _write_dense_linear(plan, unit, writer, reader, suspicious)
-                advance(unit.source_bytes)
-            else:
-                _write_layer(plan, unit, writer, reader, advance, suspicious)
+    tensors = [(t.name, t.dtype, t.shape) for t in shard.tensors]
+    with ShardWriter(temporary, tensors, metadata) as writer:
+        # Units are written in file order, so once one is done everything before its end is final.
+        hasher = PrefixHasher(temporary)
+        try:
+            for unit, names in zip(shard.units, _unit_names(plan, shard)):
+                if isinstance(unit, PassThrough):
+                    entry = unit.entry
+                    writer.copy_range(entry.name, entry.file, entry.begin, entry.end)
+                    advance(entry.nbytes)
+                elif isinstance(unit, DenseLinear):
+                    _write_dense_linear(plan, unit, writer, reader, suspicious)
+                    advance(unit.source_bytes)
+                else:
+                    _write_layer(plan, unit, writer, reader, advance, suspicious)
+                hasher.advance(max(writer.end_of(name) for name in names))
+        except BaseException:
+            hasher.cancel()
+            raise
+        digest = hasher.finish(writer.size)
     os.replace(temporary, path)
+    return digest
+
+
+def _unit_names(plan: Plan, shard) -> list[list[str]]:
+    """The output tensor names of each unit of the shard, in order."""
+    names = []
+    for unit in shard.units:
+        if isinstance(unit, PassThrough):
+            names.append([unit.entry.name])
+        elif isinstance(unit, DenseLinear):
+            names.append([tensor.name for tensor in plan.linear_tensors(unit)])
+        else:
+            names.append([tensor.name for tensor in plan.layer_tensors(unit)])
+    return names
 
 
 def _write_layer(plan: Plan, layer: MoELayer, writer: ShardWriter, reader: TensorReader, advance: Progress,

@@ -66,3 +66,4 @@ def test_byte_split_view_equals_the_shifts(shape, seed):
     assert torch.equal(packing._words_to_bytes(words, 1), by_shifts)
     assert torch.equal(packing._bytes_to_words(by_shifts, 1, allow_view=False), words)
     assert torch.equal(packing._bytes_to_words(by_shifts, 1), words)
+

@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -57,6 +59,11 @@ class ShardWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.pwrite(self._fd, len(encoded).to_bytes(8, "little") + encoded, 0)
         os.ftruncate(self._fd, self.size)
+
+    def end_of(self, name: str) -> int:
+        """The file offset just past tensor `name`'s bytes."""
+        start, nbytes = self._layout[name]
+        return self._data_start + start + nbytes
 
     def _target(self, name: str, offset: int, length: int) -> int:
         start, nbytes = self._layout[name]
@@ -107,6 +114,51 @@ class ShardWriter:
             os.fsync(self._fd)
         finally:
             os.close(self._fd)
+
+
+class PrefixHasher:
+    """sha256 of a file that is written front to back in pieces: `advance(n)` says the first n bytes
+    are final, and a background thread hashes them while the writer goes on (hashlib releases the
+    GIL), so hashing overlaps the conversion instead of re-reading the whole file at the end."""
+
+    def __init__(self, path: Path, chunk: int = 16 * 1024 * 1024):
+        self._fd = os.open(path, os.O_RDONLY)
+        self._chunk = chunk
+        self._digest = hashlib.sha256()
+        self._hashed = 0
+        self._pending: queue.Queue[int | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while (upto := self._pending.get()) is not None:
+                while self._hashed < upto:
+                    block = os.pread(self._fd, min(self._chunk, upto - self._hashed), self._hashed)
+                    if not block:
+                        raise OSError(f"file ended at {self._hashed} while hashing up to {upto}")
+                    self._digest.update(block)
+                    self._hashed += len(block)
+        except BaseException as error:  # reported by finish()
+            self._error = error
+
+    def advance(self, upto: int) -> None:
+        self._pending.put(upto)
+
+    def finish(self, size: int) -> str:
+        """The digest of the first `size` bytes (the whole file)."""
+        self._pending.put(size)
+        self.cancel()
+        if self._error is not None:
+            raise self._error
+        return self._digest.hexdigest()
+
+    def cancel(self) -> None:
+        """Stop after what was already asked for; the writer failed, the digest is not needed."""
+        self._pending.put(None)
+        self._thread.join()
+        os.close(self._fd)
 
 
 def sha256_file(path: Path, chunk: int = 16 * 1024 * 1024) -> str:
