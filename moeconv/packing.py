@@ -82,7 +82,7 @@ def _words_to_bytes(words: torch.Tensor, dim: int, allow_view: bool = True) -> t
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Inverse of `pack`: uint8 codes, `dim` grown by the number of values per container.
     Words are split into bytes, then bytes into values with uint8 shifts."""
-    per = values_per_container(bits, packed.dtype)
+    values_per_container(bits, packed.dtype)  # refuses widths that do not tile the container
     dim = dim % packed.dim()
     if packed.dtype is torch.int32:
         packed = _words_to_bytes(packed, dim)

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,7 +25,6 @@ from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader, open_checkpoint, read_json
 from moeconv.checkpoint.writer import sha256_file
 from moeconv.convert import MANIFEST_NAME, QUANTIZE_CONFIG_NAME, output_quantization_config
-from moeconv.errors import MoeconvError
 from moeconv.plan import DenseLinear, MoELayer, PassThrough, Plan, make_plan
 
 # Relative error ‖out − ref‖ / ‖ref‖ allowed for the kernel with fp16 activations against the

@@ -20,17 +20,32 @@ def quantized_weights(draw, bits: int, symmetric: bool, group_size: int, k_multi
         g = group_size
         k = g * groups
     n = n_multiple * draw(st.integers(1, 3))
-    seed = draw(st.integers(0, 2**31 - 1))
-    generator = torch.Generator().manual_seed(seed)
+    weight = random_canonical(torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1))), bits, symmetric,
+                              n, k, groups, scale_dtype)
+    if weight.zeros is not None and draw(st.booleans()):  # whole rows of zero points at an edge (v1 borrow chains)
+        weight.zeros[: min(n, 8)] = draw(st.sampled_from([0, (1 << bits) - 1]))
+    return weight
+
+
+def random_canonical(generator: torch.Generator, bits: int, symmetric: bool, out_features: int, in_features: int,
+                     groups: int, scale_dtype=torch.float16) -> QuantizedWeight:
+    """Random codes, zeros and scales, with code and zero point 0 at the first and 2^b − 1 at the last place."""
     top = (1 << bits) - 1
-    codes = torch.randint(0, top + 1, (n, k), dtype=torch.uint8, generator=generator)
+    codes = torch.randint(0, top + 1, (out_features, in_features), dtype=torch.uint8, generator=generator)
     codes[0, 0], codes[-1, -1] = 0, top
     zeros = None
     if not symmetric:
-        zeros = torch.randint(0, top + 1, (n, groups), dtype=torch.uint8, generator=generator)
-        zeros[0, 0] = 0
-        zeros[-1, -1] = top
-        if draw(st.booleans()):  # whole rows of zero points at an edge (GPTQ v1 borrow chains)
-            zeros[: min(n, 8)] = draw(st.sampled_from([0, top]))
-    scales = (torch.rand(n, groups, generator=generator) * 0.1 + 1e-4).to(scale_dtype)
-    return QuantizedWeight(codes=codes, zeros=zeros, scales=scales, bits=bits, group_size=g)
+        zeros = torch.randint(0, top + 1, (out_features, groups), dtype=torch.uint8, generator=generator)
+        zeros[0, 0], zeros[-1, -1] = 0, top
+    scales = (torch.rand(out_features, groups, generator=generator) * 0.1 + 1e-4).to(scale_dtype)
+    return QuantizedWeight(codes=codes, zeros=zeros, scales=scales, bits=bits, group_size=in_features // groups)
+
+
+@st.composite
+def decoded_linears(draw, source, out_features: int, in_features: int, scale_dtype=torch.float16):
+    """A random linear of this size as the source format decodes it (after the format's own round
+    trip), edge codes and zero points included: the input of every backend round-trip test."""
+    groups = 1 if source.group_size == -1 else in_features // source.group_size
+    weight = random_canonical(torch.Generator().manual_seed(draw(st.integers(0, 2**31))), source.bits,
+                              source.symmetric, out_features, in_features, groups, scale_dtype)
+    return source.decode(source.encode(weight))

@@ -29,6 +29,8 @@ from moeconv.plan import make_plan
 from moeconv.synth import SynthSpec, make_checkpoint, quantize, random_weight
 from moeconv.verify import W8A8_NUMERICS_TOLERANCE, verify
 
+from strategies import decoded_linears
+
 from helpers import cli
 
 backend = CpuBackend()
@@ -117,16 +119,7 @@ def test_round_trip_through_the_source_format(source, data):
     scale_dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]))
 
     def linear(out_features, in_features):
-        generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
-        groups = 1 if source.group_size == -1 else in_features // source.group_size
-        codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8, generator=generator)
-        codes[0, 0], codes[-1, -1] = 0, 15
-        zeros = None
-        if not source.symmetric:
-            zeros = torch.randint(0, 16, (out_features, groups), dtype=torch.uint8, generator=generator)
-            zeros[0, 0], zeros[-1, -1] = 0, 15
-        scales = torch.rand(out_features, groups, generator=generator).to(scale_dtype)
-        return source.decode(source.encode(QuantizedWeight(codes, zeros, scales, 4, in_features // groups)))
+        return data.draw(decoded_linears(source, out_features, in_features, scale_dtype))
 
     expert = ExpertWeights(linear(intermediate, hidden), linear(intermediate, hidden), linear(hidden, intermediate))
     shape = MoELayerShape(experts=1, hidden=hidden, intermediate=intermediate, bits=4, group_size=source.group_size,

@@ -23,6 +23,8 @@ from moeconv.plan import make_plan
 from moeconv.synth import SynthSpec, make_checkpoint, quantize, random_weight
 from moeconv.verify import verify
 
+from strategies import decoded_linears
+
 from helpers import cli
 from test_verify import _flip_byte
 
@@ -89,19 +91,9 @@ def test_round_trip_through_the_source_format(source, data):
     g = 32 if source.group_size == -1 else source.group_size
     hidden, intermediate = g * data.draw(st.integers(1, 3)), g * data.draw(st.integers(1, 2))
     scale_dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]))
-    top = (1 << source.bits) - 1
 
     def linear(out_features, in_features):
-        generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
-        groups = 1 if source.group_size == -1 else in_features // g
-        codes = torch.randint(0, top + 1, (out_features, in_features), dtype=torch.uint8, generator=generator)
-        codes[0, 0], codes[-1, -1] = 0, top
-        zeros = None
-        if not source.symmetric:
-            zeros = torch.randint(0, top + 1, (out_features, groups), dtype=torch.uint8, generator=generator)
-            zeros[0, 0], zeros[-1, -1] = 0, top
-        scales = torch.rand(out_features, groups, generator=generator).to(scale_dtype)
-        return source.decode(source.encode(QuantizedWeight(codes, zeros, scales, source.bits, in_features // groups)))
+        return data.draw(decoded_linears(source, out_features, in_features, scale_dtype))
 
     expert = ExpertWeights(linear(intermediate, hidden), linear(intermediate, hidden), linear(hidden, intermediate))
     shape = MoELayerShape(experts=1, hidden=hidden, intermediate=intermediate, bits=source.bits,

@@ -10,6 +10,8 @@ from moeconv.backends.base import ExpertWeights
 from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.formats import AWQ, GPTQ
 
+from strategies import decoded_linears
+
 
 backend = TritonBackend()
 
@@ -79,19 +81,7 @@ def test_round_trip_through_the_source_format(source, data):
     scale_dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]))
 
     def linear(out_features, in_features):
-        """A canonical weight as the source format decodes it, edge codes and zeros included."""
-        generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
-        groups = 1 if source.group_size == -1 else in_features // g
-        top = (1 << source.bits) - 1
-        codes = torch.randint(0, top + 1, (out_features, in_features), dtype=torch.uint8, generator=generator)
-        codes[0, 0], codes[-1, -1] = 0, top
-        zeros = None
-        if not source.symmetric:
-            zeros = torch.randint(0, top + 1, (out_features, groups), dtype=torch.uint8, generator=generator)
-            zeros[0, 0], zeros[-1, -1] = 0, top
-        scales = torch.rand(out_features, groups, generator=generator).to(scale_dtype)
-        canonical = QuantizedWeight(codes, zeros, scales, source.bits, in_features // groups)
-        return source.decode(source.encode(canonical))
+        return data.draw(decoded_linears(source, out_features, in_features, scale_dtype))
 
     expert = ExpertWeights(linear(intermediate, hidden), linear(intermediate, hidden), linear(hidden, intermediate))
     shape = MoELayerShape(experts=1, hidden=hidden, intermediate=intermediate, bits=source.bits,

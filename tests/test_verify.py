@@ -11,7 +11,6 @@ from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.checkpoint.writer import sha256_file
 from moeconv.convert import convert
 from moeconv.errors import MoeconvError
-from moeconv.formats import GPTQ
 from moeconv.plan import make_plan
 from moeconv.synth import SynthSpec, make_checkpoint
 from moeconv.verify import NUMERICS_TOLERANCE, verify
