@@ -11,6 +11,21 @@ from dataclasses import dataclass
 import torch
 
 SUPPORTED_BITS = (2, 4, 8)
+CHANNELWISE = -1  # the configured group size of channel-wise quantization (configs also write 0)
+
+
+def is_channelwise(group_size: int) -> bool:
+    return group_size in (CHANNELWISE, 0)
+
+
+def effective_group_size(in_features: int, group_size: int) -> int:
+    """The canonical group size of a linear with K = `in_features`: the configured one, or K for
+    channel-wise and for a group at least as wide as K (one group; GPTQ writes ceil(K / g) = 1)."""
+    return in_features if is_channelwise(group_size) or group_size >= in_features else group_size
+
+
+def groups_of(in_features: int, group_size: int) -> int:
+    return in_features // effective_group_size(in_features, group_size)
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,7 +130,7 @@ class MoELayerShape:
     projection_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # the checkpoint's, gate/up/down
 
     def group_size_for(self, in_features: int) -> int:
-        return in_features if self.group_size in (-1, 0) else self.group_size
+        return effective_group_size(in_features, self.group_size)
 
     @property
     def intermediate_per_rank(self) -> int:
@@ -139,7 +154,7 @@ class LinearShape:
 
     @property
     def effective_group_size(self) -> int:
-        return self.in_features if self.group_size in (-1, 0) else self.group_size
+        return effective_group_size(self.in_features, self.group_size)
 
 
 def regroup(weight: QuantizedWeight, factor: int) -> QuantizedWeight:
@@ -151,3 +166,24 @@ def regroup(weight: QuantizedWeight, factor: int) -> QuantizedWeight:
     zeros = None if weight.zeros is None else weight.zeros.repeat_interleave(factor, dim=1)
     return QuantizedWeight(codes=weight.codes, zeros=zeros, scales=weight.scales.repeat_interleave(factor, dim=1),
                            bits=weight.bits, group_size=weight.group_size // factor)
+
+
+def coarsen(weight: QuantizedWeight, factor: int, name: str) -> QuantizedWeight:
+    """Inverse of `regroup`: groups `factor` times wider. Raises ValueError naming the tensor when the
+    `factor` scales or zero points of a wider group are not all the same (bytes no regrouping made)."""
+    if factor == 1:
+        return weight
+    n, groups = weight.scales.shape
+    wide = []
+    for part in (weight.scales, weight.zeros):
+        if part is None:
+            wide.append(None)
+            continue
+        blocks = part.reshape(n, groups // factor, factor).contiguous()
+        first = blocks[..., :1].expand_as(blocks).contiguous()
+        if not torch.equal(first.view(torch.uint8), blocks.view(torch.uint8)):  # bytes: NaN scales repeat too
+            raise ValueError(f"{name}: the {factor} groups that make one source group of "
+                             f"{weight.group_size * factor} do not repeat the same scale and zero point")
+        wide.append(blocks[..., 0].contiguous())
+    return QuantizedWeight(codes=weight.codes, zeros=wide[1], scales=wide[0], bits=weight.bits,
+                           group_size=weight.group_size * factor)

@@ -105,6 +105,8 @@ def _print_inspect(report: dict[str, Any], title: str) -> None:
     rows.append(("format evidence", "; ".join(detection["evidence"]) or "-"))
     for disagreement in detection["disagreements"]:
         rows.append(("[red]config disagrees[/]", disagreement))
+    for undecided in detection.get("undecided", []):
+        rows.append(("[yellow]undecided[/]", f"{undecided}; the config's value is used"))
     if detection["act_order"]:
         rows.append(("[red]act-order[/]", detection["act_order"]))
     for name, verdict in report["backends"].items():
@@ -155,6 +157,8 @@ def convert(
                      local_files_only=local_files_only, trust=trust, tp=tp, regroup=regroup)
     for name, reason in plan.skipped_backends:
         err.print(f"backend {name} skipped: {reason}", highlight=False, soft_wrap=True)
+    for note in _detection_notes(plan):
+        err.print(note, highlight=False, soft_wrap=True)
     if dry_run:
         summary = plan.summary()
         if as_json:
@@ -190,6 +194,18 @@ def convert(
         rows.append(("v1 zero slots stored as all ones",
                      f"{found['count']} (decoded as zero 0, GPTQModel's convention; first: {found['first_tensor']})"))
     out.print(_key_values("converted", rows))
+
+
+def _detection_notes(plan) -> list[str]:
+    """What the data could not decide, and which side a --trust flag followed."""
+    detection = plan.detection
+    if detection is None:
+        return []
+    notes = [f"undecided: {what}; the config's value is used" for what in detection.undecided]
+    if detection.disagreements and plan.trust:
+        notes += [f"following the {plan.trust} (--trust-{plan.trust}): {disagreement}"
+                  for disagreement in detection.disagreements]
+    return notes
 
 
 @app.command()

@@ -3,7 +3,7 @@
 Weights are honest: random float weights quantized per group with min/max (asymmetric) or max-abs
 (symmetric) scaling, then packed by the source format's encoder. A few groups are shifted so that
 they are all-positive or all-negative, which puts zero points at the edges 0 and 2^b − 1 as real
-checkpoints have them. Names and configs follow each architecture (reference/checkpoints.md §1).
+checkpoints have them. Names and configs follow each architecture (the naming schemes of moeconv/models.py).
 Everything is deterministic from the seed, and files are written with the streaming writer, so
 checkpoints of many GB can be made in bounded memory.
 """

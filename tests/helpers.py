@@ -19,3 +19,21 @@ def synth(path: Path, **fields) -> Path:
 def cli(*args: str):
     """Invoke the CLI in-process, rendering MoeconvError the way `moeconv` (cli.main) does."""
     return runner.invoke(app, [str(a) for a in args], catch_exceptions=True)
+
+
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    """Run the console entry point (`moeconv ARGS`) in-process: (exit code, stdout, stderr)."""
+    import sys
+
+    from moeconv.cli import main
+
+    argv, sys.argv = sys.argv, ["moeconv", *map(str, args)]
+    try:
+        main()
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code if isinstance(exit_info.code, int) else 1
+    finally:
+        sys.argv = argv
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

@@ -70,7 +70,7 @@ EXPERT = "model.layers.1.mlp.experts.2"
     (lambda s: _edit_config(s, num_experts=6), "has experts 0..3 (4), but config.json says 6"),
     (lambda s: _drop_tensor(s, f"{EXPERT}.up_proj.qzeros"), "tensor model.layers.1.mlp.experts.2.<up>.qzeros is missing"),
     (lambda s: _permute_g_idx(s, f"{EXPERT}.down_proj.g_idx"),
-     f"{EXPERT}.down_proj: g_idx is not the trivial k // group_size (act-order"),
+     f"{EXPERT}.down_proj.g_idx is not k // group_size: the checkpoint uses act-order"),
     (lambda s: (s / "config.json").write_text("{not json"), "config.json: not valid JSON"),
 ], ids=["missing-shard", "shape-vs-config", "bits", "architecture", "expert-count", "missing-tensor", "act-order",
         "bad-json"])

@@ -1,4 +1,4 @@
-"""The x86 CPU layouts: blocked INT4 (vllm-layouts.md §5.1) and VNNI INT8 W8A8 (§5.2). Bytes as the
+"""The x86 CPU layouts: blocked INT4 and VNNI INT8 W8A8 (docs/FORMAT.md). Bytes as the
 reference describes them, round trips, the layout-reading W4A8 / W8A8 references against the float
 reference, plan-time refusals, and synth -> `moeconv convert --backend cpu` -> verify."""
 
@@ -228,7 +228,7 @@ def test_decode_refuses_symmetric_zeros_other_than_8():
     (MoELayerShape(4, 48, 64, 4, 16, True, "F16"), "hidden size 48 is not a multiple of the 32-channel block"),
     (MoELayerShape(4, 64, 48, 4, 16, True, "F16"), "intermediate size 48 is not a multiple"),
     (MoELayerShape(4, 64, 64, 8, 32, True, "F16"), "takes 4-bit weights, not 8-bit (8-bit weights only as a W8A8"),
-    (MoELayerShape(4, 192, 64, 4, -1, True, "F16"), "w13: K = 192 does not split into K blocks"),
+    (MoELayerShape(4, 64, 64, 4, 2, True, "F16"), "no common divisor of the group sizes 2 (w13) and 2 (w2)"),
     (MoELayerShape(4, 384, 64, 4, 256, True, "F16"), "w13: group size 256 does not divide K = 384"),
 ])
 def test_refusals(shape, reason):
@@ -413,7 +413,7 @@ def test_plan_refuses_w8a8_layers_that_do_not_block(tmp_path):
 
 
 CONVERSIONS = {"gptq-asym-g32": GPTQ(4, 32, sym=False), "awq-sym-channel": AWQ(4, -1, zero_point=False),
-               "ct-w8a8": W8A8}
+               "ct-w8a8": W8A8, "gptq-asym-channel": GPTQ(4, -1, sym=False)}
 
 
 def _weight_suffix(prefix: str, shape: MoELayerShape) -> str:
@@ -524,3 +524,66 @@ def test_consistently_wrong_code_fails_verify(converted, tmp_path):
     suffix = _weight_suffix("w2", layer.shape)
     _write_slice(out, f"{LAYER}.{suffix}", 3, slices[suffix])
     assert f"{LAYER}: expert 3 down: codes: 1 byte(s) differ" in _verify_failures(out)
+
+
+# ------------------------------------------------------------- one group size per layer (layout 2)
+
+
+def _per_gemm_encoding(weights: list[ExpertWeights]) -> dict[str, torch.Tensor]:
+    """What layout version 1 wrote: each GEMM blocked with its own group size (channel-wise: g = K)."""
+    experts = []
+    for expert in weights:
+        gate, up, down = (block_int4(w) for w in (expert.gate, expert.up, expert.down))
+        experts.append({"w13_blocked_qweight": torch.cat([gate.qweight, up.qweight]),
+                        "w13_blocked_scales": torch.cat([gate.scales, up.scales]),
+                        "w13_blocked_zeros": torch.cat([gate.zeros, up.zeros]),
+                        "w2_blocked_qweight": down.qweight, "w2_blocked_scales": down.scales,
+                        "w2_blocked_zeros": down.zeros})
+    return {name: torch.stack([expert[name] for expert in experts]) for name in experts[0]}
+
+
+@pytest.mark.parametrize("hidden, intermediate, group_size, layer_group", [
+    (128, 64, -1, 64), (128, 256, -1, 128), (256, 64, 128, 64), (384, 128, -1, 128)])
+def test_both_gemms_share_one_group_size(hidden, intermediate, group_size, layer_group):
+    """The kernel derives g = H / groups(w13) once per layer; w2 must be written with the same g."""
+    shape, weights, tensors, w13, w2 = _random_layer(hidden, intermediate, 2, group_size, symmetric=False)
+    assert tensors["w13_blocked_scales"].shape[2] == hidden // layer_group
+    assert tensors["w2_blocked_scales"].shape[2] == intermediate // layer_group
+    config = backend.quantization_config(shape)
+    assert (config["group_size"], config["block_k"]) == (layer_group, min(layer_group, 128))
+    for e, expert in enumerate(weights):  # lossless: the repeated scales and zeros fold back
+        decoded = backend.decode_expert({name: tensor[e] for name, tensor in tensors.items()}, shape)
+        for projection in ("gate", "up", "down"):
+            assert getattr(decoded, projection).mismatch(getattr(expert, projection)) is None
+    generator = torch.Generator().manual_seed(3)
+    topk_weights, ids = random_routing(16, 2, 2, generator)
+    x = torch.randn(16, hidden, generator=generator).to(torch.float16)
+    reference = reference_fused_moe(x.double(), w13, w2, topk_weights.double(), ids)
+    assert relative_error(cpu_fused_moe(tensors, shape, x, topk_weights, ids), reference) < W4A8_TOLERANCE
+
+
+@pytest.mark.parametrize("hidden, intermediate", [(128, 64), (128, 256), (256, 128)])
+def test_reference_reads_the_old_per_gemm_encoding_as_the_kernel_does(hidden, intermediate):
+    """Layout version 1 of a channel-wise source: the kernel, deriving g from w13, cannot read w2."""
+    shape, weights, _, _, _ = _random_layer(hidden, intermediate, 2, -1, symmetric=False)
+    old = _per_gemm_encoding(weights)
+    topk_weights, ids = random_routing(4, 2, 2, torch.Generator().manual_seed(4))
+    x = torch.randn(4, hidden).to(torch.float16)
+    with pytest.raises(ValueError, match=f"the kernel, with group size {hidden} and block_k 128 derived from w13_blocked_scales"):
+        cpu_fused_moe(old, shape, x, topk_weights, ids)
+
+
+def test_verify_fails_when_the_kernel_cannot_read_the_layout(converted, monkeypatch):
+    """A reading failure of the kernel model is a numerics failure of the layer, not a traceback."""
+    source, out = converted
+    if make_plan(source, backend="cpu").layers[0].shape.activation_bits == 8:
+        pytest.skip("the INT8 layout has no derived group size")
+    from moeconv.kernels import cpu_reference
+
+    def refuse(tensors, shape):
+        raise ValueError("w2_blocked_scales: the kernel reads something else")
+
+    monkeypatch.setattr(cpu_reference, "kernel_view", refuse)
+    report = verify(out)
+    assert not report.ok
+    assert any("numerics: w2_blocked_scales: the kernel reads something else" in f for f in report.failures())

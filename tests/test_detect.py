@@ -99,3 +99,24 @@ def test_honest_configs_pass_detection(tmp_path, truth):
     configured, detection = detect_format(checkpoint, architecture_from_config(checkpoint.config, "config.json"))
     assert configured == truth
     assert detection.disagreements == [] and detection.detected == truth
+
+
+def test_data_that_cannot_decide_v1_from_v2_is_undecided_and_the_config_is_used(tmp_path, monkeypatch, capsys):
+    """Weights that do not average to zero (every group shifted by half its spread) put the codes off
+    both readings' zero points: neither v1 nor v2 is near 0, so the detection says undecided, with the
+    numbers, and convert follows the config (and says so)."""
+    from moeconv import synth as synth_module
+
+    plain = synth_module.random_weight
+    monkeypatch.setattr(synth_module, "random_weight", lambda *args: plain(*args) + 0.01)
+    source = _make(tmp_path, GPTQ(4, 32, sym=False, checkpoint_format="gptq_v2"))
+    configured, detection = detect_format(open_checkpoint(source), architecture_from_config(
+        json.loads((source / "config.json").read_text()), "config.json"))
+    assert detection.disagreements == []
+    assert len(detection.undecided) == 1 and "cannot tell v1 from v2" in detection.undecided[0]
+    assert detection.detected == configured
+    from helpers import run_main
+
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
+    assert code == 0, err
+    assert "undecided: checkpoint_format: the data cannot tell v1 from v2" in err

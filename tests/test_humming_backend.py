@@ -1,4 +1,4 @@
-"""The Humming standard schema: bytes as vllm-layouts.md §4.1/§4.2 describe them, round trips from
+"""The Humming standard schema: bytes as docs/FORMAT.md describes them, round trips from
 every source, true zero points for GPTQ v1, and a whole checkpoint converted, reloaded and verified."""
 
 from __future__ import annotations

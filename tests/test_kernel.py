@@ -5,7 +5,7 @@ is needed here, and no import order matters. bf16 activations are left to
 tests/test_kernel_gpu.py (compiled), since the interpreter mishandles a bf16 cast before tl.dot.
 
 Quantized inputs are drawn here as codes, zeros and scales, packed into the moe_wna16 bytes by
-this file's own few lines of torch (straight from vllm-layouts.md §3.1), and dequantized to dense
+this file's own few lines of torch (straight from docs/FORMAT.md), and dequantized to dense
 weights for the reference, so the kernel's reading of the layout is checked against the spec.
 """
 

@@ -1,4 +1,4 @@
-"""The Triton (moe_wna16) layout: bytes as vllm-layouts.md §3.1 describes them, and round trips."""
+"""The Triton (moe_wna16) layout: bytes as docs/FORMAT.md describes them, and round trips."""
 
 import pytest
 import torch
@@ -51,7 +51,7 @@ def test_eight_bit_is_one_code_per_byte():
 
 
 def test_gptq_qweight_transpose_equals_the_layout_on_little_endian():
-    """vLLM's GPTQ loader takes qweight.T.contiguous().view(uint8) (vllm-layouts.md §3.2); moeconv
+    """vLLM's GPTQ loader takes qweight.T.contiguous().view(uint8) (vLLM moe_wna16.py `get_weight_loader`); moeconv
     computes the same bytes with explicit shifts."""
     generator = torch.Generator().manual_seed(0)
     weight = QuantizedWeight(torch.randint(0, 16, (16, 64), dtype=torch.uint8, generator=generator), None,

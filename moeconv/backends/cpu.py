@@ -1,8 +1,16 @@
 """The x86 CPU blocked INT4 layout (vLLM `CPUExpertsInt4`, sgl-kernel `convert_weight_packed_scale_zp`;
-vllm-layouts.md §5.1): what the W4A8 AVX-512/AMX MoE kernel reads, so nothing is re-blocked at start-up.
+vLLM csrc/cpu/sgl-kernels/gemm_int4.cpp; docs/FORMAT.md): what the W4A8 AVX-512/AMX MoE kernel reads, so nothing is re-blocked at start-up.
 
 Per MoE layer, experts stacked, w13 = gate then up (N = 2I, K = H), w2 (N = H, K = I). Output channels
-go in blocks of BLOCK_N = 32, K in blocks of block_k = min(g, 128) (g = K when channel-wise):
+go in blocks of BLOCK_N = 32, K in blocks of block_k = min(g, 128).
+
+ONE group size g per layer, shared by both GEMMs: the kernel derives it once, from w13, as
+H / (w13_blocked_scales groups), and block_k = min(g, 128) from it, and reads w2 with the same g and
+block_k. So the layer's g is the largest divisor of both GEMMs' source group sizes (channel-wise: H
+and I) that meets the block rules (g <= 128 and a multiple of 4, or a multiple of 128), and the
+source's scales and zero points are repeated to it, losslessly (layout version 2; version 1 wrote a
+group size per GEMM, which the kernel misreads whenever the two differ). A layer where no such g
+exists is refused at plan time.
   {w13,w2}_blocked_qweight uint8 (E, N/32, K/block_k, block_k·16 + 128). In block (nc, kc), for k-quad q
       and half h: byte q·64 + (h·8 + ni)·4 + ki holds the code of channel 16h + ni in its low nibble and
       of channel 16h + 8 + ni in its high nibble, at k = 4q + ki (VNNI-4 along K). The last 128 bytes are
@@ -14,7 +22,7 @@ Gate and up are blocked separately (the kernel reads gate block nb and up block 
 so w13's first I/32 channel blocks are the gate's.
 
 W8A8 schemes (activation_bits 8, symmetric int8 per channel) take the INT8 VNNI layout instead (vLLM
-`CPUExpertsInt8`, sgl-kernel `convert_weight_packed` / `pack_vnni<int8_t>` / `s8s8_compensation`; §5.2):
+`CPUExpertsInt8`, sgl-kernel `convert_weight_packed` / `pack_vnni<int8_t>` / `s8s8_compensation`; vLLM csrc/cpu/sgl-kernels/gemm.cpp):
   {w13,w2}_vnni_weight  int8 (E, N, K + 4). Each block of 32 output channels (32·(K + 4) bytes) holds
       byte q·128 + n·4 + ki = w[32·nb + n, 4q + ki] (the signed weight, code − 128; [K/4][32][4], VNNI-4),
       then 32 little-endian int32 compensation values 128·Σ_k w[n, k]: the kernel multiplies uint8
@@ -26,6 +34,7 @@ kernel reads gate block nb with up block nb + I/32.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -33,7 +42,7 @@ import torch
 
 from moeconv import packing
 from moeconv.backends.base import ExpertWeights, TensorSpec
-from moeconv.canonical import MoELayerShape, QuantizedWeight
+from moeconv.canonical import MoELayerShape, QuantizedWeight, coarsen, regroup
 from moeconv.checkpoint.reader import TORCH_DTYPES
 
 BLOCK_N = 32  # output channels per block: two 16-channel halves of one AVX-512 register each
@@ -68,6 +77,17 @@ def block_k_for(group_size: int) -> int:
     return min(group_size, MAX_BLOCK_K)
 
 
+def _fits_blocks(group_size: int) -> bool:
+    """A K block of min(g, 128) lies inside one group and splits into VNNI quads."""
+    return group_size % MAX_BLOCK_K == 0 if group_size > MAX_BLOCK_K else group_size % VNNI == 0
+
+
+def layer_group_size(layer: MoELayerShape) -> int | None:
+    """The one group size both GEMMs of the layer are written with (see the module doc), or None."""
+    common = math.gcd(*(layer.group_size_for(k) for _, _, k in _gemms(layer)))
+    return next((g for g in range(common, 0, -1) if common % g == 0 and _fits_blocks(g)), None)
+
+
 def blocked_suffixes(prefix: str) -> BlockedInt4:
     """The tensor names of one GEMM's blocked tensors, in BlockedInt4's order."""
     return BlockedInt4(*(f"{prefix}_blocked_{part}" for part in BlockedInt4._fields))
@@ -82,7 +102,7 @@ class CpuBackend:
     """Dispatches each layer to the layout of the x86 kernel that computes its scheme."""
 
     name = "cpu"
-    layout_version = 1
+    layout_version = 2  # 2: one group size per layer (the kernel derives it from w13)
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.intermediate % layer.tp:
@@ -107,7 +127,7 @@ class CpuBackend:
 
 
 class Int4BlockedLayout:
-    """W4A8 `CPUExpertsInt4` (§5.1)."""
+    """W4A8 `CPUExpertsInt4`."""
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.bits != 4:
@@ -122,17 +142,17 @@ class Int4BlockedLayout:
             g = layer.group_size_for(in_features)
             if in_features % g:
                 return f"{prefix}: group size {g} does not divide K = {in_features}"
-            block_k = block_k_for(g)
-            if in_features % block_k or block_k % VNNI:
-                return (f"{prefix}: K = {in_features} does not split into K blocks of min(group size, "
-                        f"{MAX_BLOCK_K}) = {block_k} that are multiples of {VNNI}")
+        if layer_group_size(layer) is None:
+            sizes = " and ".join(f"{layer.group_size_for(k)} ({prefix})" for prefix, _, k in _gemms(layer))
+            return (f"the kernel reads one group size per layer, and no common divisor of the group sizes "
+                    f"{sizes} is <= {MAX_BLOCK_K} and a multiple of {VNNI}, or a multiple of {MAX_BLOCK_K}")
         return None
 
     def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:
         specs = []
+        g = layer_group_size(layer)
+        block_k = block_k_for(g)
         for prefix, out_features, in_features in _gemms(layer):
-            g = layer.group_size_for(in_features)
-            block_k = block_k_for(g)
             blocks = (layer.experts, out_features // BLOCK_N)
             names = blocked_suffixes(prefix)
             block_bytes = block_k * BLOCK_N // 2 + COMPENSATION_BYTES
@@ -144,9 +164,9 @@ class Int4BlockedLayout:
         return specs
 
     def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
-        slices = {}
+        slices, g = {}, layer_group_size(layer)
         for prefix, projections in _projections(expert):
-            blocked = [block_int4(weight) for weight in projections]
+            blocked = [block_int4(regroup(weight, weight.group_size // g)) for weight in projections]
             for name, parts in zip(blocked_suffixes(prefix), zip(*blocked)):
                 slices[name] = torch.cat(parts)
         return slices
@@ -158,25 +178,27 @@ class Int4BlockedLayout:
             names = blocked_suffixes(prefix)
             blocked = BlockedInt4(*(slices[name] for name in names))
             projections = _gate_and_up(blocked, layer.intermediate // BLOCK_N) if prefix == "w13" else [blocked]
-            decoded += [unblock_int4(projection, names, layer.group_size_for(in_features), scale_dtype,
-                                     layer.symmetric) for projection in projections]
+            source_g, g = layer.group_size_for(in_features), layer_group_size(layer)
+            decoded += [coarsen(unblock_int4(projection, names, g, scale_dtype, layer.symmetric), source_g // g,
+                                names.scales) for projection in projections]
         return ExpertWeights(*decoded)
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         return {
             "bits": layer.bits,
-            "group_size": layer.group_size,
+            "group_size": layer_group_size(layer),  # both GEMMs; the kernel derives it from w13
+            "source_group_size": layer.group_size,
             "has_zp": not layer.symmetric,
             "layout": "x86_int4_blocked",
             "block_n": BLOCK_N,
-            "block_k": {prefix: block_k_for(layer.group_size_for(k)) for prefix, _, k in _gemms(layer)},
+            "block_k": block_k_for(layer_group_size(layer)),
             "zero_point_convention": "awq",  # TRUE zero points used as stored, no +1; symmetric stores 8
             "compute": "w4a8",  # activations quantized per row to uint8, zero point 128
         }
 
 
 class Int8VnniLayout:
-    """W8A8 `CPUExpertsInt8` (§5.2)."""
+    """W8A8 `CPUExpertsInt8`."""
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.bits != 8 or not layer.symmetric or layer.group_size not in (-1, 0):

@@ -1,4 +1,4 @@
-"""The Humming standard schema (`quant_method: "humming"`, vllm-layouts.md §4.1, §4.2, §4.7).
+"""The Humming standard schema (`quant_method: "humming"`; docs/FORMAT.md).
 
 Per expert and projection, under the checkpoint's own names (`<module>.<e>.<projection>.<suffix>`),
 and for every dense quantized linear (`<module>.<suffix>`), unpadded and N-first:

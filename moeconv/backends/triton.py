@@ -1,6 +1,6 @@
 """The Triton `moe_wna16` layout (vLLM `TritonWNA16Experts`, moeconv's own reference kernel).
 
-Per MoE layer, experts stacked, gate/up fused gate rows first (vllm-layouts.md §3.1):
+Per MoE layer, experts stacked, gate/up fused gate rows first (docs/FORMAT.md; vLLM vllm/model_executor/layers/quantization/moe_wna16.py):
   w13_qweight uint8 (E, 2I, H·b/8): 4-bit byte [e, n, j] = c[n, 2j] | c[n, 2j+1] << 4; 8-bit one code a byte
   w13_scales  (E, 2I, H/g) in the source dtype
   w13_qzeros  uint8 (E, 2I·b/8, H/g), asymmetric only, TRUE zeros, 4-bit: even n in the low nibble
@@ -21,7 +21,7 @@ import torch
 
 from moeconv import packing
 from moeconv.backends.base import ExpertWeights, TensorSpec
-from moeconv.canonical import MoELayerShape, QuantizedWeight
+from moeconv.canonical import MoELayerShape, QuantizedWeight, is_channelwise
 from moeconv.checkpoint.reader import TORCH_DTYPES
 
 
@@ -40,7 +40,8 @@ class TritonBackend:
         if layer.bits == 4 and (layer.hidden % 2 or per_rank % 2):
             return f"4-bit packing needs even sizes (hidden {layer.hidden}, intermediate per rank {per_rank})"
         for what, in_features in (("hidden size", layer.hidden), ("intermediate size per rank", per_rank)):
-            if in_features % layer.group_size_for(in_features):
+            # The configured g itself (not g capped at K): moe_wna16 reads both GEMMs with one group size.
+            if not is_channelwise(layer.group_size) and in_features % layer.group_size:
                 return f"group size {layer.group_size} does not divide the {what} {in_features}"
         return None
 

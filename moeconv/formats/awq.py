@@ -19,6 +19,8 @@ from moeconv.formats.base import (
     TensorShape,
     check_bits,
     check_group_size,
+    config_bool,
+    config_int,
     effective_group_size,
     groups_of,
 )
@@ -55,11 +57,11 @@ class AWQ:
             raise MoeconvError(
                 f"{where}: AWQ version {version!r} has a different layout; only 'gemm' checkpoints are supported"
             )
-        bits = int(config.get("bits", config.get("w_bit", 4)))
-        group_size = int(config.get("group_size", config.get("q_group_size", 128)))
+        bits = config_int(config, "bits", 4, where, "w_bit")
+        group_size = config_int(config, "group_size", 128, where, "q_group_size")
         check_bits(bits, (4,), "AWQ", where)
         check_group_size(group_size, where)
-        return cls(bits=bits, group_size=group_size, zero_point=bool(config.get("zero_point", True)))
+        return cls(bits=bits, group_size=group_size, zero_point=config_bool(config, "zero_point", True, where))
 
     @property
     def symmetric(self) -> bool:

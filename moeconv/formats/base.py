@@ -6,7 +6,7 @@ from typing import Any, Mapping, NamedTuple, Protocol
 
 import torch
 
-from moeconv.canonical import QuantizedWeight
+from moeconv.canonical import QuantizedWeight, effective_group_size, groups_of, is_channelwise  # noqa: F401
 from moeconv.errors import MoeconvError
 
 FLOAT_DTYPES = ("F16", "BF16", "F32")
@@ -55,17 +55,30 @@ class SourceFormat(Protocol):
         """The `quantization_config` a producer of this format writes (synthetic checkpoints)."""
 
 
-def groups_of(in_features: int, group_size: int) -> int:
-    return 1 if group_size in (-1, 0) else in_features // group_size
+def config_int(config: Mapping[str, Any], key: str, default: int, where: str, *fallbacks: str) -> int:
+    """An integer config value (the first of `key`, `fallbacks` present), refusing 4.7, "4" and true:
+    a value that changes the meaning of the bytes is never coerced."""
+    for name in (key, *fallbacks):
+        if name in config and config[name] is not None:
+            value = config[name]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise MoeconvError(f"{where}: {name} must be an integer, not {value!r}")
+            return value
+    return default
 
 
-def effective_group_size(in_features: int, group_size: int) -> int:
-    """The canonical group size: the configured one, or K for channel-wise."""
-    return in_features if group_size in (-1, 0) else group_size
+def config_bool(config: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    """A boolean config value; the string "false" is an error, not true."""
+    value = config.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise MoeconvError(f"{where}: {key} must be true or false, not {value!r}")
+    return value
 
 
 def check_group_size(group_size: int, where: str) -> None:
-    if group_size not in (-1, 0) and (group_size < 1 or group_size & (group_size - 1)):
+    if not is_channelwise(group_size) and (group_size < 1 or group_size & (group_size - 1)):
         raise MoeconvError(f"{where}: group_size {group_size} is not -1 or a power of two")
 
 

@@ -1,6 +1,6 @@
 """compressed-tensors checkpoints (quant_method "compressed-tensors"; llm-compressor output).
 
-Two storage formats (reference/checkpoints.md §2.3, compressed-tensors 0.20.1):
+Two storage formats (compressed-tensors 0.20.1, `PackedQuantizationCompressor` / `IntQuantizationCompressor`):
 
 * `pack-quantized` (W4A16, W8A16): `weight_packed` int32 (N, K·b/32) holds offset-binary codes
   c = q + 2^(b−1) of the signed values q, packed along K LSB-first; `weight_scale` (N, K/g), or
@@ -34,7 +34,8 @@ import torch
 from moeconv import packing
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
-from moeconv.formats.base import TensorShape, check_group_size, effective_group_size, groups_of
+from moeconv.formats.base import (TensorShape, check_group_size, config_bool, config_int, effective_group_size,
+                                  groups_of)
 from moeconv.models import ARCHITECTURES
 
 PACK_QUANTIZED = "pack-quantized"
@@ -224,7 +225,7 @@ def _scheme(group: Mapping[str, Any], fmt: str | None, field: str) -> tuple[str,
         raise MoeconvError(f"{field}.weights is missing: the experts would not be quantized")
     if weights.get("type", "int") != "int":
         raise MoeconvError(f"{field}.weights.type {weights.get('type')!r} is not supported (only 'int')")
-    bits = int(weights.get("num_bits", 8))
+    bits = config_int(weights, "num_bits", 8, f"{field}.weights")
     if bits not in _BITS[fmt]:
         allowed = ", ".join(map(str, _BITS[fmt]))
         raise MoeconvError(f"{field}.weights.num_bits {bits} is not supported by {fmt} (supported: {allowed})")
@@ -235,7 +236,7 @@ def _scheme(group: Mapping[str, Any], fmt: str | None, field: str) -> tuple[str,
         raise MoeconvError(f"{field}.weights.actorder {actorder!r} stores a g_idx permutation; not supported")
     strategy = weights.get("strategy")
     if strategy == "group" and fmt == PACK_QUANTIZED:
-        group_size = int(weights.get("group_size") or 0)
+        group_size = config_int(weights, "group_size", 0, f"{field}.weights")
         if group_size < 1:
             raise MoeconvError(f"{field}.weights.group_size is missing for the group strategy")
         check_group_size(group_size, f"{field}.weights")
@@ -244,7 +245,7 @@ def _scheme(group: Mapping[str, Any], fmt: str | None, field: str) -> tuple[str,
     else:
         supported = "group or channel" if fmt == PACK_QUANTIZED else "channel"
         raise MoeconvError(f"{field}.weights.strategy {strategy!r} is not supported by {fmt} (supported: {supported})")
-    symmetric = bool(weights.get("symmetric", True))
+    symmetric = config_bool(weights, "symmetric", True, f"{field}.weights")
     if not symmetric and fmt != PACK_QUANTIZED:
         raise MoeconvError(f"{field}.weights.symmetric is false: {fmt} INT8 experts must be symmetric")
     return fmt, bits, group_size, symmetric, _activation_bits(group.get("input_activations"), fmt, field)

@@ -25,6 +25,8 @@ from moeconv.formats.base import (
     TensorShape,
     check_bits,
     check_group_size,
+    config_bool,
+    config_int,
     effective_group_size,
     groups_of,
 )
@@ -43,11 +45,14 @@ class GPTQ:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], where: str) -> GPTQ:
-        bits = int(config.get("bits", 4))
-        group_size = int(config.get("group_size", 128))
+        bits = config_int(config, "bits", 4, where)
+        group_size = config_int(config, "group_size", 128, where)
         check_bits(bits, (2, 4, 8), "GPTQ", where)
         check_group_size(group_size, where)
-        checkpoint_format = str(config.get("checkpoint_format", V1)).lower()
+        checkpoint_format = config.get("checkpoint_format", V1)
+        if not isinstance(checkpoint_format, str):
+            raise MoeconvError(f"{where}: checkpoint_format must be a string, not {checkpoint_format!r}")
+        checkpoint_format = checkpoint_format.lower()
         if checkpoint_format not in (V1, V2):
             raise MoeconvError(
                 f"{where}: GPTQ checkpoint_format {checkpoint_format!r} is not supported (expected 'gptq' or 'gptq_v2')"
@@ -55,7 +60,7 @@ class GPTQ:
         return cls(
             bits=bits,
             group_size=group_size,
-            sym=bool(config.get("sym", True)),
+            sym=config_bool(config, "sym", True, where),
             checkpoint_format=checkpoint_format,
         )
 

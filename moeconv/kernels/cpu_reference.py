@@ -2,7 +2,8 @@
 do, never through the backend's decoder, so verify's numerics check covers the bytes the kernel would
 read:
 
-* INT4 (sgl-kernel `fused_experts_int4_w4a8`, vLLM `CPUExpertsInt4`): nibbles by their byte position
+* INT4 (sgl-kernel `fused_experts_int4_w4a8`, vLLM `CPUExpertsInt4`): the group size and block_k derived
+  once per layer from w13 and H, as the kernel derives them (`kernel_view`); nibbles by their byte position
   in each (32-channel, block_k) block, the STORED compensation sums, the blocked scales and zero points.
   Per block the integer dot product Σ q·(c − z) minus 128·compensation gives Σ (q − 128)·(c − z); that
   times the row scale and the channel's group scale is accumulated over K blocks in fp32. Gate/up
@@ -20,6 +21,7 @@ reads run with float activations (W4A16 / W8A16), which isolates the error activ
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import torch
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 
 from moeconv import packing
 from moeconv.backends.cpu import (ACTIVATION_ZERO_POINT, BLOCK_N, COMPENSATION_BYTES, COMPENSATION_BYTES_PER_ROW,
-                                  VNNI, BlockedInt4, VnniInt8, blocked_suffixes, vnni_suffixes)
+                                  MAX_BLOCK_K, VNNI, BlockedInt4, VnniInt8, blocked_suffixes, vnni_suffixes)
 from moeconv.canonical import MoELayerShape
 
 ACTIVATION_LEVELS = 127  # max|x| maps to ±127, so codes stay in [1, 255]
@@ -115,6 +117,36 @@ def vnni_linear(x: torch.Tensor, tensors: VnniInt8, *, quantize_activations: boo
     return out * tensors.scale[:, 0]
 
 
+def kernel_view(tensors: Mapping[str, torch.Tensor], shape: MoELayerShape) -> dict[str, torch.Tensor]:
+    """The blocked INT4 tensors of both GEMMs with the shapes the kernel reads them in. The kernel derives
+    the group size ONCE per layer, from w13: g = H / (groups of w13_blocked_scales), block_k = min(g, 128),
+    and reads w2 (K = I) with the same g and block_k, whatever w2's own tensors say. Raises ValueError
+    naming the tensor when its bytes are not what that reading needs (the kernel would read past it or
+    leave part of it unread)."""
+    experts = tensors[blocked_suffixes("w13").scales].shape[0]
+    groups = tensors[blocked_suffixes("w13").scales].shape[2]
+    group_size = shape.hidden // groups
+    block_k = min(group_size, MAX_BLOCK_K)
+    viewed = dict(tensors)
+    for prefix, out_features, in_features in (("w13", 2 * shape.intermediate, shape.hidden),
+                                              ("w2", shape.hidden, shape.intermediate)):
+        names = blocked_suffixes(prefix)
+        if in_features % group_size or group_size % block_k or block_k % VNNI:
+            raise ValueError(f"{names.qweight}: the kernel, with group size {group_size} and block_k {block_k} "
+                             f"derived from {blocked_suffixes('w13').scales}, cannot tile K = {in_features}")
+        blocks = (experts, out_features // BLOCK_N)
+        wants = {names.qweight: (*blocks, in_features // block_k, block_k * BLOCK_N // 2 + COMPENSATION_BYTES),
+                 names.scales: (*blocks, in_features // group_size, BLOCK_N),
+                 names.zeros: (*blocks, in_features // group_size, BLOCK_N)}
+        for name, want in wants.items():
+            if tensors[name].numel() != math.prod(want):
+                raise ValueError(f"{name}: the kernel, with group size {group_size} and block_k {block_k} derived "
+                                 f"from {blocked_suffixes('w13').scales}, reads {list(want)}, but the tensor is "
+                                 f"{list(tensors[name].shape)}")
+            viewed[name] = tensors[name].reshape(want)
+    return viewed
+
+
 def _expert_gemm(tensors: Mapping[str, torch.Tensor], shape: MoELayerShape, prefix: str, expert: int,
                  x: torch.Tensor, quantize_activations: bool) -> torch.Tensor:
     """One expert's GEMM in the layout the cpu backend wrote for this scheme, fp32 (M, N)."""
@@ -131,6 +163,8 @@ def cpu_fused_moe(tensors: Mapping[str, torch.Tensor], shape: MoELayerShape, x: 
     """Σ_k w[t,k] · (silu(x·W13gateᵀ) * (x·W13upᵀ)) · W2ᵀ in x.dtype, from the cpu backend's stacked
     tensors keyed by suffix (dim 0: the experts topk_ids index); the INT8 kernel when
     `shape.activation_bits` is 8, else the INT4 one."""
+    if shape.activation_bits != 8:
+        tensors = kernel_view(tensors, shape)
     out = torch.zeros(x.shape, dtype=torch.float32)
     for expert in topk_ids.unique().tolist():
         tokens, slots = (topk_ids == expert).nonzero(as_tuple=True)

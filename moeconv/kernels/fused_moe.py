@@ -1,7 +1,7 @@
 """Fused MoE over experts in the ``moe_wna16`` layout (W4A16 / W8A16), in Triton.
 
 This is moeconv's own kernel for numerical verification (DESIGN §7.3): it reads converted
-tensors exactly as the serving layout defines them (vllm-layouts.md §3.1), so a layout mistake
+tensors exactly as the serving layout defines them (docs/FORMAT.md, backend triton), so a layout mistake
 shows up as a numerical error against a float reference that dequantizes the *source*.
 
 One Triton kernel does both expert GEMMs of a layer (``y = a · Wᵀ`` per token-expert pair):
@@ -162,7 +162,7 @@ def moe_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzero
 
     ``a`` holds one row per token (shared by its top-k pairs) or one row per pair. ``qweight``
     (E, N, K·bits/8) uint8, ``scales`` (E, N, K/g), ``qzeros`` (E, N·bits/8, K/g) uint8 or None
-    (symmetric: zero 8 or 128), as in vllm-layouts.md §3.1; ``group_size`` -1 means channel-wise.
+    (symmetric: zero 8 or 128), as in docs/FORMAT.md (backend triton); ``group_size`` -1 means channel-wise.
     With ``topk_weights`` each output row is multiplied by its pair's router weight. Returns
     ``out`` (num_pairs, N), allocated in ``out_dtype`` (default ``a.dtype``) when not given.
     """

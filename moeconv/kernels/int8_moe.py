@@ -2,7 +2,7 @@
 
 moeconv's second reference kernel, for compressed-tensors ``int-quantized`` checkpoints converted
 to the Triton backend: ``w13_weight`` int8 (E, 2I, H), ``w13_weight_scale`` fp32 (E, 2I, 1) and
-the ``w2_*`` likewise (vllm-layouts.md §6). As the serving kernel does, the activations of each
+the ``w2_*`` likewise (docs/FORMAT.md, W8A8; vLLM's `CompressedTensorsW8A8Int8MoEMethod`). As the serving kernel does, the activations of each
 GEMM are quantized per token (per row) on the fly: ``s_a = max|a| / 127``, ``q = round(a / s_a)``.
 The dot runs on int8 × int8 → int32, exact, and the row scale times the weight's channel scale
 turns the int32 sum into the output: ``out = (q · Wᵀ) · s_a · s_w``.

@@ -20,7 +20,7 @@ compressor returns them (weight_packed, weight_scale, weight_shape, weight_zero_
 The file's metadata holds the case list and the packer versions as JSON.
 
 The packages are imported without running their heavy package __init__ (AutoAWQ's needs datasets and
-transformers <= 4.51; auto-gptq's needs peft, rouge, gekko, ...): see checkpoints.md §3.
+transformers <= 4.51; auto-gptq's needs peft, rouge, gekko, ...), so only the modules that pack are imported.
 """
 
 from __future__ import annotations
