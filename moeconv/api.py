@@ -28,6 +28,9 @@ def open_source(source: str | Path, revision: str | None = None, local_files_onl
 
 def inspect(source: str | Path, *, revision: str | None = None, local_files_only: bool = False,
             tp: int = 1) -> dict[str, Any]:
+    """What a checkpoint is, as `moeconv inspect --json` prints it: architecture, the format the config
+    declares and the one the tensors show (with the evidence and any disagreement), experts, sizes,
+    and per-backend eligibility at tensor-parallel size `tp`. Reads headers and a sample of tensors."""
     return inspect_checkpoint(open_source(source, revision, local_files_only), tp=tp)
 
 
@@ -53,5 +56,8 @@ def convert(source: str | Path, output: str | Path, *, backend: str = "triton", 
 
 def verify(output: str | Path, *, source: str | Path | None = None, sample: int | None = None,
            numerics: bool = True, tokens: int = 8, numerics_layers: int | None = None) -> VerifyReport:
-    return _verify(Path(output), source=None if source is None else Path(source), sample=sample,
+    """Checks a folder written by `convert` (structure and sha256, bit-exact decode against the source,
+    kernel numerics) and returns the report; `report.ok` is the verdict. `source` (a folder or a Hub
+    id) defaults to the one recorded in the output's manifest; a different checkpoint is refused."""
+    return _verify(Path(output), source=source, sample=sample,
                    numerics=numerics, tokens=tokens, numerics_layers=numerics_layers)

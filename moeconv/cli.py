@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
@@ -153,6 +154,8 @@ def convert(
     if trust_config and trust_data:
         raise typer.BadParameter("choose one of --trust-config and --trust-data", param_hint="'--trust-data'")
     trust = "config" if trust_config else "data" if trust_data else None
+    if not dry_run:
+        check_output_folder(output)  # a link, a file or a full folder is refused before any work
     plan = make_plan(source, backend=backend, max_shard_size=max_shard_size, revision=revision,
                      local_files_only=local_files_only, trust=trust, tp=tp, regroup=regroup)
     for name, reason in plan.skipped_backends:
@@ -166,9 +169,9 @@ def convert(
         else:
             _print_plan(summary)
         return
-    check_output_folder(output)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), TimeRemainingColumn(), console=err, disable=quiet) as progress:
+                  TransferSpeedColumn(), TimeRemainingColumn(), console=err, disable=quiet,
+                  transient=True) as progress:
         task = progress.add_task("converting", total=plan.checkpoint.total_bytes)
         try:
             report = run_conversion(plan, output, progress=lambda nbytes: progress.advance(task, nbytes))
@@ -276,6 +279,8 @@ def demo(
 
     with tempfile.TemporaryDirectory(prefix="moeconv-demo-") as scratch:
         root = Path(workdir or scratch)
+        for previous in ("source", "converted"):  # a --workdir used before: the demo owns these two folders
+            shutil.rmtree(root / previous, ignore_errors=True)
         spec = SynthSpec(architecture="qwen3_moe", source_format=GPTQ(bits=4, group_size=32, sym=False),
                          layers=3, dense_layers=1, experts=8, hidden=256, intermediate=128)
         source = make_checkpoint(root / "source", spec, max_shard_size=1_000_000)

@@ -81,16 +81,71 @@ def output_quantization_config(plan: Plan) -> dict[str, Any]:
     }
 
 
-def check_output_folder(output: Path) -> None:
-    output = Path(output)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+def resolved_output(output: Path) -> Path:
+    """The output folder with its parent's links and `..` resolved (the folder itself may not exist)."""
+    output = Path(output).expanduser().absolute()
+    return output.parent.resolve() / output.name
+
+
+def check_output_folder(output: Path, source_root: Path | None = None) -> None:
+    """Refuses, before any work, an output that is a link, a file, a non-empty folder, or inside the source."""
+    given = Path(output).expanduser()
+    if given.is_symlink():
+        raise MoeconvError(f"{given}: the output is a symbolic link; give a real folder path")
+    output = resolved_output(given)
+    if output.exists() and not output.is_dir():
+        raise MoeconvError(f"{output}: exists and is a file, not a folder; choose another -o")
+    if output.is_dir() and any(output.iterdir()):
         raise MoeconvError(f"{output}: output folder exists and is not empty; choose another -o or remove it")
+    if source_root is not None:
+        source = Path(source_root).resolve()
+        if output == source or source in output.parents:
+            raise MoeconvError(f"{output}: the output must not be inside the source checkpoint {source}")
 
 
 def staging_folder(output: Path) -> Path:
     """Where an unfinished conversion lives until it is renamed to `output`."""
-    output = Path(output).absolute()
+    output = resolved_output(output)
     return output.parent / f".{output.name}.moeconv-partial"
+
+
+@contextmanager
+def _exclusive(output: Path):
+    """One writer per output: an advisory lock beside the staging folder, held for the whole run. The
+    kernel drops it when the process dies, so a resume after a crash simply takes it over."""
+    import fcntl
+
+    path = output.parent / f".{output.name}.moeconv-lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise MoeconvError(f"{output.parent}: cannot create files there ({error.strerror})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise MoeconvError(f"{output}: another moeconv (pid {other}) is converting into this folder; "
+                               f"wait for it or stop it") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+        os.unlink(path)  # still held: a waiting writer finds the output complete and refuses it
+    finally:
+        os.close(fd)
+
+
+def _space_error(error: OSError, output: Path, needed: int) -> MoeconvError:
+    """A write that failed for the filesystem's reasons, as one line naming the output."""
+    import errno
+
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return MoeconvError(f"{output}: no space left on the device; the conversion needs "
+                            f"{needed / 1e9:.2f} GB there (free some and rerun to resume)")
+    if error.errno == errno.EFBIG:
+        return MoeconvError(f"{output}: the filesystem refuses a file that large (shards up to "
+                            f"{needed / 1e9:.2f} GB); choose a smaller --max-shard-size")
+    return MoeconvError(f"{error.filename or output}: {error.strerror}")
 
 
 def job_identity(plan: Plan) -> dict[str, Any]:
@@ -113,34 +168,49 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None) -> Conve
     loss) leaves its finished shards and a journal in the staging folder; running again with the
     same plan re-hashes them, keeps those that match, and writes the rest, so the result is
     byte-identical to an uninterrupted run. A different source or different arguments refuse."""
-    output = Path(output).absolute()
-    source_root = plan.checkpoint.root.absolute()
-    if output == source_root or source_root in output.parents:
-        raise MoeconvError(f"{output}: the output must not be inside the source checkpoint")
-    check_output_folder(output)
+    check_output_folder(output, plan.checkpoint.root)
+    output = resolved_output(output)
     advance = progress or (lambda nbytes: None)
     started = time.perf_counter()
     staging = staging_folder(output)
-    journal = _Journal.open(staging, job_identity(plan))
-    suspicious = zero_tally(plan.source_format)
-    try:
-        with TensorReader() as reader:
-            for shard in plan.shards:
-                if journal.is_done(shard.file_name):
-                    advance(_source_bytes(shard))
-                    continue
-                digest = _write_shard(plan, shard, staging / shard.file_name, reader, advance, suspicious)
-                journal.mark_done(shard.file_name, digest)
-        _write_metadata(plan, staging, journal.done)
-    except MoeconvError:
-        shutil.rmtree(staging, ignore_errors=True)  # a refusal, not an interruption: nothing to resume
-        raise
-    journal.remove()
-    if output.exists():
-        output.rmdir()
-    staging.rename(output)
+    with _exclusive(output):
+        check_output_folder(output)  # again, under the lock: another writer may have finished it
+        try:
+            journal = _Journal.open(staging, job_identity(plan))
+            _check_free_space(plan, staging, journal)
+            suspicious = zero_tally(plan.source_format)
+            try:
+                with TensorReader() as reader:
+                    for shard in plan.shards:
+                        if journal.is_done(shard.file_name):
+                            advance(_source_bytes(shard))
+                            continue
+                        digest = _write_shard(plan, shard, staging / shard.file_name, reader, advance, suspicious)
+                        journal.mark_done(shard.file_name, digest)
+                _write_metadata(plan, staging, journal.done)
+            except MoeconvError:
+                shutil.rmtree(staging, ignore_errors=True)  # a refusal, not an interruption: nothing to resume
+                raise
+            journal.remove()
+            if output.exists():
+                output.rmdir()
+            staging.rename(output)
+        except OSError as error:  # the filesystem's refusal: finished shards stay for a resume
+            raise _space_error(error, output, plan.output_bytes) from None
     return ConvertReport(output, plan.summary(), time.perf_counter() - started, journal.done,
                          suspicious.report() if suspicious else {}, journal.reused, peak_rss_mb())
+
+
+def _check_free_space(plan: Plan, staging: Path, journal: _Journal) -> None:
+    """Refuse up front when the shards still to write cannot fit."""
+    done = sum(info["bytes"] for info in journal.done.values())
+    needed = plan.output_bytes - done
+    free = shutil.disk_usage(staging).free
+    if needed > free:
+        if not journal.done:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise MoeconvError(f"{staging.parent}: {free / 1e9:.2f} GB free, but the conversion needs "
+                           f"{needed / 1e9:.2f} GB more there; free some space or choose another -o")
 
 
 def peak_rss_mb() -> float | None:

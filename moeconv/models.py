@@ -57,18 +57,16 @@ class Architecture:
         )
 
     def expected_sizes(self, config: Mapping[str, Any], where: str) -> tuple[int, int, int]:
-        """(experts, hidden, intermediate) from config.json."""
-        try:
-            return (
-                int(config[self.experts_key]),
-                int(config["hidden_size"]),
-                int(config[self.intermediate_key]),
-            )
-        except (KeyError, TypeError, ValueError) as missing:
-            raise MoeconvError(
-                f"{where}: {self.model_type} config lacks a usable {missing} "
-                f"(needs {self.experts_key}, hidden_size, {self.intermediate_key})"
-            ) from None
+        """(experts, hidden, intermediate) from config.json: positive integers (not 4.7, "8" or true)."""
+        sizes = []
+        for key in (self.experts_key, "hidden_size", self.intermediate_key):
+            value = config.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                found = "is missing" if value is None else f"is {value!r}, not a positive integer"
+                raise MoeconvError(f"{where}: {self.model_type} config key {key} {found} "
+                                   f"(needs {self.experts_key}, hidden_size, {self.intermediate_key})")
+            sizes.append(value)
+        return sizes[0], sizes[1], sizes[2]
 
 
 _QWEN_LIKE = dict(parents=("mlp",), projections=_HF_PROJECTIONS, experts_key="num_experts",
@@ -92,7 +90,9 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 
 def architecture_from_config(config: Mapping[str, Any], where: str) -> Architecture:
-    model_type = str(config.get("model_type", ""))
+    model_type = config.get("model_type", "")
+    if not isinstance(model_type, str):
+        raise MoeconvError(f"{where}: model_type must be a string, not {model_type!r}")
     if model_type not in ARCHITECTURES:
         supported = ", ".join(sorted(ARCHITECTURES))
         raise MoeconvError(

@@ -233,7 +233,8 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
     layers = []
     for module in sorted(grouped, key=_natural_key):
         experts = grouped[module]
-        if sorted(experts) != list(range(experts_expected)):
+        # Compare counts before building any list the config's number sizes (a count of 1e9 over tiny files).
+        if len(experts) != experts_expected or sorted(experts) != list(range(experts_expected)):
             found = len(experts)
             raise MoeconvError(
                 f"{checkpoint.root}: {module} has experts {_ranges(sorted(experts))} ({found}), "
@@ -380,8 +381,8 @@ def choose_backend(name: str, layers: list[MoELayer], allow_regroup: bool) -> tu
         if reason:
             eligible = [other for other, candidate in REGISTRY.items()
                         if eligibility(candidate, layers, allow_regroup)[1] is None]
-            raise MoeconvError(f"backend {name!r} does not support this checkpoint: {reason}; "
-                               f"expected one of {eligible}")
+            others = f"; backends that take it: {', '.join(eligible)}" if eligible else ""
+            raise MoeconvError(f"backend {name!r} does not support this checkpoint: {reason}{others}")
         return backend, factor, ()
     skipped = []
     for candidate in BACKEND_PRIORITY:

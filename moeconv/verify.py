@@ -23,6 +23,9 @@ from moeconv.backends import get_backend
 from moeconv.backends.base import ExpertWeights
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader, open_checkpoint, read_json
+from moeconv.checkpoint.schema import section
+from moeconv.errors import MoeconvError
+from moeconv.source import resolve_source
 from moeconv.checkpoint.writer import sha256_file
 from moeconv.convert import MANIFEST_NAME, QUANTIZE_CONFIG_NAME, output_quantization_config
 from moeconv.plan import DenseLinear, MoELayer, PassThrough, Plan, make_plan
@@ -96,21 +99,38 @@ class VerifyReport:
         return data
 
 
-def verify(output: Path, source: Path | None = None, sample: int | None = None, numerics: bool = True,
+def verify(output: Path, source: str | Path | None = None, sample: int | None = None, numerics: bool = True,
            tokens: int = 8, numerics_layers: int | None = None, seed: int = 0) -> VerifyReport:
     """Runs all three levels and returns the report; `report.ok` is the verdict.
 
     sample: check only this many experts per layer for losslessness (chosen at random from `seed`).
     numerics_layers: run the kernel on only the first N MoE layers (the interpreter on a CPU is slow).
     """
-    output = Path(output)
+    output = Path(output).expanduser().resolve()
+    if not output.is_dir():
+        raise MoeconvError(f"{output}: not a folder (give the folder `moeconv convert -o` wrote)")
+    if not (output / MANIFEST_NAME).exists():
+        raise MoeconvError(f"{output}: no {MANIFEST_NAME}: not a folder written by `moeconv convert`")
     manifest = read_json(output / MANIFEST_NAME)
-    source = Path(source or manifest["source"]["path"])
-    arguments = manifest.get("arguments", {})
-    plan = make_plan(source, backend=manifest["backend"], trust=arguments.get("trust"), tp=arguments.get("tp", 1),
-                     regroup=arguments.get("regroup_factor", 1) > 1)
+    recorded = section(manifest, "source", str(output / MANIFEST_NAME))
+    arguments = section(manifest, "arguments", str(output / MANIFEST_NAME))
+    if source is None:
+        source = recorded.get("path")
+        if not isinstance(source, str):
+            raise MoeconvError(f"{output / MANIFEST_NAME}: source.path is missing; pass --source")
+    resolved = resolve_source(source)  # a folder, or a Hub id (from the cache or the Hub)
+    checkpoint = open_checkpoint(resolved.path, origin=resolved.origin)
+    if recorded.get("headers_sha256") not in (None, checkpoint.headers_sha256):
+        raise MoeconvError(f"{checkpoint.root}: not the source {output} was made from (its configs and shard "
+                           f"headers differ from those recorded in {MANIFEST_NAME})")
+    backend = manifest.get("backend")
+    if not isinstance(backend, str):
+        raise MoeconvError(f"{output / MANIFEST_NAME}: backend is missing")
+    regroup_factor = arguments.get("regroup_factor", 1)
+    plan = make_plan(checkpoint, backend=backend, trust=arguments.get("trust"), tp=arguments.get("tp", 1),
+                     regroup=isinstance(regroup_factor, int) and regroup_factor > 1)
     kernel = LAYER_KERNELS[plan.backend.name]
-    report = VerifyReport(str(output), str(source), tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
+    report = VerifyReport(str(output), str(checkpoint.root), tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
     converted = open_checkpoint(output)
     report.structure_problems = _check_reading(plan) + _check_structure(plan, output, manifest, converted.tensors)
     if report.structure_problems:

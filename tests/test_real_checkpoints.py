@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,7 +126,7 @@ def _relabel(src: Path, dst: Path, **changes) -> Path:
                 section["format"] = changes["checkpoint_format"]
             (dst / path.name).write_text(json.dumps(config))
         else:
-            (dst / path.name).symlink_to(path)
+            shutil.copy2(path, dst / path.name)  # a link out of the folder would be refused
     return dst
 
 

@@ -17,7 +17,8 @@ REGISTRY: dict[str, Backend] = {backend.name: backend for backend in (TritonBack
 
 def get_backend(name: str) -> Backend:
     if name not in REGISTRY:
-        raise MoeconvError(f"backend {name!r} is not available; expected one of {sorted(REGISTRY)}")
+        raise MoeconvError(f"backend {name!r} is not available; expected one of {', '.join(sorted(REGISTRY))} "
+                           f"or auto")
     return REGISTRY[name]
 
 

@@ -10,7 +10,6 @@ resident memory would grow with the shard rather than stay at one expert.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import struct
 import threading
@@ -19,16 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from moeconv.checkpoint.schema import (DTYPE_SIZES, MAX_HEADER_BYTES, header_entries, open_regular, parse_json,
+                                       read_json_object, section, weight_map)
 from moeconv.errors import MoeconvError
 
 INDEX_NAME = "model.safetensors.index.json"
-DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
                 "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
                 "BOOL": torch.bool}
 SAFETENSORS_DTYPES = {torch_dtype: code for code, torch_dtype in TORCH_DTYPES.items()}
-_MAX_HEADER = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -64,51 +63,39 @@ class Checkpoint:
         return {"path": str(self.root.absolute()), **self.origin, "headers_sha256": self.headers_sha256}
 
 
-def read_header(path: Path, digest: Any = None) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors file and the absolute offset where its data starts
-    (the raw header bytes are fed to `digest` when one is given)."""
+def read_header(path: Path, digest: Any = None) -> tuple[Any, int, int]:
+    """The parsed JSON header of a safetensors file, the absolute offset where its data starts, and
+    the file's size (the raw header bytes are fed to `digest` when one is given)."""
     try:
-        with open(path, "rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) != 8:
-                raise MoeconvError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > _MAX_HEADER:
-                raise MoeconvError(f"{path}: not a safetensors file (header length {length})")
-            raw = handle.read(length)
-            if digest is not None:
-                digest.update(raw)
-            header = json.loads(raw)
-    except FileNotFoundError:
-        raise MoeconvError(f"{path}: shard is missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise MoeconvError(f"{path}: safetensors header is not valid JSON") from None
-    return header, 8 + length
+        fd = open_regular(path)
+    except MoeconvError as error:
+        if not path.exists() and not path.is_symlink():
+            raise MoeconvError(f"{path}: shard is missing") from None
+        raise error
+    try:
+        file_size = os.fstat(fd).st_size
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) != 8:
+            raise MoeconvError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(MAX_HEADER_BYTES, file_size - 8):
+            raise MoeconvError(f"{path}: not a safetensors file (header length {length} for a {file_size}-byte file)")
+        raw = os.pread(fd, length, 8)
+    finally:
+        os.close(fd)
+    if digest is not None:
+        digest.update(raw)
+    return parse_json(raw, f"{path}: safetensors header"), 8 + length, file_size
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise MoeconvError(f"{path}: file is missing") from None
-    except json.JSONDecodeError as error:
-        raise MoeconvError(f"{path}: not valid JSON ({error})") from None
+    return read_json_object(path)
 
 
 def _entries(path: Path, digest: Any) -> dict[str, TensorEntry]:
-    header, data_start = read_header(path, digest)
-    file_size = path.stat().st_size
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = (data_start + offset for offset in info["data_offsets"])
-        dtype, shape = info["dtype"], tuple(info["shape"])
-        expected = DTYPE_SIZES.get(dtype, 0) * _product(shape)
-        if end > file_size or end - begin != expected:
-            raise MoeconvError(f"{path}: tensor {name} is truncated or its header is inconsistent")
-        entries[name] = TensorEntry(name, path, dtype, shape, begin, end)
-    return entries
+    header, data_start, file_size = read_header(path, digest)
+    return {name: TensorEntry(name, path, dtype, shape, data_start + begin, data_start + end)
+            for name, dtype, shape, begin, end in header_entries(header, path, file_size - data_start)}
 
 
 def _product(shape: tuple[int, ...]) -> int:
@@ -124,25 +111,38 @@ def _quantization_config(root: Path, config: dict[str, Any]) -> dict[str, Any]:
     for name in ("quant_config.json", "quantize_config.json"):
         if (root / name).is_file():
             merged.update(read_json(root / name))
-    merged.update(config.get("quantization_config") or {})
+    merged.update(section(config, "quantization_config", str(root / "config.json")))
     return merged
 
 
+def _inside(path: Path, allowed: Path) -> bool:
+    resolved = path.resolve()
+    return resolved == allowed or allowed in resolved.parents
+
+
 def open_checkpoint(root: Path, origin: dict[str, Any] | None = None) -> Checkpoint:
-    """Reads config, index and every shard's header. Touches no tensor data."""
+    """Reads config, index and every shard's header. Touches no tensor data. Every shard must resolve
+    inside the checkpoint folder (for a Hub snapshot: inside its repository's cache folder, where
+    the snapshot's links point)."""
     root = Path(root)
     if not root.is_dir():
         raise MoeconvError(f"{root}: not a folder")
+    resolved = root.resolve()
+    hub_snapshot = resolved.parent.name == "snapshots" and (resolved.parents[1] / "blobs").is_dir()
+    allowed = resolved.parents[1] if hub_snapshot else resolved
     config = read_json(root / "config.json")
     index_path = root / INDEX_NAME
-    if index_path.is_file():
-        weight_map = read_json(index_path).get("weight_map") or {}
-        files = sorted({root / name for name in weight_map.values()})
+    if index_path.exists():
+        mapping = weight_map(read_json(index_path), index_path)
+        files = sorted({root / name for name in mapping.values()})
     else:
         files = sorted(root.glob("*.safetensors"))
-        weight_map = None
+        mapping = None
     if not files:
         raise MoeconvError(f"{root}: no *.safetensors files and no {INDEX_NAME}")
+    for path in files:
+        if path.exists() and not _inside(path, allowed):
+            raise MoeconvError(f"{path}: a link that leaves the checkpoint folder (to {path.resolve()})")
     tensors: dict[str, TensorEntry] = {}
     digest = hashlib.sha256()
     for name in ("config.json", "quantize_config.json", "quant_config.json"):
@@ -154,10 +154,13 @@ def open_checkpoint(root: Path, origin: dict[str, Any] | None = None) -> Checkpo
             if name in tensors:
                 raise MoeconvError(f"{path}: tensor {name} also appears in {tensors[name].file.name}")
             tensors[name] = entry
-    if weight_map is not None:
-        for name, file_name in weight_map.items():
+    if mapping is not None:
+        for name, file_name in mapping.items():
             if name not in tensors:
                 raise MoeconvError(f"{root / file_name}: tensor {name} listed in {INDEX_NAME} is missing")
+            if tensors[name].file.name != file_name:
+                raise MoeconvError(f"{root / file_name}: tensor {name} is listed there in {INDEX_NAME} but "
+                                   f"stored in {tensors[name].file.name}")
     return Checkpoint(root, config, _quantization_config(root, config), files, tensors, digest.hexdigest(),
                       dict(origin or {}))
 
@@ -172,7 +175,7 @@ class TensorReader:
     def _descriptor(self, path: Path) -> int:
         with self._opening:
             if path not in self._files:
-                self._files[path] = os.open(path, os.O_RDONLY)
+                self._files[path] = open_regular(path)
             return self._files[path]
 
     def _read(self, entry: TensorEntry, begin: int, length: int, shape: tuple[int, ...]) -> torch.Tensor:
