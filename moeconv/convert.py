@@ -23,6 +23,7 @@ from moeconv import __version__
 from moeconv.backends.base import ExpertWeights, converts_dense_linears
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader
+from moeconv.checkpoint.schema import is_plain_file_name
 from moeconv.checkpoint.writer import PrefixHasher, ShardWriter, sha256_file
 from moeconv.errors import MoeconvError
 from moeconv.formats.gptq import SuspiciousZeroTally, zero_tally
@@ -160,7 +161,14 @@ def job_identity(plan: Plan) -> dict[str, Any]:
         "regroup_factor": plan.regroup_factor,
         "format": plan.source_format.describe(),
         "source": plan.checkpoint.identity(),
+        # A source rewritten in place keeps its headers; its files' sizes and modification times do not.
+        "source_files": {path.name: _stat_fingerprint(path) for path in plan.checkpoint.files},
     }
+
+
+def _stat_fingerprint(path: Path) -> list[int]:
+    info = path.stat()
+    return [info.st_size, info.st_mtime_ns]
 
 
 def convert(plan: Plan, output: Path, progress: Progress | None = None) -> ConvertReport:
@@ -227,6 +235,21 @@ def _source_bytes(shard) -> int:
     return sum(unit.entry.nbytes if isinstance(unit, PassThrough) else unit.source_bytes for unit in shard.units)
 
 
+def _read_journal(path: Path) -> dict[str, Any] | None:
+    """The journal, or None when there is none or it is damaged (then nothing there is trusted and
+    the conversion starts over: every shard is rewritten, so the result is still exact)."""
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    done = recorded.get("done") if isinstance(recorded, dict) else None
+    if not isinstance(done, dict) or not all(
+            is_plain_file_name(name) and isinstance(info, dict) and isinstance(info.get("bytes"), int)
+            and isinstance(info.get("sha256"), str) for name, info in done.items()):
+        return None
+    return recorded
+
+
 class _Journal:
     """The staging folder's record of finished shards, replaced atomically after each one."""
 
@@ -241,15 +264,15 @@ class _Journal:
     def open(cls, staging: Path, job: dict[str, Any]) -> _Journal:
         journal = cls(staging, job)
         path = staging / cls.NAME
-        if path.is_file():
-            recorded = json.loads(path.read_text())
+        recorded = _read_journal(path)
+        if recorded is not None:
             if recorded.get("job") != job:
-                before = recorded.get("job", {})
+                before = recorded["job"] if isinstance(recorded.get("job"), dict) else {}
                 changed = sorted(key for key in job if before.get(key) != job[key])
                 raise MoeconvError(
                     f"{staging}: an unfinished conversion with a different {', '.join(changed)} is there; "
                     f"rerun with the same source and arguments to resume it, or remove that folder")
-            for name, info in recorded.get("done", {}).items():
+            for name, info in recorded["done"].items():
                 file = staging / name
                 if file.is_file() and file.stat().st_size == info["bytes"] and sha256_file(file) == info["sha256"]:
                     journal.done[name] = info

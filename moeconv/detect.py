@@ -72,6 +72,11 @@ def detect(linears: Iterable[Linear], configured: SourceFormat) -> Detection:
     """`linears`: routed-expert linears as the config sizes them, in a spread order (sample_linears)."""
     linears = list(linears)
     detection = Detection(None)
+    misshapen = next((entry for tensors, _, _ in linears for suffix, entry in tensors.items()
+                      if len(entry.shape) != (1 if suffix in ("g_idx", "weight_shape") else 2)), None)
+    if misshapen is not None:  # no reading from data before the header shapes make sense (the plan says why)
+        detection.evidence.append(f"{misshapen.name} has shape {list(misshapen.shape)}")
+        return detection
     if linears and all({"weight_packed", "weight_scale"} <= set(tensors) for tensors, _, _ in linears):
         detection.detected = _pack_quantized_from_shapes(linears, configured, detection)
         _compare(configured, detection)

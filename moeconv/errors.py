@@ -1,11 +1,20 @@
 """One error family. The CLI renders these as a single line and exits with `exit_code`; library
 users catch `MoeconvError`. Anything else escaping is a bug in moeconv, not a user mistake."""
 
+import re
+
+# Control characters (a tensor name or a path from a hostile checkpoint may hold a newline) are
+# shown escaped, so a message is always one line.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
 
 class MoeconvError(Exception):
     """A user-facing problem (bad input, unsupported checkpoint, refused operation)."""
 
     exit_code = 2
+
+    def __init__(self, message: str) -> None:
+        super().__init__(_CONTROL.sub(lambda match: repr(match.group())[1:-1], str(message)))
 
 
 class VerificationFailed(MoeconvError):

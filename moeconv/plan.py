@@ -290,7 +290,7 @@ def find_dense_linears(checkpoint: Checkpoint, source_format: SourceFormat, back
         if not all(suffix in tensors for suffix in required):
             continue
         own = {suffix: entry for suffix, entry in tensors.items() if suffix in required or suffix in optional}
-        out_features, in_features = source_format.linear_shape({suffix: e.shape for suffix, e in own.items()})
+        out_features, in_features = _linear_shape(source_format, own)
         _check_linear(own, prefix, "linear", source_format, out_features, in_features)
         scale_dtype = next(entry.dtype for entry in own.values() if entry.dtype in FLOAT_DTYPES)
         group_size = source_format.group_size
@@ -303,6 +303,16 @@ def find_dense_linears(checkpoint: Checkpoint, source_format: SourceFormat, back
                                f"{out_features}x{in_features} linear: {reason}")
         linears.append(DenseLinear(prefix, own, shape))
     return linears
+
+
+def _linear_shape(source_format: SourceFormat, linear: dict[str, TensorEntry]) -> tuple[int, int]:
+    """(N, K) from the header shapes, or an error naming the tensor whose rank does not fit the format."""
+    try:
+        return source_format.linear_shape({suffix: entry.shape for suffix, entry in linear.items()})
+    except (IndexError, ValueError, ZeroDivisionError):
+        shapes = ", ".join(f"{entry.name} {list(entry.shape)}" for entry in linear.values())
+        where = next(iter(linear.values())).file
+        raise MoeconvError(f"{where}: {shapes}: not the tensor shapes of a {source_format.method} linear") from None
 
 
 def _check_linear(linear: dict[str, TensorEntry], prefix: str, projection: str, source_format: SourceFormat,
@@ -319,7 +329,7 @@ def _check_linear(linear: dict[str, TensorEntry], prefix: str, projection: str, 
                 f"{entry.file}: tensor {entry.name} has suffix {suffix!r}, which a {source_format.method} "
                 f"expert does not have (expected {', '.join(required + optional)})"
             )
-    found = source_format.linear_shape({suffix: entry.shape for suffix, entry in linear.items()})
+    found = _linear_shape(source_format, linear)
     if found != (out_features, in_features):
         entry = any_entry
         raise MoeconvError(

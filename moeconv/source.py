@@ -47,6 +47,8 @@ def resolve_source(source: str | Path, revision: str | None = None, local_files_
         raise MoeconvError(f"{text}: no such model repository on the Hub (or it is private: log in with `hf auth login`)") from None
     except hub.LocalEntryNotFoundError:
         raise MoeconvError(_not_cached(text, revision)) from None
+    except hub.HFValidationError as error:
+        raise MoeconvError(f"{text}: not a valid Hugging Face id ({str(error).splitlines()[0]})") from None
     except hub.HfHubHTTPError as error:
         raise MoeconvError(f"{wanted}: the Hub refused the download ({error.__class__.__name__}: {error})") from None
     folder = Path(folder)

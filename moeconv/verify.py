@@ -357,7 +357,10 @@ def _check_numerics(plan: Plan, layer: MoELayer, outputs: dict[str, TensorEntry]
     from moeconv.kernels import random_routing, reference_fused_moe, relative_error
 
     shape = layer.shape
-    topk = min(int(plan.checkpoint.config.get("num_experts_per_tok", 2)), shape.experts)
+    configured = plan.checkpoint.config.get("num_experts_per_tok")
+    # Only the check's routing depends on it: a value that is not a positive integer falls back to 2.
+    topk = min(configured if isinstance(configured, int) and not isinstance(configured, bool) and configured > 0
+               else 2, shape.experts)
     weights, ids = random_routing(tokens, shape.experts, topk, generator)
     used = sorted(set(ids.flatten().tolist()))
     local_ids = torch.tensor([used.index(e) for e in ids.flatten().tolist()]).reshape(ids.shape)

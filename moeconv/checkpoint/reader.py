@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -115,6 +116,20 @@ def _quantization_config(root: Path, config: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+_SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d+)-of-(?P<total>\d+)\.safetensors$")
+
+
+def _check_shard_set(root: Path, files: list[Path], index_path: Path) -> None:
+    """Sharded names (`model-00002-of-00005.safetensors`) promise a set: every member on disk must be
+    in the index, or its tensors would be dropped without a word."""
+    sets = {(m["stem"], m["total"]) for m in (_SHARD_NAME.match(path.name) for path in files) if m}
+    listed = {path.name for path in files}
+    for path in sorted(root.glob("*.safetensors")):
+        found = _SHARD_NAME.match(path.name)
+        if found and (found["stem"], found["total"]) in sets and path.name not in listed:
+            raise MoeconvError(f"{path}: a shard of this checkpoint that {index_path.name} does not list")
+
+
 def _inside(path: Path, allowed: Path) -> bool:
     resolved = path.resolve()
     return resolved == allowed or allowed in resolved.parents
@@ -135,6 +150,7 @@ def open_checkpoint(root: Path, origin: dict[str, Any] | None = None) -> Checkpo
     if index_path.exists():
         mapping = weight_map(read_json(index_path), index_path)
         files = sorted({root / name for name in mapping.values()})
+        _check_shard_set(root, files, index_path)
     else:
         files = sorted(root.glob("*.safetensors"))
         mapping = None
@@ -155,6 +171,11 @@ def open_checkpoint(root: Path, origin: dict[str, Any] | None = None) -> Checkpo
                 raise MoeconvError(f"{path}: tensor {name} also appears in {tensors[name].file.name}")
             tensors[name] = entry
     if mapping is not None:
+        unlisted = sorted(set(tensors) - set(mapping))
+        if unlisted:
+            entry = tensors[unlisted[0]]
+            raise MoeconvError(f"{entry.file}: tensor {entry.name} is not listed in {INDEX_NAME}"
+                               + (f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""))
         for name, file_name in mapping.items():
             if name not in tensors:
                 raise MoeconvError(f"{root / file_name}: tensor {name} listed in {INDEX_NAME} is missing")

@@ -34,6 +34,7 @@ import torch
 from moeconv import packing
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
+from moeconv.checkpoint.schema import section
 from moeconv.formats.base import (TensorShape, check_group_size, config_bool, config_int, effective_group_size,
                                   groups_of)
 from moeconv.models import ARCHITECTURES
@@ -76,12 +77,18 @@ class CompressedTensors:
         status = config.get("quantization_status", "compressed")
         if status != "compressed":
             raise MoeconvError(f"{field}.quantization_status is {status!r}; only 'compressed' checkpoints hold packed weights")
-        sparsity = config.get("sparsity_config") or {}
+        sparsity = section(config, "sparsity_config", field)
         if sparsity.get("format") not in (None, "dense"):
             raise MoeconvError(f"{field}.sparsity_config.format {sparsity['format']!r} is not supported")
-        groups = config.get("config_groups") or {}
+        groups = section(config, "config_groups", field)
         if not groups:
             raise MoeconvError(f"{field}.config_groups is missing or empty")
+        for name, group in groups.items():
+            if not isinstance(group, dict):
+                raise MoeconvError(f"{field}.config_groups.{name} must be an object, not {type(group).__name__}")
+            targets = group.get("targets") or []
+            if not isinstance(targets, list) or not all(isinstance(target, str) for target in targets):
+                raise MoeconvError(f"{field}.config_groups.{name}.targets must be a list of strings")
         schemes = {
             name: _scheme(group, group.get("format") or config.get("format"), f"{field}.config_groups.{name}")
             for name, group in groups.items()
@@ -96,6 +103,9 @@ class CompressedTensors:
                 "moeconv needs one scheme for all experts"
             )
         fmt, bits, group_size, symmetric, activation_bits = next(iter(schemes.values()))
+        ignore = config.get("ignore") or []
+        if not isinstance(ignore, list) or not all(isinstance(name, str) for name in ignore):
+            raise MoeconvError(f"{field}.ignore must be a list of module names")
         return cls(format=fmt, bits=bits, group_size=group_size, symmetric=symmetric,
                    activation_bits=activation_bits, ignore=tuple(config.get("ignore") or ()))
 
@@ -206,7 +216,11 @@ def _targets_experts(targets: list[str]) -> bool:
         if target == "Linear":
             return True
         if target.startswith("re:"):
-            if any(re.match(target[3:], name) for name in _EXPERT_LINEAR_NAMES):
+            try:
+                pattern = re.compile(target[3:])
+            except re.error as error:
+                raise MoeconvError(f"quantization_config target {target!r} is not a valid pattern ({error})") from None
+            if any(pattern.match(name) for name in _EXPERT_LINEAR_NAMES):
                 return True
         elif any(name == target or name.endswith("." + target) for name in _EXPERT_LINEAR_NAMES):
             return True
@@ -216,11 +230,11 @@ def _targets_experts(targets: list[str]) -> bool:
 def _scheme(group: Mapping[str, Any], fmt: str | None, field: str) -> tuple[str, int, int, bool, int]:
     """(format, bits, group_size, symmetric, activation_bits) of one config group, or a refusal
     that names the field."""
-    if fmt not in _BITS:
+    if not isinstance(fmt, str) or fmt not in _BITS:
         raise MoeconvError(
             f"{field}: format {fmt!r} is not supported (supported: {', '.join(_BITS)})"
         )
-    weights = group.get("weights")
+    weights = section(group, "weights", field)
     if not weights:
         raise MoeconvError(f"{field}.weights is missing: the experts would not be quantized")
     if weights.get("type", "int") != "int":
@@ -248,7 +262,7 @@ def _scheme(group: Mapping[str, Any], fmt: str | None, field: str) -> tuple[str,
     symmetric = config_bool(weights, "symmetric", True, f"{field}.weights")
     if not symmetric and fmt != PACK_QUANTIZED:
         raise MoeconvError(f"{field}.weights.symmetric is false: {fmt} INT8 experts must be symmetric")
-    return fmt, bits, group_size, symmetric, _activation_bits(group.get("input_activations"), fmt, field)
+    return fmt, bits, group_size, symmetric, _activation_bits(section(group, "input_activations", field), fmt, field)
 
 
 def _activation_bits(activations: Mapping[str, Any] | None, fmt: str, field: str) -> int:

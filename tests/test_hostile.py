@@ -1,0 +1,451 @@
+"""Hostile and unlucky inputs: every case ends as a clean error (one line, exit 2, nothing written,
+the source untouched) or as a success whose reading equals the unmutated source's.
+
+Two parts: a property-based mutation suite over safetensors headers, index files and configs
+(hypothesis draws where to cut and what to put there), and a catalogue of named classes (special
+files, links, locks, full disks, damaged journals). `test_outcome_totals` reruns a fixed-seed sample
+of the mutation suite and prints the totals per class for docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import hashlib
+import importlib
+import json
+import os
+import struct
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moeconv.checkpoint.reader import open_checkpoint
+from moeconv.errors import MoeconvError
+from moeconv.formats import AWQ, GPTQ, CompressedTensors
+from moeconv.plan import make_plan
+from moeconv.synth import SynthSpec, make_checkpoint
+
+from helpers import run_main
+
+FORMATS = {
+    "gptq": GPTQ(4, 32, sym=False),
+    "awq": AWQ(4, 64, zero_point=True),
+    "ct-pack": CompressedTensors(bits=4, group_size=32, symmetric=False),
+    "ct-w8a8": CompressedTensors(format="int-quantized", bits=8, group_size=-1, activation_bits=8),
+}
+
+
+def _pristine(base: Path, source_format) -> Path:
+    root = make_checkpoint(base / "src", SynthSpec(source_format=source_format, layers=2, experts=4, hidden=128,
+                                                   intermediate=64), max_shard_size=60_000)
+    assert len(list(root.glob("*.safetensors"))) > 1
+    return root
+
+
+def _shard(root: Path) -> Path:
+    """The shard that holds the most tensors (every pristine checkpoint has several shards)."""
+    listed = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"].values()
+    return root / Counter(listed).most_common(1)[0][0]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    return _pristine(tmp_path_factory.mktemp("pristine"), FORMATS["gptq"])
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def pristine_any(request, tmp_path_factory) -> Path:
+    """One pristine checkpoint per source format, for the mutation suite."""
+    return _pristine(tmp_path_factory.mktemp(f"pristine-{request.param}"), FORMATS[request.param])
+
+
+def _copy(source: Path, destination: Path) -> Path:
+    destination.mkdir(parents=True)
+    for path in source.iterdir():
+        (destination / path.name).write_bytes(path.read_bytes())
+    return destination
+
+
+def _reading(root: Path) -> dict:
+    """What moeconv makes of a checkpoint: every tensor's dtype, shape and bytes (hashed), and the plan's format."""
+    checkpoint = open_checkpoint(root)
+    tensors = {}
+    for name, entry in checkpoint.tensors.items():
+        with open(entry.file, "rb") as handle:
+            handle.seek(entry.begin)
+            tensors[name] = (entry.dtype, entry.shape, hashlib.sha256(handle.read(entry.nbytes)).hexdigest())
+    described = make_plan(checkpoint).source_format.describe()
+    # What activations the scheme quantizes is not in the weights: a config that changes only that
+    # describes the same weights (W8A8 and W8A16 int-quantized experts are the same bytes).
+    weights = {key: value for key, value in described.items() if key not in ("scheme", "activations")}
+    return {"tensors": tensors, "format": weights}
+
+
+def _outcome(root: Path, reference: dict) -> str:
+    """'error' (a one-line MoeconvError), 'same' (success, the same reading as the unmutated source),
+    or anything else as a failure description."""
+    try:
+        got = _reading(root)
+    except MoeconvError as error:
+        message = str(error)
+        return "error" if message and "\n" not in message else f"multi-line error: {message!r}"
+    except Exception as error:  # noqa: BLE001 (the point: nothing else may escape)
+        return f"{type(error).__name__}: {error}"
+    return "same" if got == reference else "success on nonsense"
+
+
+# ------------------------------------------------------------------------------ the mutation suite
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    max_leaves=6)
+
+
+def _paths(value, prefix=()):
+    """Every path into a JSON value (dict keys and list indices), the root included."""
+    yield prefix
+    if isinstance(value, dict):
+        for key, child in value.items():
+            yield from _paths(child, prefix + (key,))
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            yield from _paths(child, prefix + (index,))
+
+
+def _mutate(document, path, action, new_value):
+    """A copy of `document` with the value at `path` replaced, deleted, or given a sibling."""
+    document = copy.deepcopy(document)
+    if not path:
+        return new_value
+    parent = document
+    for step in path[:-1]:
+        parent = parent[step]
+    last = path[-1]
+    if action == "delete":
+        del parent[last]
+    elif action == "add" and isinstance(parent, dict):
+        parent[f"{last}_extra"] = new_value
+    else:
+        parent[last] = new_value
+    return document
+
+
+def _split_shard(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + length]), raw[8 + length:]
+
+
+def _write_shard(path: Path, header, data: bytes) -> None:
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
+
+
+TARGETS = ("header", "index", "config")
+
+
+def _apply(root: Path, target: str, pick: int, action: str, new_value) -> None:
+    if target == "header":
+        header, data = _split_shard(_shard(root))
+        paths = list(_paths(header))
+        _write_shard(_shard(root), _mutate(header, paths[pick % len(paths)], action, new_value), data)
+        return
+    name = "model.safetensors.index.json" if target == "index" else "config.json"
+    document = json.loads((root / name).read_text())
+    paths = list(_paths(document))
+    (root / name).write_text(json.dumps(_mutate(document, paths[pick % len(paths)], action, new_value)))
+
+
+MUTATION = st.tuples(st.sampled_from(TARGETS), st.integers(0, 10**6), st.sampled_from(("replace", "delete", "add")),
+                     JSON_VALUES)
+
+
+@settings(max_examples=int(os.environ.get("MOECONV_MUTATIONS", "150")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(mutation=MUTATION)
+def test_mutated_json_is_a_clean_error_or_the_same_reading(pristine_any, tmp_path_factory, mutation):
+    reference = _reading(pristine_any)
+    root = _copy(pristine_any, tmp_path_factory.mktemp("mutant") / "src")
+    try:
+        _apply(root, *mutation)
+    except (KeyError, IndexError, TypeError):  # the path vanished under an earlier step of the same mutation
+        return
+    outcome = _outcome(root, reference)
+    assert outcome in ("error", "same"), (mutation, outcome)
+
+
+def test_outcome_totals(pristine_any, tmp_path, capsys):
+    """A fixed sample of the mutation suite, counted per outcome class (for docs/BENCHMARKS.md)."""
+    import random
+
+    pristine = pristine_any
+    generator = random.Random(20261201)
+    reference = _reading(pristine)
+    totals: Counter = Counter()
+    values = [None, True, False, 0, -1, 4.7, 2**64, "four", "false", [], {}, [1, 2], {"a": 1}, "F16", [-1, 2]]
+    for case in range(int(os.environ.get("MOECONV_MUTATION_TOTALS", "250"))):
+        root = _copy(pristine, tmp_path / f"m{case}")
+        mutation = (generator.choice(TARGETS), generator.randrange(10**6),
+                    generator.choice(("replace", "delete", "add")), generator.choice(values))
+        try:
+            _apply(root, *mutation)
+        except (KeyError, IndexError, TypeError):
+            continue
+        outcome = _outcome(root, reference)
+        totals[(mutation[0], outcome if outcome in ("error", "same") else "FAILURE")] += 1
+        assert outcome in ("error", "same"), (mutation, outcome)
+        if case % 5 == 0:  # and through the CLI: inspect, then convert and verify what converted
+            for command in (["inspect", root], ["convert", root, "-o", tmp_path / f"o{case}", "-q"]):
+                code, _, err = run_main(capsys, *command)
+                assert code == 0 or (code == 2 and len(err.strip().splitlines()) == 1), (mutation, command, err)
+                totals[(mutation[0], f"cli {command[0]} exit {code}")] += 1
+            if (tmp_path / f"o{case}").exists():
+                code, out, err = run_main(capsys, "verify", tmp_path / f"o{case}", "--numerics-layers", "1")
+                assert code == 0, (mutation, out, err)
+    with capsys.disabled():
+        print(f"\nmutation outcomes ({pristine.parent.name}):", dict(sorted(totals.items())), file=sys.stderr)
+    assert sum(count for (_, outcome), count in totals.items() if not outcome.startswith("cli")) > 100
+
+
+# ------------------------------------------------------------------------------ the catalogue
+
+
+def _raw_header(root: Path, header_bytes: bytes) -> None:
+    _, data = _split_shard(_shard(root))
+    (_shard(root)).write_bytes(struct.pack("<Q", len(header_bytes)) + header_bytes + data)
+
+
+def _edit_header(root: Path, edit) -> None:
+    header, data = _split_shard(_shard(root))
+    edit(header)
+    _write_shard(_shard(root), header, data)
+
+
+def _replace_shard(root: Path, make, keep: Path | None = None) -> None:
+    """Remove the first shard (keeping its bytes at `keep`, if given) and `make` something in its place."""
+    path = _shard(root)
+    if keep is not None:
+        keep.write_bytes(path.read_bytes())
+    path.unlink()
+    make(path)
+
+
+def _first_tensor(header: dict) -> dict:
+    return header[next(name for name in header if name != "__metadata__")]
+
+
+def _edit_json(root: Path, name: str, edit) -> None:
+    document = json.loads((root / name).read_text())
+    edit(document)
+    (root / name).write_text(json.dumps(document))
+
+
+def _quant(edit):
+    return lambda c: edit(c["quantization_config"])
+
+
+CATALOGUE = {
+    "header not JSON": (lambda r: _raw_header(r, b"{not json"), "not valid JSON"),
+    "header invalid UTF-8": (lambda r: _raw_header(r, b'{"\xff\xfe": 1}'), "not valid UTF-8"),
+    "header deep nesting": (lambda r: _raw_header(r, b"[" * 100_000 + b"]" * 100_000), "nested too deeply"),
+    "header huge float": (lambda r: _raw_header(r, b'{"a": {"dtype": "F16", "shape": [1e400], "data_offsets": [0, 2]}}'),
+                          "must be a non-negative integer, not inf"),
+    "header huge integer": (lambda r: _raw_header(r, b'{"a": {"dtype": "F16", "shape": [' + b"9" * 5000 + b'], '
+                                                     b'"data_offsets": [0, 2]}}'), "not valid JSON"),
+    "header NaN": (lambda r: _raw_header(r, b'{"a": {"dtype": "F16", "shape": [NaN], "data_offsets": [0, 2]}}'),
+                   "NaN is not JSON"),
+    "header is a list": (lambda r: _raw_header(r, b"[1, 2]"), "header is not a JSON object"),
+    "header length past the file": (lambda r: (_shard(r)).write_bytes(struct.pack("<Q", 10**9) + b"{}"),
+                                    "header length"),
+    "dtype not in the spec": (lambda r: _edit_header(r, lambda h: _first_tensor(h).update(dtype="Q7")),
+                              "is not a safetensors dtype"),
+    "shape with a bool": (lambda r: _edit_header(r, lambda h: _first_tensor(h).update(shape=[True])),
+                          "must be a non-negative integer, not True"),
+    "shape with a float": (lambda r: _edit_header(r, lambda h: _first_tensor(h).update(shape=[2.0])),
+                           "must be a non-negative integer, not 2.0"),
+    "negative offsets": (lambda r: _edit_header(r, lambda h: _first_tensor(h).update(data_offsets=[-2, 0])),
+                         "must be a non-negative integer, not -2"),
+    "offsets past the buffer": (lambda r: _edit_header(r, lambda h: _first_tensor(h).update(data_offsets=[0, 10**12])),
+                                "lie outside"),
+    "overlapping tensors": (lambda r: _edit_header(r, lambda h: [info.update(data_offsets=[0, info["data_offsets"][1]
+                                                                                           - info["data_offsets"][0]])
+                                                                 for name, info in h.items() if name != "__metadata__"]),
+                            "overlap"),
+    "metadata not strings": (lambda r: _edit_header(r, lambda h: h.update(__metadata__={"format": 1})),
+                             "__metadata__ must be an object of strings"),
+    "index weight_map a list": (lambda r: _edit_json(r, "model.safetensors.index.json",
+                                                     lambda i: i.update(weight_map=[1])), "weight_map must be"),
+    "index path with ..": (lambda r: _edit_json(r, "model.safetensors.index.json", lambda i: i["weight_map"].update(
+        {next(iter(i["weight_map"])): "../x.safetensors"})), "not a plain file name"),
+    "index absolute path": (lambda r: _edit_json(r, "model.safetensors.index.json", lambda i: i["weight_map"].update(
+        {next(iter(i["weight_map"])): "/etc/passwd"})), "not a plain file name"),
+    "config a list": (lambda r: (r / "config.json").write_text("[]"), "expected a JSON object at the top level"),
+    "quantization_config a string": (lambda r: _edit_json(r, "config.json", lambda c: c.update(
+        quantization_config="gptq")), "quantization_config must be an object"),
+    "bits 4.7": (lambda r: [_edit_json(r, n, lambda c: (c.get("quantization_config", c)).update(bits=4.7))
+                            for n in ("config.json", "quantize_config.json")], "bits must be an integer, not 4.7"),
+    "bits four": (lambda r: [_edit_json(r, n, lambda c: (c.get("quantization_config", c)).update(bits="four"))
+                             for n in ("config.json", "quantize_config.json")], "bits must be an integer, not 'four'"),
+    "group_size true": (lambda r: [_edit_json(r, n, lambda c: (c.get("quantization_config", c)).update(group_size=True))
+                                   for n in ("config.json", "quantize_config.json")], "group_size must be an integer"),
+    "experts 1e9": (lambda r: _edit_json(r, "config.json", lambda c: c.update(num_experts=10**9)),
+                    "but config.json says 1000000000"),
+    "hidden_size a string": (lambda r: _edit_json(r, "config.json", lambda c: c.update(hidden_size="128")),
+                             "hidden_size is '128', not a positive integer"),
+    "model_type a number": (lambda r: _edit_json(r, "config.json", lambda c: c.update(model_type=5)),
+                            "model_type must be a string"),
+    "truncated shard": (lambda r: (_shard(r)).write_bytes((_shard(r)).read_bytes()[:-100]), "lie outside"),
+    "vanished shard": (lambda r: _replace_shard(r, lambda path: None), "shard is missing"),
+    "shard is a folder": (lambda r: _replace_shard(r, Path.mkdir), "not a regular file"),
+    "config is a FIFO": (lambda r: ((r / "config.json").unlink(), os.mkfifo(r / "config.json")), "not a regular file"),
+    "shard is a FIFO": (lambda r: _replace_shard(r, os.mkfifo), "not a regular file"),
+    "shard links outside": (lambda r: _replace_shard(r, lambda path: path.symlink_to(
+        r.parent / "elsewhere.safetensors"), keep=r.parent / "elsewhere.safetensors"),
+                            "a link that leaves the checkpoint folder"),
+}
+
+
+@pytest.mark.timeout(60)  # a FIFO that blocked would hang here
+@pytest.mark.parametrize("name", list(CATALOGUE))
+def test_catalogue_is_one_line_exit_2_nothing_written(pristine, tmp_path, capsys, name):
+    break_it, expected = CATALOGUE[name]
+    root = _copy(pristine, tmp_path / "src")
+    break_it(root)
+    before = {path.name: path.stat().st_mtime_ns for path in root.iterdir()}
+    code, out, err = run_main(capsys, "convert", root, "-o", tmp_path / "out", "-q")
+    assert code == 2, (out, err)
+    assert expected in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no staging left behind
+    assert {path.name: path.stat().st_mtime_ns for path in root.iterdir()} == before  # the source untouched
+
+
+def test_duplicate_header_keys_with_different_entries(pristine, tmp_path):
+    root = _copy(pristine, tmp_path / "src")
+    header, data = _split_shard(_shard(root))
+    name = next(n for n in header if n != "__metadata__")
+    text = json.dumps(header)
+    twin = json.dumps({name: {**header[name], "shape": [1]}})[1:-1]
+    _raw_header(root, (text[:-1] + ", " + twin + "}").encode())
+    with pytest.raises(MoeconvError, match="appears twice with different values"):
+        open_checkpoint(root)
+
+
+# ------------------------------------------------------------------------------ outputs and faults
+
+
+def test_output_that_is_a_link_or_a_file_is_refused_before_any_work(pristine, tmp_path, capsys):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "link", "-q")
+    assert code == 2 and "is a symbolic link" in err
+    (tmp_path / "file").write_text("x")
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "file", "-q")
+    assert code == 2 and "exists and is a file, not a folder" in err
+
+
+def test_output_inside_the_source_through_a_link_is_refused(pristine, tmp_path, capsys):
+    source = _copy(pristine, tmp_path / "src")
+    (tmp_path / "alias").symlink_to(source)
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "alias" / ".." / "src" / "out", "-q")
+    assert code == 2 and "must not be inside the source checkpoint" in err, err
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "alias" / "out", "-q")
+    assert code == 2 and "must not be inside the source checkpoint" in err, err
+    assert sorted(p.name for p in source.iterdir()) == sorted(p.name for p in pristine.iterdir())
+
+
+def test_a_second_writer_is_refused_naming_the_first(pristine, tmp_path, capsys):
+    import fcntl
+
+    lock = tmp_path / ".out.moeconv-lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    os.write(fd, b"424242")
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another process's lock (flock locks belong to the open file)
+    try:
+        code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")
+    finally:
+        os.close(fd)
+    assert code == 2 and "another moeconv (pid 424242) is converting into this folder" in err, err
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")  # the lock is gone: it works
+    assert code == 0, err
+    assert not lock.exists()
+
+
+def test_a_full_disk_is_one_line_naming_the_output_and_the_space_needed(pristine, tmp_path, capsys, monkeypatch):
+    from moeconv.checkpoint import writer
+
+    real = os.pwrite
+    calls = {"n": 0}
+
+    def pwrite(fd, data, offset):
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(writer.os, "pwrite", pwrite)
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")
+    assert code == 2, err
+    assert "out: no space left on the device; the conversion needs" in err and "GB there" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(writer.os, "pwrite", real)
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")  # space freed: resumes
+    assert code == 0, err
+
+
+def test_not_enough_free_space_is_refused_up_front(pristine, tmp_path, capsys, monkeypatch):
+    import shutil as shutil_module
+
+    convert_module = importlib.import_module("moeconv.convert")  # the module, not the package's function
+
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(convert_module.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")
+    assert code == 2 and "0.00 GB free, but the conversion needs" in err, err
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.moeconv-partial")]
+
+
+@pytest.mark.parametrize("damage", ["{not json", "[]", '{"job": 1, "done": {"../x": {"bytes": 1, "sha256": "a"}}}'])
+def test_a_damaged_journal_starts_over_and_the_result_is_exact(pristine, tmp_path, capsys, damage):
+    assert run_main(capsys, "convert", pristine, "-o", tmp_path / "clean", "-q")[0] == 0
+    staging = tmp_path / ".out.moeconv-partial"
+    staging.mkdir()
+    (staging / "moeconv-progress.json").write_text(damage)
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")
+    assert code == 0, err
+    for path in (tmp_path / "clean").glob("*.safetensors"):
+        assert (tmp_path / "out" / path.name).read_bytes() == path.read_bytes()
+
+
+def test_a_source_changed_after_an_interruption_refuses_to_resume(pristine, tmp_path, capsys, monkeypatch):
+    source = _copy(pristine, tmp_path / "src")
+    convert_module = importlib.import_module("moeconv.convert")  # the module, not the package's function
+
+    real = convert_module._write_metadata
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert_module, "_write_metadata", interrupted)
+    code, _, _ = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
+    assert code == 3
+    monkeypatch.setattr(convert_module, "_write_metadata", real)
+    shard = _shard(source)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, same headers: only the bytes (and the modification time) change
+    shard.write_bytes(bytes(data))
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
+    assert code == 2 and "an unfinished conversion with a different source_files is there" in err, err
+
+
+def test_hub_ids_the_hub_library_rejects(capsys, tmp_path):
+    code, _, err = run_main(capsys, "inspect", "org/na..me")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
