@@ -11,6 +11,8 @@ import re
 import sys
 import shutil
 import tempfile
+import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -56,8 +58,8 @@ def _print_json(data: Any) -> None:
 
 def _key_values(title: str, rows: list[tuple[str, Any]]) -> Table:
     table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
+    table.add_column(style="bold", overflow="fold")
+    table.add_column(overflow="fold")  # wrap long paths and tensor names rather than cut them
     for key, value in rows:
         table.add_row(key, str(value))
     return table
@@ -118,11 +120,22 @@ def _print_inspect(report: dict[str, Any], title: str) -> None:
         else:
             text = f"NOT eligible: {verdict['reason']}"
         rows.append((f"backend {name} (tp={report['tp']})", text))
-    if "suspicious_zero_slots" in report:
+    rows += _audit_rows(report)
+    out.print(_key_values(title, rows))
+
+
+def _audit_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The audits' lines of a report (inspect, convert or verify JSON), when there is anything to say."""
+    rows = []
+    if report.get("suspicious_zero_slots"):
         found = report["suspicious_zero_slots"]
         rows.append(("v1 zero slots stored as all ones",
-                     f"{found['count']} (first: {found['first_tensor']})" if found["count"] else "0"))
-    out.print(_key_values(title, rows))
+                     f"{found['count']} (decoded as zero 0, GPTQModel's convention; first: {found['first_tensor']})"))
+    if report.get("nonfinite_scales"):
+        found = report["nonfinite_scales"]
+        rows.append(("[red]NaN or infinite scales[/]",
+                     f"{found['count']} (converted as they are; no kernel can use them; first: {found['first_tensor']})"))
+    return rows
 
 
 @app.command()
@@ -169,14 +182,10 @@ def convert(
         else:
             _print_plan(summary)
         return
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), TimeRemainingColumn(), console=err, disable=quiet,
-                  transient=True) as progress:
-        task = progress.add_task("converting", total=plan.checkpoint.total_bytes)
+    with _progress("converting", plan.checkpoint.total_bytes, quiet) as advance:
         try:
-            report = run_conversion(plan, output, progress=lambda nbytes: progress.advance(task, nbytes))
-        except KeyboardInterrupt:
-            progress.stop()
+            report = run_conversion(plan, output, progress=advance)
+        except KeyboardInterrupt:  # in-process callers (main() turns signals into exit 3 itself)
             err.print("[bold red]interrupted[/]: run the same command again to resume")
             raise typer.Exit(3) from None
     if as_json:
@@ -192,11 +201,55 @@ def convert(
         ("time", f"{report.seconds:.2f} s ({plan.checkpoint.total_bytes / max(report.seconds, 1e-9) / 1e9:.2f} GB/s)"),
         ("peak memory", "-" if report.peak_rss_mb is None else f"{report.peak_rss_mb:.0f} MB"),
     ]
-    if report.suspicious_zero_slots:
-        found = report.suspicious_zero_slots
-        rows.append(("v1 zero slots stored as all ones",
-                     f"{found['count']} (decoded as zero 0, GPTQModel's convention; first: {found['first_tensor']})"))
+    rows += _audit_rows(report.to_json())
     out.print(_key_values("converted", rows))
+
+
+@contextmanager
+def _progress_for_verify(quiet: bool):
+    """verify learns its total only once it has planned: it calls `progress(nbytes, total)` first with
+    the total, then with each advance."""
+    state: dict[str, Any] = {}
+    with ExitStack() as stack:
+        def progress(nbytes: int, total: int | None = None) -> None:
+            if total is not None:
+                state["advance"] = stack.enter_context(_progress("verifying", total, quiet))
+            elif "advance" in state:
+                state["advance"](nbytes)
+
+        yield progress
+
+
+@contextmanager
+def _progress(description: str, total: int, quiet: bool):
+    """An `advance(nbytes)` callback: a Rich bar (bytes, rate, ETA) on a terminal; on a pipe or a log,
+    one line every LINE_SECONDS with the same numbers."""
+    if quiet:
+        yield lambda nbytes: None
+        return
+    if err.is_terminal:
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                      TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True) as bar:
+            task = bar.add_task(description, total=total)
+            yield lambda nbytes: bar.advance(task, nbytes)
+        return
+    started, done, last = time.monotonic(), 0, [time.monotonic()]
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        now = time.monotonic()
+        if now - last[0] >= LINE_SECONDS or done >= total:
+            last[0] = now
+            rate = done / max(now - started, 1e-9)
+            eta = (total - done) / rate if rate else float("inf")
+            err.print(f"{description} {_human(done)} / {_human(total)} ({100 * done / max(total, 1):.0f}%), "
+                      f"{_human(rate)}/s, ETA {eta:.0f} s", highlight=False, soft_wrap=True)
+
+    yield advance
+
+
+LINE_SECONDS = 5.0
 
 
 def _detection_notes(plan) -> list[str]:
@@ -221,14 +274,16 @@ def verify(
     numerics_layers: Optional[int] = typer.Option(None, "--numerics-layers", min=0,
                                                   help="Kernel check on the first N MoE layers only."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Check a converted checkpoint: structure and checksums, bit-exact decode against the source, and
     the Triton kernel against a float64 reference. Exit code 0 only if every check passes."""
     from moeconv.errors import VerificationFailed
     from moeconv.verify import verify as run_verification
 
-    report = run_verification(output, source=source, sample=sample, numerics=numerics, tokens=tokens,
-                              numerics_layers=numerics_layers)
+    with _progress_for_verify(quiet) as progress:
+        report = run_verification(output, source=source, sample=sample, numerics=numerics, tokens=tokens,
+                                  numerics_layers=numerics_layers, progress=progress)
     if as_json:
         _print_json(report.to_json())
     else:
@@ -249,9 +304,10 @@ def _print_verify(report) -> None:
                                        f"/{report.dense_linears_checked}")] if report.dense_linears_checked else []),
         ("kernel device", report.numerics_device or "not run"),
         ("tolerance (relative)", f"{report.tolerance:g}"),
+        *_audit_rows({"nonfinite_scales": report.nonfinite_scales}),
     ]))
     table = Table(title_justify="left")
-    table.add_column("MoE layer", no_wrap=True)
+    table.add_column("MoE layer", overflow="fold")  # long module names wrap; the numbers never do
     for header in ("bit-exact", "rel err", "max abs", "time", "result"):
         table.add_column(header, no_wrap=True)
     for layer in report.layers:
@@ -311,10 +367,25 @@ def _print_plan(summary: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    """Console entry point: user errors become one line on stderr and a non-zero exit.
-    (Usage errors are Click's own: it prints them with the usage line and exits 2.)"""
+    """Console entry point: user errors become one line on stderr and a non-zero exit; an interrupt
+    anywhere exits 3 with one line. (Usage errors are Click's own: it prints them with the usage line
+    and exits 2.)"""
+    import signal
+
+    from moeconv.errors import Interrupted
+
+    def interrupt(signum, frame):
+        raise Interrupted(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         app()
     except MoeconvError as error:
         err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
         sys.exit(error.exit_code)
+    except Interrupted as interruption:
+        err.print(f"[bold red]interrupted[/] ({interruption}): run the same command again to resume")
+        sys.exit(Interrupted.exit_code)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -26,7 +26,7 @@ from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader
 from moeconv.checkpoint.schema import is_plain_file_name
 from moeconv.checkpoint.writer import PrefixHasher, ShardWriter, sha256_file
 from moeconv.errors import MoeconvError
-from moeconv.formats.gptq import SuspiciousZeroTally, zero_tally
+from moeconv.audit import Audits, count as audit_counts
 from moeconv.models import PROJECTIONS
 from moeconv.plan import DenseLinear, MoELayer, PassThrough, Plan
 
@@ -46,6 +46,7 @@ class ConvertReport:
     seconds: float
     files: dict[str, dict[str, Any]]
     suspicious_zero_slots: dict[str, Any] = field(default_factory=dict)
+    nonfinite_scales: dict[str, Any] = field(default_factory=dict)  # NaN / inf scales: count, first tensor
     resumed_files: list[str] = field(default_factory=list)
     peak_rss_mb: float | None = None
 
@@ -58,6 +59,7 @@ class ConvertReport:
             "resumed_files": self.resumed_files,
             "peak_rss_mb": self.peak_rss_mb,
             "suspicious_zero_slots": self.suspicious_zero_slots,
+            "nonfinite_scales": self.nonfinite_scales,
         }
 
 
@@ -186,14 +188,14 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None) -> Conve
         try:
             journal = _Journal.open(staging, job_identity(plan))
             _check_free_space(plan, staging, journal)
-            suspicious = zero_tally(plan.source_format)
+            audits = Audits()
             try:
                 with TensorReader() as reader:
                     for shard in plan.shards:
                         if journal.is_done(shard.file_name):
                             advance(_source_bytes(shard))
                             continue
-                        digest = _write_shard(plan, shard, staging / shard.file_name, reader, advance, suspicious)
+                        digest = _write_shard(plan, shard, staging / shard.file_name, reader, advance, audits)
                         journal.mark_done(shard.file_name, digest)
                 _write_metadata(plan, staging, journal.done)
             except MoeconvError:
@@ -206,7 +208,8 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None) -> Conve
         except OSError as error:  # the filesystem's refusal: finished shards stay for a resume
             raise _space_error(error, output, plan.output_bytes) from None
     return ConvertReport(output, plan.summary(), time.perf_counter() - started, journal.done,
-                         suspicious.report() if suspicious else {}, journal.reused, peak_rss_mb())
+                         audits.report("suspicious_zero_slots"), audits.report("nonfinite_scales"), journal.reused,
+                         peak_rss_mb())
 
 
 def _check_free_space(plan: Plan, staging: Path, journal: _Journal) -> None:
@@ -300,7 +303,7 @@ class _Journal:
 
 
 def _write_shard(plan: Plan, shard, path: Path, reader: TensorReader, advance: Progress,
-                 suspicious: SuspiciousZeroTally | None) -> str:
+                 audits: Audits) -> str:
     """Writes the shard and returns its sha256. Written under a temporary name and renamed once
     complete and flushed, so a shard file under its final name is always whole."""
     metadata = {"format": "pt", "producer": f"moeconv {__version__}", "backend": plan.backend.name}
@@ -316,10 +319,10 @@ def _write_shard(plan: Plan, shard, path: Path, reader: TensorReader, advance: P
                     writer.copy_range(entry.name, entry.file, entry.begin, entry.end)
                     advance(entry.nbytes)
                 elif isinstance(unit, DenseLinear):
-                    _write_dense_linear(plan, unit, writer, reader, suspicious)
+                    _write_dense_linear(plan, unit, writer, reader, audits)
                     advance(unit.source_bytes)
                 else:
-                    _write_layer(plan, unit, writer, reader, advance, suspicious)
+                    _write_layer(plan, unit, writer, reader, advance, audits)
                 hasher.advance(max(writer.end_of(name) for name in names))
         except BaseException:
             hasher.cancel()
@@ -343,7 +346,7 @@ def _unit_names(plan: Plan, shard) -> list[list[str]]:
 
 
 def _write_layer(plan: Plan, layer: MoELayer, writer: ShardWriter, reader: TensorReader, advance: Progress,
-                 suspicious: SuspiciousZeroTally | None) -> None:
+                 audits: Audits) -> None:
     """Expert by expert: decode from the source format, encode into the expert's slice of each
     stacked tensor, write the slice at its offset. Experts are converted by a few worker threads
     (torch releases the GIL inside its ops) with a bounded window, so at most a few experts are in
@@ -352,11 +355,11 @@ def _write_layer(plan: Plan, layer: MoELayer, writer: ShardWriter, reader: Tenso
     experts = layer.shape.experts
 
     def convert_one(expert: dict[str, dict[str, TensorEntry]]):
-        return _convert_expert(plan, layer, expert, reader, track_zeros=suspicious is not None)
+        return _convert_expert(plan, layer, expert, reader)
 
-    for index, (slices, zero_counts) in enumerate(_bounded_map(convert_one, layer.experts, WORKERS)):
-        for name, found in zero_counts:
-            suspicious.record(name, found)
+    for index, (slices, counts) in enumerate(_bounded_map(convert_one, layer.experts, WORKERS)):
+        for name, found in counts:
+            audits.record(name, found)
         slots = plan.expert_slots(layer, index)
         for suffix, data in slices.items():
             name, stacked = slots[suffix]
@@ -365,11 +368,10 @@ def _write_layer(plan: Plan, layer: MoELayer, writer: ShardWriter, reader: Tenso
 
 
 def _write_dense_linear(plan: Plan, linear: DenseLinear, writer: ShardWriter, reader: TensorReader,
-                        suspicious: SuspiciousZeroTally | None) -> None:
+                        audits: Audits) -> None:
     tensors = {suffix: reader.read(entry) for suffix, entry in linear.tensors.items()}
-    if suspicious is not None:
-        suspicious.record(linear.tensors["qzeros"].name, plan.source_format.suspicious_zero_slots(tensors["qzeros"]))
     weight = _decoded(plan, linear.tensors, tensors)
+    audits.record(linear.prefix, audit_counts(plan.source_format, tensors, weight))
     for suffix, data in plan.backend.encode_linear(weight, linear.shape).items():
         writer.write(f"{linear.prefix}.{suffix}", data)
 
@@ -383,16 +385,15 @@ def _decoded(plan: Plan, entries: dict[str, TensorEntry], tensors: dict[str, tor
         raise MoeconvError(f"{first.file}: {first.name.rsplit('.', 1)[0]}: {error}") from None
 
 
-def _convert_expert(plan: Plan, layer: MoELayer, expert: dict[str, dict[str, TensorEntry]], reader: TensorReader,
-                    track_zeros: bool):
-    """One expert's backend slices, and (name, count) of v1 zero slots stored as all ones."""
-    decoded, zero_counts = {}, []
+def _convert_expert(plan: Plan, layer: MoELayer, expert: dict[str, dict[str, TensorEntry]], reader: TensorReader):
+    """One expert's backend slices, and (linear name, audit counts) of its source linears."""
+    decoded, counts = {}, []
     for projection, linear in expert.items():
         tensors = {suffix: reader.read(entry) for suffix, entry in linear.items()}
-        if track_zeros:
-            zero_counts.append((linear["qzeros"].name, plan.source_format.suspicious_zero_slots(tensors["qzeros"])))
         decoded[projection] = _decoded(plan, linear, tensors)
-    return plan.backend.encode_expert(ExpertWeights(**decoded), layer.shape), zero_counts
+        counts.append((next(iter(linear.values())).name.rsplit(".", 1)[0],
+                       audit_counts(plan.source_format, tensors, decoded[projection])))
+    return plan.backend.encode_expert(ExpertWeights(**decoded), layer.shape), counts
 
 
 def _bounded_map(function, items, workers: int):

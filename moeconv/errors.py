@@ -21,3 +21,11 @@ class VerificationFailed(MoeconvError):
     """A converted checkpoint did not pass `verify`."""
 
     exit_code = 1
+
+
+class Interrupted(BaseException):
+    """Ctrl-C (SIGINT) or SIGTERM during a command: exit code 3, one line. A BaseException, like
+    KeyboardInterrupt, so no `except Exception` on the way swallows it; unlike KeyboardInterrupt,
+    Click does not turn it into "Aborted!" and exit code 1."""
+
+    exit_code = 3

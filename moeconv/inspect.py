@@ -8,7 +8,8 @@ from typing import Any
 
 from moeconv.backends import REGISTRY as BACKENDS
 from moeconv.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
-from moeconv.formats.gptq import SuspiciousZeroTally, zero_tally
+from moeconv.audit import Audits, count as audit_counts
+from moeconv.formats.base import FLOAT_DTYPES
 from moeconv.models import architecture_from_config
 from moeconv.plan import detect_format, eligibility, find_moe_layers
 
@@ -46,9 +47,10 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
         "tp": tp,
         "backends": {name: _verdict(backend, layers) for name, backend in BACKENDS.items()},
     }
-    tally = zero_tally(source_format)
-    if tally is not None:
-        report["suspicious_zero_slots"] = _count_suspicious(tally, layers)
+    audits = _audit(source_format, layers)
+    for kind in Audits.KINDS:
+        if audits.report(kind):
+            report[kind] = audits.report(kind)
     return report
 
 
@@ -65,13 +67,16 @@ def _verdict(backend, layers) -> dict[str, Any]:
     }
 
 
-def _count_suspicious(tally: SuspiciousZeroTally, layers) -> dict[str, Any]:
-    """GPTQ v1 stores zero − 1, so a true zero of 0 is stored as all ones, and producers disagree on
-    the bits around it (see formats/gptq.py). Count such slots and name the first tensor."""
+def _audit(source_format, layers) -> Audits:
+    """Reads the small tensors of every expert linear (zero points and scales, not the packed weights)
+    for the audits: GPTQ v1 zero slots stored as all ones, NaN or infinite scales."""
+    audits = Audits()
     with TensorReader() as reader:
         for layer in layers:
             for expert in layer.experts:
                 for linear in expert.values():
-                    found = tally.source_format.suspicious_zero_slots(reader.read(linear["qzeros"]))
-                    tally.record(linear["qzeros"].name, found)
-    return tally.report()
+                    small = {suffix: reader.read(entry) for suffix, entry in linear.items()
+                             if suffix == "qzeros" or entry.dtype in FLOAT_DTYPES}
+                    name = next(iter(linear.values())).name.rsplit(".", 1)[0]
+                    audits.record(name, audit_counts(source_format, small, None))
+    return audits

@@ -19,11 +19,12 @@ from typing import Any, Callable
 
 import torch
 
+from moeconv.audit import Audits
 from moeconv.backends import get_backend
 from moeconv.backends.base import ExpertWeights
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader, open_checkpoint, read_json
-from moeconv.checkpoint.schema import section
+from moeconv.checkpoint.schema import is_plain_file_name, section, weight_map
 from moeconv.errors import MoeconvError
 from moeconv.source import resolve_source
 from moeconv.checkpoint.writer import sha256_file
@@ -75,6 +76,7 @@ class VerifyReport:
     layers: list[LayerResult] = field(default_factory=list)
     numerics_device: str | None = None
     tolerance: float = NUMERICS_TOLERANCE
+    nonfinite_scales: dict[str, Any] = field(default_factory=dict)  # in the source: count, first tensor
 
     @property
     def ok(self) -> bool:
@@ -100,7 +102,8 @@ class VerifyReport:
 
 
 def verify(output: Path, source: str | Path | None = None, sample: int | None = None, numerics: bool = True,
-           tokens: int = 8, numerics_layers: int | None = None, seed: int = 0) -> VerifyReport:
+           tokens: int = 8, numerics_layers: int | None = None, seed: int = 0,
+           progress: Callable[..., None] | None = None) -> VerifyReport:
     """Runs all three levels and returns the report; `report.ok` is the verdict.
 
     sample: check only this many experts per layer for losslessness (chosen at random from `seed`).
@@ -132,11 +135,15 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     kernel = LAYER_KERNELS[plan.backend.name]
     report = VerifyReport(str(output), str(checkpoint.root), tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
     converted = open_checkpoint(output)
-    report.structure_problems = _check_reading(plan) + _check_structure(plan, output, manifest, converted.tensors)
+    advance = progress or (lambda nbytes, total=None: None)
+    advance(0, sum(path.stat().st_size for path in converted.files) + plan.source_expert_bytes)
+    report.structure_problems = _check_reading(plan) + _check_structure(plan, output, manifest, converted.tensors,
+                                                                        advance)
     if report.structure_problems:
         return report
     report.passthrough_problems, report.passthrough_checked = _check_passthrough(plan, converted.tensors)
     generator = torch.Generator().manual_seed(seed)
+    audits = Audits()
     with TensorReader() as reader:
         dense_linears = plan.dense_linears
         report.dense_linear_problems = _check_dense_linears(plan, dense_linears, converted.tensors, reader)
@@ -146,8 +153,10 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
             result = LayerResult(layer.module, tolerance=kernel.tolerance(layer.shape))
             experts = _sampled(layer.shape.experts, sample, generator)
             outputs = {t.name: converted.tensors[t.name] for t in plan.layer_tensors(layer)}
-            result.lossless_failures, result.experts_exact = _check_lossless(plan, layer, experts, outputs, reader)
+            result.lossless_failures, result.experts_exact = _check_lossless(plan, layer, experts, outputs, reader,
+                                                                             audits)
             result.experts_checked = len(experts)
+            advance(layer.source_bytes)
             if numerics and (numerics_layers is None or index < numerics_layers):
                 report.numerics_device = kernel.device()
                 try:
@@ -157,6 +166,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
                     result.numerics_failure = str(error)
             result.seconds = time.perf_counter() - started
             report.layers.append(result)
+    report.nonfinite_scales = audits.report("nonfinite_scales")
     return report
 
 
@@ -171,7 +181,7 @@ def _check_reading(plan: Plan) -> list[str]:
 
 
 def _check_structure(plan: Plan, output: Path, manifest: dict[str, Any],
-                     tensors: dict[str, TensorEntry]) -> list[str]:
+                     tensors: dict[str, TensorEntry], advance: Callable[..., None]) -> list[str]:
     problems = []
     expected = {t.name: t for shard in plan.shards for t in shard.tensors}
     for name, want in expected.items():
@@ -191,15 +201,22 @@ def _check_structure(plan: Plan, output: Path, manifest: dict[str, Any],
         problems.append("config.json: quantization_config does not describe this conversion")
     if read_json(output / QUANTIZE_CONFIG_NAME) != quantization:
         problems.append(f"{QUANTIZE_CONFIG_NAME}: does not match config.json's quantization_config")
-    shard_files = set(index.get("weight_map", {}).values())
-    if shard_files != set(manifest.get("files", {})):
-        problems.append(f"{MANIFEST_NAME}: files {sorted(manifest.get('files', {}))} != index's {sorted(shard_files)}")
-    for name, recorded in manifest.get("files", {}).items():
+    shard_files = set(weight_map(index, output / INDEX_NAME).values())
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+            is_plain_file_name(name) and isinstance(recorded, dict) and isinstance(recorded.get("bytes"), int)
+            and isinstance(recorded.get("sha256"), str) for name, recorded in files.items()):
+        return problems + [f"{MANIFEST_NAME}: files must map plain file names to their bytes and sha256"]
+    if shard_files != set(files):
+        problems.append(f"{MANIFEST_NAME}: files {sorted(files)} != index's {sorted(shard_files)}")
+    for name, recorded in files.items():
         path = output / name
         if not path.is_file():
             problems.append(f"{name}: listed in {MANIFEST_NAME} but missing")
         elif path.stat().st_size != recorded["bytes"] or sha256_file(path) != recorded["sha256"]:
             problems.append(f"{name}: sha256 or size differs from {MANIFEST_NAME}")
+        if path.is_file():
+            advance(path.stat().st_size)
     return problems
 
 
@@ -252,7 +269,7 @@ def _source_expert(plan: Plan, layer: MoELayer, expert: int, reader: TensorReade
 
 
 def _check_lossless(plan: Plan, layer: MoELayer, experts: list[int], outputs: dict[str, TensorEntry],
-                    reader: TensorReader) -> tuple[list[str], int]:
+                    reader: TensorReader, audits: Audits) -> tuple[list[str], int]:
     """Mismatch descriptions, and how many experts matched on all three projections."""
     failures, exact = [], 0
     for expert in experts:
@@ -263,6 +280,9 @@ def _check_lossless(plan: Plan, layer: MoELayer, experts: list[int], outputs: di
             failures.append(f"expert {expert}: {error}")
             continue
         source = _source_expert(plan, layer, expert, reader)
+        for projection, linear in layer.experts[expert].items():
+            audits.record(next(iter(linear.values())).name.rsplit(".", 1)[0],
+                          {"nonfinite_scales": int((~torch.isfinite(getattr(source, projection).scales)).sum())})
         for projection in ("gate", "up", "down"):
             problem = getattr(converted, projection).mismatch(getattr(source, projection))
             if problem:

@@ -156,27 +156,3 @@ class GPTQ:
             "checkpoint_format": self.checkpoint_format,
             "format": self.checkpoint_format,
         }
-
-
-class SuspiciousZeroTally:
-    """Adds up `suspicious_zero_slots` over many qzeros tensors and remembers the first that has any."""
-
-    def __init__(self, source_format: GPTQ):
-        self.source_format = source_format
-        self.count = 0
-        self.first_tensor: str | None = None
-
-    def record(self, name: str, found: int) -> None:
-        if found:
-            self.count += found
-            self.first_tensor = self.first_tensor or name
-
-    def report(self) -> dict[str, Any]:
-        return {"count": self.count, "first_tensor": self.first_tensor}
-
-
-def zero_tally(source_format: object) -> SuspiciousZeroTally | None:
-    """A tally for formats with ambiguous zero points, else None."""
-    if isinstance(source_format, GPTQ) and source_format.has_ambiguous_zeros:
-        return SuspiciousZeroTally(source_format)
-    return None
