@@ -143,8 +143,9 @@ def convert(
     source: str = typer.Argument(..., help=SOURCE_HELP),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder (must not exist, or be empty)."),
     backend: str = typer.Option("triton", "--backend", "-b",
-                                help="Target layout: triton, humming, cpu, or auto (the first that fits, "
-                                     "in the engines' order)."),
+                                help="Target layout: triton, humming, cpu, compressed-tensors (a normalised "
+                                     "checkpoint stock vLLM serves), or auto (the first of triton, humming, cpu "
+                                     "that fits, in the engines' order)."),
     max_shard_size: int = typer.Option("5GB", "--max-shard-size", parser=parse_size, metavar="SIZE",
                                        help="Most tensor bytes per output shard (as transformers counts), e.g. 5GB, 500MB."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and write nothing."),

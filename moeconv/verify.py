@@ -329,16 +329,19 @@ def _run_cpu(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch.Te
     return cpu_fused_moe(tensors, shape, x, topk_weights, topk_ids)
 
 
-def _run_humming(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch.Tensor,
-                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """The Triton kernel on the Humming tensors, re-encoded through the canonical form: the same
-    GEMMs Humming computes (4-bit Humming words are the Triton bytes; zero points transposed)."""
-    humming, triton = get_backend("humming"), get_backend("triton")
-    experts = next(iter(tensors.values())).shape[0]
-    encoded = [triton.encode_expert(humming.decode_expert({k: v[e] for k, v in tensors.items()}, shape), shape)
-               for e in range(experts)]
-    stacked = {suffix: torch.stack([expert[suffix] for expert in encoded]) for suffix in encoded[0]}
-    return _run_triton(stacked, shape, x, topk_weights, topk_ids)
+def _via_triton(backend: str) -> Callable[..., torch.Tensor]:
+    """The Triton kernel on a per-linear schema's tensors (humming, compressed-tensors), re-encoded through
+    the canonical form: the same GEMMs the schema's engine kernels compute."""
+    def run(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch.Tensor,
+            topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        source, triton = get_backend(backend), get_backend("triton")
+        experts = next(iter(tensors.values())).shape[0]
+        encoded = [triton.encode_expert(source.decode_expert({k: v[e] for k, v in tensors.items()}, shape), shape)
+                   for e in range(experts)]
+        stacked = {suffix: torch.stack([expert[suffix] for expert in encoded]) for suffix in encoded[0]}
+        return _run_triton(stacked, shape, x, topk_weights, topk_ids)
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -364,7 +367,8 @@ LAYER_KERNELS: dict[str, LayerKernel] = {
     "triton": LayerKernel(_run_triton, _triton_device, _triton_tolerance),
     # W4A8 and W8A8 alike round activations to int8 per row, the error W8A8_NUMERICS_TOLERANCE bounds:
     # measured for the CPU W8A8 model 1.3e-2 (H=128) to 2.6e-2 (H=4096, I=1536).
-    "humming": LayerKernel(_run_humming, _triton_device, _triton_tolerance),
+    "humming": LayerKernel(_via_triton("humming"), _triton_device, _triton_tolerance),
+    "compressed-tensors": LayerKernel(_via_triton("compressed-tensors"), _triton_device, _triton_tolerance),
     "cpu": LayerKernel(_run_cpu, lambda: "cpu (torch model of the x86 W4A8 / W8A8 kernels)",
                        lambda shape: W8A8_NUMERICS_TOLERANCE),
 }

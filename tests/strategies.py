@@ -3,7 +3,7 @@
 import torch
 from hypothesis import strategies as st
 
-from moeconv.canonical import QuantizedWeight
+from moeconv.canonical import QuantizedWeight, groups_of
 
 
 @st.composite
@@ -45,7 +45,7 @@ def random_canonical(generator: torch.Generator, bits: int, symmetric: bool, out
 def decoded_linears(draw, source, out_features: int, in_features: int, scale_dtype=torch.float16):
     """A random linear of this size as the source format decodes it (after the format's own round
     trip), edge codes and zero points included: the input of every backend round-trip test."""
-    groups = 1 if source.group_size == -1 else in_features // source.group_size
+    groups = groups_of(in_features, source.group_size)  # one group when g >= K
     weight = random_canonical(torch.Generator().manual_seed(draw(st.integers(0, 2**31))), source.bits,
                               source.symmetric, out_features, in_features, groups, scale_dtype)
     return source.decode(source.encode(weight))

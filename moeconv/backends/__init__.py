@@ -7,12 +7,14 @@ Backends map tensors to tensors; they know nothing of files, source formats or e
 from __future__ import annotations
 
 from moeconv.backends.base import Backend, TensorSpec
+from moeconv.backends.compressed_tensors import CompressedTensorsBackend
 from moeconv.backends.cpu import CpuBackend
 from moeconv.backends.humming import HummingBackend
 from moeconv.backends.triton import TritonBackend
 from moeconv.errors import MoeconvError
 
-REGISTRY: dict[str, Backend] = {backend.name: backend for backend in (TritonBackend(), HummingBackend(), CpuBackend())}
+REGISTRY: dict[str, Backend] = {backend.name: backend for backend in (TritonBackend(), HummingBackend(), CpuBackend(),
+                                                                     CompressedTensorsBackend())}
 
 
 def get_backend(name: str) -> Backend:
@@ -22,4 +24,4 @@ def get_backend(name: str) -> Backend:
     return REGISTRY[name]
 
 
-__all__ = ["Backend", "CpuBackend", "HummingBackend", "REGISTRY", "TensorSpec", "TritonBackend", "get_backend"]
+__all__ = ["Backend", "CompressedTensorsBackend", "CpuBackend", "HummingBackend", "REGISTRY", "TensorSpec", "TritonBackend", "get_backend"]

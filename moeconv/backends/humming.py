@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from moeconv import packing
-from moeconv.backends.base import ExpertWeights, TensorSpec
+from moeconv.backends.base import TensorSpec
+from moeconv.backends.per_linear import PerLinearBackend
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
-from moeconv.models import PROJECTIONS
 
 # Humming's pack kernels work on runs of 32 values (upstream asserts L % 32 == 0).
 PACK_RUN = 32
@@ -32,10 +32,9 @@ _DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 _MODEL_DTYPES = {"float16": "F16", "half": "F16", "bfloat16": "BF16", "float32": "F32", "float": "F32"}
 
 
-class HummingBackend:
+class HummingBackend(PerLinearBackend):
     name = "humming"
     layout_version = 1
-    converts_dense_linears = True
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.intermediate % layer.tp:
@@ -49,11 +48,6 @@ class HummingBackend:
     def linear_refusal(self, linear: LinearShape) -> str | None:
         return (_pack_refusal("output size", linear.out_features) or _pack_refusal("input size", linear.in_features)
                 or _group_refusal("input size", linear.in_features, linear.group_size) or _bits_refusal(linear.bits))
-
-    def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:
-        return [spec._replace(suffix=f"{name}.{spec.suffix}", per_expert=True)
-                for name, linear in zip(layer.projection_names, _projection_shapes(layer))
-                for spec in self.linear_tensors(linear)]
 
     def linear_tensors(self, linear: LinearShape) -> list[TensorSpec]:
         n, k, bits = linear.out_features, linear.in_features, linear.bits
@@ -80,19 +74,6 @@ class HummingBackend:
             bits=linear.bits,
             group_size=linear.effective_group_size,
         )
-
-    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
-        return {f"{name}.{suffix}": tensor
-                for name, projection, linear in zip(layer.projection_names, PROJECTIONS, _projection_shapes(layer))
-                for suffix, tensor in self.encode_linear(getattr(expert, projection), linear).items()}
-
-    def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
-        decoded = {}
-        for name, projection, linear in zip(layer.projection_names, PROJECTIONS, _projection_shapes(layer)):
-            prefix = f"{name}."
-            own = {key[len(prefix):]: tensor for key, tensor in slices.items() if key.startswith(prefix)}
-            decoded[projection] = self.decode_linear(own, linear)
-        return ExpertWeights(**decoded)
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         """The weight schema as `HummingWeightSchema.from_config` reads it. Channel-wise is group size
@@ -125,16 +106,6 @@ class HummingBackend:
             config["bs_dtype"] = _DTYPE_NAMES[layer.scale_dtype]
         config["ignored_layers"] = unquantized_modules
         return config
-
-
-def _projection_shapes(layer: MoELayerShape) -> tuple[LinearShape, LinearShape, LinearShape]:
-    """gate, up, down of one expert, as standalone linears (Humming does not fuse them on disk)."""
-    def linear(out_features: int, in_features: int) -> LinearShape:
-        return LinearShape(out_features, in_features, layer.bits, layer.group_size, layer.symmetric,
-                           layer.scale_dtype, layer.activation_bits)
-
-    gate_up = linear(layer.intermediate, layer.hidden)
-    return gate_up, gate_up, linear(layer.hidden, layer.intermediate)
 
 
 def _bits_refusal(bits: int) -> str | None:

@@ -1,0 +1,44 @@
+"""What the whole-checkpoint schemas (`humming`, `compressed-tensors`) share: every quantized linear is
+converted on its own, routed experts per expert and projection under the checkpoint's own names
+(`<module>.<e>.<projection>.<suffix>`), dense quantized linears under theirs. A subclass says how ONE
+linear is laid out (`linear_tensors`, `encode_linear`, `decode_linear`) and what its config is."""
+
+from __future__ import annotations
+
+import torch
+
+from moeconv.backends.base import ExpertWeights, TensorSpec
+from moeconv.canonical import LinearShape, MoELayerShape
+from moeconv.models import PROJECTIONS
+
+
+class PerLinearBackend:
+    converts_dense_linears = True
+
+    def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:
+        return [spec._replace(suffix=f"{name}.{spec.suffix}", per_expert=True)
+                for name, linear in zip(layer.projection_names, projection_shapes(layer))
+                for spec in self.linear_tensors(linear)]
+
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
+        return {f"{name}.{suffix}": tensor
+                for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer))
+                for suffix, tensor in self.encode_linear(getattr(expert, projection), linear).items()}
+
+    def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
+        decoded = {}
+        for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer)):
+            prefix = f"{name}."
+            own = {key[len(prefix):]: tensor for key, tensor in slices.items() if key.startswith(prefix)}
+            decoded[projection] = self.decode_linear(own, linear)
+        return ExpertWeights(**decoded)
+
+
+def projection_shapes(layer: MoELayerShape) -> tuple[LinearShape, LinearShape, LinearShape]:
+    """gate, up, down of one expert, as standalone linears (these schemas do not fuse them on disk)."""
+    def linear(out_features: int, in_features: int) -> LinearShape:
+        return LinearShape(out_features, in_features, layer.bits, layer.group_size, layer.symmetric,
+                           layer.scale_dtype, layer.activation_bits)
+
+    gate_up = linear(layer.intermediate, layer.hidden)
+    return gate_up, gate_up, linear(layer.hidden, layer.intermediate)
