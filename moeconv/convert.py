@@ -438,6 +438,7 @@ def _write_metadata(plan: Plan, staging: Path, files: dict[str, dict[str, Any]])
         "tool_version": __version__,
         "backend": plan.backend.name,
         "layout_version": plan.backend.layout_version,
+        "targets": getattr(plan.backend, "targets", {}),
         "arguments": job_identity(plan),
         "source": {**source.identity(), "files": [path.name for path in source.files]},
         "format": plan.source_format.describe(),

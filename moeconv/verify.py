@@ -77,6 +77,7 @@ class VerifyReport:
     numerics_device: str | None = None
     tolerance: float = NUMERICS_TOLERANCE
     nonfinite_scales: dict[str, Any] = field(default_factory=dict)  # in the source: count, first tensor
+    targets: dict[str, Any] = field(default_factory=dict)  # what the output is for, from its manifest
 
     @property
     def ok(self) -> bool:
@@ -133,7 +134,8 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     plan = make_plan(checkpoint, backend=backend, trust=arguments.get("trust"), tp=arguments.get("tp", 1),
                      regroup=isinstance(regroup_factor, int) and regroup_factor > 1)
     kernel = LAYER_KERNELS[plan.backend.name]
-    report = VerifyReport(str(output), str(checkpoint.root), tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
+    report = VerifyReport(str(output), str(checkpoint.root), targets=section(manifest, "targets", MANIFEST_NAME),
+                          tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
     converted = open_checkpoint(output)
     advance = progress or (lambda nbytes, total=None: None)
     advance(0, sum(path.stat().st_size for path in converted.files) + plan.source_expert_bytes)

@@ -58,3 +58,18 @@ def test_every_backend_takes_some_source():
         taken = [s for s in SOURCES if backend.refusal(MoELayerShape(2, 128, 64, s.bits, s.group_size, s.symmetric,
                                                                      "F16", s.activation_bits)) is None]
         assert len(taken) >= 4, (name, taken)
+
+
+def test_every_output_records_what_it_targets(tmp_path):
+    """moeconv.json and verify's report name the engine and kernel versions an output is for."""
+    import json
+
+    import moeconv
+    from moeconv.synth import SynthSpec, make_checkpoint
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec())
+    for name, backend in REGISTRY.items():
+        assert backend.targets.get("engine"), name
+        moeconv.convert(source, tmp_path / name, backend=name)
+        assert json.loads((tmp_path / name / "moeconv.json").read_text())["targets"] == backend.targets
+        assert moeconv.verify(tmp_path / name, numerics=False).to_json()["targets"] == backend.targets

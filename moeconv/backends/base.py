@@ -30,6 +30,7 @@ class ExpertWeights(NamedTuple):
 class Backend(Protocol):
     name: str
     layout_version: int
+    targets: dict[str, str]  # the engine and kernel-package versions the output is for
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         """Why this backend cannot take the layer, or None if it can."""

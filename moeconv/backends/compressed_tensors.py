@@ -42,6 +42,8 @@ def _format(activation_bits: int) -> str:
 class CompressedTensorsBackend(PerLinearBackend):
     name = "compressed-tensors"
     layout_version = 1
+    # What the output is for, recorded in moeconv.json (kernel layouts and loaders age).
+    targets = {"engine": "vllm==0.33.0", "compressed-tensors": "0.17.0 (QuantizationConfig)"}
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.intermediate % layer.tp:

@@ -103,6 +103,8 @@ class CpuBackend:
 
     name = "cpu"
     layout_version = 2  # 2: one group size per layer (the kernel derives it from w13)
+    targets = {"kernel": "vLLM 0.33.0 CPUExpertsInt4 / CPUExpertsInt8 (sgl-kernel x86 layouts)",
+               "engine": "none yet: stock vLLM 0.33 repacks at load and has no loader for these (plugin planned)"}
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.intermediate % layer.tp:

@@ -35,6 +35,7 @@ _MODEL_DTYPES = {"float16": "F16", "half": "F16", "bfloat16": "BF16", "float32":
 class HummingBackend(PerLinearBackend):
     name = "humming"
     layout_version = 1
+    targets = {"engine": "vllm==0.33.0 (quant_method humming)", "humming-kernels": "0.1.19"}
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.intermediate % layer.tp:

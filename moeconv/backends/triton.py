@@ -28,6 +28,8 @@ from moeconv.checkpoint.reader import TORCH_DTYPES
 class TritonBackend:
     name = "triton"
     layout_version = 1
+    targets = {"kernel": "vLLM 0.33.0 TritonWNA16Experts / TritonExperts layouts",
+               "engine": "none yet: stock vLLM 0.33 has no loader for stacked experts (a moeconv plugin is planned)"}
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.activation_bits == 8:
