@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from moeconv import __version__
+from moeconv._version import __version__
 from moeconv.backends.base import ExpertWeights, converts_dense_linears
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader

@@ -119,3 +119,28 @@ def test_usage_error_exit_2_via_real_subprocess(tmp_path):
     done = subprocess.run([str(exe), "inspect", str(tmp_path / "nope")], capture_output=True, text=True)
     assert done.returncode == 2
     assert done.stderr.strip() == f"error: {tmp_path / 'nope'}: not a folder, and not a Hugging Face id like org/model"
+
+
+def test_help_and_version_do_not_import_torch():
+    """`moeconv --help` and `--version` answer without importing torch (the lazy package face)."""
+    probe = ("import sys\nfrom moeconv.cli import main\nsys.argv = ['moeconv', '{flag}']\n"
+             "try:\n    main()\nexcept SystemExit:\n    pass\nprint('torch loaded:', 'torch' in sys.modules)")
+    for flag in ("--help", "--version"):
+        done = subprocess.run([sys.executable, "-c", probe.format(flag=flag)], capture_output=True, text=True,
+                              timeout=60)
+        assert "torch loaded: False" in done.stdout, done.stdout + done.stderr
+    from moeconv._version import __version__
+
+    done = subprocess.run([sys.executable, "-c", probe.format(flag="--version")], capture_output=True, text=True)
+    assert f"moeconv {__version__}" in done.stdout
+
+
+def test_package_attributes_are_the_api_functions_after_submodule_imports():
+    import importlib
+
+    import moeconv
+
+    importlib.import_module("moeconv.convert")
+    importlib.import_module("moeconv.verify")
+    assert callable(moeconv.convert) and moeconv.convert.__module__ == "moeconv.api"
+    assert moeconv.verify.__module__ == "moeconv.api" and moeconv.inspect.__module__ == "moeconv.api"
