@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 PACKERS_STAMP := .venv-packers/.packers-installed
 
-.PHONY: demo test env packers bench clean
+.PHONY: demo test env packers bench clean engines test-engines
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,20 @@ packers:
 
 test: $(STAMP) packers
 	$(BIN)/python -m pytest
+
+# Optional, not part of `make test` or CI: vLLM 0.33.0 in its own venv (7-8 GB, about 10 minutes),
+# then every backend's output loaded with vLLM's own model classes and weight loaders on the CPU.
+ENGINES_STAMP := .venv-engines/.engines-installed
+
+$(ENGINES_STAMP):
+	test -x .venv-engines/bin/python || $(PYTHON) -m venv .venv-engines
+	.venv-engines/bin/pip install -q vllm==0.33.0
+	touch $(ENGINES_STAMP)
+
+engines: $(ENGINES_STAMP)
+
+test-engines: $(STAMP) $(ENGINES_STAMP)
+	$(BIN)/python tests/engines/run_matrix.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_convert.py

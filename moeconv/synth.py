@@ -184,6 +184,8 @@ def _config(spec: SynthSpec) -> dict[str, Any]:
         config.update(n_routed_experts=spec.experts, moe_intermediate_size=spec.intermediate,
                       intermediate_size=spec.dense_intermediate, num_experts_per_tok=2, n_shared_experts=1,
                       first_k_dense_replace=spec.dense_layers)
+        if arch == "deepseek_v3":  # the router's e_score_correction_bias exists only with this routing
+            config.update(topk_method="noaux_tc", n_group=1, topk_group=1)
     return config
 
 

@@ -1,0 +1,117 @@
+"""`make test-engines`: which moeconv outputs stock vLLM 0.33 loads, shown with vLLM's own loader.
+
+Runs in the main venv; tests/engines/vllm_load.py runs in .venv-engines (vllm==0.33.0). For every
+architecture × source format, a synthetic source checkpoint is converted to every backend that takes
+it; the sources and all outputs are then loaded by vLLM on the CPU in one process. Prints the matrix
+(markdown) and exits 1 when an output that should load (compressed-tensors; humming from symmetric
+sources) does not, or leaves a checkpoint tensor unconsumed or a parameter unloaded.
+
+    .venv/bin/python tests/engines/run_matrix.py [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import moeconv
+from moeconv.backends import REGISTRY
+from moeconv.errors import MoeconvError
+from moeconv.formats import AWQ, GPTQ, CompressedTensors
+from moeconv.synth import SynthSpec, make_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_PYTHON = ROOT / ".venv-engines" / "bin" / "python"
+# DeepSeek-V3 is not in the matrix yet: moeconv's synthetic checkpoints give it Llama-style attention
+# (q/k/v/o_proj), not DeepSeek's MLA tensors, so vLLM's model class cannot take them as a whole.
+ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
+SOURCES = {
+    "gptq-sym": GPTQ(4, 32, sym=True),
+    "gptq-v1-asym": GPTQ(4, 32, sym=False),
+    "awq": AWQ(4, 32),
+    "ct-asym": CompressedTensors(bits=4, group_size=32, symmetric=False),
+    "ct-w8a8": CompressedTensors(format="int-quantized", bits=8, group_size=-1, activation_bits=8),
+}
+# Parameters vLLM creates that no checkpoint carries (kv-cache quantization scales of the attention
+# layers); a synthetic source's own absences (e.g. Qwen3's q_norm / k_norm, which synth does not
+# write) are found by loading the sources themselves (every source of one architecture has the same
+# non-expert tensors) and are not counted against a conversion.
+NOT_IN_CHECKPOINTS = (".attn.k_scale", ".attn.v_scale", ".attn.q_scale", ".attn.k_zero_point",
+                      ".attn.v_zero_point", ".attn.q_zero_point")
+
+
+def expected_to_load(backend: str, source_format) -> bool:
+    if backend == "compressed-tensors":
+        return True
+    return backend == "humming" and source_format.symmetric
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", type=Path, help="write the checkpoints here instead of a temporary folder")
+    args = parser.parse_args()
+    if not ENGINE_PYTHON.exists():
+        sys.exit(f"{ENGINE_PYTHON} is missing: run `make engines` first")
+    with tempfile.TemporaryDirectory(prefix="moeconv-engines-") as scratch:
+        base = args.keep or Path(scratch)
+        cases, refusals = [], {}
+        for architecture in ARCHITECTURES:
+            for source_name, fmt in SOURCES.items():
+                source = make_checkpoint(base / architecture / source_name / "src",
+                                         SynthSpec(architecture=architecture, source_format=fmt))
+                cases.append((architecture, source_name, "(source)", source, fmt))
+                for backend in sorted(REGISTRY):
+                    out = base / architecture / source_name / backend
+                    try:
+                        moeconv.convert(source, out, backend=backend)
+                    except MoeconvError as refusal:
+                        refusals[(architecture, source_name, backend)] = str(refusal)
+                        continue
+                    cases.append((architecture, source_name, backend, out, fmt))
+        done = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "vllm_load.py"),
+                               *[str(case[3]) for case in cases]], capture_output=True, text=True, timeout=3600)
+        results = {json.loads(line)["checkpoint"]: json.loads(line) for line in done.stdout.splitlines()
+                   if line.startswith("{")}
+        if len(results) != len(cases):
+            sys.exit(f"vllm_load.py answered {len(results)} of {len(cases)} checkpoints:\n{done.stderr[-3000:]}")
+        failures = _report(cases, results, refusals)
+    sys.exit(1 if failures else 0)
+
+
+def _report(cases, results, refusals) -> list[str]:
+    print("| architecture | source | backend | stock vLLM 0.33 | detail |")
+    print("|---|---|---|---|---|")
+    failures = []
+    source_gaps = {}
+    for architecture, source_name, backend, path, fmt in cases:
+        result = results[str(path)]
+        unloaded = [name for name in result.get("unloaded_parameters", []) if not name.endswith(NOT_IN_CHECKPOINTS)]
+        if backend == "(source)" and result["loaded"]:
+            source_gaps.setdefault(architecture, set()).update(unloaded)
+        own = [name for name in unloaded if name not in source_gaps.get(architecture, set())]
+        if not result["loaded"]:
+            verdict, detail = "refused", result["error"][:140]
+        elif result["not_consumed_count"] or (own and backend != "(source)"):
+            verdict = "INCOMPLETE"
+            detail = f"{result['not_consumed_count']} tensors not consumed {result['not_consumed'][:2]}; unloaded {own[:2]}"
+        else:
+            verdict = "loads"
+            gaps = sorted(set(unloaded) & source_gaps.get(architecture, set()))
+            detail = f"{result['tensors']} tensors, all consumed" + (
+                f"; unloaded as in the synthetic sources, which lack them: {gaps[:2]}" if gaps else "")
+        print(f"| {architecture} | {source_name} | {backend} | {verdict} | {detail} |")
+        if backend != "(source)" and expected_to_load(backend, fmt) and verdict != "loads":
+            failures.append(f"{architecture} {source_name} -> {backend}: {verdict}: {detail}")
+    for (architecture, source_name, backend), reason in sorted(refusals.items()):
+        print(f"| {architecture} | {source_name} | {backend} | (moeconv refuses) | {reason[:140]} |")
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return failures
+
+
+if __name__ == "__main__":
+    main()
