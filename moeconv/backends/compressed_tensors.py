@@ -27,7 +27,7 @@ import torch
 
 from moeconv import packing
 from moeconv.backends.base import TensorSpec
-from moeconv.backends.per_linear import PerLinearBackend
+from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
 # The compressed-tensors release vLLM 0.33 pins; the config below is what its QuantizationConfig reads.
@@ -75,11 +75,11 @@ class CompressedTensorsBackend(PerLinearBackend):
     def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, torch.Tensor]:
         if linear.activation_bits == 8:
             return {"weight": packing.offset_codes_to_int8(weight.codes), "weight_scale": weight.scales.contiguous()}
-        tensors = {"weight_packed": packing.pack(weight.codes, weight.bits, dim=1, container=torch.int32),
-                   "weight_scale": weight.scales.contiguous(),
+        codes, zeros = packed_words(weight)
+        tensors = {"weight_packed": codes, "weight_scale": weight.scales.contiguous(),
                    "weight_shape": torch.tensor(weight.codes.shape, dtype=torch.int64)}
-        if weight.zeros is not None:
-            tensors["weight_zero_point"] = packing.pack(weight.zeros, weight.bits, dim=0, container=torch.int32)
+        if zeros is not None:
+            tensors["weight_zero_point"] = zeros
         return tensors
 
     def decode_linear(self, tensors: dict[str, torch.Tensor], linear: LinearShape) -> QuantizedWeight:
@@ -90,14 +90,8 @@ class CompressedTensorsBackend(PerLinearBackend):
         stated = tensors["weight_shape"].tolist()
         if stated != [linear.out_features, linear.in_features]:
             raise ValueError(f"weight_shape says {stated}, not [{linear.out_features}, {linear.in_features}]")
-        zero_point = tensors.get("weight_zero_point")
-        return QuantizedWeight(
-            codes=packing.unpack(tensors["weight_packed"], linear.bits, dim=1),
-            zeros=None if zero_point is None else packing.unpack(zero_point, linear.bits, dim=0),
-            scales=tensors["weight_scale"],
-            bits=linear.bits,
-            group_size=linear.effective_group_size,
-        )
+        return from_packed_words(tensors["weight_packed"], tensors.get("weight_zero_point"), tensors["weight_scale"],
+                                 linear)
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         return self.checkpoint_quantization_config(layer, None, [])

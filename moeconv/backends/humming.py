@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 
-from moeconv import packing
 from moeconv.backends.base import TensorSpec
-from moeconv.backends.per_linear import PerLinearBackend
+from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
 
 # Humming's pack kernels work on runs of 32 values (upstream asserts L % 32 == 0).
@@ -60,21 +59,14 @@ class HummingBackend(PerLinearBackend):
         return specs
 
     def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, torch.Tensor]:
-        tensors = {"weight": packing.pack(weight.codes, weight.bits, dim=1, container=torch.int32),
-                   "weight_scale": weight.scales.contiguous()}
-        if weight.zeros is not None:
-            tensors["zero_point"] = packing.pack(weight.zeros, weight.bits, dim=0, container=torch.int32)
+        codes, zeros = packed_words(weight)
+        tensors = {"weight": codes, "weight_scale": weight.scales.contiguous()}
+        if zeros is not None:
+            tensors["zero_point"] = zeros
         return tensors
 
     def decode_linear(self, tensors: dict[str, torch.Tensor], linear: LinearShape) -> QuantizedWeight:
-        zero_point = tensors.get("zero_point")
-        return QuantizedWeight(
-            codes=packing.unpack(tensors["weight"], linear.bits, dim=1),
-            zeros=None if zero_point is None else packing.unpack(zero_point, linear.bits, dim=0),
-            scales=tensors["weight_scale"],
-            bits=linear.bits,
-            group_size=linear.effective_group_size,
-        )
+        return from_packed_words(tensors["weight"], tensors.get("zero_point"), tensors["weight_scale"], linear)
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         """The weight schema as `HummingWeightSchema.from_config` reads it. Channel-wise is group size

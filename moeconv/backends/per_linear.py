@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from moeconv import packing
 from moeconv.backends.base import ExpertWeights, TensorSpec
-from moeconv.canonical import LinearShape, MoELayerShape
+from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
 from moeconv.models import PROJECTIONS
 
 
@@ -42,3 +43,19 @@ def projection_shapes(layer: MoELayerShape) -> tuple[LinearShape, LinearShape, L
 
     gate_up = linear(layer.intermediate, layer.hidden)
     return gate_up, gate_up, linear(layer.hidden, layer.intermediate)
+
+
+def packed_words(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The word layout both schemas use: codes packed along K into int32 (N, K·b/32), value j of each
+    word at bits [j·b, j·b + b); TRUE zero points packed along N the same way (N·b/32, G), or None."""
+    codes = packing.pack(weight.codes, weight.bits, dim=1, container=torch.int32)
+    zeros = None if weight.zeros is None else packing.pack(weight.zeros, weight.bits, dim=0, container=torch.int32)
+    return codes, zeros
+
+
+def from_packed_words(codes: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor,
+                      linear: LinearShape) -> QuantizedWeight:
+    """Inverse of `packed_words`."""
+    return QuantizedWeight(codes=packing.unpack(codes, linear.bits, dim=1),
+                           zeros=None if zeros is None else packing.unpack(zeros, linear.bits, dim=0),
+                           scales=scales, bits=linear.bits, group_size=linear.effective_group_size)
