@@ -6,6 +6,7 @@ interrupted run never leaves a folder that looks finished. The source is only ev
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ import torch
 from moeconv._version import __version__
 from moeconv.backends.base import ExpertWeights, converts_dense_linears
 from moeconv.canonical import MoELayerShape
-from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader
+from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader, read_header, same_bytes
 from moeconv.checkpoint.schema import is_plain_file_name
 from moeconv.checkpoint.writer import PrefixHasher, ShardWriter, sha256_file
 from moeconv.errors import MoeconvError
@@ -163,14 +164,53 @@ def job_identity(plan: Plan) -> dict[str, Any]:
         "regroup_factor": plan.regroup_factor,
         "format": plan.source_format.describe(),
         "source": plan.checkpoint.identity(),
-        # A source rewritten in place keeps its headers; its files' sizes and modification times do not.
-        "source_files": {path.name: _stat_fingerprint(path) for path in plan.checkpoint.files},
     }
 
 
-def _stat_fingerprint(path: Path) -> list[int]:
-    info = path.stat()
-    return [info.st_size, info.st_mtime_ns]
+def _converted_entries(shard) -> list[TensorEntry]:
+    """The source tensors a shard's converted units (experts, dense linears) were decoded from, in order."""
+    entries = []
+    for unit in shard.units:
+        if isinstance(unit, DenseLinear):
+            entries += list(unit.tensors.values())
+        elif isinstance(unit, MoELayer):
+            entries += [entry for expert in unit.experts for linear in expert.values() for entry in linear.values()]
+    return entries
+
+
+def _source_fingerprint(shard, fingerprints: dict[str, bytes]) -> str:
+    """One hash over the content hashes of the source tensors the shard's converted units read, taken
+    as they were read (pass-through tensors are copied in the kernel and checked against the output's
+    own bytes on resume instead)."""
+    digest = hashlib.sha256()
+    for entry in _converted_entries(shard):
+        digest.update(entry.name.encode() + b"\0" + fingerprints.pop(entry.name))
+    return digest.hexdigest()
+
+
+def _check_unchanged_source(plan: Plan, shard, staging: Path, journal: _Journal) -> None:
+    """A finished shard is kept only if the source it came from has not changed since: its converted
+    units' source tensors hash as recorded, and its pass-through tensors equal the output's bytes."""
+    changed = None
+    with TensorReader(fingerprints={}) as reader:
+        for entry in _converted_entries(shard):
+            reader.read(entry)
+        if _source_fingerprint(shard, reader.fingerprints) != journal.done[shard.file_name]["source"]:
+            changed = "a converted tensor"
+    if changed is None:
+        header, data_start, _ = read_header(staging / shard.file_name)
+        for unit in shard.units:
+            if isinstance(unit, PassThrough):
+                begin, end = header[unit.entry.name]["data_offsets"]
+                if not same_bytes(unit.entry.file, unit.entry.begin, staging / shard.file_name, data_start + begin,
+                                  unit.entry.nbytes):
+                    changed = unit.entry.name
+                    break
+    if changed is not None:
+        raise MoeconvError(f"{plan.checkpoint.root}: the source changed since the interrupted conversion "
+                           f"({changed} of {shard.file_name} differs); remove {staging} to start over")
+
+
 
 
 def convert(plan: Plan, output: Path, progress: Progress | None = None) -> ConvertReport:
@@ -190,13 +230,14 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None) -> Conve
             _check_free_space(plan, staging, journal)
             audits = Audits()
             try:
-                with TensorReader() as reader:
+                with TensorReader(fingerprints={}) as reader:
                     for shard in plan.shards:
                         if journal.is_done(shard.file_name):
+                            _check_unchanged_source(plan, shard, staging, journal)
                             advance(_source_bytes(shard))
                             continue
                         digest = _write_shard(plan, shard, staging / shard.file_name, reader, advance, audits)
-                        journal.mark_done(shard.file_name, digest)
+                        journal.mark_done(shard.file_name, digest, _source_fingerprint(shard, reader.fingerprints))
                 _write_metadata(plan, staging, journal.done)
             except MoeconvError:
                 shutil.rmtree(staging, ignore_errors=True)  # a refusal, not an interruption: nothing to resume
@@ -248,7 +289,8 @@ def _read_journal(path: Path) -> dict[str, Any] | None:
     done = recorded.get("done") if isinstance(recorded, dict) else None
     if not isinstance(done, dict) or not all(
             is_plain_file_name(name) and isinstance(info, dict) and isinstance(info.get("bytes"), int)
-            and isinstance(info.get("sha256"), str) for name, info in done.items()):
+            and isinstance(info.get("sha256"), str) and isinstance(info.get("source"), str)
+            for name, info in done.items()):
         return None
     return recorded
 
@@ -289,8 +331,10 @@ class _Journal:
     def is_done(self, name: str) -> bool:
         return name in self.done
 
-    def mark_done(self, name: str, sha256: str) -> None:
-        self.done[name] = {"bytes": (self.staging / name).stat().st_size, "sha256": sha256}
+    def mark_done(self, name: str, sha256: str, source: str) -> None:
+        """`source`: the fingerprint of the source tensors the shard was converted from (see
+        `_source_fingerprint`), so that a resume notices a source changed in between."""
+        self.done[name] = {"bytes": (self.staging / name).stat().st_size, "sha256": sha256, "source": source}
         self._save()
 
     def _save(self) -> None:

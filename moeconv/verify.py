@@ -23,7 +23,7 @@ from moeconv.audit import Audits
 from moeconv.backends import get_backend
 from moeconv.backends.base import ExpertWeights
 from moeconv.canonical import MoELayerShape
-from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader, open_checkpoint, read_json
+from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader, open_checkpoint, read_json, same_bytes
 from moeconv.checkpoint.schema import is_plain_file_name, section, weight_map
 from moeconv.errors import MoeconvError
 from moeconv.source import resolve_source
@@ -43,7 +43,6 @@ NUMERICS_TOLERANCE = 1e-2
 # layers: 1.3e-2 (H=128) to 3.0e-2 (H=4096, I=14336); 6e-2 leaves 2x room, and a layout mistake
 # still shows as an error of order 1.
 W8A8_NUMERICS_TOLERANCE = 6e-2  # also the x86 CPU kernel's W4A8 (int8 activations): measured 1.3e-2 to 2.3e-2
-_COMPARE_CHUNK = 16 * 1024 * 1024
 
 
 @dataclass
@@ -235,14 +234,7 @@ def _check_passthrough(plan: Plan, tensors: dict[str, TensorEntry]) -> tuple[lis
 
 
 def _same_bytes(a: TensorEntry, b: TensorEntry) -> bool:
-    if a.nbytes != b.nbytes:
-        return False
-    with open(a.file, "rb") as fa, open(b.file, "rb") as fb:
-        for offset in range(0, a.nbytes, _COMPARE_CHUNK):
-            length = min(_COMPARE_CHUNK, a.nbytes - offset)
-            if os.pread(fa.fileno(), length, a.begin + offset) != os.pread(fb.fileno(), length, b.begin + offset):
-                return False
-    return True
+    return a.nbytes == b.nbytes and same_bytes(a.file, a.begin, b.file, b.begin, a.nbytes)
 
 
 def _sampled(count: int, sample: int | None, generator: torch.Generator) -> list[int]:

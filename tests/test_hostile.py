@@ -425,10 +425,12 @@ def test_a_damaged_journal_starts_over_and_the_result_is_exact(pristine, tmp_pat
         assert (tmp_path / "out" / path.name).read_bytes() == path.read_bytes()
 
 
-def test_a_source_changed_after_an_interruption_refuses_to_resume(pristine, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("tensor", ["model.layers.1.mlp.experts.2.up_proj.qweight", "model.layers.1.input_layernorm.weight"])
+def test_a_source_changed_after_an_interruption_refuses_to_resume(pristine, tmp_path, capsys, monkeypatch, tensor):
+    """A converted tensor (hashed as it was read) or a pass-through one (compared with the output's
+    bytes) changed in place, same size and modification time: the resume refuses in one line."""
     source = _copy(pristine, tmp_path / "src")
     convert_module = importlib.import_module("moeconv.convert")  # the module, not the package's function
-
     real = convert_module._write_metadata
 
     def interrupted(*args):
@@ -438,12 +440,17 @@ def test_a_source_changed_after_an_interruption_refuses_to_resume(pristine, tmp_
     code, _, _ = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
     assert code == 3
     monkeypatch.setattr(convert_module, "_write_metadata", real)
-    shard = _shard(source)
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0xFF  # same size, same headers: only the bytes (and the modification time) change
-    shard.write_bytes(bytes(data))
+    entry = open_checkpoint(source).tensors[tensor]
+    times = entry.file.stat()
+    with open(entry.file, "r+b") as handle:
+        handle.seek(entry.begin)
+        first = handle.read(1)
+        handle.seek(entry.begin)
+        handle.write(bytes([first[0] ^ 0x01]))
+    os.utime(entry.file, ns=(times.st_atime_ns, times.st_mtime_ns))
     code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
-    assert code == 2 and "an unfinished conversion with a different source_files is there" in err, err
+    assert code == 2 and "the source changed since the interrupted conversion" in err, err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_hub_ids_the_hub_library_rejects(capsys, tmp_path):
@@ -504,3 +511,20 @@ def test_verify_progress_is_printed_as_lines_on_a_pipe(pristine, tmp_path, monke
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("verifying ")]
     assert lines and "(100%)" in lines[-1] and "/s, ETA" in lines[-1], done.stderr
+
+
+def test_a_read_only_parent_is_one_line_exit_2(pristine, tmp_path, capsys, monkeypatch):
+    """Root ignores permission bits, so the read-only filesystem is simulated: creating anything
+    beside the output fails with EROFS, as on a read-only mount."""
+    real_open = os.open
+
+    def read_only(path, flags, *args, **kwargs):
+        if str(path).startswith(str(tmp_path)) and flags & (os.O_CREAT | os.O_WRONLY | os.O_RDWR):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")
+    assert code == 2 and "cannot create files there (Read-only file system)" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -27,7 +27,7 @@ import torch
 
 from moeconv import packing
 from moeconv.backends.base import TensorSpec
-from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words
+from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words, per_rank_refusal
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
 # The compressed-tensors release vLLM 0.33 pins; the config below is what its QuantizationConfig reads.
@@ -46,12 +46,8 @@ class CompressedTensorsBackend(PerLinearBackend):
     targets = {"engine": "vllm==0.33.0", "compressed-tensors": "0.17.0 (QuantizationConfig)"}
 
     def refusal(self, layer: MoELayerShape) -> str | None:
-        if layer.intermediate % layer.tp:
-            return f"intermediate size {layer.intermediate} does not split over tp={layer.tp}"
-        shapes = (("hidden size", layer.hidden), ("intermediate size per rank", layer.intermediate_per_rank))
-        return next((reason for what, size in shapes if (reason := _refusal(what, size, layer.bits, layer.group_size,
-                                                                             layer.symmetric, layer.activation_bits))),
-                    None)
+        return per_rank_refusal(layer, lambda what, size: _refusal(what, size, layer.bits, layer.group_size,
+                                                                   layer.symmetric, layer.activation_bits))
 
     def linear_refusal(self, linear: LinearShape) -> str | None:
         return (_refusal("input size", linear.in_features, linear.bits, linear.group_size, linear.symmetric,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from moeconv.backends.base import TensorSpec
-from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words
+from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words, per_rank_refusal
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
 
 # Humming's pack kernels work on runs of 32 values (upstream asserts L % 32 == 0).
@@ -37,13 +37,8 @@ class HummingBackend(PerLinearBackend):
     targets = {"engine": "vllm==0.33.0 (quant_method humming)", "humming-kernels": "0.1.19"}
 
     def refusal(self, layer: MoELayerShape) -> str | None:
-        if layer.intermediate % layer.tp:
-            return f"intermediate size {layer.intermediate} does not split over tp={layer.tp}"
-        for what, size in (("hidden size", layer.hidden), ("intermediate size per rank", layer.intermediate_per_rank)):
-            reason = _pack_refusal(what, size) or _group_refusal(what, size, layer.group_size)
-            if reason:
-                return reason
-        return _bits_refusal(layer.bits)
+        return per_rank_refusal(layer, lambda what, size: _pack_refusal(what, size)
+                                or _group_refusal(what, size, layer.group_size)) or _bits_refusal(layer.bits)
 
     def linear_refusal(self, linear: LinearShape) -> str | None:
         return (_pack_refusal("output size", linear.out_features) or _pack_refusal("input size", linear.in_features)

@@ -35,6 +35,18 @@ class PerLinearBackend:
         return ExpertWeights(**decoded)
 
 
+def per_rank_refusal(layer: MoELayerShape, check) -> str | None:
+    """The tensor-parallel split, then `check(what, size)` for the two K's one rank holds (H for gate and
+    up, I / tp for down; the same sizes are the N's of the other GEMM)."""
+    if layer.intermediate % layer.tp:
+        return f"intermediate size {layer.intermediate} does not split over tp={layer.tp}"
+    for what, size in (("hidden size", layer.hidden), ("intermediate size per rank", layer.intermediate_per_rank)):
+        reason = check(what, size)
+        if reason:
+            return reason
+    return None
+
+
 def projection_shapes(layer: MoELayerShape) -> tuple[LinearShape, LinearShape, LinearShape]:
     """gate, up, down of one expert, as standalone linears (these schemas do not fuse them on disk)."""
     def linear(out_features: int, in_features: int) -> LinearShape:
