@@ -273,6 +273,7 @@ def _detection_notes(plan) -> list[str]:
     if detection is None:
         return []
     notes = [f"undecided: {what}; the config's value is used" for what in detection.undecided]
+    notes += [f"note: {note}" for note in getattr(plan.backend, "notes", lambda layer: [])(plan.layers[0].shape)]
     if detection.disagreements and plan.trust:
         notes += [f"following the {plan.trust} (--trust-{plan.trust}): {disagreement}"
                   for disagreement in detection.disagreements]

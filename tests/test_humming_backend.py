@@ -253,3 +253,17 @@ def test_verify_passes_and_a_flipped_expert_byte_fails(converted, tmp_path):
     _flip_byte(copy, name, expert=0, offset=5, mask=0x10)
     failures = verify(copy).failures()
     assert any("expert 2 gate: codes: 1 byte(s) differ" in failure for failure in failures), failures
+
+
+def test_asymmetric_sources_say_which_backend_stock_vllm_serves(tmp_path):
+    from helpers import synth as make
+
+    from moeconv.formats import GPTQ as Format
+
+    source = make(tmp_path / "src", source_format=Format(4, 32, sym=False))
+    result = cli("convert", source, "-o", tmp_path / "out", "--backend", "humming", "-q")
+    assert result.exit_code == 0
+    assert "use --backend compressed-tensors" in result.output
+    symmetric = make(tmp_path / "sym", source_format=Format(4, 32, sym=True))
+    result = cli("convert", symmetric, "-o", tmp_path / "out2", "--backend", "humming", "-q")
+    assert result.exit_code == 0 and "compressed-tensors" not in result.output

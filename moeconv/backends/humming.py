@@ -36,6 +36,13 @@ class HummingBackend(PerLinearBackend):
     layout_version = 1
     targets = {"engine": "vllm==0.33.0 (quant_method humming)", "humming-kernels": "0.1.19"}
 
+    def notes(self, layer: MoELayerShape) -> list[str]:
+        """What a user deploying this output should know (measured with `make test-engines`, 2026-12-01)."""
+        if layer.symmetric:
+            return []
+        return ["vLLM 0.33's loader refuses the expert zero_point of an asymmetric Humming checkpoint (Humming's "
+                "own loader reads it); to serve this source with stock vLLM use --backend compressed-tensors"]
+
     def refusal(self, layer: MoELayerShape) -> str | None:
         return per_rank_refusal(layer, lambda what, size: _pack_refusal(what, size)
                                 or _group_refusal(what, size, layer.group_size)) or _bits_refusal(layer.bits)
