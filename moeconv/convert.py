@@ -238,7 +238,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None) -> Conve
                             continue
                         digest = _write_shard(plan, shard, staging / shard.file_name, reader, advance, audits)
                         journal.mark_done(shard.file_name, digest, _source_fingerprint(shard, reader.fingerprints))
-                _write_metadata(plan, staging, journal.done)
+                _write_metadata(plan, staging, journal.files())
             except MoeconvError:
                 shutil.rmtree(staging, ignore_errors=True)  # a refusal, not an interruption: nothing to resume
                 raise
@@ -248,7 +248,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None) -> Conve
             staging.rename(output)
         except OSError as error:  # the filesystem's refusal: finished shards stay for a resume
             raise _space_error(error, output, plan.output_bytes) from None
-    return ConvertReport(output, plan.summary(), time.perf_counter() - started, journal.done,
+    return ConvertReport(output, plan.summary(), time.perf_counter() - started, journal.files(),
                          audits.report("suspicious_zero_slots"), audits.report("nonfinite_scales"), journal.reused,
                          peak_rss_mb())
 
@@ -327,6 +327,10 @@ class _Journal:
             staging.mkdir(parents=True)
         journal._save()
         return journal
+
+    def files(self) -> dict[str, dict[str, Any]]:
+        """Each finished shard's size and sha256, as the manifest records them."""
+        return {name: {"bytes": info["bytes"], "sha256": info["sha256"]} for name, info in self.done.items()}
 
     def is_done(self, name: str) -> bool:
         return name in self.done
