@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moeconv.checkpoint.schema import (DTYPE_SIZES, MAX_HEADER_BYTES, header_entries, open_regular, parse_json,
+from moeconv.checkpoint.schema import (MAX_HEADER_BYTES, header_entries, open_regular, parse_json,
                                        read_json_object, section, weight_map)
 from moeconv.errors import MoeconvError
 
