@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from moeconv.checkpoint.schema import (MAX_HEADER_BYTES, header_entries, open_regular, parse_json,
-                                       read_json_object, section, weight_map)
+from moeconv.checkpoint.schema import DTYPE_SIZES  # noqa: F401  (re-exported: writer, synth and backends use it)
+from moeconv.checkpoint.schema import (MAX_HEADER_BYTES, header_entries, open_regular, parse_json, read_json_object,
+                                       section, weight_map)
 from moeconv.errors import MoeconvError
 
 INDEX_NAME = "model.safetensors.index.json"
