@@ -4,7 +4,7 @@ For each model shape and token count it reports the whole layer's time (triton.t
 activation quantization included), the bytes of the int8 weights and scales of only the experts
 the routing selects, the bandwidth that implies against the device-to-device copy bandwidth
 measured in the same run, and the relative error against the float64 reference (which does not
-quantize activations: expect 1-3e-2, see verify.W8A8_NUMERICS_TOLERANCE). ``--smoke`` runs tiny
+quantize activations: expect 1-3e-2, see kernels/runners.W8A8_NUMERICS_TOLERANCE). ``--smoke`` runs tiny
 shapes on the CPU under Triton's interpreter, so the script cannot rot unnoticed.
 
     PYTHONPATH=. python benchmarks/bench_int8_kernel.py --json results.json

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
+from moeconv.backends import backend_help
 from moeconv.errors import MoeconvError
 
 app = typer.Typer(
@@ -156,10 +157,7 @@ def _audit_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
 def convert(
     source: str = typer.Argument(..., help=SOURCE_HELP),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder (must not exist, or be empty)."),
-    backend: str = typer.Option("triton", "--backend", "-b",
-                                help="Target layout: triton, humming, cpu, compressed-tensors (a normalised "
-                                     "checkpoint stock vLLM serves), or auto (the first of triton, humming, cpu "
-                                     "that fits, in the engines' order)."),
+    backend: str = typer.Option("triton", "--backend", "-b", help=backend_help()),
     max_shard_size: int = typer.Option("5GB", "--max-shard-size", parser=parse_size, metavar="SIZE",
                                        help="Most tensor bytes per output shard (as transformers counts), e.g. 5GB, 500MB."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and write nothing."),

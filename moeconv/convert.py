@@ -21,18 +21,14 @@ from typing import Any, Callable
 import torch
 
 from moeconv._version import __version__
-from moeconv.backends.base import ExpertWeights, converts_dense_linears
-from moeconv.canonical import MoELayerShape
-from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader, read_header, same_bytes
+from moeconv.audit import Audits
+from moeconv.checkpoint import manifest
+from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
+from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
 from moeconv.checkpoint.schema import is_plain_file_name
 from moeconv.checkpoint.writer import PrefixHasher, ShardWriter, sha256_file
 from moeconv.errors import MoeconvError
-from moeconv.audit import Audits, count as audit_counts
-from moeconv.models import PROJECTIONS
-from moeconv.plan import DenseLinear, MoELayer, PassThrough, Plan
-
-MANIFEST_NAME = "moeconv.json"
-QUANTIZE_CONFIG_NAME = "quantize_config.json"
+from moeconv.plan import OutputShard, Plan, SourceSlice
 # Source files that describe the source's quantization or weights: replaced, never copied.
 _NOT_COPIED = {"config.json", INDEX_NAME, QUANTIZE_CONFIG_NAME, "quant_config.json", MANIFEST_NAME}
 
@@ -62,27 +58,6 @@ class ConvertReport:
             "suspicious_zero_slots": self.suspicious_zero_slots,
             "nonfinite_scales": self.nonfinite_scales,
         }
-
-
-def output_quantization_config(plan: Plan) -> dict[str, Any]:
-    """What a loader needs: the expert layout, and the source's own config for everything else
-    (attention and shared experts keep the source format and pass through unchanged). A backend that
-    converts dense linears too writes the whole config in its own scheme; moeconv's fields then go
-    under "moeconv"."""
-    first = plan.layers[0].shape
-    if converts_dense_linears(plan.backend):
-        return {
-            **plan.backend.checkpoint_quantization_config(first, plan.model_dtype, plan.unquantized_modules()),
-            "moeconv": {"backend": plan.backend.name, "layout_version": plan.backend.layout_version,
-                        "source_quantization_config": plan.checkpoint.quantization_config},
-        }
-    return {
-        "quant_method": "moeconv",
-        "backend": plan.backend.name,
-        "layout_version": plan.backend.layout_version,
-        **plan.backend.quantization_config(first),
-        "source_quantization_config": plan.checkpoint.quantization_config,
-    }
 
 
 def resolved_output(output: Path) -> Path:
@@ -152,65 +127,42 @@ def _space_error(error: OSError, output: Path, needed: int) -> MoeconvError:
     return MoeconvError(f"{error.filename or output}: {error.strerror}")
 
 
-def job_identity(plan: Plan) -> dict[str, Any]:
-    """Everything that decides the output's bytes. A resumed run must match it exactly."""
-    return {
-        "tool_version": __version__,
-        "backend": plan.backend.name,
-        "layout_version": plan.backend.layout_version,
-        "max_shard_size": plan.max_shard_size,
-        "trust": plan.trust,
-        "tp": plan.tp,
-        "regroup_factor": plan.regroup_factor,
-        "format": plan.source_format.describe(),
-        "source": plan.checkpoint.identity(),
-    }
+def _converted_inputs(shard: OutputShard) -> list[SourceSlice]:
+    """The source slices the shard's conversion jobs (experts, dense linears) decode, in order."""
+    return [piece for job in shard.jobs if not job.copies for piece in job.inputs]
 
 
-def _converted_entries(shard) -> list[TensorEntry]:
-    """The source tensors a shard's converted units (experts, dense linears) were decoded from, in order."""
-    entries = []
-    for unit in shard.units:
-        if isinstance(unit, DenseLinear):
-            entries += list(unit.tensors.values())
-        elif isinstance(unit, MoELayer):
-            entries += [entry for expert in unit.experts for linear in expert.values() for entry in linear.values()]
-    return entries
-
-
-def _source_fingerprint(shard, fingerprints: dict[str, bytes]) -> str:
-    """One hash over the content hashes of the source tensors the shard's converted units read, taken
+def _source_fingerprint(shard: OutputShard, fingerprints: dict[str, bytes]) -> str:
+    """One hash over the content hashes of the source slices the shard's conversion jobs read, taken
     as they were read (pass-through tensors are copied in the kernel and checked against the output's
     own bytes on resume instead)."""
     digest = hashlib.sha256()
-    for entry in _converted_entries(shard):
-        digest.update(entry.name.encode() + b"\0" + fingerprints.pop(entry.name))
+    for piece in _converted_inputs(shard):
+        digest.update(piece.key.encode() + b"\0" + fingerprints.pop(piece.key))
     return digest.hexdigest()
 
 
-def _check_unchanged_source(plan: Plan, shard, staging: Path, journal: _Journal) -> None:
-    """A finished shard is kept only if the source it came from has not changed since: its converted
-    units' source tensors hash as recorded, and its pass-through tensors equal the output's bytes."""
+def _check_unchanged_source(plan: Plan, shard: OutputShard, staging: Path, journal: _Journal) -> None:
+    """A finished shard is kept only if the source it came from has not changed since: its conversion
+    jobs' source slices hash as recorded, and its pass-through tensors equal the output's bytes."""
     changed = None
     with TensorReader(fingerprints={}) as reader:
-        for entry in _converted_entries(shard):
-            reader.read(entry)
+        for piece in _converted_inputs(shard):
+            piece.read(reader)
         if _source_fingerprint(shard, reader.fingerprints) != journal.done[shard.file_name]["source"]:
             changed = "a converted tensor"
     if changed is None:
         header, data_start, _ = read_header(staging / shard.file_name)
-        for unit in shard.units:
-            if isinstance(unit, PassThrough):
-                begin, end = header[unit.entry.name]["data_offsets"]
-                if not same_bytes(unit.entry.file, unit.entry.begin, staging / shard.file_name, data_start + begin,
-                                  unit.entry.nbytes):
-                    changed = unit.entry.name
+        for job in shard.jobs:
+            if job.copies:
+                entry = job.source.entry
+                begin, _ = header[job.slot.tensor.name]["data_offsets"]
+                if not same_bytes(entry.file, entry.begin, staging / shard.file_name, data_start + begin, entry.nbytes):
+                    changed = entry.name
                     break
     if changed is not None:
         raise MoeconvError(f"{plan.checkpoint.root}: the source changed since the interrupted conversion "
                            f"({changed} of {shard.file_name} differs); remove {staging} to start over")
-
-
 
 
 def convert(plan: Plan, output: Path, progress: Progress | None = None) -> ConvertReport:
@@ -226,7 +178,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None) -> Conve
     with _exclusive(output):
         check_output_folder(output)  # again, under the lock: another writer may have finished it
         try:
-            journal = _Journal.open(staging, job_identity(plan))
+            journal = _Journal.open(staging, plan.identity())
             _check_free_space(plan, staging, journal)
             audits = Audits()
             try:
@@ -234,7 +186,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None) -> Conve
                     for shard in plan.shards:
                         if journal.is_done(shard.file_name):
                             _check_unchanged_source(plan, shard, staging, journal)
-                            advance(_source_bytes(shard))
+                            advance(shard.source_bytes)
                             continue
                         digest = _write_shard(plan, shard, staging / shard.file_name, reader, advance, audits)
                         journal.mark_done(shard.file_name, digest, _source_fingerprint(shard, reader.fingerprints))
@@ -273,10 +225,6 @@ def peak_rss_mb() -> float | None:
             return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
     except (OSError, StopIteration):
         return None
-
-
-def _source_bytes(shard) -> int:
-    return sum(unit.entry.nbytes if isinstance(unit, PassThrough) else unit.source_bytes for unit in shard.units)
 
 
 def _read_journal(path: Path) -> dict[str, Any] | None:
@@ -350,98 +298,50 @@ class _Journal:
         (self.staging / self.NAME).unlink()
 
 
-def _write_shard(plan: Plan, shard, path: Path, reader: TensorReader, advance: Progress,
+def _write_shard(plan: Plan, shard: OutputShard, path: Path, reader: TensorReader, advance: Progress,
                  audits: Audits) -> str:
-    """Writes the shard and returns its sha256. Written under a temporary name and renamed once
-    complete and flushed, so a shard file under its final name is always whole."""
+    """Writes the shard job by job and returns its sha256. Conversion jobs run on a few worker threads
+    (torch releases the GIL inside its ops) with a bounded window, so at most a few experts are in
+    memory at a time; results are written in job order, so the bytes do not depend on the scheduling.
+    Written under a temporary name and renamed once complete and flushed, so a shard file under its
+    final name is always whole."""
     metadata = {"format": "pt", "producer": f"moeconv {__version__}", "backend": plan.backend.name}
     temporary = path.with_name(path.name + ".partial")
-    tensors = [(t.name, t.dtype, t.shape) for t in shard.tensors]
-    with ShardWriter(temporary, tensors, metadata) as writer:
-        # Units are written in file order, so once one is done everything before its end is final.
+    codec = plan.codec
+
+    def run(job):
+        if job.copies:
+            return None
+        weights, counts = job.read_source(codec, reader)
+        return job.encode(codec, weights), counts
+
+    with ShardWriter(temporary, shard.tensors, metadata) as writer:
+        # Once job i is written, every byte before the first slot of a later job is final.
+        final = [writer.size] * (len(shard.jobs) + 1)
+        for index in range(len(shard.jobs) - 1, -1, -1):
+            first = min(writer.start_of(slot.tensor.name) + slot.offset for slot in shard.jobs[index].slots.values())
+            final[index] = min(final[index + 1], first)
         hasher = PrefixHasher(temporary)
         try:
-            for unit, names in zip(shard.units, _unit_names(plan, shard)):
-                if isinstance(unit, PassThrough):
-                    entry = unit.entry
-                    writer.copy_range(entry.name, entry.file, entry.begin, entry.end)
-                    advance(entry.nbytes)
-                elif isinstance(unit, DenseLinear):
-                    _write_dense_linear(plan, unit, writer, reader, audits)
-                    advance(unit.source_bytes)
+            for index, (job, result) in enumerate(zip(shard.jobs, _bounded_map(run, shard.jobs, WORKERS))):
+                if job.copies:
+                    entry = job.source.entry
+                    writer.copy_range(job.slot.tensor.name, entry.file, entry.begin, entry.end)
                 else:
-                    _write_layer(plan, unit, writer, reader, advance, audits)
-                hasher.advance(max(writer.end_of(name) for name in names))
+                    blocks, counts = result
+                    for name, found in counts:
+                        audits.record(name, found)
+                    for suffix, data in blocks.items():
+                        slot = job.slots[suffix]
+                        writer.write(slot.tensor.name, data, offset=slot.offset)
+                advance(sum(piece.nbytes for piece in job.inputs))
+                hasher.advance(final[index + 1])
         except BaseException:
             hasher.cancel()
             raise
         digest = hasher.finish(writer.size)
     os.replace(temporary, path)
     return digest
-
-
-def _unit_names(plan: Plan, shard) -> list[list[str]]:
-    """The output tensor names of each unit of the shard, in order."""
-    names = []
-    for unit in shard.units:
-        if isinstance(unit, PassThrough):
-            names.append([unit.entry.name])
-        elif isinstance(unit, DenseLinear):
-            names.append([tensor.name for tensor in plan.linear_tensors(unit)])
-        else:
-            names.append([tensor.name for tensor in plan.layer_tensors(unit)])
-    return names
-
-
-def _write_layer(plan: Plan, layer: MoELayer, writer: ShardWriter, reader: TensorReader, advance: Progress,
-                 audits: Audits) -> None:
-    """Expert by expert: decode from the source format, encode into the expert's slice of each
-    stacked tensor, write the slice at its offset. Experts are converted by a few worker threads
-    (torch releases the GIL inside its ops) with a bounded window, so at most a few experts are in
-    memory at a time and the output bytes do not depend on the scheduling."""
-    outputs = {tensor.name: tensor for tensor in plan.layer_tensors(layer)}
-    experts = layer.shape.experts
-
-    def convert_one(expert: dict[str, dict[str, TensorEntry]]):
-        return _convert_expert(plan, layer, expert, reader)
-
-    for index, (slices, counts) in enumerate(_bounded_map(convert_one, layer.experts, WORKERS)):
-        for name, found in counts:
-            audits.record(name, found)
-        slots = plan.expert_slots(layer, index)
-        for suffix, data in slices.items():
-            name, stacked = slots[suffix]
-            writer.write(name, data, offset=index * (outputs[name].nbytes // experts) if stacked else 0)
-        advance(sum(entry.nbytes for linear in layer.experts[index].values() for entry in linear.values()))
-
-
-def _write_dense_linear(plan: Plan, linear: DenseLinear, writer: ShardWriter, reader: TensorReader,
-                        audits: Audits) -> None:
-    tensors = {suffix: reader.read(entry) for suffix, entry in linear.tensors.items()}
-    weight = _decoded(plan, linear.tensors, tensors)
-    audits.record(linear.prefix, audit_counts(plan.source_format, tensors, weight))
-    for suffix, data in plan.backend.encode_linear(weight, linear.shape).items():
-        writer.write(f"{linear.prefix}.{suffix}", data)
-
-
-def _decoded(plan: Plan, entries: dict[str, TensorEntry], tensors: dict[str, torch.Tensor]):
-    """The canonical form of one source linear; a refusal names the file and the linear."""
-    try:
-        return plan.decode_linear(tensors)
-    except MoeconvError as error:
-        first = next(iter(entries.values()))
-        raise MoeconvError(f"{first.file}: {first.name.rsplit('.', 1)[0]}: {error}") from None
-
-
-def _convert_expert(plan: Plan, layer: MoELayer, expert: dict[str, dict[str, TensorEntry]], reader: TensorReader):
-    """One expert's backend slices, and (linear name, audit counts) of its source linears."""
-    decoded, counts = {}, []
-    for projection, linear in expert.items():
-        tensors = {suffix: reader.read(entry) for suffix, entry in linear.items()}
-        decoded[projection] = _decoded(plan, linear, tensors)
-        counts.append((next(iter(linear.values())).name.rsplit(".", 1)[0],
-                       audit_counts(plan.source_format, tensors, decoded[projection])))
-    return plan.backend.encode_expert(ExpertWeights(**decoded), layer.shape), counts
 
 
 def _bounded_map(function, items, workers: int):
@@ -471,7 +371,7 @@ def _write_metadata(plan: Plan, staging: Path, files: dict[str, dict[str, Any]])
     source = plan.checkpoint
     weight_map = {tensor.name: shard.file_name for shard in plan.shards for tensor in shard.tensors}
     _dump(staging / INDEX_NAME, {"metadata": {"total_size": plan.output_bytes}, "weight_map": weight_map})
-    quantization = output_quantization_config(plan)
+    quantization = plan.quantization_config()
     config = dict(source.config)
     config["quantization_config"] = quantization
     _dump(staging / "config.json", config)
@@ -481,48 +381,7 @@ def _write_metadata(plan: Plan, staging: Path, files: dict[str, dict[str, Any]])
         if path.is_file() and path.suffix != ".safetensors" and path.name not in _NOT_COPIED:
             shutil.copy2(path, staging / path.name)
             copied.append(path.name)
-    _dump(staging / MANIFEST_NAME, {
-        "tool": "moeconv",
-        "tool_version": __version__,
-        "backend": plan.backend.name,
-        "layout_version": plan.backend.layout_version,
-        "targets": getattr(plan.backend, "targets", {}),
-        "arguments": job_identity(plan),
-        "source": {**source.identity(), "files": [path.name for path in source.files]},
-        "format": plan.source_format.describe(),
-        "files": files,
-        "copied_files": copied,
-        "tensors": _tensor_sources(plan),
-    })
-
-
-def _tensor_sources(plan: Plan) -> dict[str, dict[str, Any]]:
-    sources: dict[str, dict[str, Any]] = {}
-    for shard in plan.shards:
-        for unit in shard.units:
-            transform = f"{plan.source_format.method}->{plan.backend.name}"
-            if isinstance(unit, PassThrough):
-                sources[unit.entry.name] = {"transform": "copy", "sources": [unit.entry.name]}
-            elif isinstance(unit, DenseLinear):
-                names = [entry.name for entry in unit.tensors.values()]
-                sources.update({t.name: {"transform": transform, "sources": names} for t in plan.linear_tensors(unit)})
-            else:
-                for e, expert in enumerate(unit.experts):
-                    for suffix, (name, _) in plan.expert_slots(unit, e).items():
-                        entry = sources.setdefault(name, {"transform": transform, "sources": []})
-                        entry["sources"] += [source.name for projection in _source_projections(suffix, unit.shape)
-                                             for source in expert[projection].values()]
-    return sources
-
-
-def _source_projections(suffix: str, shape: MoELayerShape) -> tuple[str, ...]:
-    """The source projections a backend tensor derives from: the one it is named after, else (stacked
-    layouts) gate and up for a fused w13 tensor and down for a w2 one."""
-    named = dict(zip(shape.projection_names, PROJECTIONS))
-    first = suffix.split(".", 1)[0]
-    if first in named:
-        return (named[first],)
-    return ("gate", "up") if suffix.startswith("w13") else ("down",)
+    _dump(staging / MANIFEST_NAME, manifest.build(plan, files, copied))
 
 
 def _dump(path: Path, data: dict[str, Any]) -> None:

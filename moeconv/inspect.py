@@ -6,10 +6,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from moeconv.backends import REGISTRY as BACKENDS
+from moeconv.backends import all_backends
 from moeconv.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
 from moeconv.audit import Audits, count as audit_counts
-from moeconv.formats.base import FLOAT_DTYPES
+from moeconv.spec import FLOAT_DTYPES
 from moeconv.models import architecture_from_config
 from moeconv.plan import detect_format, eligibility, find_moe_layers
 
@@ -45,7 +45,7 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
         "tensors": len(checkpoint.tensors),
         "shards": [{"file": path.name, "bytes": path.stat().st_size} for path in checkpoint.files],
         "tp": tp,
-        "backends": {name: _verdict(backend, layers) for name, backend in BACKENDS.items()},
+        "backends": {name: _verdict(backend, layers) for name, backend in all_backends().items()},
     }
     audits = _audit(source_format, layers)
     for kind in Audits.KINDS:

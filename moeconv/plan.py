@@ -1,10 +1,11 @@
 """What goes where, computed from headers and configs (plus a small sample of expert tensors, read
 only to check the config's format against the data: detect.py).
 
-The plan names every output tensor with its shape and dtype, says where its bytes come from (a raw
-byte range of a source shard, or one MoE layer's experts re-encoded by the backend) and which output
-shard it lands in. Every check that can be made before writing is made here, so `convert` either
-refuses up front or runs to the end.
+The plan resolves everything up front into a work list: per output shard, the tensors in file
+order and the jobs that write them. A job says where its bytes come from (source slices) and where
+they go (output slots: tensor, byte offset, the source tensors they derive from); `convert` and
+`verify` only iterate jobs. Every check that can be made before writing is made here, so `convert`
+either refuses up front or runs to the end.
 """
 
 from __future__ import annotations
@@ -12,20 +13,24 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from math import prod
 from pathlib import Path
 from typing import Any, NamedTuple, Union
 
 import torch
 
-from moeconv.backends import REGISTRY, Backend, get_backend
-from moeconv.backends.base import TensorSpec, converts_dense_linears
+from moeconv._version import __version__
+from moeconv.audit import count as audit_counts
+from moeconv.backends import all_backends, auto_order, get_backend
+from moeconv.backends.base import Backend
+from moeconv.backends.base import ExpertWeights, converts_dense_linears
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, regroup
-from moeconv.checkpoint.reader import DTYPE_SIZES, Checkpoint, TensorEntry, _product, open_checkpoint
-from moeconv.errors import MoeconvError
+from moeconv.checkpoint.reader import Checkpoint, TensorEntry, TensorReader, open_checkpoint
 from moeconv.detect import Detection, detect, sample_linears
+from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat, format_from_config
-from moeconv.formats.base import FLOAT_DTYPES
 from moeconv.models import PROJECTIONS, Architecture, architecture_from_config
+from moeconv.spec import DTYPE_SIZES, FLOAT_DTYPES, TensorSpec
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3
 
@@ -44,11 +49,6 @@ class MoELayer:
 
 
 @dataclass(frozen=True)
-class PassThrough:
-    entry: TensorEntry
-
-
-@dataclass(frozen=True)
 class DenseLinear:
     """A quantized linear outside the routed experts (attention, shared experts, dense MLPs), converted
     by backends that convert dense linears: tensors[suffix] -> source tensor."""
@@ -57,42 +57,167 @@ class DenseLinear:
     tensors: dict[str, TensorEntry]
     shape: LinearShape
 
-    @property
-    def source_bytes(self) -> int:
-        return sum(entry.nbytes for entry in self.tensors.values())
 
-
-class ExpertSlot(NamedTuple):
-    """Where one expert's slice of a backend tensor lives: a stacked tensor (dim 0 the expert) or a
-    tensor of its own."""
-
-    name: str
-    stacked: bool
+# The work list. Every output byte is written by exactly one job; a job names where its bytes come
+# from (source slices) and where they go (output slots), so `convert` and `verify` only iterate jobs
+# and the manifest is written from the same objects.
 
 
 @dataclass(frozen=True)
-class OutputTensor:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
+class SourceSlice:
+    """Where a job's input bytes are: a stored tensor, or one expert's block (dim 0) of a tensor that
+    stacks experts on disk."""
+
+    entry: TensorEntry
+    expert: int | None = None
+
+    @property
+    def key(self) -> str:
+        return self.entry.name if self.expert is None else f"{self.entry.name}[{self.expert}]"
 
     @property
     def nbytes(self) -> int:
-        return DTYPE_SIZES[self.dtype] * _product(self.shape)
+        return self.entry.nbytes if self.expert is None else self.entry.nbytes // self.entry.shape[0]
+
+    def read(self, reader: TensorReader) -> torch.Tensor:
+        return reader.read(self.entry) if self.expert is None else reader.read_index(self.entry, self.expert)
 
 
-Unit = Union[PassThrough, MoELayer, DenseLinear]
+@dataclass(frozen=True)
+class OutputSlot:
+    """Where a job's output bytes go: `offset` bytes into output tensor `tensor`, a block of `shape`
+    (the whole tensor, or one expert's slice of a stacked one), made from the source tensors `sources`."""
+
+    tensor: TensorSpec
+    offset: int
+    shape: tuple[int, ...]
+    sources: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return DTYPE_SIZES[self.tensor.dtype] * prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """The two readings a conversion job applies: the source format's decoder (after any lossless
+    regrouping) and the backend's encoder, and their inverses for verify."""
+
+    source_format: SourceFormat
+    backend: Backend
+    regroup_factor: int = 1  # group size divided by this (scales and zeros repeated): lossless
+
+    def decode_source(self, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
+        """One source linear in the canonical form the plan writes."""
+        return regroup(self.source_format.decode(tensors), self.regroup_factor)
+
+
+Audit = tuple[str, dict[str, int]]  # (source linear, audit counts)
+
+
+@dataclass(frozen=True)
+class CopyJob:
+    """A tensor that passes through: its bytes are copied as they are."""
+
+    source: SourceSlice
+    slot: OutputSlot
+    copies = True
+
+    @property
+    def inputs(self) -> tuple[SourceSlice, ...]:
+        return (self.source,)
+
+    @property
+    def slots(self) -> dict[str, OutputSlot]:
+        return {"": self.slot}
+
+
+@dataclass(frozen=True)
+class LinearJob:
+    """One dense quantized linear, re-encoded by a backend that converts dense linears."""
+
+    prefix: str
+    shape: LinearShape
+    sources: dict[str, SourceSlice]  # by source suffix
+    slots: dict[str, OutputSlot]  # by backend suffix
+    copies = False
+
+    @property
+    def inputs(self) -> tuple[SourceSlice, ...]:
+        return tuple(self.sources.values())
+
+    def read_source(self, codec: Codec, reader: TensorReader) -> tuple[dict[str, QuantizedWeight], list[Audit]]:
+        """The canonical weight (keyed "linear"), and the audit counts of its source tensors."""
+        tensors = {suffix: piece.read(reader) for suffix, piece in self.sources.items()}
+        weight = _decoded(codec, self.sources, tensors)
+        return {"linear": weight}, [(self.prefix, audit_counts(codec.source_format, tensors, weight))]
+
+    def encode(self, codec: Codec, weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
+        return codec.backend.encode_linear(weights["linear"], self.shape)
+
+    def decode(self, codec: Codec, blocks: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+        return {"linear": codec.backend.decode_linear(blocks, self.shape)}
+
+
+@dataclass(frozen=True)
+class ExpertJob:
+    """One routed expert of one MoE layer: its three projections decoded, its slice of every backend
+    tensor of the layer encoded."""
+
+    module: str
+    expert: int
+    shape: MoELayerShape
+    sources: dict[str, dict[str, SourceSlice]]  # projection -> source suffix -> slice
+    slots: dict[str, OutputSlot]  # by backend suffix
+    copies = False
+
+    @property
+    def inputs(self) -> tuple[SourceSlice, ...]:
+        return tuple(piece for linear in self.sources.values() for piece in linear.values())
+
+    def read_source(self, codec: Codec, reader: TensorReader) -> tuple[dict[str, QuantizedWeight], list[Audit]]:
+        """The canonical gate, up and down, and the audit counts of their source tensors."""
+        weights, audits = {}, []
+        for projection, linear in self.sources.items():
+            tensors = {suffix: piece.read(reader) for suffix, piece in linear.items()}
+            weights[projection] = _decoded(codec, linear, tensors)
+            name = next(iter(linear.values())).key.rsplit(".", 1)[0]
+            audits.append((name, audit_counts(codec.source_format, tensors, weights[projection])))
+        return weights, audits
+
+    def encode(self, codec: Codec, weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
+        return codec.backend.encode_expert(ExpertWeights(**weights), self.shape)
+
+    def decode(self, codec: Codec, blocks: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+        return codec.backend.decode_expert(blocks, self.shape)._asdict()
+
+
+Job = Union[CopyJob, LinearJob, ExpertJob]
+ConvertJob = Union[LinearJob, ExpertJob]
+
+
+def _decoded(codec: Codec, sources: dict[str, SourceSlice], tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
+    """The canonical form of one source linear; a refusal names the file and the linear."""
+    try:
+        return codec.decode_source(tensors)
+    except MoeconvError as error:
+        first = next(iter(sources.values())).entry
+        raise MoeconvError(f"{first.file}: {first.name.rsplit('.', 1)[0]}: {error}") from None
 
 
 @dataclass(frozen=True)
 class OutputShard:
     file_name: str
-    units: tuple[Unit, ...]
-    tensors: tuple[OutputTensor, ...]
+    tensors: tuple[TensorSpec, ...]  # in file order
+    jobs: tuple[Job, ...]  # in write order
 
     @property
     def nbytes(self) -> int:
         return sum(tensor.nbytes for tensor in self.tensors)
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(piece.nbytes for job in self.jobs for piece in job.inputs)
 
 
 @dataclass(frozen=True)
@@ -110,41 +235,25 @@ class Plan:
     tp: int = 1
     skipped_backends: tuple[tuple[str, str], ...] = ()  # --backend auto: (name, why not)
 
-    def decode_linear(self, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
-        """One source linear in the canonical form this plan writes (after any regrouping)."""
-        return regroup(self.source_format.decode(tensors), self.regroup_factor)
-
-    def layer_tensors(self, layer: MoELayer) -> list[OutputTensor]:
-        tensors = []
-        for spec in self.backend.layer_tensors(layer.shape):
-            experts = range(layer.shape.experts) if spec.per_expert else (None,)
-            tensors += [OutputTensor(self._slot(layer, spec, e).name, spec.dtype, spec.shape) for e in experts]
-        return tensors
-
-    def expert_slots(self, layer: MoELayer, expert: int) -> dict[str, ExpertSlot]:
-        """suffix -> where expert `expert`'s slice of that backend tensor goes."""
-        return {spec.suffix: self._slot(layer, spec, expert) for spec in self.backend.layer_tensors(layer.shape)}
-
-    @staticmethod
-    def _slot(layer: MoELayer, spec: TensorSpec, expert: int | None) -> ExpertSlot:
-        if spec.per_expert:
-            return ExpertSlot(f"{layer.module}.{expert}.{spec.suffix}", stacked=False)
-        return ExpertSlot(f"{layer.module}.{spec.suffix}", stacked=True)
-
-    def linear_tensors(self, linear: DenseLinear) -> list[OutputTensor]:
-        return [OutputTensor(f"{linear.prefix}.{spec.suffix}", spec.dtype, spec.shape)
-                for spec in self.backend.linear_tensors(linear.shape)]
+    @property
+    def codec(self) -> Codec:
+        return Codec(self.source_format, self.backend, self.regroup_factor)
 
     @property
-    def dense_linears(self) -> list[DenseLinear]:
-        return [unit for shard in self.shards for unit in shard.units if isinstance(unit, DenseLinear)]
+    def jobs(self) -> list[Job]:
+        return [job for shard in self.shards for job in shard.jobs]
+
+    def expert_jobs(self, layer: MoELayer) -> list[ExpertJob]:
+        """The layer's jobs, indexed by expert."""
+        return sorted((job for job in self.jobs if isinstance(job, ExpertJob) and job.module == layer.module),
+                      key=lambda job: job.expert)
 
     def unquantized_modules(self) -> list[str]:
         """Modules whose 2-D float `weight` passes through: the linears a whole-checkpoint scheme must
         be told to leave in float (embeddings are listed too; a loader only asks about linears)."""
-        return sorted((unit.entry.name.removesuffix(".weight") for shard in self.shards for unit in shard.units
-                       if isinstance(unit, PassThrough) and unit.entry.name.endswith(".weight")
-                       and len(unit.entry.shape) == 2 and unit.entry.dtype in FLOAT_DTYPES), key=_natural_key)
+        entries = [job.source.entry for job in self.jobs if isinstance(job, CopyJob)]
+        return sorted((entry.name.removesuffix(".weight") for entry in entries if entry.name.endswith(".weight")
+                       and len(entry.shape) == 2 and entry.dtype in FLOAT_DTYPES), key=_natural_key)
 
     @property
     def model_dtype(self) -> str | None:
@@ -158,6 +267,40 @@ class Plan:
     @property
     def source_expert_bytes(self) -> int:
         return sum(layer.source_bytes for layer in self.layers)
+
+    def quantization_config(self) -> dict[str, Any]:
+        """What a loader needs: the expert layout, and the source's own config for everything else
+        (attention and shared experts keep the source format and pass through unchanged). A backend that
+        converts dense linears too writes the whole config in its own scheme; moeconv's fields then go
+        under "moeconv"."""
+        first = self.layers[0].shape
+        if converts_dense_linears(self.backend):
+            return {
+                **self.backend.checkpoint_quantization_config(first, self.model_dtype, self.unquantized_modules()),
+                "moeconv": {"backend": self.backend.name, "layout_version": self.backend.layout_version,
+                            "source_quantization_config": self.checkpoint.quantization_config},
+            }
+        return {
+            "quant_method": "moeconv",
+            "backend": self.backend.name,
+            "layout_version": self.backend.layout_version,
+            **self.backend.quantization_config(first),
+            "source_quantization_config": self.checkpoint.quantization_config,
+        }
+
+    def identity(self) -> dict[str, Any]:
+        """Everything that decides the output's bytes. A resumed run must match it exactly."""
+        return {
+            "tool_version": __version__,
+            "backend": self.backend.name,
+            "layout_version": self.backend.layout_version,
+            "max_shard_size": self.max_shard_size,
+            "trust": self.trust,
+            "tp": self.tp,
+            "regroup_factor": self.regroup_factor,
+            "format": self.source_format.describe(),
+            "source": self.checkpoint.identity(),
+        }
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -354,8 +497,6 @@ def _ranges(values: list[int]) -> str:
     return f"{values[0]}..{values[-1]}" if values == list(range(values[0], values[-1] + 1)) else str(values[:8])
 
 
-# The order in which the engines' MoE oracles try backends; `--backend auto` takes the first that fits.
-BACKEND_PRIORITY = ("triton", "humming", "cpu")
 MIN_REGROUPED_GROUP_SIZE = 32
 
 
@@ -389,20 +530,17 @@ def choose_backend(name: str, layers: list[MoELayer], allow_regroup: bool) -> tu
         backend = get_backend(name)
         factor, reason = eligibility(backend, layers, allow_regroup)
         if reason:
-            eligible = [other for other, candidate in REGISTRY.items()
+            eligible = [other for other, candidate in all_backends().items()
                         if eligibility(candidate, layers, allow_regroup)[1] is None]
             others = f"; backends that take it: {', '.join(eligible)}" if eligible else ""
             raise MoeconvError(f"backend {name!r} does not support this checkpoint: {reason}{others}")
         return backend, factor, ()
     skipped = []
-    for candidate in BACKEND_PRIORITY:
-        if candidate not in REGISTRY:
-            skipped.append((candidate, "not available in this version of moeconv"))
-            continue
-        factor, reason = eligibility(REGISTRY[candidate], layers, allow_regroup)
+    for candidate in auto_order():
+        factor, reason = eligibility(candidate, layers, allow_regroup)
         if reason is None:
-            return REGISTRY[candidate], factor, tuple(skipped)
-        skipped.append((candidate, reason))
+            return candidate, factor, tuple(skipped)
+        skipped.append((candidate.name, reason))
     raise MoeconvError("no backend takes this checkpoint: " + "; ".join(f"{n}: {r}" for n, r in skipped))
 
 
@@ -427,35 +565,77 @@ def make_plan(source: Path | Checkpoint, backend: str = "triton", max_shard_size
                   for layer in layers]
     expert_names = {entry.name for layer in layers for expert in layer.experts
                     for linear in expert.values() for entry in linear.values()}
-    units: list[tuple[str, Unit]] = [(layer.module, layer) for layer in layers]
+    units: list[tuple[str, Unit]] = [(layer.module, _layer_unit(target, layer)) for layer in layers]
     others = [name for name in checkpoint.tensors if name not in expert_names]
     if converts_dense_linears(target):
         linears = find_dense_linears(checkpoint, source_format, target, others, factor)
-        units += [(linear.prefix, linear) for linear in linears]
+        units += [(linear.prefix, _single(_linear_job(target, linear))) for linear in linears]
         converted = {entry.name for linear in linears for entry in linear.tensors.values()}
         others = [name for name in others if name not in converted]
-    units += [(name, PassThrough(checkpoint.tensors[name])) for name in others]
+    units += [(name, _single(_copy_job(checkpoint.tensors[name]))) for name in others]
     units.sort(key=lambda item: _natural_key(item[0]))
-    plan = Plan(checkpoint, architecture, source_format, target, tuple(layers), (), max_shard_size, trust,
+    shards = _assign_shards([unit for _, unit in units], max_shard_size)
+    return Plan(checkpoint, architecture, source_format, target, tuple(layers), shards, max_shard_size, trust,
                 detection, factor, tp, skipped)
-    return replace(plan, shards=_assign_shards(plan, [unit for _, unit in units], max_shard_size))
 
 
-def _unit_tensors(plan: Plan, unit: Unit) -> list[OutputTensor]:
-    if isinstance(unit, PassThrough):
-        return [OutputTensor(unit.entry.name, unit.entry.dtype, unit.entry.shape)]
-    if isinstance(unit, DenseLinear):
-        return plan.linear_tensors(unit)
-    return plan.layer_tensors(unit)
+class Unit(NamedTuple):
+    """Jobs that must share a shard (a layer's experts fill the same stacked tensors), and the output
+    tensors they write, in file order."""
+
+    jobs: list[Job]
+    tensors: list[TensorSpec]
 
 
-def _assign_shards(plan: Plan, units: list[Unit], max_shard_size: int) -> tuple[OutputShard, ...]:
-    """Greedy, in name order. A layer's stacked tensors stay together; a unit larger than the limit
-    gets a shard of its own (as transformers does for a tensor larger than max_shard_size)."""
+def _single(job: Job) -> Unit:
+    return Unit([job], [slot.tensor for slot in job.slots.values()])
+
+
+def _copy_job(entry: TensorEntry) -> CopyJob:
+    tensor = TensorSpec(entry.name, entry.shape, entry.dtype)
+    return CopyJob(SourceSlice(entry), OutputSlot(tensor, 0, entry.shape, (entry.name,)))
+
+
+def _linear_job(backend: Backend, linear: DenseLinear) -> LinearJob:
+    names = tuple(entry.name for entry in linear.tensors.values())
+    slots = {spec.name: OutputSlot(spec.renamed(f"{linear.prefix}.{spec.name}"), 0, spec.shape, names)
+             for spec in backend.linear_tensors(linear.shape)}
+    return LinearJob(linear.prefix, linear.shape, {suffix: SourceSlice(entry) for suffix, entry in linear.tensors.items()},
+                     slots)
+
+
+def _layer_unit(backend: Backend, layer: MoELayer) -> Unit:
+    """One job per expert. A stacked backend tensor gets one slot per expert (the e-th block of its
+    bytes); a per-expert tensor is the whole of expert e's own tensor."""
+    specs = backend.layer_tensors(layer.shape)
+    experts = range(layer.shape.experts)
+    tensors = {(spec.name, e): spec.renamed(f"{layer.module}.{e}.{spec.name}") if spec.per_expert
+               else spec.renamed(f"{layer.module}.{spec.name}")
+               for spec in specs for e in (experts if spec.per_expert else (None,))}
+    jobs: list[Job] = []
+    for e, expert in enumerate(layer.experts):
+        slots = {}
+        for spec in specs:
+            sources = tuple(entry.name for projection in spec.derives_from for entry in expert[projection].values())
+            if spec.per_expert:
+                slots[spec.name] = OutputSlot(tensors[spec.name, e], 0, spec.shape, sources)
+            else:
+                tensor = tensors[spec.name, None]
+                slots[spec.name] = OutputSlot(tensor, e * (tensor.nbytes // len(experts)), spec.shape[1:], sources)
+        sources = {projection: {suffix: SourceSlice(entry) for suffix, entry in linear.items()}
+                   for projection, linear in expert.items()}
+        jobs.append(ExpertJob(layer.module, e, layer.shape, sources, slots))
+    return Unit(jobs, list(tensors.values()))
+
+
+def _assign_shards(units: list[Unit], max_shard_size: int) -> tuple[OutputShard, ...]:
+    """Greedy, in name order. A unit (a layer's jobs, a linear, a pass-through tensor) stays in one
+    shard, since its jobs share stacked tensors; a unit larger than the limit gets a shard of its own
+    (as transformers does for a tensor larger than max_shard_size)."""
     groups: list[list[Unit]] = [[]]
     size = 0
     for unit in units:
-        unit_bytes = sum(tensor.nbytes for tensor in _unit_tensors(plan, unit))
+        unit_bytes = sum(tensor.nbytes for tensor in unit.tensors)
         if groups[-1] and size + unit_bytes > max_shard_size:
             groups.append([])
             size = 0
@@ -465,8 +645,8 @@ def _assign_shards(plan: Plan, units: list[Unit], max_shard_size: int) -> tuple[
     return tuple(
         OutputShard(
             file_name=f"model-{index + 1:05d}-of-{count:05d}.safetensors",
-            units=tuple(group),
-            tensors=tuple(tensor for unit in group for tensor in _unit_tensors(plan, unit)),
+            tensors=tuple(tensor for unit in group for tensor in unit.tensors),
+            jobs=tuple(job for unit in group for job in unit.jobs),
         )
         for index, group in enumerate(groups)
     )

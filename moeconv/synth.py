@@ -19,10 +19,10 @@ from typing import Any, Callable
 import torch
 
 from moeconv.canonical import QuantizedWeight
-from moeconv.checkpoint.reader import DTYPE_SIZES, SAFETENSORS_DTYPES, _product
 from moeconv.checkpoint.writer import ShardWriter
 from moeconv.formats import GPTQ, SourceFormat
 from moeconv.formats.base import effective_group_size
+from moeconv.spec import SAFETENSORS_DTYPES, TensorSpec
 
 EDGE_GROUP_FRACTION = 0.08  # share of groups pushed to one sign (zero point 0 or 2^b − 1)
 
@@ -78,7 +78,7 @@ class SynthSpec:
 
 
 # A unit is what one call produces: (declared tensors, producer of their values).
-_Unit = tuple[list[tuple[str, str, tuple[int, ...]]], Callable[[], dict[str, torch.Tensor]]]
+_Unit = tuple[list[TensorSpec], Callable[[], dict[str, torch.Tensor]]]
 
 
 class _Builder:
@@ -97,12 +97,12 @@ class _Builder:
             value = torch.ones(shape) if ones else torch.randn(shape, generator=self._generator(name)) * 0.02
             return {name: value.to(dtype)}
 
-        self.units.append(([(name, SAFETENSORS_DTYPES[dtype], shape)], make))
+        self.units.append(([TensorSpec(name, shape, SAFETENSORS_DTYPES[dtype])], make))
 
     def quantized(self, prefix: str, out_features: int, in_features: int) -> None:
         fmt = self.spec.source_format
         declared = [
-            (f"{prefix}.{suffix}", tensor.dtype or self.float_code, tensor.shape)
+            TensorSpec(f"{prefix}.{suffix}", tensor.shape, tensor.dtype or self.float_code)
             for suffix, tensor in fmt.expected(out_features, in_features).items()
             if suffix in fmt.suffixes() or suffix in _WRITTEN_OPTIONAL[fmt.method]
         ]
@@ -197,7 +197,7 @@ def make_checkpoint(path: Path, spec: SynthSpec = SynthSpec(), max_shard_size: i
     shards: list[list[_Unit]] = [[]]
     size = 0
     for unit in builder.units:
-        unit_bytes = sum(DTYPE_SIZES[dtype] * _product(shape) for _, dtype, shape in unit[0])
+        unit_bytes = sum(tensor.nbytes for tensor in unit[0])
         if shards[-1] and size + unit_bytes > max_shard_size:
             shards.append([])
             size = 0
@@ -211,9 +211,9 @@ def make_checkpoint(path: Path, spec: SynthSpec = SynthSpec(), max_shard_size: i
             for _, make in units:
                 for name, tensor in make().items():
                     writer.write(name, tensor)
-        for name, dtype, shape in declared:
-            weight_map[name] = file_name
-            total += DTYPE_SIZES[dtype] * _product(shape)
+        for tensor in declared:
+            weight_map[tensor.name] = file_name
+            total += tensor.nbytes
     _write_json(path / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
     _write_json(path / "config.json", config)
     if spec.source_format.method == "gptq":

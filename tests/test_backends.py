@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moeconv.backends import REGISTRY
+from moeconv.backends import REGISTRY, all_backends, get_backend
 from moeconv.backends.base import ExpertWeights
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import TORCH_DTYPES
@@ -30,7 +30,7 @@ SIZES = [(64, 32), (128, 64), (64, 64)]  # (hidden, intermediate); (64, 64) with
 @pytest.mark.parametrize("source", SOURCES, ids=lambda s: "-".join(map(str, s.describe().values())))
 @given(data=st.data(), size=st.sampled_from(SIZES), scale_dtype=st.sampled_from([torch.float16, torch.bfloat16]))
 def test_round_trip_through_every_backend(backend_name, source, data, size, scale_dtype):
-    backend = REGISTRY[backend_name]
+    backend = get_backend(backend_name)
     hidden, intermediate = size
     shape = MoELayerShape(experts=2, hidden=hidden, intermediate=intermediate, bits=source.bits,
                           group_size=source.group_size, symmetric=source.symmetric,
@@ -41,7 +41,7 @@ def test_round_trip_through_every_backend(backend_name, source, data, size, scal
     expert = ExpertWeights(*(data.draw(decoded_linears(source, n, k, scale_dtype))
                              for n, k in ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))))
     slices = backend.encode_expert(expert, shape)
-    specs = {spec.suffix: spec for spec in backend.layer_tensors(shape)}
+    specs = {spec.name: spec for spec in backend.layer_tensors(shape)}
     assert set(slices) == set(specs)
     for suffix, tensor in slices.items():
         spec = specs[suffix]
@@ -54,7 +54,7 @@ def test_round_trip_through_every_backend(backend_name, source, data, size, scal
 
 def test_every_backend_takes_some_source():
     """A backend that refused every case above would make its round trip vacuous."""
-    for name, backend in REGISTRY.items():
+    for name, backend in all_backends().items():
         taken = [s for s in SOURCES if backend.refusal(MoELayerShape(2, 128, 64, s.bits, s.group_size, s.symmetric,
                                                                      "F16", s.activation_bits)) is None]
         assert len(taken) >= 4, (name, taken)
@@ -68,7 +68,7 @@ def test_every_output_records_what_it_targets(tmp_path):
     from moeconv.synth import SynthSpec, make_checkpoint
 
     source = make_checkpoint(tmp_path / "src", SynthSpec())
-    for name, backend in REGISTRY.items():
+    for name, backend in all_backends().items():
         assert backend.targets.get("engine"), name
         moeconv.convert(source, tmp_path / name, backend=name)
         assert json.loads((tmp_path / name / "moeconv.json").read_text())["targets"] == backend.targets

@@ -99,7 +99,7 @@ def test_output_folder_not_empty(monkeypatch, capsys, tmp_path, source):
 def test_unknown_backend_lists_the_choices(monkeypatch, capsys, tmp_path, source):
     code, _, err = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "out", "--backend", "marlin")
     assert code == 2
-    assert "backend 'marlin' is not available; expected one of compressed-tensors, cpu, humming, triton or auto" in err
+    assert "backend 'marlin' is not available; expected one of triton, humming, cpu, compressed-tensors or auto" in err
 
 
 def test_not_a_quantized_checkpoint(monkeypatch, capsys, tmp_path, source):

@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from moeconv.backends import TritonBackend
+from moeconv.backends.triton import TritonBackend
 from moeconv.backends.base import ExpertWeights
 from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.errors import MoeconvError
 from moeconv.formats import CompressedTensors, format_from_config
 from moeconv.kernels import (GemmConfig, align_tokens_to_experts, int8_fused_moe, int8_moe_gemm, quantize_per_token,
                              random_routing, reference_fused_moe, relative_error)
-from moeconv.verify import W8A8_NUMERICS_TOLERANCE
+from moeconv.kernels.runners import W8A8_NUMERICS_TOLERANCE
 
 from helpers import cli, synth
 from strategies import quantized_weights
@@ -189,7 +189,7 @@ def test_triton_w8a8_hand_checked_bytes():
     assert slices["w2_weight"].tolist() == [[-128, 127], [0, 1], [-121, -120], [72, -28]]
     assert slices["w13_weight_scale"].dtype == torch.float32
     assert slices["w13_weight_scale"].flatten().tolist() == [1 / 64, 2 / 64, 1 / 64, 2 / 64]
-    specs = {spec.suffix: (spec.shape, spec.dtype) for spec in TritonBackend().layer_tensors(layer)}
+    specs = {spec.name: (spec.shape, spec.dtype) for spec in TritonBackend().layer_tensors(layer)}
     assert specs == {"w13_weight": ((1, 4, 4), "I8"), "w13_weight_scale": ((1, 4, 1), "F32"),
                      "w2_weight": ((1, 4, 2), "I8"), "w2_weight_scale": ((1, 4, 1), "F32")}
     decoded = TritonBackend().decode_expert(slices, layer)

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from moeconv.backends import CpuBackend
+from moeconv.backends.cpu import CpuBackend
 from moeconv.backends.base import ExpertWeights
 from moeconv.backends.cpu import block_int4, vnni_suffixes
 from moeconv.canonical import MoELayerShape, QuantizedWeight
@@ -27,7 +27,8 @@ from moeconv.kernels import random_routing, reference_fused_moe, relative_error
 from moeconv.kernels.cpu_reference import blocked_linear, cpu_fused_moe, quantize_rows, vnni_linear
 from moeconv.plan import make_plan
 from moeconv.synth import SynthSpec, make_checkpoint, quantize, random_weight
-from moeconv.verify import W8A8_NUMERICS_TOLERANCE, verify
+from moeconv.kernels.runners import W8A8_NUMERICS_TOLERANCE
+from moeconv.verify import verify
 
 from strategies import decoded_linears
 
@@ -126,7 +127,7 @@ def test_round_trip_through_the_source_format(source, data):
                           symmetric=source.symmetric, scale_dtype="F16" if scale_dtype == torch.float16 else "BF16")
     assert backend.refusal(shape) is None
     slices = backend.encode_expert(expert, shape)
-    specs = {spec.suffix: spec for spec in backend.layer_tensors(shape)}
+    specs = {spec.name: spec for spec in backend.layer_tensors(shape)}
     assert {suffix: tuple(tensor.shape) for suffix, tensor in slices.items()} == \
         {suffix: spec.shape[1:] for suffix, spec in specs.items()}
     decoded = backend.decode_expert(slices, shape)
@@ -306,7 +307,7 @@ def test_int8_hand_checked_bytes():
     assert up_compensation == [0x00, 0x00, 0xF8, 0xFF, 0x00, 0xF0, 0x07, 0x00, 0, 0, 0, 0]  # −524288, 520192, 0
     assert slices["w13_weight_scale"].dtype == torch.float32
     assert slices["w13_weight_scale"].flatten().tolist() == [n / 64 for n in range(1, 33)] * 2
-    specs = {spec.suffix: (spec.shape, spec.dtype) for spec in backend.layer_tensors(shape)}
+    specs = {spec.name: (spec.shape, spec.dtype) for spec in backend.layer_tensors(shape)}
     assert specs == {"w13_vnni_weight": ((1, 64, 36), "I8"), "w13_weight_scale": ((1, 64, 1), "F32"),
                      "w2_vnni_weight": ((1, 32, 36), "I8"), "w2_weight_scale": ((1, 32, 1), "F32")}
     config = backend.quantization_config(shape)
@@ -334,7 +335,7 @@ def test_int8_round_trip_through_the_source_format(data):
     assert backend.refusal(shape) is None
     slices = backend.encode_expert(expert, shape)
     assert {suffix: tuple(tensor.shape) for suffix, tensor in slices.items()} == \
-        {spec.suffix: spec.shape[1:] for spec in backend.layer_tensors(shape)}
+        {spec.name: spec.shape[1:] for spec in backend.layer_tensors(shape)}
     decoded = backend.decode_expert(slices, shape)
     for projection in ("gate", "up", "down"):
         assert getattr(decoded, projection).mismatch(getattr(expert, projection)) is None
@@ -439,10 +440,10 @@ def test_converted_experts_decode_to_the_source(converted):
         for layer in plan.layers:
             stacked = {}
             for spec in backend.layer_tensors(layer.shape):
-                entry = entries[f"{layer.module}.{spec.suffix}"]
+                entry = entries[f"{layer.module}.{spec.name}"]
                 assert (entry.dtype, entry.shape) == (spec.dtype, spec.shape)
                 with safe_open(str(entry.file), framework="pt") as handle:
-                    stacked[spec.suffix] = handle.get_tensor(entry.name)
+                    stacked[spec.name] = handle.get_tensor(entry.name)
             for e, expert in enumerate(layer.experts):
                 decoded = backend.decode_expert({suffix: tensor[e] for suffix, tensor in stacked.items()}, layer.shape)
                 for projection, linear in expert.items():

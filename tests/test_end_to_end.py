@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moeconv.backends import TritonBackend
+from moeconv.backends.triton import TritonBackend
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.checkpoint.writer import sha256_file
 from moeconv.formats import AWQ, GPTQ
@@ -66,7 +66,7 @@ def test_convert_round_trip(tmp_path, architecture, naming, source_format):
     with TensorReader() as reader:
         for layer in plan.layers:
             for e, expert in enumerate(layer.experts):
-                slices = {spec.suffix: converted[f"{layer.module}.{spec.suffix}"][e]
+                slices = {spec.name: converted[f"{layer.module}.{spec.name}"][e]
                           for spec in backend.layer_tensors(layer.shape)}
                 decoded = backend.decode_expert(slices, layer.shape)
                 for projection, linear in expert.items():
@@ -81,7 +81,7 @@ def test_convert_round_trip(tmp_path, architecture, naming, source_format):
             original = reader.read(plan.checkpoint.tensors[name])
             assert original.dtype == converted[name].dtype
             assert torch.equal(original.reshape(-1).view(torch.uint8), converted[name].reshape(-1).view(torch.uint8))
-    assert set(converted) == passthrough | {f"{m}.{s.suffix}" for m, layer in layers.items()
+    assert set(converted) == passthrough | {f"{m}.{s.name}" for m, layer in layers.items()
                                             for s in backend.layer_tensors(layer.shape)}
 
     # Index, shards, manifest and configs agree.

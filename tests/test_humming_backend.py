@@ -13,13 +13,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from moeconv.backends import HummingBackend, humming
+from moeconv.backends import humming
+from moeconv.backends.humming import HummingBackend
 from moeconv.backends.base import ExpertWeights
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
 from moeconv.checkpoint.reader import TensorReader
 from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.formats.compressed_tensors import INT_QUANTIZED
-from moeconv.plan import make_plan
+from moeconv.plan import LinearJob, make_plan
 from moeconv.synth import SynthSpec, make_checkpoint, quantize, random_weight
 from moeconv.verify import verify
 
@@ -102,7 +103,7 @@ def test_round_trip_through_the_source_format(source, data):
                           activation_bits=source.activation_bits, projection_names=("w1", "w3", "w2"))
     assert backend.refusal(shape) is None
     slices = backend.encode_expert(expert, shape)
-    specs = {spec.suffix: spec for spec in backend.layer_tensors(shape)}
+    specs = {spec.name: spec for spec in backend.layer_tensors(shape)}
     assert all(spec.per_expert for spec in specs.values())
     assert {suffix: tuple(t.shape) for suffix, t in slices.items()} == {s: spec.shape for s, spec in specs.items()}
     assert {suffix: t.dtype for suffix, t in slices.items() if not suffix.endswith("scale")} == \
@@ -190,18 +191,19 @@ def test_every_linear_decodes_to_the_source_and_the_rest_is_byte_identical(conve
         for layer in plan.layers:
             shape = layer.shape
             for e, expert in enumerate(layer.experts):
-                slices = {spec.suffix: tensors[f"{layer.module}.{e}.{spec.suffix}"]
+                slices = {spec.name: tensors[f"{layer.module}.{e}.{spec.name}"]
                           for spec in backend.layer_tensors(shape)}
                 written |= {f"{layer.module}.{e}.{suffix}" for suffix in slices}
                 decoded = backend.decode_expert(slices, shape)
                 for projection, linear in expert.items():
                     expected = plan.source_format.decode({s: reader.read(entry) for s, entry in linear.items()})
                     assert getattr(decoded, projection).mismatch(expected) is None
-        assert plan.dense_linears
-        for linear in plan.dense_linears:
-            own = {spec.suffix: tensors[f"{linear.prefix}.{spec.suffix}"] for spec in backend.linear_tensors(linear.shape)}
+        linears = [job for job in plan.jobs if isinstance(job, LinearJob)]
+        assert linears
+        for linear in linears:
+            own = {spec.name: tensors[f"{linear.prefix}.{spec.name}"] for spec in backend.linear_tensors(linear.shape)}
             written |= {f"{linear.prefix}.{suffix}" for suffix in own}
-            expected = plan.source_format.decode({s: reader.read(entry) for s, entry in linear.tensors.items()})
+            expected = plan.source_format.decode({s: piece.read(reader) for s, piece in linear.sources.items()})
             assert backend.decode_linear(own, linear.shape).mismatch(expected) is None
         passthrough = set(tensors) - written
         for name in passthrough:

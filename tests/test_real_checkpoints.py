@@ -29,7 +29,6 @@ from safetensors.torch import load_file
 import moeconv
 from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.plan import make_plan
-from moeconv.verify import _read_expert_slices
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.synth import SynthSpec, make_checkpoint
 
@@ -143,7 +142,7 @@ def _assert_plan_reads_truth(source: Path, truth: dict[str, torch.Tensor], trust
             for expert in layer.experts:
                 for linear in expert.values():
                     prefix = next(iter(linear.values())).name.rsplit(".", 1)[0]
-                    weight = plan.decode_linear({s: reader.read(e) for s, e in linear.items()})
+                    weight = plan.codec.decode_source({s: reader.read(e) for s, e in linear.items()})
                     assert torch.equal(weight.codes, truth[f"{prefix}.codes"]), prefix
                     assert torch.equal(weight.effective_zeros(), truth[f"{prefix}.zeros"]), prefix
                     assert torch.equal(weight.scales.view(torch.int16), truth[f"{prefix}.scales"].view(torch.int16))
@@ -159,10 +158,10 @@ def _output_zeros(output: Path) -> dict[str, torch.Tensor]:
     found = {}
     with TensorReader() as reader:
         for layer in plan.layers:
-            outputs = {t.name: converted.tensors[t.name] for t in plan.layer_tensors(layer)}
-            for e, expert in enumerate(layer.experts):
-                slices = _read_expert_slices(plan, layer, outputs, [e], reader)
-                decoded = plan.backend.decode_expert({k: v[0] for k, v in slices.items()}, layer.shape)
+            for job, expert in zip(plan.expert_jobs(layer), layer.experts):
+                slices = {suffix: reader.read_slice(converted.tensors[slot.tensor.name], slot.offset, slot.shape)
+                          for suffix, slot in job.slots.items()}
+                decoded = plan.backend.decode_expert(slices, layer.shape)
                 for projection, linear in expert.items():
                     prefix = next(iter(linear.values())).name.rsplit(".", 1)[0]
                     found[prefix] = getattr(decoded, projection).effective_zeros()

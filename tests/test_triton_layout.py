@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moeconv.backends import TritonBackend
+from moeconv.backends.triton import TritonBackend
 from moeconv.backends.base import ExpertWeights
 from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.formats import AWQ, GPTQ
@@ -89,7 +89,7 @@ def test_round_trip_through_the_source_format(source, data):
                           scale_dtype="F16" if scale_dtype == torch.float16 else "BF16")
     assert backend.refusal(shape) is None
     slices = backend.encode_expert(expert, shape)
-    specs = {spec.suffix: spec for spec in backend.layer_tensors(shape)}
+    specs = {spec.name: spec for spec in backend.layer_tensors(shape)}
     assert set(slices) == set(specs)
     for suffix, tensor in slices.items():
         assert tuple(tensor.shape) == specs[suffix].shape[1:], suffix

@@ -13,7 +13,8 @@ from moeconv.convert import convert
 from moeconv.errors import MoeconvError
 from moeconv.plan import make_plan
 from moeconv.synth import SynthSpec, make_checkpoint
-from moeconv.verify import NUMERICS_TOLERANCE, verify
+from moeconv.kernels.runners import NUMERICS_TOLERANCE
+from moeconv.verify import verify
 
 from helpers import cli
 

@@ -1,27 +1,74 @@
 """Target layouts: one module per serving kernel's layout, each encoding one expert's canonical
 weights into its slice of the layer's stacked tensors and decoding them back.
 
-Backends map tensors to tensors; they know nothing of files, source formats or each other.
+Backends map tensors to tensors; they know nothing of files, source formats or each other. The
+registry is a plain table: adding a backend is one module and one entry here. Entries name their
+class rather than import it, so the CLI builds its `--backend` help without importing torch.
 """
 
 from __future__ import annotations
 
-from moeconv.backends.base import Backend, TensorSpec
-from moeconv.backends.compressed_tensors import CompressedTensorsBackend
-from moeconv.backends.cpu import CpuBackend
-from moeconv.backends.humming import HummingBackend
-from moeconv.backends.triton import TritonBackend
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 from moeconv.errors import MoeconvError
 
-REGISTRY: dict[str, Backend] = {backend.name: backend for backend in (TritonBackend(), HummingBackend(), CpuBackend(),
-                                                                     CompressedTensorsBackend())}
+if TYPE_CHECKING:
+    from moeconv.backends.base import Backend
+
+
+@dataclass
+class BackendEntry:
+    """A registered backend: where its class lives ("module:Class"), its help line, and its place in
+    `--backend auto` (the order the engines' MoE oracles try their kernels; None: only when named)."""
+
+    target: str
+    summary: str
+    auto_priority: int | None = None
+    _loaded: Backend | None = field(default=None, repr=False)
+
+    def load(self) -> Backend:
+        if self._loaded is None:
+            module, _, name = self.target.partition(":")
+            self._loaded = getattr(importlib.import_module(module), name)()
+        return self._loaded
+
+
+REGISTRY: dict[str, BackendEntry] = {
+    "triton": BackendEntry("moeconv.backends.triton:TritonBackend",
+                           "stacked tensors of vLLM's Triton fused-MoE kernels (moe_wna16, W8A8)", 0),
+    "humming": BackendEntry("moeconv.backends.humming:HummingBackend",
+                            "per-expert Humming schema (quant_method humming; symmetric sources)", 1),
+    "cpu": BackendEntry("moeconv.backends.cpu:CpuBackend",
+                        "x86 CPU kernels' blocked INT4 (W4A8) and VNNI INT8 layouts", 2),
+    "compressed-tensors": BackendEntry("moeconv.backends.compressed_tensors:CompressedTensorsBackend",
+                                       "a normalised compressed-tensors checkpoint stock vLLM serves"),
+}
 
 
 def get_backend(name: str) -> Backend:
     if name not in REGISTRY:
-        raise MoeconvError(f"backend {name!r} is not available; expected one of {', '.join(sorted(REGISTRY))} "
-                           f"or auto")
-    return REGISTRY[name]
+        raise MoeconvError(f"backend {name!r} is not available; expected one of {', '.join(REGISTRY)} or auto")
+    return REGISTRY[name].load()
 
 
-__all__ = ["Backend", "CompressedTensorsBackend", "CpuBackend", "HummingBackend", "REGISTRY", "TensorSpec", "TritonBackend", "get_backend"]
+def all_backends() -> dict[str, Backend]:
+    return {name: entry.load() for name, entry in REGISTRY.items()}
+
+
+def auto_order() -> list[Backend]:
+    """The backends `--backend auto` tries, first to last."""
+    ranked = sorted((entry.auto_priority, name) for name, entry in REGISTRY.items() if entry.auto_priority is not None)
+    return [get_backend(name) for _, name in ranked]
+
+
+def backend_help() -> str:
+    """The CLI's `--backend` help, from the registry."""
+    auto = [name for _, name in sorted((entry.auto_priority, name) for name, entry in REGISTRY.items()
+                                       if entry.auto_priority is not None)]
+    choices = "; ".join(f"{name}: {entry.summary}" for name, entry in REGISTRY.items())
+    return f"Target layout. {choices}; auto: the first of {', '.join(auto)} that fits."
+
+
+__all__ = ["BackendEntry", "REGISTRY", "all_backends", "auto_order", "backend_help", "get_backend"]

@@ -7,18 +7,11 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
+from moeconv.spec import TensorSpec
 
 
-class TensorSpec(NamedTuple):
-    """An output tensor's suffix (appended to the experts module path), shape and safetensors dtype.
-
-    per_expert: one tensor per expert, named `<module>.<e>.<suffix>` and shaped like ONE expert's
-    slice (no expert dim); otherwise one tensor stacked over experts, dim 0 the expert."""
-
-    suffix: str
-    shape: tuple[int, ...]
-    dtype: str
-    per_expert: bool = False
+# The two GEMMs of a fused MoE layer and the canonical projections each is made of (gate rows first).
+FUSED_GEMMS = {"w13": ("gate", "up"), "w2": ("down",)}
 
 
 class ExpertWeights(NamedTuple):
@@ -27,10 +20,20 @@ class ExpertWeights(NamedTuple):
     down: QuantizedWeight
 
 
+class Numerics(NamedTuple):
+    """How `verify` checks a backend's numerics: the reference kernel that computes the fused MoE (a key
+    of moeconv.kernels.runners.LAYER_KERNELS), reading the backend's own tensors, or (`layout`) those of
+    the named backend the output is re-encoded into through the canonical form."""
+
+    kernel: str
+    layout: str | None = None
+
+
 class Backend(Protocol):
     name: str
     layout_version: int
     targets: dict[str, str]  # the engine and kernel-package versions the output is for
+    numerics: Numerics
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         """Why this backend cannot take the layer, or None if it can."""

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from moeconv import packing
-from moeconv.backends.base import TensorSpec
+from moeconv.spec import TensorSpec
 from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words, per_rank_refusal
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 

@@ -41,9 +41,10 @@ from typing import Any, NamedTuple
 import torch
 
 from moeconv import packing
-from moeconv.backends.base import ExpertWeights, TensorSpec
+from moeconv.backends.base import FUSED_GEMMS, ExpertWeights, Numerics
+from moeconv.spec import TensorSpec
 from moeconv.canonical import MoELayerShape, QuantizedWeight, coarsen, regroup
-from moeconv.checkpoint.reader import TORCH_DTYPES
+from moeconv.spec import TORCH_DTYPES
 
 BLOCK_N = 32  # output channels per block: two 16-channel halves of one AVX-512 register each
 MAX_BLOCK_K = 128
@@ -103,6 +104,7 @@ class CpuBackend:
 
     name = "cpu"
     layout_version = 2  # 2: one group size per layer (the kernel derives it from w13)
+    numerics = Numerics("cpu")
     targets = {"kernel": "vLLM 0.33.0 CPUExpertsInt4 / CPUExpertsInt8 (sgl-kernel x86 layouts)",
                "engine": "none yet: stock vLLM 0.33 repacks at load and has no loader for these (plugin planned)"}
 
@@ -159,9 +161,10 @@ class Int4BlockedLayout:
             names = blocked_suffixes(prefix)
             block_bytes = block_k * BLOCK_N // 2 + COMPENSATION_BYTES
             specs += [
-                TensorSpec(names.qweight, (*blocks, in_features // block_k, block_bytes), "U8"),
-                TensorSpec(names.scales, (*blocks, in_features // g, BLOCK_N), "F32"),
-                TensorSpec(names.zeros, (*blocks, in_features // g, BLOCK_N), "I8"),
+                TensorSpec(names.qweight, (*blocks, in_features // block_k, block_bytes), "U8",
+                           derives_from=FUSED_GEMMS[prefix]),
+                TensorSpec(names.scales, (*blocks, in_features // g, BLOCK_N), "F32", derives_from=FUSED_GEMMS[prefix]),
+                TensorSpec(names.zeros, (*blocks, in_features // g, BLOCK_N), "I8", derives_from=FUSED_GEMMS[prefix]),
             ]
         return specs
 
@@ -217,8 +220,9 @@ class Int8VnniLayout:
         for prefix, out_features, in_features in _gemms(layer):
             names = vnni_suffixes(prefix)
             row_bytes = in_features + COMPENSATION_BYTES_PER_ROW
-            specs += [TensorSpec(names.weight, (layer.experts, out_features, row_bytes), "I8"),
-                      TensorSpec(names.scale, (layer.experts, out_features, 1), "F32")]
+            specs += [TensorSpec(names.weight, (layer.experts, out_features, row_bytes), "I8",
+                                 derives_from=FUSED_GEMMS[prefix]),
+                      TensorSpec(names.scale, (layer.experts, out_features, 1), "F32", derives_from=FUSED_GEMMS[prefix])]
         return specs
 
     def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:

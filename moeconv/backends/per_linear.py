@@ -8,17 +8,21 @@ from __future__ import annotations
 import torch
 
 from moeconv import packing
-from moeconv.backends.base import ExpertWeights, TensorSpec
+from moeconv.backends.base import ExpertWeights, Numerics
+from moeconv.spec import TensorSpec
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
 from moeconv.models import PROJECTIONS
 
 
 class PerLinearBackend:
     converts_dense_linears = True
+    # The engines' kernels for these schemas compute the same GEMMs as the Triton kernel on the stacked
+    # layout, so verify re-encodes the output into that layout through the canonical form.
+    numerics = Numerics("triton", layout="triton")
 
     def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:
-        return [spec._replace(suffix=f"{name}.{spec.suffix}", per_expert=True)
-                for name, linear in zip(layer.projection_names, projection_shapes(layer))
+        return [spec._replace(name=f"{name}.{spec.name}", per_expert=True, derives_from=(projection,))
+                for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer))
                 for spec in self.linear_tensors(linear)]
 
     def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:

@@ -20,14 +20,16 @@ from typing import Any
 import torch
 
 from moeconv import packing
-from moeconv.backends.base import ExpertWeights, TensorSpec
+from moeconv.backends.base import FUSED_GEMMS, ExpertWeights, Numerics
+from moeconv.spec import TensorSpec
 from moeconv.canonical import MoELayerShape, QuantizedWeight, is_channelwise
-from moeconv.checkpoint.reader import TORCH_DTYPES
+from moeconv.spec import TORCH_DTYPES
 
 
 class TritonBackend:
     name = "triton"
     layout_version = 1
+    numerics = Numerics("triton")
     targets = {"kernel": "vLLM 0.33.0 TritonWNA16Experts / TritonExperts layouts",
                "engine": "none yet: stock vLLM 0.33 has no loader for stacked experts (a moeconv plugin is planned)"}
 
@@ -58,10 +60,14 @@ class TritonBackend:
         ):
             groups = in_features // layer.group_size_for(in_features)
             e = layer.experts
-            specs.append(TensorSpec(f"{prefix}_qweight", (e, out_features, in_features // per_byte), "U8"))
-            specs.append(TensorSpec(f"{prefix}_scales", (e, out_features, groups), layer.scale_dtype))
+            made_of = FUSED_GEMMS[prefix]
+            specs.append(TensorSpec(f"{prefix}_qweight", (e, out_features, in_features // per_byte), "U8",
+                                    derives_from=made_of))
+            specs.append(TensorSpec(f"{prefix}_scales", (e, out_features, groups), layer.scale_dtype,
+                                    derives_from=made_of))
             if not layer.symmetric:
-                specs.append(TensorSpec(f"{prefix}_qzeros", (e, out_features // per_byte, groups), "U8"))
+                specs.append(TensorSpec(f"{prefix}_qzeros", (e, out_features // per_byte, groups), "U8",
+                                        derives_from=made_of))
         return specs
 
     def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
@@ -134,10 +140,10 @@ def _int8_refusal(layer: MoELayerShape) -> str | None:
 def _int8_layer_tensors(layer: MoELayerShape) -> list[TensorSpec]:
     e, h, i = layer.experts, layer.hidden, layer.intermediate
     return [
-        TensorSpec("w13_weight", (e, 2 * i, h), "I8"),
-        TensorSpec("w13_weight_scale", (e, 2 * i, 1), "F32"),
-        TensorSpec("w2_weight", (e, h, i), "I8"),
-        TensorSpec("w2_weight_scale", (e, h, 1), "F32"),
+        TensorSpec("w13_weight", (e, 2 * i, h), "I8", derives_from=FUSED_GEMMS["w13"]),
+        TensorSpec("w13_weight_scale", (e, 2 * i, 1), "F32", derives_from=FUSED_GEMMS["w13"]),
+        TensorSpec("w2_weight", (e, h, i), "I8", derives_from=FUSED_GEMMS["w2"]),
+        TensorSpec("w2_weight_scale", (e, h, 1), "F32", derives_from=FUSED_GEMMS["w2"]),
     ]
 
 

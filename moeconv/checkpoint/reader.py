@@ -15,21 +15,18 @@ import re
 import struct
 import threading
 from dataclasses import dataclass, field
+from math import prod
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from moeconv.checkpoint.schema import DTYPE_SIZES  # noqa: F401  (re-exported: writer, synth and backends use it)
 from moeconv.checkpoint.schema import (MAX_HEADER_BYTES, header_entries, open_regular, parse_json, read_json_object,
                                        section, weight_map)
 from moeconv.errors import MoeconvError
+from moeconv.spec import DTYPE_SIZES, TORCH_DTYPES
 
 INDEX_NAME = "model.safetensors.index.json"
-TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-                "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-                "BOOL": torch.bool}
-SAFETENSORS_DTYPES = {torch_dtype: code for code, torch_dtype in TORCH_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -97,13 +94,6 @@ def _entries(path: Path, digest: Any) -> dict[str, TensorEntry]:
     header, data_start, file_size = read_header(path, digest)
     return {name: TensorEntry(name, path, dtype, shape, data_start + begin, data_start + end)
             for name, dtype, shape, begin, end in header_entries(header, path, file_size - data_start)}
-
-
-def _product(shape: tuple[int, ...]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total
 
 
 def _quantization_config(root: Path, config: dict[str, Any]) -> dict[str, Any]:
@@ -238,9 +228,18 @@ class TensorReader:
         return tensor
 
     def read_index(self, entry: TensorEntry, index: int) -> torch.Tensor:
-        """entry[index] along dim 0 (one expert of a stacked tensor)."""
-        row_bytes = entry.nbytes // entry.shape[0]
-        return self._read(entry, entry.begin + index * row_bytes, row_bytes, entry.shape[1:])
+        """entry[index] along dim 0 (one expert of a stacked tensor), fingerprinted as `name[index]`."""
+        tensor = self.read_slice(entry, index * (entry.nbytes // entry.shape[0]), entry.shape[1:])
+        if self.fingerprints is not None:
+            self.fingerprints[f"{entry.name}[{index}]"] = fingerprint(tensor)
+        return tensor
+
+    def read_slice(self, entry: TensorEntry, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """The `shape`-shaped block of `entry`'s dtype that starts `offset` bytes into its data."""
+        length = DTYPE_SIZES[entry.dtype] * prod(shape)
+        if offset < 0 or offset + length > entry.nbytes:
+            raise MoeconvError(f"{entry.file}: tensor {entry.name} has no {list(shape)} block at byte {offset}")
+        return self._read(entry, entry.begin + offset, length, shape)
 
     def close(self) -> None:
         for fd in self._files.values():

@@ -15,10 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from moeconv.errors import MoeconvError
+from moeconv.spec import DTYPE_SIZES
 
-# The safetensors spec's dtypes and their sizes in bytes.
-DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
-               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 MAX_JSON_BYTES = 64 * 1024**2  # configs and indexes; Kimi-K2's index is about 20 MB
 MAX_HEADER_BYTES = 100 * 1024**2
 

@@ -18,12 +18,14 @@ import os
 import queue
 import sys
 import threading
+from math import prod
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
-from moeconv.checkpoint.reader import DTYPE_SIZES, _product
 from moeconv.errors import MoeconvError
+from moeconv.spec import DTYPE_SIZES, TensorSpec
 
 _ALIGNMENT = 8
 _COPY_CHUNK = 64 * 1024 * 1024
@@ -38,16 +40,16 @@ class ShardWriter:
     """Declare every tensor up front, then fill their bytes in any order; `close` checks nothing is
     missing. Use it as a context manager: leaving with an exception closes without that check."""
 
-    def __init__(self, path: Path, tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]):
+    def __init__(self, path: Path, tensors: Sequence[TensorSpec], metadata: dict[str, str]):
         _require_little_endian()
         self.path = Path(path)
         self._layout: dict[str, tuple[int, int]] = {}
         header: dict[str, object] = {"__metadata__": metadata}
         offset = 0
-        for name, dtype, shape in tensors:
+        for name, shape, dtype, *_ in tensors:
             if name in self._layout:
                 raise ValueError(f"tensor {name} declared twice")
-            nbytes = DTYPE_SIZES[dtype] * _product(shape)
+            nbytes = DTYPE_SIZES[dtype] * prod(shape)
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             self._layout[name] = (offset, nbytes)
             offset += nbytes
@@ -60,10 +62,9 @@ class ShardWriter:
         os.pwrite(self._fd, len(encoded).to_bytes(8, "little") + encoded, 0)
         os.ftruncate(self._fd, self.size)
 
-    def end_of(self, name: str) -> int:
-        """The file offset just past tensor `name`'s bytes."""
-        start, nbytes = self._layout[name]
-        return self._data_start + start + nbytes
+    def start_of(self, name: str) -> int:
+        """The file offset of tensor `name`'s first byte."""
+        return self._data_start + self._layout[name][0]
 
     def _target(self, name: str, offset: int, length: int) -> int:
         start, nbytes = self._layout[name]

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from moeconv.errors import MoeconvError
 from moeconv.formats.awq import AWQ
-from moeconv.formats.base import SourceFormat, TensorShape
+from moeconv.formats.base import SourceFormat
 from moeconv.formats.compressed_tensors import CompressedTensors
 from moeconv.formats.gptq import GPTQ
 
@@ -30,4 +30,4 @@ def format_from_config(config: Mapping[str, Any], where: str) -> SourceFormat:
     return REGISTRY[method].from_config(config, where)
 
 
-__all__ = ["AWQ", "CompressedTensors", "GPTQ", "REGISTRY", "SourceFormat", "TensorShape", "format_from_config"]
+__all__ = ["AWQ", "CompressedTensors", "GPTQ", "REGISTRY", "SourceFormat", "format_from_config"]

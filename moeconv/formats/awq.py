@@ -15,8 +15,8 @@ import torch
 from moeconv import packing
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
+from moeconv.spec import TensorSpec
 from moeconv.formats.base import (
-    TensorShape,
     check_bits,
     check_group_size,
     config_bool,
@@ -77,15 +77,15 @@ class AWQ:
         in_features, _ = shapes["qweight"]
         return shapes["scales"][1], in_features
 
-    def expected(self, out_features: int, in_features: int) -> dict[str, TensorShape]:
+    def expected(self, out_features: int, in_features: int) -> dict[str, TensorSpec]:
         per_word = 32 // self.bits
         groups = groups_of(in_features, self.group_size)
         shapes = {
-            "qweight": TensorShape((in_features, out_features // per_word), "I32"),
-            "scales": TensorShape((groups, out_features), None),
+            "qweight": TensorSpec("qweight", (in_features, out_features // per_word), "I32"),
+            "scales": TensorSpec("scales", (groups, out_features), None),
         }
         if self.zero_point:
-            shapes["qzeros"] = TensorShape((groups, out_features // per_word), "I32")
+            shapes["qzeros"] = TensorSpec("qzeros", (groups, out_features // per_word), "I32")
         return shapes
 
     def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:

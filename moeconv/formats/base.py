@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Protocol
+from typing import Any, Mapping, Protocol
 
 import torch
 
 from moeconv.canonical import QuantizedWeight, effective_group_size, groups_of, is_channelwise  # noqa: F401
 from moeconv.errors import MoeconvError
-
-FLOAT_DTYPES = ("F16", "BF16", "F32")
-
-
-class TensorShape(NamedTuple):
-    """A tensor as a safetensors header declares it. `dtype` None means any float dtype."""
-
-    shape: tuple[int, ...]
-    dtype: str | None
+from moeconv.spec import TensorSpec
 
 
 class SourceFormat(Protocol):
@@ -39,8 +31,8 @@ class SourceFormat(Protocol):
     def linear_shape(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
         """(out_features N, in_features K) of a linear, from its tensors' header shapes."""
 
-    def expected(self, out_features: int, in_features: int) -> dict[str, TensorShape]:
-        """Every tensor's shape and dtype for a linear of this size (to validate headers)."""
+    def expected(self, out_features: int, in_features: int) -> dict[str, TensorSpec]:
+        """Every tensor's spec (named by suffix) for a linear of this size, to validate headers."""
 
     def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
         """One linear's tensors (keyed by suffix) -> the canonical form."""

@@ -34,8 +34,9 @@ import torch
 from moeconv import packing
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
+from moeconv.spec import TensorSpec
 from moeconv.checkpoint.schema import section
-from moeconv.formats.base import (TensorShape, check_group_size, config_bool, config_int, effective_group_size,
+from moeconv.formats.base import (check_group_size, config_bool, config_int, effective_group_size,
                                   groups_of)
 from moeconv.models import ARCHITECTURES
 
@@ -124,16 +125,16 @@ class CompressedTensors:
         out_features, words = shapes["weight_packed"]
         return out_features, words * 32 // self.bits
 
-    def expected(self, out_features: int, in_features: int) -> dict[str, TensorShape]:
+    def expected(self, out_features: int, in_features: int) -> dict[str, TensorSpec]:
         groups = groups_of(in_features, self.group_size)
         if not self.packed:
-            return {"weight": TensorShape((out_features, in_features), "I8"),
-                    "weight_scale": TensorShape((out_features, 1), None)}
+            return {"weight": TensorSpec("weight", (out_features, in_features), "I8"),
+                    "weight_scale": TensorSpec("weight_scale", (out_features, 1), None)}
         return {
-            "weight_packed": TensorShape((out_features, in_features * self.bits // 32), "I32"),
-            "weight_scale": TensorShape((out_features, groups), None),
-            "weight_shape": TensorShape((2,), "I64"),
-            "weight_zero_point": TensorShape((out_features * self.bits // 32, groups), "I32"),
+            "weight_packed": TensorSpec("weight_packed", (out_features, in_features * self.bits // 32), "I32"),
+            "weight_scale": TensorSpec("weight_scale", (out_features, groups), None),
+            "weight_shape": TensorSpec("weight_shape", (2,), "I64"),
+            "weight_zero_point": TensorSpec("weight_zero_point", (out_features * self.bits // 32, groups), "I32"),
         }
 
     def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:

@@ -21,8 +21,8 @@ import torch
 from moeconv import packing
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
+from moeconv.spec import TensorSpec
 from moeconv.formats.base import (
-    TensorShape,
     check_bits,
     check_group_size,
     config_bool,
@@ -78,14 +78,14 @@ class GPTQ:
         packed_rows, out_features = shapes["qweight"]
         return out_features, packed_rows * 32 // self.bits
 
-    def expected(self, out_features: int, in_features: int) -> dict[str, TensorShape]:
+    def expected(self, out_features: int, in_features: int) -> dict[str, TensorSpec]:
         per_word = 32 // self.bits
         groups = groups_of(in_features, self.group_size)
         return {
-            "qweight": TensorShape((in_features // per_word, out_features), "I32"),
-            "qzeros": TensorShape((groups, out_features // per_word), "I32"),
-            "scales": TensorShape((groups, out_features), None),
-            "g_idx": TensorShape((in_features,), "I32"),
+            "qweight": TensorSpec("qweight", (in_features // per_word, out_features), "I32"),
+            "qzeros": TensorSpec("qzeros", (groups, out_features // per_word), "I32"),
+            "scales": TensorSpec("scales", (groups, out_features), None),
+            "g_idx": TensorSpec("g_idx", (in_features,), "I32"),
         }
 
     def _zero_offset_word(self) -> int:
