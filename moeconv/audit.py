@@ -1,7 +1,7 @@
 """Values worth a word in the reports: counted per source linear, with the first tensor that has any.
 
-- `suspicious_zero_slots` (GPTQ v1 asymmetric): stored zero slots that are all ones, i.e. a true zero
-  of 0, which producers write differently (formats/gptq.py).
+- what each source format's own `audit` counts: GPTQ v1 asymmetric's `suspicious_zero_slots`, stored
+  zero slots that are all ones, i.e. a true zero of 0, which producers write differently (formats/gptq.py).
 - `nonfinite_scales`: NaN or infinite scales. They are converted faithfully (the bytes are the
   source's), but a kernel cannot use them, so `inspect`, `convert` and `verify` say where they are.
 """
@@ -17,10 +17,7 @@ from moeconv.canonical import QuantizedWeight
 
 def count(source_format: Any, tensors: dict[str, torch.Tensor], weight: QuantizedWeight | None) -> dict[str, int]:
     """The audit counts of one source linear (its raw tensors by suffix, and its canonical form if decoded)."""
-    found = {}
-    slots = getattr(source_format, "suspicious_zero_slots", None)
-    if slots is not None and "qzeros" in tensors:
-        found["suspicious_zero_slots"] = slots(tensors["qzeros"])
+    found = source_format.audit(tensors)
     scales = weight.scales if weight is not None else next(
         (tensor for tensor in tensors.values() if tensor.is_floating_point()), None)
     if scales is not None:
@@ -31,20 +28,18 @@ def count(source_format: Any, tensors: dict[str, torch.Tensor], weight: Quantize
 class Audits:
     """Totals per kind over many linears, and the first tensor of each kind that has any."""
 
-    KINDS = ("suspicious_zero_slots", "nonfinite_scales")
-
     def __init__(self) -> None:
-        self.totals = {kind: 0 for kind in self.KINDS}
-        self.first: dict[str, str | None] = {kind: None for kind in self.KINDS}
+        self.totals: dict[str, int] = {}
+        self.first: dict[str, str] = {}
 
     def record(self, name: str, counts: dict[str, int]) -> None:
         for kind, found in counts.items():
             if found:
-                self.totals[kind] += found
-                self.first[kind] = self.first[kind] or name
+                self.totals[kind] = self.totals.get(kind, 0) + found
+                self.first.setdefault(kind, name)
 
     def report(self, kind: str) -> dict[str, Any]:
         """{"count", "first_tensor"}, or {} when there is nothing to say."""
-        if not self.totals[kind]:
+        if not self.totals.get(kind):
             return {}
         return {"count": self.totals[kind], "first_tensor": self.first[kind]}

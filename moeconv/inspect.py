@@ -1,4 +1,4 @@
-"""What a checkpoint is, from its configs and headers (plus the small GPTQ qzeros tensors)."""
+"""What a checkpoint is, from its configs and headers (plus the small tensors its format audits)."""
 
 from __future__ import annotations
 
@@ -48,9 +48,8 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
         "backends": {name: _verdict(backend, layers) for name, backend in all_backends().items()},
     }
     audits = _audit(source_format, layers)
-    for kind in Audits.KINDS:
-        if audits.report(kind):
-            report[kind] = audits.report(kind)
+    for kind in audits.totals:
+        report[kind] = audits.report(kind)
     return report
 
 
@@ -76,7 +75,7 @@ def _audit(source_format, layers) -> Audits:
             for expert in layer.experts:
                 for linear in expert.values():
                     small = {suffix: reader.read(entry) for suffix, entry in linear.items()
-                             if suffix == "qzeros" or entry.dtype in FLOAT_DTYPES}
+                             if suffix in source_format.audited_suffixes or entry.dtype in FLOAT_DTYPES}
                     name = next(iter(linear.values())).name.rsplit(".", 1)[0]
                     audits.record(name, audit_counts(source_format, small, None))
     return audits

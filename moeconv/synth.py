@@ -104,7 +104,7 @@ class _Builder:
         declared = [
             TensorSpec(f"{prefix}.{suffix}", tensor.shape, tensor.dtype or self.float_code)
             for suffix, tensor in fmt.expected(out_features, in_features).items()
-            if suffix in fmt.suffixes() or suffix in _WRITTEN_OPTIONAL[fmt.method]
+            if suffix in fmt.written_suffixes()
         ]
 
         def make() -> dict[str, torch.Tensor]:
@@ -121,8 +121,6 @@ class _Builder:
         self.quantized(f"{prefix}.{down}", self.spec.hidden, intermediate)
 
 
-# Optional tensors real producers write: GPTQ always writes g_idx and (filler) qzeros.
-_WRITTEN_OPTIONAL = {"gptq": ("g_idx", "qzeros"), "awq": (), "compressed-tensors": ()}
 _HF_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 

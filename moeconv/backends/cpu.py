@@ -43,7 +43,7 @@ import torch
 from moeconv import packing
 from moeconv.backends.base import FUSED_GEMMS, ExpertWeights, Numerics
 from moeconv.spec import TensorSpec
-from moeconv.canonical import MoELayerShape, QuantizedWeight, coarsen, regroup
+from moeconv.canonical import MoELayerShape, QuantizedWeight, coarsen, is_channelwise, regroup
 from moeconv.spec import TORCH_DTYPES
 
 BLOCK_N = 32  # output channels per block: two 16-channel halves of one AVX-512 register each
@@ -206,7 +206,7 @@ class Int8VnniLayout:
     """W8A8 `CPUExpertsInt8`."""
 
     def refusal(self, layer: MoELayerShape) -> str | None:
-        if layer.bits != 8 or not layer.symmetric or layer.group_size not in (-1, 0):
+        if layer.bits != 8 or not layer.symmetric or not is_channelwise(layer.group_size):
             return "the x86 CPU W8A8 kernel takes symmetric 8-bit weights with one scale per channel"
         for what, size in (("hidden size", layer.hidden), ("intermediate size", layer.intermediate)):
             if size % BLOCK_N:

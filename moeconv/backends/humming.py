@@ -23,7 +23,7 @@ import torch
 
 from moeconv.spec import TensorSpec
 from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words, per_rank_refusal
-from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
+from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
 # Humming's pack kernels work on runs of 32 values (upstream asserts L % 32 == 0).
 PACK_RUN = 32
@@ -80,10 +80,10 @@ class HummingBackend(PerLinearBackend):
         config: dict[str, Any] = {
             "quant_method": "humming",
             "b_dtype": f"uint{layer.bits}",
-            "weight_scale_group_size": 0 if layer.group_size in (-1, 0) else layer.group_size,
+            "weight_scale_group_size": 0 if is_channelwise(layer.group_size) else layer.group_size,
             "has_zero_point": not layer.symmetric,
         }
-        if not layer.symmetric and layer.group_size in (-1, 0):
+        if not layer.symmetric and is_channelwise(layer.group_size):
             config["weight_scale_type"] = "group"
         if layer.activation_bits == 8:
             # Humming takes the activation precision from its input schema (VLLM_HUMMING_INPUT_QUANT_CONFIG
@@ -116,6 +116,6 @@ def _pack_refusal(what: str, size: int) -> str | None:
 
 
 def _group_refusal(what: str, in_features: int, group_size: int) -> str | None:
-    if group_size not in (-1, 0) and in_features % group_size:
+    if not is_channelwise(group_size) and in_features % group_size:
         return f"group size {group_size} does not divide the {what} {in_features}"
     return None

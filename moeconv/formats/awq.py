@@ -17,11 +17,16 @@ from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
 from moeconv.formats.base import (
+    Detection,
+    Linear,
+    Read,
+    SourceFormat,
     check_bits,
-    check_group_size,
+    checked_group_size,
     config_bool,
     config_int,
     effective_group_size,
+    group_size_from_shapes,
     groups_of,
 )
 
@@ -60,7 +65,7 @@ class AWQ:
         bits = config_int(config, "bits", 4, where, "w_bit")
         group_size = config_int(config, "group_size", 128, where, "q_group_size")
         check_bits(bits, (4,), "AWQ", where)
-        check_group_size(group_size, where)
+        group_size = checked_group_size(group_size, where)
         return cls(bits=bits, group_size=group_size, zero_point=config_bool(config, "zero_point", True, where))
 
     @property
@@ -72,6 +77,29 @@ class AWQ:
 
     def optional_suffixes(self) -> tuple[str, ...]:
         return () if self.zero_point else ("qzeros",)
+
+    vector_suffixes: tuple[str, ...] = ()
+    audited_suffixes: tuple[str, ...] = ()
+
+    def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        return {}
+
+    def written_suffixes(self) -> tuple[str, ...]:
+        return self.suffixes()
+
+    @classmethod
+    def claims(cls, linears: list[Linear]) -> bool:
+        """qweight (K, N/8): eight 4-bit codes per word along N."""
+        return bool(linears) and all({"qweight", "scales"} <= set(tensors) and tuple(tensors["qweight"].shape) == (k, n // 8)
+                                     for tensors, n, k in linears)
+
+    @classmethod
+    def from_data(cls, linears: list[Linear], configured: SourceFormat, read: Read,
+                  detection: Detection) -> AWQ | None:
+        detection.evidence.append(f"qweight {list(linears[0][0]['qweight'].shape)} is packed along N: AWQ, 4-bit")
+        group_size = group_size_from_shapes([(tensors["scales"], 0, k) for tensors, _, k in linears],
+                                            configured.group_size, detection)
+        return None if group_size is None else cls(bits=4, group_size=group_size, zero_point="qzeros" in linears[0][0])
 
     def linear_shape(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
         in_features, _ = shapes["qweight"]

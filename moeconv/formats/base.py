@@ -2,17 +2,71 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-from moeconv.canonical import QuantizedWeight, effective_group_size, groups_of, is_channelwise  # noqa: F401
+from moeconv.canonical import CHANNELWISE, QuantizedWeight, effective_group_size, groups_of, is_channelwise  # noqa: F401
 from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
 
 
+class HeaderEntry(Protocol):
+    """What detection may know of a stored tensor: its name, header shape, and (for messages) the
+    file it is in. Values come only through a `Read`."""
+
+    name: str
+    shape: tuple[int, ...]
+    file: Any
+
+
+Linear = tuple[dict[str, HeaderEntry], int, int]  # one expert linear: tensors by suffix, out_features, in_features
+Read = Callable[[HeaderEntry], torch.Tensor]  # a stored tensor's values, for the detections that read data
+
+
+@dataclass
+class Detection:
+    """The format the data shows (None: could not tell), every disagreement with the config, and what
+    the data could not decide (then the config's value stands)."""
+
+    detected: SourceFormat | None
+    evidence: list[str] = field(default_factory=list)
+    disagreements: list[str] = field(default_factory=list)
+    undecided: list[str] = field(default_factory=list)
+    act_order: str | None = None  # why the checkpoint is act-order, if it is
+
+    def to_json(self) -> dict[str, Any]:
+        return {"detected": None if self.detected is None else self.detected.describe(),
+                "evidence": self.evidence, "disagreements": self.disagreements, "undecided": self.undecided,
+                "act_order": self.act_order}
+
+
 class SourceFormat(Protocol):
-    """One source format with its parameters. Implementations are frozen dataclasses."""
+    """One source format with its parameters. Implementations are frozen dataclasses.
+
+    Besides reading and writing one linear, a format carries what is known about it: how to tell its
+    packing from header shapes (`claims`) and its parameters from the data (`from_data`), what its
+    audits count, and what a producer of it writes."""
+
+    vector_suffixes: tuple[str, ...]  # the suffixes whose tensors are 1-D (g_idx, weight_shape)
+    audited_suffixes: tuple[str, ...]  # the small tensors `audit` reads (besides the scales)
+
+    @classmethod
+    def claims(cls, linears: list[Linear]) -> bool:
+        """Every linear's header shapes are packed this format's way."""
+
+    @classmethod
+    def from_data(cls, linears: list[Linear], configured: SourceFormat, read: Read,
+                  detection: Detection) -> SourceFormat | None:
+        """The parameters the claimed linears show (their shapes, and where needed a sample of their
+        values), recording the evidence; None (with the reason) when they do not fit together."""
+
+    def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        """Counts of values worth a word in the reports (kind -> count), from one linear's tensors."""
+
+    def written_suffixes(self) -> tuple[str, ...]:
+        """What a producer of this format writes for every linear (synthetic checkpoints)."""
 
     method: str  # quant_method as configs spell it
     bits: int
@@ -69,9 +123,52 @@ def config_bool(config: Mapping[str, Any], key: str, default: bool, where: str) 
     return value
 
 
-def check_group_size(group_size: int, where: str) -> None:
-    if not is_channelwise(group_size) and (group_size < 1 or group_size & (group_size - 1)):
+def group_size_from_shapes(scales: list[tuple[HeaderEntry, int, int]], configured: int,
+                           detection: Detection) -> int | None:
+    """The group size every linear's scales fit, preferring the configured one when it fits.
+    `scales`: (scales entry, the dim that counts groups, K). A linear with G > 1 groups says g = K / G;
+    one with a single group only says g >= K (or channel-wise), which is no evidence against a
+    configured g >= K. None (with the evidence) when no group size fits them all."""
+    exact: dict[int, str] = {}  # g -> a linear that says so (G > 1 groups)
+    one_group_k = 0  # the widest K among linears with a single group: they say only g >= K
+    for entry, dim, k in scales:
+        groups = entry.shape[dim]
+        if groups == 1:
+            one_group_k = max(one_group_k, k)
+        elif groups > 1 and k % groups == 0:
+            exact.setdefault(k // groups, entry.name)
+        else:
+            detection.evidence.append(f"{entry.name} has {groups} groups, which do not divide K = {k}")
+            return None
+    if len(exact) > 1:
+        detection.evidence.append("the scales imply different group sizes: " +
+                                  ", ".join(f"{g} ({name})" for g, name in sorted(exact.items())))
+        return None
+    if exact:
+        (g, name), = exact.items()
+        if one_group_k > g:
+            detection.evidence.append(f"{name} implies group size {g}, but a linear with K = {one_group_k} "
+                                      f"has a single group")
+            return None
+        detection.evidence.append(f"scales give group size {g}" +
+                                  (f" (linears with K = {one_group_k} hold one group)" if one_group_k else ""))
+        return g
+    if is_channelwise(configured) or configured >= one_group_k:
+        detection.evidence.append(f"every linear has a single group: channel-wise or a group size >= "
+                                  f"{one_group_k}; the config's {configured} fits")
+        return configured
+    detection.evidence.append("every linear has a single group: channel-wise")
+    return -1
+
+
+def checked_group_size(group_size: int, where: str) -> int:
+    """A configured group size, normalised once: a power of two, or CHANNELWISE for -1 and 0 (configs
+    write both), so nothing past `from_config` meets the second spelling."""
+    if is_channelwise(group_size):
+        return CHANNELWISE
+    if group_size < 1 or group_size & (group_size - 1):
         raise MoeconvError(f"{where}: group_size {group_size} is not -1 or a power of two")
+    return group_size
 
 
 def check_bits(bits: int, allowed: tuple[int, ...], method: str, where: str) -> None:

@@ -26,7 +26,7 @@ several groups with the same scheme).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import torch
@@ -36,8 +36,8 @@ from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
 from moeconv.checkpoint.schema import section
-from moeconv.formats.base import (check_group_size, config_bool, config_int, effective_group_size,
-                                  groups_of)
+from moeconv.formats.base import (Detection, Linear, Read, SourceFormat, checked_group_size, config_bool, config_int,
+                                  effective_group_size, group_size_from_shapes, groups_of)
 from moeconv.models import ARCHITECTURES
 
 PACK_QUANTIZED = "pack-quantized"
@@ -118,6 +118,45 @@ class CompressedTensors:
 
     def optional_suffixes(self) -> tuple[str, ...]:
         return ()
+
+    vector_suffixes = ("weight_shape",)
+    audited_suffixes: tuple[str, ...] = ()
+
+    def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        return {}
+
+    def written_suffixes(self) -> tuple[str, ...]:
+        return self.suffixes()
+
+    @classmethod
+    def claims(cls, linears: list[Linear]) -> bool:
+        """pack-quantized: weight_packed and weight_scale (int-quantized W8A8 is read from the config)."""
+        return bool(linears) and all({"weight_packed", "weight_scale"} <= set(tensors) for tensors, _, _ in linears)
+
+    @classmethod
+    def from_data(cls, linears: list[Linear], configured: SourceFormat, read: Read,
+                  detection: Detection) -> CompressedTensors | None:
+        """Bits from weight_packed's words per row, the group size from weight_scale's columns, symmetry
+        from whether zero points are stored."""
+        widths = {tensors["weight_packed"].shape[1] * 32 // k for tensors, _, k in linears}
+        if len(widths) != 1 or not widths <= {4, 8}:
+            detection.evidence.append(f"weight_packed rows hold {sorted(widths)} bits per weight")
+            return None
+        (bits,) = widths
+        detection.evidence.append(f"weight_packed {list(linears[0][0]['weight_packed'].shape)}: {bits}-bit")
+        group_size = group_size_from_shapes([(tensors["weight_scale"], 1, k) for tensors, _, k in linears],
+                                            configured.group_size, detection)
+        if group_size is None:
+            return None
+        stored = {"weight_zero_point" in tensors for tensors, _, _ in linears}
+        if len(stored) != 1:
+            detection.evidence.append("some expert linears store zero points and others do not")
+            return None
+        symmetric = not stored.pop()
+        detection.evidence.append("no weight_zero_point: symmetric" if symmetric
+                                  else "weight_zero_point stored: asymmetric")
+        base = configured if isinstance(configured, CompressedTensors) else cls()
+        return replace(base, bits=bits, group_size=group_size, symmetric=symmetric)
 
     def linear_shape(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
         if not self.packed:
@@ -254,7 +293,7 @@ def _scheme(group: Mapping[str, Any], fmt: str | None, field: str) -> tuple[str,
         group_size = config_int(weights, "group_size", 0, f"{field}.weights")
         if group_size < 1:
             raise MoeconvError(f"{field}.weights.group_size is missing for the group strategy")
-        check_group_size(group_size, f"{field}.weights")
+        group_size = checked_group_size(group_size, f"{field}.weights")
     elif strategy == "channel":
         group_size = -1
     else:

@@ -23,11 +23,16 @@ from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
 from moeconv.formats.base import (
+    Detection,
+    Linear,
+    Read,
+    SourceFormat,
     check_bits,
-    check_group_size,
+    checked_group_size,
     config_bool,
     config_int,
     effective_group_size,
+    group_size_from_shapes,
     groups_of,
 )
 
@@ -48,7 +53,7 @@ class GPTQ:
         bits = config_int(config, "bits", 4, where)
         group_size = config_int(config, "group_size", 128, where)
         check_bits(bits, (2, 4, 8), "GPTQ", where)
-        check_group_size(group_size, where)
+        group_size = checked_group_size(group_size, where)
         checkpoint_format = config.get("checkpoint_format", V1)
         if not isinstance(checkpoint_format, str):
             raise MoeconvError(f"{where}: checkpoint_format must be a string, not {checkpoint_format!r}")
@@ -137,6 +142,35 @@ class GPTQ:
             return 0
         return int((packing.unpack(qzeros, self.bits, dim=1) == (1 << self.bits) - 1).sum())
 
+    vector_suffixes = ("g_idx",)
+    audited_suffixes = ("qzeros",)
+
+    def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        return {"suspicious_zero_slots": self.suspicious_zero_slots(tensors["qzeros"])} if "qzeros" in tensors else {}
+
+    def written_suffixes(self) -> tuple[str, ...]:
+        """GPTQ producers always write g_idx, and qzeros (filler words when symmetric)."""
+        return ("qweight", "qzeros", "scales", "g_idx")
+
+    @classmethod
+    def claims(cls, linears: list[Linear]) -> bool:
+        """qweight (K·b/32, N) for one b in 2, 4, 8."""
+        return bool(linears) and len({_packed_bits(linear) for linear in linears} - {None}) == 1 and all(
+            _packed_bits(linear) for linear in linears)
+
+    @classmethod
+    def from_data(cls, linears: list[Linear], configured: SourceFormat, read: Read,
+                  detection: Detection) -> GPTQ | None:
+        bits = _packed_bits(linears[0])
+        detection.evidence.append(f"qweight {list(linears[0][0]['qweight'].shape)} is packed along K: GPTQ, {bits}-bit")
+        group_size = group_size_from_shapes([(tensors["scales"], 0, k) for tensors, _, k in linears],
+                                            configured.group_size, detection)
+        if group_size is None:
+            return None
+        found = _gptq_from_data(linears, bits, group_size, configured, read, detection)
+        _check_act_order(linears[:SAMPLE_LINEARS], read, detection)
+        return found
+
     def describe(self) -> dict[str, Any]:
         return {
             "method": "gptq",
@@ -156,3 +190,106 @@ class GPTQ:
             "checkpoint_format": self.checkpoint_format,
             "format": self.checkpoint_format,
         }
+
+
+def _packed_bits(linear: Linear) -> int | None:
+    tensors, n, k = linear
+    if not {"qweight", "scales"} <= set(tensors) or len(tensors["qweight"].shape) != 2:
+        return None
+    rows, columns = tensors["qweight"].shape
+    bits = rows * 32 // k if k else 0
+    return bits if columns == n and rows * 32 == bits * k and bits in (2, 4, 8) else None
+
+
+# The v1/v2 statistic (see detect.py's module doc): expert linears whose tensors may be read, reading
+# stops once the statistic is precise (STANDARD_ERROR) and never reads more than SAMPLE_BYTES of qweight.
+SAMPLE_LINEARS = 96
+SAMPLE_BYTES = 256 * 1024**2
+STANDARD_ERROR = 0.05
+TRIM = 0.1  # share of groups dropped at each end before averaging (all-positive or all-negative groups)
+CENTRED = 0.3  # |statistic| below this: the reading puts codes on the zero points
+MIDPOINT = 0.5  # half-way between the two readings: the decision must clear it by 3 standard errors
+
+
+def _gptq_from_data(linears: list[Linear], bits: int, group_size: int, configured: SourceFormat,
+                    read: Read, detection: Detection) -> GPTQ:
+    with_zeros = [linear for linear in linears[:SAMPLE_LINEARS] if "qzeros" in linear[0]]
+    if not with_zeros:
+        detection.evidence.append("no qzeros: symmetric")
+        return GPTQ(bits, group_size, sym=True, checkpoint_format=_configured_version(configured))
+    words: set[int] = set()
+    for tensors, _, _ in with_zeros:
+        words |= {int(value) & 0xFFFFFFFF for value in torch.unique(read(tensors["qzeros"])).tolist()}
+        if len(words) > 1:
+            break
+    v1_filler = packing.repeated_word((1 << (bits - 1)) - 1, bits)
+    v2_filler = packing.repeated_word(1 << (bits - 1), bits)
+    if words == {v1_filler}:
+        detection.evidence.append(f"every qzeros word is 0x{v1_filler:08X}: symmetric, v1 filler")
+        return GPTQ(bits, group_size, sym=True, checkpoint_format=V1)
+    if words == {v2_filler}:
+        detection.evidence.append(f"every qzeros word is 0x{v2_filler:08X}: symmetric, v2 filler")
+        return GPTQ(bits, group_size, sym=True, checkpoint_format=V2)
+    detection.evidence.append("qzeros words differ from one another: asymmetric zero points")
+    version = _gptq_version(with_zeros, bits, group_size, read, detection)
+    return GPTQ(bits, group_size, sym=False, checkpoint_format=version or _configured_version(configured))
+
+
+def _configured_version(configured: SourceFormat) -> str:
+    return configured.checkpoint_format if isinstance(configured, GPTQ) else V1
+
+
+def _gptq_version(linears: list[Linear], bits: int, group_size: int, read: Read,
+                  detection: Detection) -> str | None:
+    """"gptq" or "gptq_v2" from where the codes centre, or None (undecided, recorded) when unclear."""
+    readings = [GPTQ(bits, group_size, sym=False, checkpoint_format=version) for version in (V1, V2)]
+    offsets, read_bytes = [], 0
+    for tensors, _, _ in linears:
+        values = {suffix: read(entry) for suffix, entry in tensors.items() if suffix != "g_idx"}
+        v1, v2 = (reading.decode(values) for reading in readings)
+        g = effective_group_size(v2.in_features, group_size)
+        mean_codes = v2.codes.float().reshape(v2.out_features, -1, g).mean(dim=-1)
+        # Only groups whose two readings are one code apart and inside the range: a zero at an edge
+        # (all-positive or all-negative groups) wraps or borrows under one reading, which would move
+        # those groups from one tail to the other and bias a trimmed statistic.
+        interior = (v1.zeros.int() - v2.zeros.int() == 1) & (v2.zeros > 0) & (v1.zeros < (1 << bits) - 1)
+        offsets.append((mean_codes - v2.zeros.float())[interior])
+        read_bytes += values["qweight"].numel() * 4
+        if _trimmed_mean(torch.cat(offsets))[1] < STANDARD_ERROR or read_bytes > SAMPLE_BYTES:
+            break
+    v2, error = _trimmed_mean(torch.cat(offsets))
+    v1 = v2 - 1.0  # on these groups the v1 reading's zero point is the stored one plus one
+    groups = sum(len(o) for o in offsets)
+    numbers = (f"trimmed mean over {groups} interior groups of (mean code − zero): v1 reading {v1:+.2f}, "
+               f"v2 reading {v2:+.2f} (± {error:.2f})")
+    detection.evidence.append(numbers)
+    for version, centred in ((V1, v1), (V2, v2)):
+        if abs(centred) < CENTRED and abs(centred) + 3 * error < MIDPOINT:
+            return version
+    detection.undecided.append(f"checkpoint_format: the data cannot tell v1 from v2 ({numbers}; the right "
+                               f"reading is near 0 and the wrong one near ±1)")
+    return None
+
+
+def _trimmed_mean(values: torch.Tensor) -> tuple[float, float]:
+    """(mean of the central 1 − 2·TRIM share, its standard error)."""
+    if len(values) < 2:
+        return float("nan"), float("inf")
+    ordered = values.sort().values
+    cut = int(len(ordered) * TRIM)
+    central = ordered[cut:len(ordered) - cut] if len(ordered) > 2 * cut else ordered
+    spread = float(central.std()) if len(central) > 1 else float("inf")
+    return float(central.mean()), spread / max(1, len(central)) ** 0.5 * 1.2
+
+
+def _check_act_order(sample: list[Linear], read: Read, detection: Detection) -> None:
+    for tensors, _, in_features in sample:
+        if "g_idx" not in tensors:
+            continue
+        g_idx = read(tensors["g_idx"]).to(torch.int64)
+        groups = int(g_idx.max()) + 1 if g_idx.numel() else 1
+        if not torch.equal(g_idx, torch.arange(in_features) // max(1, in_features // groups)):
+            detection.act_order = (
+                f"{tensors['g_idx'].file}: {tensors['g_idx'].name} is not k // group_size: "
+                f"the checkpoint uses act-order (desc_act), which moeconv does not convert yet")
+            return
