@@ -30,7 +30,6 @@ from moeconv.synth import SynthSpec, make_checkpoint, quantize, random_weight
 from moeconv.kernels.runners import W8A8_NUMERICS_TOLERANCE
 from moeconv.verify import verify
 
-from strategies import decoded_linears
 
 from helpers import cli
 
@@ -98,41 +97,6 @@ def test_symmetric_layers_store_zero_point_8():
     blocked = block_int4(weight)
     assert blocked.zeros.dtype == torch.int8 and bool((blocked.zeros == 8).all())
     assert blocked.qweight.tolist() == _expected_blocks(weight, 64)
-
-
-SOURCES = (
-    [AWQ(4, g, zero_point=zp) for g in (32, 64, 128, -1) for zp in (True, False)]
-    + [GPTQ(4, g, sym, fmt) for g in (32, 64, 128, -1) for sym in (True, False) for fmt in ("gptq", "gptq_v2")]
-    + [CompressedTensors(bits=4, group_size=g, symmetric=sym) for g in (32, -1) for sym in (True, False)]
-)
-
-
-@pytest.mark.parametrize("source", SOURCES, ids=str)
-@given(data=st.data())
-def test_round_trip_through_the_source_format(source, data):
-    """decode(source) == decode_cpu(encode_cpu(decode(source))), bit for bit, edge codes and zeros included."""
-    if source.group_size == -1:
-        # K = 384 > 128: one group spans three K blocks.
-        hidden, intermediate = data.draw(st.sampled_from([32, 96, 384])), data.draw(st.sampled_from([32, 128]))
-    else:
-        unit = max(source.group_size, 32)
-        hidden, intermediate = unit * data.draw(st.integers(1, 2)), unit * data.draw(st.integers(1, 2))
-    scale_dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]))
-
-    def linear(out_features, in_features):
-        return data.draw(decoded_linears(source, out_features, in_features, scale_dtype))
-
-    expert = ExpertWeights(linear(intermediate, hidden), linear(intermediate, hidden), linear(hidden, intermediate))
-    shape = MoELayerShape(experts=1, hidden=hidden, intermediate=intermediate, bits=4, group_size=source.group_size,
-                          symmetric=source.symmetric, scale_dtype="F16" if scale_dtype == torch.float16 else "BF16")
-    assert backend.refusal(shape) is None
-    slices = backend.encode_expert(expert, shape)
-    specs = {spec.name: spec for spec in backend.layer_tensors(shape)}
-    assert {suffix: tuple(tensor.shape) for suffix, tensor in slices.items()} == \
-        {suffix: spec.shape[1:] for suffix, spec in specs.items()}
-    decoded = backend.decode_expert(slices, shape)
-    for projection in ("gate", "up", "down"):
-        assert getattr(decoded, projection).mismatch(getattr(expert, projection)) is None
 
 
 def _random_layer(hidden, intermediate, experts, group_size=-1, symmetric=True, seed=0, w8a8=False):

@@ -9,22 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 from safetensors import safe_open
 
 from moeconv.backends import humming
 from moeconv.backends.humming import HummingBackend
-from moeconv.backends.base import ExpertWeights
-from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
+from moeconv.canonical import LinearShape, QuantizedWeight
 from moeconv.checkpoint.reader import TensorReader
-from moeconv.formats import AWQ, GPTQ, CompressedTensors
+from moeconv.formats import GPTQ, CompressedTensors
 from moeconv.formats.compressed_tensors import INT_QUANTIZED
 from moeconv.plan import LinearJob, make_plan
 from moeconv.synth import SynthSpec, make_checkpoint, quantize, random_weight
 from moeconv.verify import verify
 
-from strategies import decoded_linears
 
 from helpers import cli
 from test_verify import _flip_byte
@@ -72,46 +68,6 @@ def test_packing_uses_explicit_shifts():
     """No byte-order dependence: nothing in the backend views bytes as words."""
     source = inspect.getsource(humming)
     assert "explicit shifts" in source and ".view(" not in source
-
-
-SOURCES = (
-    [AWQ(4, g, zero_point=zp) for g in (32, 64, 128, -1) for zp in (True, False)]
-    + [GPTQ(bits, g, sym, fmt) for bits in (4, 8) for g in (32, 64, 128, -1) for sym in (True, False)
-       for fmt in ("gptq", "gptq_v2")]
-    + [CompressedTensors(bits=bits, group_size=g, symmetric=sym) for bits in (4, 8) for g in (32, 128, -1)
-       for sym in (True, False)]
-    + [CompressedTensors(format=INT_QUANTIZED, bits=8, group_size=-1, activation_bits=8)]
-)
-
-
-@pytest.mark.parametrize("source", SOURCES, ids=str)
-@given(data=st.data())
-def test_round_trip_through_the_source_format(source, data):
-    """decode(source) == decode_humming(encode_humming(decode(source))), bit for bit, edge codes and
-    zeros (0 and 2^b − 1) included."""
-    g = 32 if source.group_size == -1 else source.group_size
-    hidden, intermediate = g * data.draw(st.integers(1, 3)), g * data.draw(st.integers(1, 2))
-    scale_dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]))
-
-    def linear(out_features, in_features):
-        return data.draw(decoded_linears(source, out_features, in_features, scale_dtype))
-
-    expert = ExpertWeights(linear(intermediate, hidden), linear(intermediate, hidden), linear(hidden, intermediate))
-    shape = MoELayerShape(experts=1, hidden=hidden, intermediate=intermediate, bits=source.bits,
-                          group_size=source.group_size, symmetric=source.symmetric,
-                          scale_dtype="F16" if scale_dtype == torch.float16 else "BF16",
-                          activation_bits=source.activation_bits, projection_names=("w1", "w3", "w2"))
-    assert backend.refusal(shape) is None
-    slices = backend.encode_expert(expert, shape)
-    specs = {spec.name: spec for spec in backend.layer_tensors(shape)}
-    assert all(spec.per_expert for spec in specs.values())
-    assert {suffix: tuple(t.shape) for suffix, t in slices.items()} == {s: spec.shape for s, spec in specs.items()}
-    assert {suffix: t.dtype for suffix, t in slices.items() if not suffix.endswith("scale")} == \
-        {suffix: torch.int32 for suffix in specs if not suffix.endswith("scale")}
-    assert ("w2.zero_point" in slices) == (not source.symmetric)
-    decoded = backend.decode_expert(slices, shape)
-    for projection in ("gate", "up", "down"):
-        assert getattr(decoded, projection).mismatch(getattr(expert, projection)) is None
 
 
 def _humming_0119_gptq_zero_point(qzeros: torch.Tensor) -> torch.Tensor:

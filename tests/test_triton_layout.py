@@ -2,15 +2,12 @@
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from moeconv.backends.triton import TritonBackend
 from moeconv.backends.base import ExpertWeights
 from moeconv.canonical import MoELayerShape, QuantizedWeight
-from moeconv.formats import AWQ, GPTQ
+from moeconv.formats import GPTQ
 
-from strategies import decoded_linears
 
 
 backend = TritonBackend()
@@ -62,40 +59,6 @@ def test_gptq_qweight_transpose_equals_the_layout_on_little_endian():
     shape = MoELayerShape(experts=1, hidden=64, intermediate=16, bits=4, group_size=32, symmetric=True, scale_dtype="F16")
     slices = backend.encode_expert(ExpertWeights(weight, weight, down), shape)
     assert torch.equal(slices["w13_qweight"][:16], qweight.T.contiguous().view(torch.uint8))
-
-
-SOURCES = (
-    [AWQ(4, g, zero_point=zp) for g in (32, 64, 128, -1) for zp in (True, False)]
-    + [GPTQ(bits, g, sym, fmt) for bits in (4, 8) for g in (32, 64, 128, -1) for sym in (True, False)
-       for fmt in ("gptq", "gptq_v2")]
-)
-
-
-@pytest.mark.parametrize("source", SOURCES, ids=str)
-@given(data=st.data())
-def test_round_trip_through_the_source_format(source, data):
-    """decode(source) == decode(triton_encode(decode(source))), bit for bit."""
-    hidden_groups, inter_groups = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2))
-    g = 32 if source.group_size == -1 else source.group_size
-    hidden, intermediate = g * hidden_groups, g * inter_groups
-    scale_dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]))
-
-    def linear(out_features, in_features):
-        return data.draw(decoded_linears(source, out_features, in_features, scale_dtype))
-
-    expert = ExpertWeights(linear(intermediate, hidden), linear(intermediate, hidden), linear(hidden, intermediate))
-    shape = MoELayerShape(experts=1, hidden=hidden, intermediate=intermediate, bits=source.bits,
-                          group_size=source.group_size, symmetric=source.symmetric,
-                          scale_dtype="F16" if scale_dtype == torch.float16 else "BF16")
-    assert backend.refusal(shape) is None
-    slices = backend.encode_expert(expert, shape)
-    specs = {spec.name: spec for spec in backend.layer_tensors(shape)}
-    assert set(slices) == set(specs)
-    for suffix, tensor in slices.items():
-        assert tuple(tensor.shape) == specs[suffix].shape[1:], suffix
-    decoded = backend.decode_expert(slices, shape)
-    for projection in ("gate", "up", "down"):
-        assert getattr(decoded, projection).mismatch(getattr(expert, projection)) is None
 
 
 @pytest.mark.parametrize("shape, reason", [

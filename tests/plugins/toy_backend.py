@@ -1,0 +1,60 @@
+"""A toy backend, the whole of it in one module: each layer's experts stacked, codes one per byte,
+gate and up rows concatenated into w13 and down into w2, zero points and scales alongside.
+Registered by tests/test_plugins.py to prove that a backend needs this module and one registry
+entry, and nothing else in moeconv: verify checks its numerics with the Triton kernel by re-encoding
+it into the triton layout (`Numerics(layout="triton")`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moeconv.backends.base import FUSED_GEMMS, ExpertWeights, Numerics
+from moeconv.canonical import MoELayerShape, QuantizedWeight
+from moeconv.spec import TensorSpec
+
+
+class ToyBackend:
+    name = "toy"
+    layout_version = 1
+    targets = {"engine": "none: a test of the registry"}
+    numerics = Numerics("triton", layout="triton")
+
+    def refusal(self, layer: MoELayerShape) -> str | None:
+        return None if not layer.symmetric else "the toy layout stores zero points, so asymmetric sources only"
+
+    def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:
+        specs = []
+        for prefix, rows, k in (("w13", 2 * layer.intermediate, layer.hidden), ("w2", layer.hidden, layer.intermediate)):
+            groups = k // layer.group_size_for(k)
+            made_of = FUSED_GEMMS[prefix]
+            specs += [TensorSpec(f"{prefix}.codes", (layer.experts, rows, k), "U8", derives_from=made_of),
+                      TensorSpec(f"{prefix}.zeros", (layer.experts, rows, groups), "U8", derives_from=made_of),
+                      TensorSpec(f"{prefix}.scales", (layer.experts, rows, groups), layer.scale_dtype,
+                                 derives_from=made_of)]
+        return specs
+
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
+        slices = {}
+        for prefix, projections in FUSED_GEMMS.items():
+            weights = [getattr(expert, projection) for projection in projections]
+            slices[f"{prefix}.codes"] = torch.cat([w.codes for w in weights])
+            slices[f"{prefix}.zeros"] = torch.cat([w.zeros for w in weights])
+            slices[f"{prefix}.scales"] = torch.cat([w.scales for w in weights])
+        return slices
+
+    def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
+        decoded = {}
+        for prefix, projections in FUSED_GEMMS.items():
+            rows = layer.intermediate if prefix == "w13" else layer.hidden
+            for index, projection in enumerate(projections):
+                part = slice(index * rows, (index + 1) * rows)
+                codes = slices[f"{prefix}.codes"][part]
+                decoded[projection] = QuantizedWeight(
+                    codes=codes, zeros=slices[f"{prefix}.zeros"][part], scales=slices[f"{prefix}.scales"][part],
+                    bits=layer.bits, group_size=layer.group_size_for(codes.shape[1]))
+        return ExpertWeights(**decoded)
+
+    def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
+        return {"bits": layer.bits, "group_size": layer.group_size, "layout": "toy-stacked-bytes"}
