@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 SUPPORTED_BITS = (2, 4, 8)
+PROJECTIONS = ("gate", "up", "down")  # an expert's three linears, in the canonical order
 CHANNELWISE = -1  # the configured group size of channel-wise quantization (configs also write 0)
 
 

@@ -14,7 +14,6 @@ from typing import Any, Mapping
 
 from moeconv.errors import MoeconvError
 
-PROJECTIONS = ("gate", "up", "down")
 
 _HF_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _MIXTRAL_PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down", **_HF_PROJECTIONS}

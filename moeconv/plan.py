@@ -24,12 +24,12 @@ from moeconv.audit import count as audit_counts
 from moeconv.backends import all_backends, auto_order, get_backend
 from moeconv.backends.base import Backend
 from moeconv.backends.base import ExpertWeights, converts_dense_linears
-from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, regroup
+from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight, regroup
 from moeconv.checkpoint.reader import Checkpoint, TensorEntry, TensorReader, open_checkpoint
 from moeconv.detect import Detection, detect, sample_linears
 from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat, format_from_config
-from moeconv.models import PROJECTIONS, Architecture, architecture_from_config
+from moeconv.models import Architecture, architecture_from_config
 from moeconv.spec import DTYPE_SIZES, FLOAT_DTYPES, TensorSpec
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3

@@ -10,8 +10,7 @@ import torch
 from moeconv import packing
 from moeconv.backends.base import ExpertWeights, Numerics
 from moeconv.spec import TensorSpec
-from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
-from moeconv.models import PROJECTIONS
+from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight
 
 
 class PerLinearBackend:
