@@ -18,6 +18,7 @@ from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
 from moeconv.formats.base import (
     Detection,
+    FormatDefaults,
     Linear,
     Read,
     SourceFormat,
@@ -48,7 +49,7 @@ def _deinterleave(slots: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class AWQ:
+class AWQ(FormatDefaults):
     bits: int = 4
     group_size: int = 128
     zero_point: bool = True
@@ -77,15 +78,6 @@ class AWQ:
 
     def optional_suffixes(self) -> tuple[str, ...]:
         return () if self.zero_point else ("qzeros",)
-
-    vector_suffixes: tuple[str, ...] = ()
-    audited_suffixes: tuple[str, ...] = ()
-
-    def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        return {}
-
-    def written_suffixes(self) -> tuple[str, ...]:
-        return self.suffixes()
 
     @classmethod
     def claims(cls, linears: list[Linear]) -> bool:

@@ -101,6 +101,20 @@ class SourceFormat(Protocol):
         """The `quantization_config` a producer of this format writes (synthetic checkpoints)."""
 
 
+class FormatDefaults:
+    """What most formats say about the optional parts of the protocol: no 1-D tensors, no audits of
+    their own, a producer writes the required suffixes."""
+
+    vector_suffixes: tuple[str, ...] = ()
+    audited_suffixes: tuple[str, ...] = ()
+
+    def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        return {}
+
+    def written_suffixes(self) -> tuple[str, ...]:
+        return self.suffixes()
+
+
 def config_int(config: Mapping[str, Any], key: str, default: int, where: str, *fallbacks: str) -> int:
     """An integer config value (the first of `key`, `fallbacks` present), refusing 4.7, "4" and true:
     a value that changes the meaning of the bytes is never coerced."""

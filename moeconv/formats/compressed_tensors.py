@@ -36,7 +36,7 @@ from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
 from moeconv.checkpoint.schema import section
-from moeconv.formats.base import (Detection, Linear, Read, SourceFormat, checked_group_size, config_bool, config_int,
+from moeconv.formats.base import (Detection, FormatDefaults, Linear, Read, SourceFormat, checked_group_size, config_bool, config_int,
                                   effective_group_size, group_size_from_shapes, groups_of)
 from moeconv.models import ARCHITECTURES
 
@@ -59,7 +59,7 @@ _EXPERT_LINEAR_NAMES = tuple(
 
 
 @dataclass(frozen=True)
-class CompressedTensors:
+class CompressedTensors(FormatDefaults):
     format: str = PACK_QUANTIZED
     bits: int = 4
     group_size: int = 128  # -1: channel strategy
@@ -120,13 +120,6 @@ class CompressedTensors:
         return ()
 
     vector_suffixes = ("weight_shape",)
-    audited_suffixes: tuple[str, ...] = ()
-
-    def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        return {}
-
-    def written_suffixes(self) -> tuple[str, ...]:
-        return self.suffixes()
 
     @classmethod
     def claims(cls, linears: list[Linear]) -> bool:
