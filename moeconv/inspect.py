@@ -21,8 +21,8 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
     configured, detection = detect_format(checkpoint, architecture)
     # Describe the checkpoint as the tensors show it; disagreements are reported, not fatal, here.
     source_format = detection.detected if detection.disagreements and detection.detected else configured
-    layers = [replace(layer, shape=replace(layer.shape, tp=tp))
-              for layer in find_moe_layers(checkpoint, architecture, source_format)]
+    found, unquantized = find_moe_layers(checkpoint, architecture, source_format)
+    layers = [replace(layer, shape=replace(layer.shape, tp=tp)) for layer in found]
     first = layers[0].shape
     expert_bytes = sum(layer.source_bytes for layer in layers)
     report: dict[str, Any] = {
@@ -33,6 +33,7 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
         "config_format": configured.describe(),
         "detection": detection.to_json(),
         "moe_layers": [layer.module for layer in layers],
+        "unquantized_experts": unquantized,  # held in float: passed through
         "experts_per_layer": first.experts,
         "expert_shapes": {
             "gate": [first.intermediate, first.hidden],

@@ -1,13 +1,18 @@
 """Architecture naming schemes: which tensors are routed experts, and how big the config says they are.
 
 A routed expert tensor is named `<module>.<expert>.<projection>.<suffix>`, where `<module>` ends in
-`.experts`. Everything else (attention, routers, shared experts, dense MLPs, norms, embeddings)
-passes through untouched, so the patterns only need to recognise routed experts.
+`.experts` (any prefix: `model.`, `model.language_model.`, `mtp.`), or, as ModelOpt exports write
+it, `<module>.<projection>.<expert>.<suffix>`. Everything else (attention, routers, shared experts,
+dense MLPs, norms, embeddings) passes through untouched, so the patterns only need to recognise
+routed experts; a tensor under an `experts` module that no pattern claims is refused by the plan,
+never copied as if it were not an expert.
+
+A new family is one `Architecture` entry in ARCHITECTURES: its model_type, the modules that hold
+`experts`, its projection names, and the config keys of the expert count and size.
 """
 
 from __future__ import annotations
 
-import re
 from functools import cached_property
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -25,6 +30,7 @@ class ExpertName:
     expert: int
     projection: str  # "gate" | "up" | "down"
     suffix: str  # e.g. "qweight"
+    projection_name: str  # the checkpoint's own: "gate_proj", "w1", ...
 
 
 @dataclass(frozen=True)
@@ -36,30 +42,51 @@ class Architecture:
     intermediate_key: str  # config key: per-expert intermediate size
 
     def parse(self, tensor_name: str) -> ExpertName | None:
-        match = self._pattern.match(tensor_name)
-        if match is None:
-            return None
-        return ExpertName(
-            module=match["module"],
-            expert=int(match["expert"]),
-            projection=self.projections[match["projection"]],
-            suffix=match["suffix"],
-        )
+        """Remembered: planning asks about each name several times, and Qwen3-Next has 220k names."""
+        cache = self._parsed
+        if tensor_name not in cache:
+            if len(cache) > 1 << 20:
+                cache.clear()
+            cache[tensor_name] = self._parse(tensor_name)
+        return cache[tensor_name]
 
     @cached_property
-    def _pattern(self) -> re.Pattern[str]:
-        parents = "|".join(map(re.escape, self.parents))
-        projections = "|".join(map(re.escape, self.projections))
-        return re.compile(
-            rf"^(?P<module>(?:.+\.)?(?:{parents})\.experts)\.(?P<expert>\d+)"
-            rf"\.(?P<projection>{projections})\.(?P<suffix>[A-Za-z0-9_]+)$"
-        )
+    def _parsed(self) -> dict[str, ExpertName | None]:
+        return {}
+
+    def _parse(self, tensor_name: str) -> ExpertName | None:
+        module = self.experts_module(tensor_name)
+        if module is None:
+            return None
+        parts = tensor_name[len(module) + 1:].split(".")
+        if len(parts) != 3 or not _is_word(parts[2]):
+            return None
+        first, second, suffix = parts
+        if _is_index(first) and second in self.projections:  # experts.E.gate_proj.qweight
+            expert, projection = first, second
+        elif _is_index(second) and first in self.projections:  # ModelOpt: experts.gate_proj.E.weight_packed
+            expert, projection = second, first
+        else:
+            return None
+        return ExpertName(module=module, expert=int(expert), projection=self.projections[projection],
+                          suffix=suffix, projection_name=projection)
+
+    def experts_module(self, tensor_name: str) -> str | None:
+        """The `experts` module a tensor lies under (whether or not a pattern claims it), else None."""
+        head, found, _ = tensor_name.rpartition(".experts.")
+        if not found or head.rsplit(".", 1)[-1] not in self.parents:
+            return None
+        return f"{head}.experts"
 
     def expected_sizes(self, config: Mapping[str, Any], where: str) -> tuple[int, int, int]:
-        """(experts, hidden, intermediate) from config.json: positive integers (not 4.7, "8" or true)."""
+        """(experts, hidden, intermediate) from config.json (or its `text_config`, where a multimodal
+        model keeps them): positive integers (not 4.7, "8" or true)."""
+        text = config.get("text_config")
         sizes = []
         for key in (self.experts_key, "hidden_size", self.intermediate_key):
             value = config.get(key)
+            if value is None and isinstance(text, dict):
+                value = text.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 found = "is missing" if value is None else f"is {value!r}, not a positive integer"
                 raise MoeconvError(f"{where}: {self.model_type} config key {key} {found} "
@@ -82,19 +109,43 @@ ARCHITECTURES: dict[str, Architecture] = {
                      "num_local_experts", "intermediate_size"),
         Architecture("qwen2_moe", **_QWEN_LIKE),
         Architecture("qwen3_moe", **_QWEN_LIKE),
+        Architecture("qwen3_next", **_QWEN_LIKE),  # 512 experts x 48 layers
+        Architecture("qwen3_5_moe", **_QWEN_LIKE),  # sizes in text_config; model.language_model. prefix; mtp.
         Architecture("deepseek_v2", **_DEEPSEEK_LIKE),
         Architecture("deepseek_v3", **_DEEPSEEK_LIKE),
+        Architecture("kimi_k2", **_DEEPSEEK_LIKE),  # DeepSeek-V3 names, 384 experts
+        Architecture("glm4_moe", **_DEEPSEEK_LIKE),
+        Architecture("minimax_m2", ("block_sparse_moe",), _MIXTRAL_PROJECTIONS, "num_local_experts",
+                     "intermediate_size"),
     )
 }
+
+
+# Families whose experts are not integer-affine codes: refused with the reason, not as "unknown".
+REFUSED = {
+    "gpt_oss": "gpt-oss experts are MXFP4 (4-bit floats sharing power-of-two block scales), not an "
+               "integer-affine code; moeconv converts integer codes (AWQ, GPTQ, compressed-tensors int)",
+}
+
+
+def _is_index(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
+def _is_word(text: str) -> bool:
+    return text.isascii() and text.replace("_", "a").isalnum()
 
 
 def architecture_from_config(config: Mapping[str, Any], where: str) -> Architecture:
     model_type = config.get("model_type", "")
     if not isinstance(model_type, str):
         raise MoeconvError(f"{where}: model_type must be a string, not {model_type!r}")
+    if model_type in REFUSED:
+        raise MoeconvError(f"{where}: {REFUSED[model_type]}")
     if model_type not in ARCHITECTURES:
         supported = ", ".join(sorted(ARCHITECTURES))
         raise MoeconvError(
-            f"{where}: unsupported architecture {model_type or '(no model_type)'!r}; supported: {supported}"
+            f"{where}: unsupported architecture {model_type or '(no model_type)'!r}; supported: {supported} "
+            f"(a new naming scheme is one Architecture entry in moeconv/models.py, docs/ARCHITECTURE.md)"
         )
     return ARCHITECTURES[model_type]

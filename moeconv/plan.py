@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from math import prod
 from pathlib import Path
 from typing import Any, NamedTuple, Union
@@ -234,6 +235,7 @@ class Plan:
     regroup_factor: int = 1  # group size divided by this (scales and zeros repeated): lossless
     tp: int = 1
     skipped_backends: tuple[tuple[str, str], ...] = ()  # --backend auto: (name, why not)
+    unquantized_experts: tuple[str, ...] = ()  # experts modules held in float: passed through
 
     @property
     def codec(self) -> Codec:
@@ -314,6 +316,7 @@ class Plan:
             "skipped_backends": [{"backend": name, "reason": reason} for name, reason in self.skipped_backends],
             "detection": self.detection.to_json() if self.detection else None,
             "moe_layers": len(self.layers),
+            "unquantized_experts": list(self.unquantized_experts),
             "source_bytes": self.checkpoint.total_bytes,
             "source_expert_bytes": self.source_expert_bytes,
             "output_bytes": self.output_bytes,
@@ -368,13 +371,36 @@ def resolve_format(checkpoint: Checkpoint, architecture: Architecture,
     raise MoeconvError(f"{checkpoint.root / 'config.json'}: {detection.disagreements[0]}{more}; {hint}")
 
 
-def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_format: SourceFormat) -> list[MoELayer]:
-    """Group the routed-expert tensors into layers and check them against the config."""
+def unquantized_expert_modules(checkpoint: Checkpoint, architecture: Architecture) -> list[str]:
+    """The `experts` modules held in float (an MTP layer left bf16, experts fused on disk as 3-D float
+    tensors): they pass through byte for byte, and the plan says so. A non-float tensor under an
+    `experts` module that no naming scheme claims is refused, never copied as if it were not an expert."""
+    modules: dict[str, bool] = {}  # module -> every tensor under it is float
+    for name, entry in checkpoint.tensors.items():
+        module = architecture.experts_module(name)
+        if module is None:
+            continue
+        parsed = architecture.parse(name)
+        if parsed is None and entry.dtype not in FLOAT_DTYPES:
+            raise MoeconvError(
+                f"{entry.file}: tensor {name} ({entry.dtype}{list(entry.shape)}) is under {module} but matches no "
+                f"{architecture.model_type} expert naming (experts.E.<projection>.<suffix>); fused 3-D quantized "
+                f"experts (as llm-compressor 0.12 writes `gate_up_proj_packed`) are not read yet; refusing rather "
+                f"than copying them unconverted (namings live in moeconv/models.py)")
+        modules[module] = modules.get(module, True) and entry.dtype in FLOAT_DTYPES
+    return sorted((module for module, floats in modules.items() if floats), key=_natural_key)
+
+
+def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture,
+                    source_format: SourceFormat) -> tuple[list[MoELayer], list[str]]:
+    """Group the routed-expert tensors into layers and check them against the config. Experts held in
+    float (`unquantized_expert_modules`) are not a layer to convert: they pass through."""
     where = checkpoint.root / "config.json"
     experts_expected, hidden, intermediate = architecture.expected_sizes(checkpoint.config, str(where))
     grouped = group_experts(checkpoint, architecture)
+    unquantized = unquantized_expert_modules(checkpoint, architecture)
     layers = []
-    for module in sorted(grouped, key=_natural_key):
+    for module in sorted(set(grouped) - set(unquantized), key=_natural_key):
         experts = grouped[module]
         # Compare counts before building any list the config's number sizes (a count of 1e9 over tiny files).
         if len(experts) != experts_expected or sorted(experts) != list(range(experts_expected)):
@@ -402,7 +428,8 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
             symmetric=source_format.symmetric,
             scale_dtype=scale_dtypes.pop(),
             activation_bits=source_format.activation_bits,
-            projection_names=tuple(_projection_name(ordered[0][projection]) for projection in PROJECTIONS),
+            projection_names=tuple(architecture.parse(next(iter(ordered[0][projection].values())).name).projection_name
+                                   for projection in PROJECTIONS),
         )
         layers.append(MoELayer(module, shape, ordered))
     if not layers:
@@ -411,12 +438,7 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
             f"(expected names like model.layers.0.{architecture.parents[0]}.experts.0."
             f"{next(iter(architecture.projections))}.qweight)"
         )
-    return layers
-
-
-def _projection_name(linear: dict[str, TensorEntry]) -> str:
-    """The checkpoint's own name of a projection (`gate_proj`, `w1`, ...): names end `.<projection>.<suffix>`."""
-    return next(iter(linear.values())).name.rsplit(".", 2)[-2]
+    return layers, unquantized
 
 
 def find_dense_linears(checkpoint: Checkpoint, source_format: SourceFormat, backend: Backend, names: list[str],
@@ -479,7 +501,7 @@ def _check_linear(linear: dict[str, TensorEntry], prefix: str, projection: str, 
             f"{entry.file}: tensor {entry.name} is a {found[0]}x{found[1]} (out x in) linear, but config.json "
             f"makes the {projection} projection {out_features}x{in_features}"
         )
-    expected = source_format.expected(out_features, in_features)
+    expected = _expected(source_format, out_features, in_features)
     for suffix, entry in linear.items():
         want = expected[suffix]
         dtype_ok = entry.dtype == want.dtype if want.dtype else entry.dtype in FLOAT_DTYPES
@@ -489,6 +511,12 @@ def _check_linear(linear: dict[str, TensorEntry], prefix: str, projection: str, 
                 f"{want.dtype or 'a float dtype'}{list(want.shape)} for {source_format.method} "
                 f"{source_format.bits}-bit group {source_format.group_size}"
             )
+
+
+@lru_cache(maxsize=256)
+def _expected(source_format: SourceFormat, out_features: int, in_features: int) -> dict[str, TensorSpec]:
+    """The format's header expectations, once per linear size (a Kimi-K2 plan checks 70k linears)."""
+    return source_format.expected(out_features, in_features)
 
 
 def _ranges(values: list[int]) -> str:
@@ -557,8 +585,8 @@ def make_plan(source: Path | Checkpoint, backend: str = "triton", max_shard_size
     config_path = str(checkpoint.root / "config.json")
     architecture = architecture_from_config(checkpoint.config, config_path)
     source_format, detection = resolve_format(checkpoint, architecture, trust)
-    layers = [replace(layer, shape=replace(layer.shape, tp=tp))
-              for layer in find_moe_layers(checkpoint, architecture, source_format)]
+    found, unquantized = find_moe_layers(checkpoint, architecture, source_format)
+    layers = [replace(layer, shape=replace(layer.shape, tp=tp)) for layer in found]
     target, factor, skipped = choose_backend(backend, layers, regroup)
     if factor > 1:
         layers = [replace(layer, shape=replace(layer.shape, group_size=layer.shape.group_size // factor))
@@ -576,7 +604,7 @@ def make_plan(source: Path | Checkpoint, backend: str = "triton", max_shard_size
     units.sort(key=lambda item: _natural_key(item[0]))
     shards = _assign_shards([unit for _, unit in units], max_shard_size)
     return Plan(checkpoint, architecture, source_format, target, tuple(layers), shards, max_shard_size, trust,
-                detection, factor, tp, skipped)
+                detection, factor, tp, skipped, tuple(unquantized))
 
 
 class Unit(NamedTuple):

@@ -139,7 +139,7 @@ def open_checkpoint(root: Path, origin: dict[str, Any] | None = None) -> Checkpo
     index_path = root / INDEX_NAME
     if index_path.exists():
         mapping = weight_map(read_json(index_path), index_path)
-        files = sorted({root / name for name in mapping.values()})
+        files = sorted(root / name for name in set(mapping.values()))
         _check_shard_set(root, files, index_path)
     else:
         files = sorted(root.glob("*.safetensors"))
