@@ -74,6 +74,8 @@ class SynthSpec:
     vocab: int = 256
     dtype: torch.dtype = torch.float16
     mixtral_naming: str = "legacy"  # "legacy": block_sparse_moe.experts.E.w1; "hf": mlp.experts.E.gate_proj
+    expert_order: str = "index-first"  # or "modelopt": experts.gate_proj.E.<suffix>
+    mtp_layers: int = 0  # qwen3_5_moe: MTP layers (mtp.layers.N.mlp.experts.E.*), left in float as shipped
     seed: int = 0
 
 
@@ -120,16 +122,40 @@ class _Builder:
         self.quantized(f"{prefix}.{up}", intermediate, self.spec.hidden)
         self.quantized(f"{prefix}.{down}", self.spec.hidden, intermediate)
 
+    def experts(self, module: str, names: tuple[str, str, str], quantized: bool = True) -> None:
+        """Routed experts under `module` (ending in `.experts`), index first or (ModelOpt) projection first."""
+        spec = self.spec
+        for expert in range(spec.experts):
+            for name, out_in in zip(names, ((spec.intermediate, spec.hidden),) * 2 + ((spec.hidden, spec.intermediate),)):
+                prefix = f"{module}.{name}.{expert}" if spec.expert_order == "modelopt" else f"{module}.{expert}.{name}"
+                if quantized:
+                    self.quantized(prefix, *out_in)
+                else:
+                    self.dense(f"{prefix}.weight", out_in)
+
 
 _HF_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+# model_type -> (class name, naming family). Families: "qwen" (mlp.experts, shared_expert),
+# "deepseek" (mlp.experts, shared_experts, router bias), "mixtral" (block_sparse_moe.experts.E.w1).
+_FAMILIES = {"mixtral": ("MixtralForCausalLM", "mixtral"), "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen"),
+             "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen"), "qwen3_next": ("Qwen3NextForCausalLM", "qwen"),
+             "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "qwen"),
+             "deepseek_v2": ("DeepseekV2ForCausalLM", "deepseek"), "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek"),
+             "kimi_k2": ("DeepseekV3ForCausalLM", "deepseek"), "glm4_moe": ("Glm4MoeForCausalLM", "deepseek"),
+             "minimax_m2": ("MiniMaxM2ForCausalLM", "mixtral")}
+_ROUTER_BIAS = ("deepseek_v3", "kimi_k2", "glm4_moe")  # e_score_correction_bias beside the router
 
 
 def _build(spec: SynthSpec) -> tuple[_Builder, dict[str, Any]]:
     b = _Builder(spec)
     h, arch = spec.hidden, spec.architecture
-    b.dense("model.embed_tokens.weight", (spec.vocab, h))
+    family = _FAMILIES[arch][1]
+    root = "model.language_model" if arch == "qwen3_5_moe" else "model"
+    b.dense(f"{root}.embed_tokens.weight", (spec.vocab, h))
     for layer in range(spec.layers):
-        p = f"model.layers.{layer}"
+        p = f"{root}.layers.{layer}"
         b.dense(f"{p}.input_layernorm.weight", (h,), ones=True)
         b.dense(f"{p}.post_attention_layernorm.weight", (h,), ones=True)
         for projection in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -137,32 +163,31 @@ def _build(spec: SynthSpec) -> tuple[_Builder, dict[str, Any]]:
         if layer < spec.dense_layers:
             b.mlp(f"{p}.mlp", _HF_NAMES, spec.dense_intermediate)
             continue
-        if arch == "mixtral" and spec.mixtral_naming == "legacy":
+        if family == "mixtral" and (arch == "minimax_m2" or spec.mixtral_naming == "legacy"):
             moe, names = f"{p}.block_sparse_moe", ("w1", "w3", "w2")
         else:
             moe, names = f"{p}.mlp", _HF_NAMES
-        b.dense(f"{moe}.gate.weight", (spec.experts, h), dtype=torch.float32 if arch.startswith("deepseek") else None)
-        if arch == "deepseek_v3":
+        b.dense(f"{moe}.gate.weight", (spec.experts, h), dtype=torch.float32 if family == "deepseek" else None)
+        if arch in _ROUTER_BIAS:
             b.dense(f"{moe}.gate.e_score_correction_bias", (spec.experts,), dtype=torch.float32)
-        for expert in range(spec.experts):
-            b.mlp(f"{moe}.experts.{expert}", names, spec.intermediate)
-        if arch == "qwen2_moe":
+        b.experts(f"{moe}.experts", names)
+        if arch in ("qwen2_moe", "qwen3_next", "qwen3_5_moe"):
             b.mlp(f"{moe}.shared_expert", _HF_NAMES, spec.intermediate * 2)
             b.dense(f"{moe}.shared_expert_gate.weight", (1, h))
-        if arch.startswith("deepseek"):
+        if family == "deepseek":
             b.mlp(f"{moe}.shared_experts", _HF_NAMES, spec.intermediate)
-    b.dense("model.norm.weight", (h,), ones=True)
+    for layer in range(spec.mtp_layers):  # Qwen3.5's MTP layers ship unquantized
+        b.experts(f"mtp.layers.{layer}.mlp.experts", _HF_NAMES, quantized=False)
+    b.dense(f"{root}.norm.weight", (h,), ones=True)
     b.dense("lm_head.weight", (spec.vocab, h))
     return b, _config(spec)
 
 
 def _config(spec: SynthSpec) -> dict[str, Any]:
     arch = spec.architecture
-    class_names = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                   "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                   "deepseek_v3": "DeepseekV3ForCausalLM"}
+    family = _FAMILIES[arch][1]
     config: dict[str, Any] = {
-        "architectures": [class_names[arch]],
+        "architectures": [_FAMILIES[arch][0]],
         "model_type": arch,
         "hidden_size": spec.hidden,
         "num_hidden_layers": spec.layers,
@@ -170,20 +195,24 @@ def _config(spec: SynthSpec) -> dict[str, Any]:
         "torch_dtype": str(spec.dtype).removeprefix("torch."),
         "quantization_config": spec.source_format.quantization_config(),
     }
-    if arch == "mixtral":
+    if family == "mixtral":
         config.update(num_local_experts=spec.experts, intermediate_size=spec.intermediate, num_experts_per_tok=2)
-    elif arch.startswith("qwen"):
+    elif family == "qwen":
         config.update(num_experts=spec.experts, moe_intermediate_size=spec.intermediate,
                       intermediate_size=spec.dense_intermediate, num_experts_per_tok=2, decoder_sparse_step=1,
                       mlp_only_layers=list(range(spec.dense_layers)))
-        if arch == "qwen2_moe":
+        if arch != "qwen3_moe":
             config["shared_expert_intermediate_size"] = spec.intermediate * 2
     else:
         config.update(n_routed_experts=spec.experts, moe_intermediate_size=spec.intermediate,
                       intermediate_size=spec.dense_intermediate, num_experts_per_tok=2, n_shared_experts=1,
                       first_k_dense_replace=spec.dense_layers)
-        if arch == "deepseek_v3":  # the router's e_score_correction_bias exists only with this routing
+        if arch in _ROUTER_BIAS:  # the router's e_score_correction_bias exists only with this routing
             config.update(topk_method="noaux_tc", n_group=1, topk_group=1)
+    if arch == "qwen3_5_moe":  # a multimodal wrapper: the language model's sizes live in text_config
+        text = {key: config.pop(key) for key in list(config) if key not in ("architectures", "model_type",
+                                                                               "torch_dtype", "quantization_config")}
+        config["text_config"] = {"model_type": "qwen3_5_moe_text", **text, "mtp_num_hidden_layers": spec.mtp_layers}
     return config
 
 

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from moeconv.backends.triton import TritonBackend
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.checkpoint.writer import sha256_file
-from moeconv.formats import AWQ, GPTQ
+from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.models import ARCHITECTURES
 from moeconv.plan import make_plan
 from moeconv.synth import SynthSpec, make_checkpoint
@@ -29,6 +29,11 @@ CASES = [
     ("qwen3_moe", "hf", AWQ(4, 32, zero_point=False)),
     ("deepseek_v2", "hf", GPTQ(4, 128, sym=True)),
     ("deepseek_v3", "hf", GPTQ(8, 32, sym=True, checkpoint_format="gptq_v2")),
+    ("qwen3_next", "hf", GPTQ(4, 32, sym=True)),
+    ("qwen3_5_moe", "hf", CompressedTensors(bits=4, group_size=32, symmetric=True)),
+    ("kimi_k2", "hf", CompressedTensors(bits=4, group_size=32, symmetric=True)),
+    ("glm4_moe", "hf", AWQ(4, 32, zero_point=True)),
+    ("minimax_m2", "legacy", CompressedTensors(bits=4, group_size=64, symmetric=False)),
 ]
 
 

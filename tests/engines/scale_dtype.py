@@ -109,7 +109,7 @@ def measure(checkpoint: Path, dtype: str) -> dict:
         kind["changed"] += int((value[written] != exact[written]).sum())
         rel = ((value[written] - exact[written]).abs() / exact[written].abs()).max()
         kind["max_rel_change"] = max(kind["max_rel_change"], float(rel))
-    return {"model_dtype": str(model_config.dtype).removeprefix("torch."), "scales": kinds}
+    return {"loaded": True, "model_dtype": str(model_config.dtype).removeprefix("torch."), "scales": kinds}
 
 
 def main() -> None:

@@ -1,0 +1,75 @@
+"""The checkpoint families of late 2026 beyond the classic per-expert names: ModelOpt's
+projection-before-index order, Qwen3.5's unquantized MTP experts, and the silent-failure classes
+made loud (a quantized tensor under an experts module that no naming claims; gpt-oss's MXFP4)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import save_file
+
+import moeconv
+from moeconv.checkpoint.reader import open_checkpoint
+from moeconv.formats import GPTQ, CompressedTensors
+from moeconv.synth import SynthSpec, make_checkpoint
+
+from helpers import run_main
+
+
+def test_modelopt_order_converts_to_the_standard_names(tmp_path):
+    """experts.gate_proj.E.* is read as expert E's gate; a per-linear output uses the standard order."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(expert_order="modelopt", hidden=64, intermediate=64,
+                                                         source_format=GPTQ(4, 32, sym=True)))
+    assert "model.layers.0.mlp.experts.gate_proj.3.qweight" in open_checkpoint(source).tensors
+    for backend in ("triton", "compressed-tensors"):
+        moeconv.convert(source, tmp_path / backend, backend=backend)
+        report = moeconv.verify(tmp_path / backend, numerics_layers=1)
+        assert report.ok, report.failures()
+        assert all(layer.experts_exact == 4 for layer in report.layers)
+    names = open_checkpoint(tmp_path / "compressed-tensors").tensors
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight_packed" in names
+    assert not any(".experts.gate_proj." in name for name in names)
+
+
+def test_unquantized_mtp_experts_pass_through_and_are_reported(tmp_path):
+    """Qwen3.5 ships its MTP layer's experts in bf16: they are copied, named in the plan, and left in
+    float by the compressed-tensors config (its `ignore`), never read as a quantized layer."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(architecture="qwen3_5_moe", mtp_layers=1, hidden=64,
+                                                         intermediate=64, dtype=torch.bfloat16,
+                                                         source_format=CompressedTensors(bits=4, group_size=32)))
+    assert moeconv.inspect(source)["unquantized_experts"] == ["mtp.layers.0.mlp.experts"]
+    report = moeconv.convert(source, tmp_path / "out", backend="compressed-tensors")
+    assert report.plan["unquantized_experts"] == ["mtp.layers.0.mlp.experts"]
+    assert report.plan["moe_layers"] == 2
+    verdict = moeconv.verify(tmp_path / "out", numerics_layers=1)
+    assert verdict.ok, verdict.failures()
+    mtp = [name for name in open_checkpoint(source).tensors if name.startswith("mtp.")]
+    assert len(mtp) == 12 and verdict.passthrough_checked >= len(mtp)  # byte-compared with the source
+    ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "mtp.layers.0.mlp.experts.0.gate_proj" in ignore
+
+
+def test_an_unclaimed_quantized_tensor_under_experts_is_refused(tmp_path, capsys):
+    """llm-compressor 0.12's fused `experts.gate_up_proj_packed` (which vLLM dropped silently) is named
+    in a one-line error, not copied as if it were not an expert."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=64, intermediate=64))
+    extra = "model.layers.1.mlp.experts.gate_up_proj_packed"
+    save_file({extra: torch.zeros(4, 128, 8, dtype=torch.int32)}, str(source / "model-extra.safetensors"))
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    index["weight_map"][extra] = "model-extra.safetensors"
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out")
+    assert code == 2
+    line = err.strip()
+    assert "\n" not in line and "model-extra.safetensors" in line and extra in line and "refusing" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpt_oss_is_refused_as_mxfp4(tmp_path, capsys):
+    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=64, intermediate=64))
+    config = json.loads((source / "config.json").read_text())
+    config["model_type"] = "gpt_oss"
+    (source / "config.json").write_text(json.dumps(config))
+    code, _, err = run_main(capsys, "inspect", source)
+    assert code == 2 and "MXFP4" in err and "not an integer-affine code" in err
