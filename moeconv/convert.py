@@ -310,10 +310,7 @@ def _write_shard(plan: Plan, shard: OutputShard, path: Path, reader: TensorReade
     codec = plan.codec
 
     def run(job):
-        if job.copies:
-            return None
-        weights, counts = job.read_source(codec, reader)
-        return job.encode(codec, weights), counts
+        return None if job.copies else job.convert(codec, reader)
 
     with ShardWriter(temporary, shard.tensors, metadata) as writer:
         # Once job i is written, every byte before the first slot of a later job is final.

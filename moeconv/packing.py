@@ -70,7 +70,7 @@ def _bytes_to_words(packed_bytes: torch.Tensor, dim: int, allow_view: bool = Tru
     return byte[0] | (byte[1] << 8) | (byte[2] << 16) | (top << 24)
 
 
-def _words_to_bytes(words: torch.Tensor, dim: int, allow_view: bool = True) -> torch.Tensor:
+def words_to_bytes(words: torch.Tensor, dim: int, allow_view: bool = True) -> torch.Tensor:
     """int32 words -> bytes along `dim`, least significant first. The shifts: an arithmetic right
     shift of a negative int32 only copies the sign into bits the 0xFF mask removes."""
     if allow_view and _LITTLE_ENDIAN and dim == words.dim() - 1:
@@ -85,7 +85,7 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     values_per_container(bits, packed.dtype)  # refuses widths that do not tile the container
     dim = dim % packed.dim()
     if packed.dtype is torch.int32:
-        packed = _words_to_bytes(packed, dim)
+        packed = words_to_bytes(packed, dim)
     if bits < 8:
         mask = (1 << bits) - 1
         packed = torch.stack([(packed >> (slot * bits)) & mask for slot in range(8 // bits)], dim + 1)

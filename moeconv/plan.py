@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
+from moeconv import transcoders
 from moeconv._version import __version__
 from moeconv.audit import count as audit_counts
 from moeconv.backends import all_backends, auto_order, get_backend
@@ -32,6 +33,7 @@ from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat, format_from_config
 from moeconv.models import Architecture, architecture_from_config
 from moeconv.spec import DTYPE_SIZES, FLOAT_DTYPES, TensorSpec
+from moeconv.transcoders import Transcoder
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3
 
@@ -107,6 +109,7 @@ class Codec:
     source_format: SourceFormat
     backend: Backend
     regroup_factor: int = 1  # group size divided by this (scales and zeros repeated): lossless
+    transcoder: Transcoder | None = None  # stored words straight into the layout (byte-identical)
 
     def decode_source(self, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
         """One source linear in the canonical form the plan writes."""
@@ -147,6 +150,10 @@ class LinearJob:
     def inputs(self) -> tuple[SourceSlice, ...]:
         return tuple(self.sources.values())
 
+    def convert(self, codec: Codec, reader: TensorReader) -> tuple[dict[str, torch.Tensor], list[Audit]]:
+        weights, audits = self.read_source(codec, reader)
+        return self.encode(codec, weights), audits
+
     def read_source(self, codec: Codec, reader: TensorReader) -> tuple[dict[str, QuantizedWeight], list[Audit]]:
         """The canonical weight (keyed "linear"), and the audit counts of its source tensors."""
         tensors = {suffix: piece.read(reader) for suffix, piece in self.sources.items()}
@@ -175,6 +182,22 @@ class ExpertJob:
     @property
     def inputs(self) -> tuple[SourceSlice, ...]:
         return tuple(piece for linear in self.sources.values() for piece in linear.values())
+
+    def convert(self, codec: Codec, reader: TensorReader) -> tuple[dict[str, torch.Tensor], list[Audit]]:
+        """This expert's slice of every layer tensor, and the audit counts of its source tensors: through
+        the pair's transcoder where there is one, else decoded to the canonical form and encoded."""
+        if codec.transcoder is None:
+            weights, audits = self.read_source(codec, reader)
+            return self.encode(codec, weights), audits
+        raw = {projection: {suffix: piece.read(reader) for suffix, piece in linear.items()}
+               for projection, linear in self.sources.items()}
+        audits = [(next(iter(self.sources[projection].values())).key.rsplit(".", 1)[0],
+                   audit_counts(codec.source_format, tensors, None)) for projection, tensors in raw.items()]
+        try:
+            return codec.transcoder(codec.source_format, raw, self.shape, codec.regroup_factor), audits
+        except MoeconvError as error:
+            first = next(iter(self.sources["gate"].values())).entry
+            raise MoeconvError(f"{first.file}: {first.name.rsplit('.', 2)[0]}: {error}") from None
 
     def read_source(self, codec: Codec, reader: TensorReader) -> tuple[dict[str, QuantizedWeight], list[Audit]]:
         """The canonical gate, up and down, and the audit counts of their source tensors."""
@@ -239,7 +262,8 @@ class Plan:
 
     @property
     def codec(self) -> Codec:
-        return Codec(self.source_format, self.backend, self.regroup_factor)
+        transcoder = transcoders.find(self.source_format, self.backend.name, self.layers[0].shape)
+        return Codec(self.source_format, self.backend, self.regroup_factor, transcoder)
 
     @property
     def jobs(self) -> list[Job]:
@@ -312,6 +336,7 @@ class Plan:
             "architecture": self.architecture.model_type,
             "format": self.source_format.describe(),
             "regroup_factor": self.regroup_factor,
+            "transcoder": getattr(self.codec.transcoder, "__name__", None),  # None: the canonical route
             "tp": self.tp,
             "skipped_backends": [{"backend": name, "reason": reason} for name, reason in self.skipped_backends],
             "detection": self.detection.to_json() if self.detection else None,

@@ -62,8 +62,8 @@ def test_refuses_widths_that_do_not_tile():
 def test_byte_split_view_equals_the_shifts(shape, seed):
     """On little-endian hosts words are split into bytes with a view; it must equal the shifts."""
     words = torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, generator=torch.Generator().manual_seed(seed))
-    by_shifts = packing._words_to_bytes(words, 1, allow_view=False)
-    assert torch.equal(packing._words_to_bytes(words, 1), by_shifts)
+    by_shifts = packing.words_to_bytes(words, 1, allow_view=False)
+    assert torch.equal(packing.words_to_bytes(words, 1), by_shifts)
     assert torch.equal(packing._bytes_to_words(by_shifts, 1, allow_view=False), words)
     assert torch.equal(packing._bytes_to_words(by_shifts, 1), words)
 

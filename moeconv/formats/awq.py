@@ -33,7 +33,7 @@ from moeconv.formats.base import (
 
 # Slot s of a packed word holds column AWQ_ORDER[s] of its 8 columns.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-_NATURAL_FROM_SLOTS = tuple(AWQ_ORDER.index(column) for column in range(8))  # (0, 4, 1, 5, 2, 6, 3, 7)
+NATURAL_FROM_SLOTS = tuple(AWQ_ORDER.index(column) for column in range(8))  # (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 def _interleave(columns: torch.Tensor) -> torch.Tensor:
@@ -45,7 +45,7 @@ def _interleave(columns: torch.Tensor) -> torch.Tensor:
 def _deinterleave(slots: torch.Tensor) -> torch.Tensor:
     """(..., N) slot order -> natural order."""
     grouped = slots.reshape(*slots.shape[:-1], -1, 8)
-    return grouped[..., list(_NATURAL_FROM_SLOTS)].reshape(slots.shape)
+    return grouped[..., list(NATURAL_FROM_SLOTS)].reshape(slots.shape)
 
 
 @dataclass(frozen=True)

@@ -93,15 +93,29 @@ class GPTQ:
             "g_idx": TensorSpec("g_idx", (in_features,), "I32"),
         }
 
-    def _zero_offset_word(self) -> int:
+    def zero_offset_word(self) -> int:
         return packing.repeated_word(1, self.bits) if self.checkpoint_format == V1 else 0
 
     def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
         # Transpose the packed words (b/8 of the bytes of the codes), then unpack along the rows.
         codes = packing.unpack(tensors["qweight"].T.contiguous(), self.bits, dim=1)
         in_features = codes.shape[1]
+        self.check_g_idx(tensors.get("g_idx"), in_features)
+        zeros = None
+        if not self.sym:
+            true_words = packing.add_to_words(tensors["qzeros"], self.zero_offset_word())
+            zeros = packing.unpack(true_words, self.bits, dim=1).T.contiguous()
+        return QuantizedWeight(
+            codes=codes,
+            zeros=zeros,
+            scales=tensors["scales"].T.contiguous(),
+            bits=self.bits,
+            group_size=effective_group_size(in_features, self.group_size),
+        )
+
+    def check_g_idx(self, g_idx: torch.Tensor | None, in_features: int) -> None:
+        """A stored g_idx must be the trivial k // g: anything else is act-order."""
         group_size = effective_group_size(in_features, self.group_size)
-        g_idx = tensors.get("g_idx")
         if g_idx is not None and not torch.equal(
             g_idx.to(torch.int64), torch.arange(in_features, dtype=torch.int64) // group_size
         ):
@@ -109,24 +123,13 @@ class GPTQ:
                 "g_idx is not the trivial k // group_size (act-order, desc_act=true); "
                 "moeconv does not convert act-order checkpoints yet"
             )
-        zeros = None
-        if not self.sym:
-            true_words = packing.add_to_words(tensors["qzeros"], self._zero_offset_word())
-            zeros = packing.unpack(true_words, self.bits, dim=1).T.contiguous()
-        return QuantizedWeight(
-            codes=codes,
-            zeros=zeros,
-            scales=tensors["scales"].T.contiguous(),
-            bits=self.bits,
-            group_size=group_size,
-        )
 
     def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         """Writes what GPTQModel writes: v1 zeros as true-zero words minus the repeated-ones word."""
         true_words = packing.pack(weight.effective_zeros().T, self.bits, dim=1, container=torch.int32)
         return {
             "qweight": packing.pack(weight.codes.T, self.bits, dim=0, container=torch.int32),
-            "qzeros": packing.add_to_words(true_words, -self._zero_offset_word()),
+            "qzeros": packing.add_to_words(true_words, -self.zero_offset_word()),
             "scales": weight.scales.T.contiguous(),
             "g_idx": torch.arange(weight.in_features, dtype=torch.int32) // weight.group_size,
         }

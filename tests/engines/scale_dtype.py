@@ -30,19 +30,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-
-import vllm_load  # noqa: E402  (sets VLLM_LOGGING_LEVEL before vLLM is imported)
+import torch
+import vllm_load
+from safetensors import safe_open
 
 
 def measure(checkpoint: Path, dtype: str) -> dict:
-    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel, parallel_state
+    from vllm.config import (
+        DeviceConfig,
+        LoadConfig,
+        ModelConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.distributed import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        parallel_state,
+    )
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.utils.torch_utils import set_default_torch_dtype
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     model_config = ModelConfig(model=str(checkpoint), dtype=dtype, enforce_eager=True)
     vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"),
@@ -80,7 +89,7 @@ def measure(checkpoint: Path, dtype: str) -> dict:
                                                  dtype=torch.float64 if shadow_pass[0] else parameter.dtype)
             held = []
 
-            def weights():
+            def weights(held=held):
                 for name, tensor in loader.get_all_weights(model_config, model):
                     held.append(tensor)  # keeps the storage alive, so its address names the tensor
                     yielded[tensor.untyped_storage().data_ptr()] = name
@@ -92,7 +101,7 @@ def measure(checkpoint: Path, dtype: str) -> dict:
     files = {}
     for shard in checkpoint.glob("*.safetensors"):
         with safe_open(shard, "pt") as handle:
-            files.update({key: handle.get_slice(key).get_dtype() for key in handle.keys()})
+            files.update({key: handle.get_slice(key).get_dtype() for key in handle.keys()})  # noqa: SIM118 (not a dict)
     kinds: dict[str, dict] = {}
     for name in scales:
         if not consumed[name]:

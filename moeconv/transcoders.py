@@ -1,0 +1,93 @@
+"""Packed-to-packed transcoders: one source format's stored words straight into one backend's
+layout, without unpacking to the canonical form, for the pairs where the two layouts are close.
+
+The canonical route (format.decode, then backend.encode_expert) stays the definition: every
+transcoder here is proven byte-identical to it by a property test over shapes, bit widths,
+symmetric and asymmetric zero points, group sizes and edge values (tests/test_transcoders.py). A
+pair without a transcoder simply takes the canonical route.
+
+GPTQ -> triton (moe_wna16): GPTQ packs codes along K into int32 words (K·b/32, N), LSB first; the
+kernel reads (N, K·b/8) bytes packed along K, LSB first, so each row is a column of words read as
+bytes: a transpose and a byte split. Zero points: GPTQ's (G, N·b/32) words, made true (v1 adds the
+repeated-ones word back), are along N as the kernel's (N·b/8, G) bytes are: a byte split and a
+transpose. AWQ -> triton: AWQ packs along N in its interleaved order; the codes are unpacked with
+shifts on bytes, put in natural order with one gather, and packed in pairs along K.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from moeconv import packing
+from moeconv.canonical import MoELayerShape
+from moeconv.formats.awq import AWQ, NATURAL_FROM_SLOTS
+from moeconv.formats.gptq import GPTQ
+
+Linear = Mapping[str, torch.Tensor]  # one source linear's tensors, by suffix
+Transcoder = Callable[[object, Mapping[str, Linear], MoELayerShape, int], dict[str, torch.Tensor]]
+
+
+def _regrouped(tensor: torch.Tensor, factor: int) -> torch.Tensor:
+    """(rows, G) scales or zero bytes with each group repeated `factor` times (canonical.regroup)."""
+    return tensor if factor == 1 else tensor.repeat_interleave(factor, dim=1)
+
+
+def _stacked_gemms(linears: Mapping[str, Linear], one: Callable[[Linear], tuple], factor: int) -> dict[str, torch.Tensor]:
+    """The triton slices from each projection's (qweight bytes, scales, zero bytes or None)."""
+    parts = {projection: one(linear) for projection, linear in linears.items()}
+    slices = {}
+    for prefix, projections in (("w13", ("gate", "up")), ("w2", ("down",))):
+        codes, scales, zeros = zip(*(parts[projection] for projection in projections))
+        slices[f"{prefix}_qweight"] = torch.cat(codes)
+        slices[f"{prefix}_scales"] = _regrouped(torch.cat(scales), factor)
+        if zeros[0] is not None:
+            slices[f"{prefix}_qzeros"] = _regrouped(torch.cat(zeros), factor)
+    return slices
+
+
+def gptq_to_triton(fmt: GPTQ, linears: Mapping[str, Linear], layer: MoELayerShape, factor: int) -> dict[str, torch.Tensor]:
+    def one(linear: Linear) -> tuple:
+        qweight = linear["qweight"]
+        fmt.check_g_idx(linear.get("g_idx"), qweight.shape[0] * 32 // fmt.bits)
+        codes = packing.words_to_bytes(qweight.T.contiguous(), dim=1)
+        zeros = None
+        if not fmt.sym:
+            true_words = packing.add_to_words(linear["qzeros"], fmt.zero_offset_word())
+            zeros = packing.words_to_bytes(true_words, dim=1).T.contiguous()
+        return codes, linear["scales"].T.contiguous(), zeros
+
+    return _stacked_gemms(linears, one, factor)
+
+
+def _awq_natural_codes(words: torch.Tensor) -> torch.Tensor:
+    """AWQ's (rows, N/8) words -> (rows, N) 4-bit codes in natural column order."""
+    data = packing.words_to_bytes(words, dim=1)  # (rows, N/2): byte b holds slots 2b (low) and 2b + 1
+    slots = torch.stack([data & 0xF, data >> 4], dim=2).reshape(words.shape[0], -1, 8)
+    return slots[..., list(NATURAL_FROM_SLOTS)].reshape(words.shape[0], -1)
+
+
+def _pairs(codes: torch.Tensor) -> torch.Tensor:
+    """(2M, C) 4-bit codes -> (M, C) bytes, even rows in the low nibble."""
+    return codes[0::2] | (codes[1::2] << 4)
+
+
+def awq_to_triton(fmt: AWQ, linears: Mapping[str, Linear], layer: MoELayerShape, factor: int) -> dict[str, torch.Tensor]:
+    def one(linear: Linear) -> tuple:
+        codes = _pairs(_awq_natural_codes(linear["qweight"])).T.contiguous()  # (N, K/2)
+        zeros = _pairs(_awq_natural_codes(linear["qzeros"]).T.contiguous()) if fmt.zero_point else None
+        return codes, linear["scales"].T.contiguous(), zeros
+
+    return _stacked_gemms(linears, one, factor)
+
+
+def find(fmt: object, backend_name: str, layer: MoELayerShape) -> Transcoder | None:
+    """The transcoder for this pair and layer, or None (the canonical route)."""
+    if backend_name != "triton" or layer.activation_bits != 16:
+        return None
+    if isinstance(fmt, GPTQ) and fmt.bits in (4, 8):
+        return gptq_to_triton
+    if isinstance(fmt, AWQ) and fmt.bits == 4:
+        return awq_to_triton
+    return None

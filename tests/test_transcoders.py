@@ -1,0 +1,89 @@
+"""Every packed-to-packed transcoder gives exactly the bytes of the canonical route (decode to the
+canonical form, then the backend's encode_expert), for every bit width, symmetric and asymmetric
+zero points (edges 0 and 2^b - 1 included, v1 borrow chains included), group size (channel-wise and
+g >= K), regroup factor and size; and a whole conversion is byte-identical with and without them."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moeconv import transcoders
+from moeconv.backends.base import ExpertWeights
+from moeconv.backends.triton import TritonBackend
+from moeconv.canonical import MoELayerShape, QuantizedWeight, regroup
+from moeconv.formats import AWQ, GPTQ
+
+from strategies import random_canonical
+
+SOURCES = ([GPTQ(bits, g, sym, version) for bits in (4, 8) for g in (32, 64, 128, -1) for sym in (True, False)
+            for version in ("gptq", "gptq_v2")]
+           + [AWQ(4, g, zero_point=zp) for g in (32, 64, 128, -1) for zp in (True, False)])
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda s: "-".join(map(str, s.describe().values())))
+@given(data=st.data(), scale_dtype=st.sampled_from([torch.float16, torch.bfloat16]))
+def test_transcoder_equals_the_canonical_route(source, data, scale_dtype):
+    unit = 32 if source.group_size == -1 else source.group_size
+    hidden, intermediate = unit * data.draw(st.integers(1, 3)), unit * data.draw(st.integers(1, 2))
+    factor = data.draw(st.sampled_from([f for f in (1, 2, 4) if source.group_size == -1 and f == 1
+                                        or source.group_size // f >= 32]))
+    group = -1 if source.group_size == -1 else source.group_size // factor
+    shape = MoELayerShape(experts=1, hidden=hidden, intermediate=intermediate, bits=source.bits, group_size=group,
+                          symmetric=source.symmetric, scale_dtype="F16" if scale_dtype == torch.float16 else "BF16")
+    transcoder = transcoders.find(source, "triton", shape)
+    assert transcoder is not None
+    stored = {}
+    for projection, (n, k) in (("gate", (intermediate, hidden)), ("up", (intermediate, hidden)),
+                               ("down", (hidden, intermediate))):
+        groups = 1 if source.group_size == -1 or source.group_size >= k else k // source.group_size
+        weight = random_canonical(torch.Generator().manual_seed(data.draw(st.integers(0, 2**31))), source.bits,
+                                  source.symmetric, n, k, groups, scale_dtype)
+        if weight.zeros is not None and data.draw(st.booleans()):  # whole rows at an edge: v1 borrows
+            weight.zeros[: min(n, 8)] = data.draw(st.sampled_from([0, (1 << source.bits) - 1]))
+        stored[projection] = source.encode(weight)
+    canonical = ExpertWeights(**{p: regroup(source.decode(t), factor) for p, t in stored.items()})
+    expected = TritonBackend().encode_expert(canonical, shape)
+    found = transcoder(source, stored, shape, factor)
+    assert set(found) == set(expected)
+    for suffix, tensor in expected.items():
+        assert found[suffix].dtype == tensor.dtype and found[suffix].shape == tensor.shape, suffix
+        assert torch.equal(found[suffix].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), suffix
+
+
+def test_pairs_without_a_transcoder_take_the_canonical_route():
+    shape = MoELayerShape(1, 64, 32, 4, 32, False, "F16")
+    assert transcoders.find(GPTQ(4, 32, sym=False), "humming", shape) is None
+    assert transcoders.find(GPTQ(2, 32, sym=False), "triton", shape) is None
+    assert transcoders.find(GPTQ(8, -1, sym=True), "triton", MoELayerShape(1, 64, 32, 8, -1, True, "F16",
+                                                                           activation_bits=8)) is None
+
+
+def test_act_order_is_refused_on_the_transcoded_path_too():
+    fmt = GPTQ(4, 32, sym=False)
+    weight = QuantizedWeight(torch.zeros(64, 64, dtype=torch.uint8), torch.zeros(64, 2, dtype=torch.uint8),
+                             torch.ones(64, 2, dtype=torch.float16), 4, 32)
+    stored = {p: fmt.encode(weight) for p in ("gate", "up", "down")}
+    stored["up"]["g_idx"] = torch.arange(64, dtype=torch.int32).flip(0) // 32
+    with pytest.raises(Exception, match="act-order"):
+        transcoders.gptq_to_triton(fmt, stored, MoELayerShape(1, 64, 64, 4, 32, False, "F16"), 1)
+
+
+@pytest.mark.parametrize("source", [GPTQ(4, 128, sym=False), AWQ(4, 64, zero_point=True)], ids=str)
+def test_a_conversion_is_byte_identical_without_the_transcoders(tmp_path, monkeypatch, source):
+    import moeconv
+    from moeconv.synth import SynthSpec, make_checkpoint
+
+    checkpoint = make_checkpoint(tmp_path / "src", SynthSpec(source_format=source, hidden=256, intermediate=128))
+    fast = moeconv.convert(checkpoint, tmp_path / "fast", backend="triton", regroup=True)
+    assert fast.plan["transcoder"] in ("gptq_to_triton", "awq_to_triton")
+    monkeypatch.setattr(transcoders, "find", lambda *args: None)
+    slow = moeconv.convert(checkpoint, tmp_path / "slow", backend="triton", regroup=True)
+    assert slow.plan["transcoder"] is None
+    digests = [{path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in folder.glob("*.safetensors")}
+               for folder in (tmp_path / "fast", tmp_path / "slow")]
+    assert digests[0] == digests[1] and digests[0]
