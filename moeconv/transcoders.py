@@ -61,22 +61,32 @@ def gptq_to_triton(fmt: GPTQ, linears: Mapping[str, Linear], layer: MoELayerShap
     return _stacked_gemms(linears, one, factor)
 
 
-def _awq_natural_codes(words: torch.Tensor) -> torch.Tensor:
-    """AWQ's (rows, N/8) words -> (rows, N) 4-bit codes in natural column order."""
-    data = packing.words_to_bytes(words, dim=1)  # (rows, N/2): byte b holds slots 2b (low) and 2b + 1
-    slots = torch.stack([data & 0xF, data >> 4], dim=2).reshape(words.shape[0], -1, 8)
-    return slots[..., list(NATURAL_FROM_SLOTS)].reshape(words.shape[0], -1)
+def _awq_columns(words: torch.Tensor) -> list[torch.Tensor]:
+    """AWQ's (rows, N/8) words as 8 planes of 4-bit codes (rows, N/8), plane j holding the columns
+    8m + j. Byte b of a word holds slots 2b (low nibble) and 2b + 1; slot s holds column AWQ_ORDER[s]."""
+    data = packing.words_to_bytes(words, dim=1).reshape(words.shape[0], -1, 4)
+    nibbles = {}
+    for byte in range(4):
+        nibbles[2 * byte], nibbles[2 * byte + 1] = data[..., byte] & 0xF, data[..., byte] >> 4
+    return [nibbles[slot] for slot in NATURAL_FROM_SLOTS]
 
 
 def _pairs(codes: torch.Tensor) -> torch.Tensor:
-    """(2M, C) 4-bit codes -> (M, C) bytes, even rows in the low nibble."""
+    """(2M, ...) 4-bit codes -> (M, ...) bytes, even rows in the low nibble."""
     return codes[0::2] | (codes[1::2] << 4)
 
 
 def awq_to_triton(fmt: AWQ, linears: Mapping[str, Linear], layer: MoELayerShape, factor: int) -> dict[str, torch.Tensor]:
     def one(linear: Linear) -> tuple:
-        codes = _pairs(_awq_natural_codes(linear["qweight"])).T.contiguous()  # (N, K/2)
-        zeros = _pairs(_awq_natural_codes(linear["qzeros"]).T.contiguous()) if fmt.zero_point else None
+        weight = linear["qweight"]
+        # Pair the rows (K) plane by plane before interleaving the columns: half the bytes after one pass.
+        codes = torch.stack([_pairs(plane) for plane in _awq_columns(weight)], dim=2)
+        codes = codes.reshape(weight.shape[0] // 2, -1).T.contiguous()  # (K/2, N) -> (N, K/2)
+        zeros = None
+        if fmt.zero_point:
+            zeros_words = linear["qzeros"]
+            natural = torch.stack(_awq_columns(zeros_words), dim=2).reshape(zeros_words.shape[0], -1)
+            zeros = _pairs(natural.T.contiguous())  # (N, G) -> (N/2, G)
         return codes, linear["scales"].T.contiguous(), zeros
 
     return _stacked_gemms(linears, one, factor)
