@@ -31,6 +31,24 @@ class Audits:
     def __init__(self) -> None:
         self.totals: dict[str, int] = {}
         self.first: dict[str, str] = {}
+        self.casts = {"checked": 0, "changed": 0, "overflow": 0, "max_relative_change": 0.0}
+
+    def record_cast(self, scales: torch.Tensor, engine_dtype: torch.dtype) -> None:
+        """What an engine's cast of `scales` to `engine_dtype` does to them: values that change, values
+        that become infinite, the largest relative change among the finite ones."""
+        finite = torch.isfinite(scales)
+        cast = scales.to(engine_dtype)
+        back = cast.to(scales.dtype)
+        changed = finite & (back.view(torch.int16) != scales.view(torch.int16)) if scales.element_size() == 2 \
+            else finite & (back != scales)
+        overflow = finite & ~torch.isfinite(cast)
+        self.casts["checked"] += int(finite.sum())
+        self.casts["changed"] += int(changed.sum())
+        self.casts["overflow"] += int(overflow.sum())
+        kept = finite & ~overflow & (scales != 0)
+        if bool(kept.any()):
+            relative = ((cast.double() - scales.double()).abs() / scales.double().abs())[kept].max()
+            self.casts["max_relative_change"] = max(self.casts["max_relative_change"], float(relative))
 
     def record(self, name: str, counts: dict[str, int]) -> None:
         for kind, found in counts.items():

@@ -169,6 +169,8 @@ def convert(
     trust_data: bool = typer.Option(False, "--trust-data", help="When tensors and config disagree, follow the tensors."),
     tp: int = TP,
     regroup: bool = typer.Option(False, "--regroup", help="Halve the group size (lossless) where that makes the backend fit."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, max=64,
+                                          help="Threads that transform experts (default: one per core, at most 16)."),
 ) -> None:
     """Convert a checkpoint into a backend's layout (docs/FORMAT.md); what the backend does not convert is
     copied byte for byte. An interrupted conversion resumes when the same command is run again."""
@@ -197,7 +199,7 @@ def convert(
         return
     with _progress("converting", plan.checkpoint.total_bytes, quiet) as advance:
         try:
-            report = run_conversion(plan, output, progress=advance)
+            report = run_conversion(plan, output, progress=advance, workers=workers)
         except KeyboardInterrupt:  # in-process callers (main() turns signals into exit 3 itself)
             err.print("[bold red]interrupted[/]: run the same command again to resume")
             raise typer.Exit(3) from None
@@ -272,6 +274,12 @@ def _detection_notes(plan) -> list[str]:
         return []
     notes = [f"undecided: {what}; the config's value is used" for what in detection.undecided]
     notes += [f"note: {note}" for note in getattr(plan.backend, "notes", lambda layer: [])(plan.layers[0].shape)]
+    cast = plan.engine_scale_cast()
+    if cast:
+        stored, model = (str(dtype).removeprefix("torch.") for dtype in cast)
+        notes.append(f"note: the scales are {stored} but the model dtype is {model}: vLLM creates this schema's "
+                     f"scale parameters in {model} and casts them at load, which changes the scales {model} cannot "
+                     f"hold exactly (verify counts them); serve with --dtype {stored} to keep them exact")
     if detection.disagreements and plan.trust:
         notes += [f"following the {plan.trust} (--trust-{plan.trust}): {disagreement}"
                   for disagreement in detection.disagreements]

@@ -33,7 +33,14 @@ from moeconv.plan import OutputShard, Plan, SourceSlice
 _NOT_COPIED = {"config.json", INDEX_NAME, QUANTIZE_CONFIG_NAME, "quant_config.json", MANIFEST_NAME}
 
 Progress = Callable[[int], None]
-WORKERS = max(1, min(4, os.cpu_count() or 1))
+def default_workers() -> int:
+    """One worker per core this process may use (the transform releases the GIL inside torch ops, and
+    hashing runs beside them), at most 16."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(16, cores))
 
 
 @dataclass
@@ -165,7 +172,7 @@ def _check_unchanged_source(plan: Plan, shard: OutputShard, staging: Path, journ
                            f"({changed} of {shard.file_name} differs); remove {staging} to start over")
 
 
-def convert(plan: Plan, output: Path, progress: Progress | None = None) -> ConvertReport:
+def convert(plan: Plan, output: Path, progress: Progress | None = None, workers: int | None = None) -> ConvertReport:
     """Writes the plan's output at `output`. Resumable: an interrupted run (Ctrl-C, kill -9, power
     loss) leaves its finished shards and a journal in the staging folder; running again with the
     same plan re-hashes them, keeps those that match, and writes the rest, so the result is
@@ -188,7 +195,8 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None) -> Conve
                             _check_unchanged_source(plan, shard, staging, journal)
                             advance(shard.source_bytes)
                             continue
-                        digest = _write_shard(plan, shard, staging / shard.file_name, reader, advance, audits)
+                        digest = _write_shard(plan, shard, staging / shard.file_name, reader, advance, audits,
+                                              workers or default_workers())
                         journal.mark_done(shard.file_name, digest, _source_fingerprint(shard, reader.fingerprints))
                 _write_metadata(plan, staging, journal.files())
             except MoeconvError:
@@ -299,7 +307,7 @@ class _Journal:
 
 
 def _write_shard(plan: Plan, shard: OutputShard, path: Path, reader: TensorReader, advance: Progress,
-                 audits: Audits) -> str:
+                 audits: Audits, workers: int) -> str:
     """Writes the shard job by job and returns its sha256. Conversion jobs run on a few worker threads
     (torch releases the GIL inside its ops) with a bounded window, so at most a few experts are in
     memory at a time; results are written in job order, so the bytes do not depend on the scheduling.
@@ -320,7 +328,7 @@ def _write_shard(plan: Plan, shard: OutputShard, path: Path, reader: TensorReade
             final[index] = min(final[index + 1], first)
         hasher = PrefixHasher(temporary)
         try:
-            for index, (job, result) in enumerate(zip(shard.jobs, _bounded_map(run, shard.jobs, WORKERS))):
+            for index, (job, result) in enumerate(zip(shard.jobs, _bounded_map(run, shard.jobs, workers))):
                 if job.copies:
                     entry = job.source.entry
                     writer.copy_range(job.slot.tensor.name, entry.file, entry.begin, entry.end)

@@ -32,7 +32,7 @@ from moeconv.detect import Detection, detect, sample_linears
 from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat, format_from_config
 from moeconv.models import Architecture, architecture_from_config
-from moeconv.spec import DTYPE_SIZES, FLOAT_DTYPES, TensorSpec
+from moeconv.spec import DTYPE_SIZES, FLOAT_DTYPES, TORCH_DTYPES, TensorSpec
 from moeconv.transcoders import Transcoder
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3
@@ -285,6 +285,17 @@ class Plan:
     def model_dtype(self) -> str | None:
         config = self.checkpoint.config
         return config.get("torch_dtype") or config.get("dtype")
+
+    def engine_scale_cast(self, model_dtype: str | None = None) -> tuple[torch.dtype, torch.dtype] | None:
+        """(stored scale dtype, the dtype the engine casts them to) when the backend's engine creates
+        scale parameters in the model dtype (`model_dtype`, default the config's) and that differs from
+        the scales' own; else None."""
+        model = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
+            model_dtype or self.model_dtype or "")
+        stored = TORCH_DTYPES[self.layers[0].shape.scale_dtype]
+        if not getattr(self.backend, "scales_in_model_dtype", False) or model is None or model == stored:
+            return None
+        return stored, model
 
     @property
     def output_bytes(self) -> int:

@@ -64,14 +64,21 @@ class VerifyReport:
     tolerance: float = NUMERICS_TOLERANCE
     nonfinite_scales: dict[str, Any] = field(default_factory=dict)  # in the source: count, first tensor
     targets: dict[str, Any] = field(default_factory=dict)  # what the output is for, from its manifest
+    # The engine casts scales to the model dtype at load: how many of the checked ones change, how
+    # many overflow to inf (a failure: the served model would compute with them), the largest change.
+    engine_scale_cast: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return (not self.structure_problems and not self.passthrough_problems and not self.dense_linear_problems
-                and all(l.ok for l in self.layers))
+                and all(l.ok for l in self.layers) and not self.engine_scale_cast.get("overflow"))
 
     def failures(self) -> list[str]:
         found = self.structure_problems + self.passthrough_problems + self.dense_linear_problems
+        cast = self.engine_scale_cast
+        if cast.get("overflow"):
+            found.append(f"{cast['overflow']} scales overflow to inf when the engine casts them from "
+                         f"{cast['stored']} to the model dtype {cast['model']}; serve with --dtype {cast['stored']}")
         for layer in self.layers:
             found += [f"{layer.module}: {problem}" for problem in layer.lossless_failures]
             if layer.numerics_failure:
@@ -127,17 +134,18 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     report.passthrough_problems, report.passthrough_checked = _check_passthrough(plan, converted.tensors)
     generator = torch.Generator().manual_seed(seed)
     audits = Audits()
+    cast = plan.engine_scale_cast(_served_dtype(output))
     with TensorReader() as reader:
         linears = [job for job in plan.jobs if isinstance(job, LinearJob)]
         report.dense_linear_problems = [f"{job.prefix}: {problem}" for job in linears
-                                        for _, problem in _check_job(plan, job, converted.tensors, reader, audits)]
+                                        for _, problem in _check_job(plan, job, converted.tensors, reader, audits, cast)]
         report.dense_linears_checked = len(linears)
         for index, layer in enumerate(plan.layers):
             started = time.perf_counter()
             result = LayerResult(layer.module, tolerance=kernel.tolerance(layer.shape))
             jobs = plan.expert_jobs(layer)
             for e in _sampled(layer.shape.experts, sample, generator):
-                problems = _check_job(plan, jobs[e], converted.tensors, reader, audits)
+                problems = _check_job(plan, jobs[e], converted.tensors, reader, audits, cast)
                 result.lossless_failures += [f"expert {e}{f' {key}' if key else ''}: {problem}"
                                              for key, problem in problems]
                 result.experts_exact += not problems
@@ -153,7 +161,17 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
             result.seconds = time.perf_counter() - started
             report.layers.append(result)
     report.nonfinite_scales = audits.report("nonfinite_scales")
+    if cast is not None:
+        report.engine_scale_cast = {"stored": str(cast[0]).removeprefix("torch."),
+                                    "model": str(cast[1]).removeprefix("torch."), **audits.casts}
     return report
+
+
+def _served_dtype(output: Path) -> str | None:
+    """The model dtype an engine reads from the OUTPUT's config.json (a user may have changed it)."""
+    config = read_json(output / "config.json")
+    value = config.get("torch_dtype") or config.get("dtype")
+    return value if isinstance(value, str) else None
 
 
 def _check_reading(plan: Plan) -> list[str]:
@@ -230,7 +248,7 @@ def _output_blocks(job: ConvertJob, tensors: dict[str, TensorEntry], reader: Ten
 
 
 def _check_job(plan: Plan, job: ConvertJob, tensors: dict[str, TensorEntry], reader: TensorReader,
-               audits: Audits) -> list[tuple[str | None, str]]:
+               audits: Audits, cast: tuple[torch.dtype, torch.dtype] | None) -> list[tuple[str | None, str]]:
     """(projection, mismatch) for every canonical weight whose output bytes do not decode to exactly
     what the source format's decoder gives; (None, why) when the layout cannot be decoded at all."""
     codec = plan.codec
@@ -241,6 +259,9 @@ def _check_job(plan: Plan, job: ConvertJob, tensors: dict[str, TensorEntry], rea
     source, counts = job.read_source(codec, reader)
     for name, found in counts:
         audits.record(name, found)
+    if cast is not None:
+        for weight in source.values():
+            audits.record_cast(weight.scales, cast[1])
     return [(key if isinstance(job, ExpertJob) else None, problem) for key, weight in source.items()
             if (problem := converted[key].mismatch(weight))]
 

@@ -351,3 +351,36 @@ def test_real_compressed_tensors_packer(ct_packed, case):
         assert tensor.dtype == stored[suffix].dtype and torch.equal(tensor, stored[suffix]), suffix
     if "unpacked" in t:  # compressed-tensors' own unpacking gives q = code - 2^(b-1)
         assert torch.equal(t["unpacked"].to(torch.int16) + (1 << (case.bits - 1)), t["codes"].to(torch.int16))
+
+
+def test_the_engine_scale_cast_is_counted_and_an_overflow_fails():
+    """What vLLM's load-time cast to the model dtype does (its own loader measured the same counts:
+    docs/BENCHMARKS.md), computed from values whose roundings are known by hand."""
+    from moeconv.audit import Audits
+
+    audits = Audits()
+    audits.record_cast(torch.tensor([1.0, 1.0 + 2**-10, 0.5, 3.0 + 2**-9], dtype=torch.float16), torch.bfloat16)
+    assert audits.casts["checked"] == 4 and audits.casts["changed"] == 2 and audits.casts["overflow"] == 0
+    assert audits.casts["max_relative_change"] == pytest.approx(2**-10 / (1.0 + 2**-10))  # beats 2^-9 / 3
+    audits.record_cast(torch.tensor([131072.0, 2.0], dtype=torch.bfloat16), torch.float16)  # > 65504: inf
+    assert audits.casts["overflow"] == 1 and audits.casts["checked"] == 6
+
+
+def test_fp16_scales_served_bf16_are_reported(tmp_path, capsys):
+    import moeconv
+    from moeconv.formats import GPTQ
+    from moeconv.synth import SynthSpec, make_checkpoint
+
+    from helpers import run_main
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(4, 32, sym=True), hidden=64,
+                                                         intermediate=64, dtype=torch.float16))
+    config = json.loads((source / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"  # the model runs bf16, its checkpoint's scales are fp16
+    (source / "config.json").write_text(json.dumps(config))
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "--backend", "compressed-tensors", "-q")
+    assert code == 0 and "casts them at load" in err and "--dtype float16" in err
+    report = moeconv.verify(tmp_path / "out", numerics=False)
+    cast = report.engine_scale_cast
+    assert report.ok and (cast["stored"], cast["model"]) == ("float16", "bfloat16")
+    assert 0 < cast["changed"] < cast["checked"] and 0 < cast["max_relative_change"] <= 2**-8
