@@ -1,11 +1,13 @@
 """Conversion throughput and peak memory against a plain copy of the same files, in the same run.
 
     python benchmarks/bench_convert.py [--size-gb 3] [--workdir bench-data] [--json out.json]
+        [--format gptq|awq] [--backends triton,humming] [--workers 1,2,4]
 
 Builds (or reuses) a synthetic GPTQ checkpoint with realistic expert sizes (Qwen3-30B-A3B-like:
 H = 2048, I = 768, 128 experts per layer, 4-bit, g = 128, asymmetric v1), then alternates
 `cp -r` + `sync` and `moeconv convert` several times, each a separate process, and reports the median
-time, GB/s, the ratio convert/copy, and moeconv's peak RSS (VmHWM, which it reports itself). Both read the
+time, GB/s, the ratio convert/copy, and moeconv's peak RSS (VmHWM, which it reports itself), for each
+backend and worker count asked for. Both read the
 source from the page cache after the first warm-up pass, so the ratio compares the work, not the
 disk's cold-read speed.
 """
@@ -23,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from moeconv.formats import GPTQ
+from moeconv.formats import AWQ, GPTQ
 from moeconv.synth import SynthSpec, make_checkpoint
 
 
@@ -49,6 +51,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--smoke", action="store_true", help="a tiny checkpoint, one repeat (checks the script runs)")
+    parser.add_argument("--format", choices=("gptq", "awq"), default="gptq")
+    parser.add_argument("--backends", default="triton", help="comma-separated")
+    parser.add_argument("--workers", default="", help="comma-separated worker counts (default: moeconv's own)")
     args = parser.parse_args()
 
     hidden, intermediate, experts = (256, 128, 8) if args.smoke else (2048, 768, 128)
@@ -56,51 +61,53 @@ def main() -> None:
         args.repeats = 1
     layer_bytes = experts * 3 * hidden * intermediate // 2 * 1.07  # 4-bit codes + scales/zeros, roughly
     layers = 2 if args.smoke else max(1, round(args.size_gb * 1e9 / layer_bytes))
-    spec = SynthSpec(architecture="qwen3_moe", source_format=GPTQ(bits=4, group_size=128, sym=False),
+    source_format = GPTQ(bits=4, group_size=128, sym=False) if args.format == "gptq" else AWQ(4, 128)
+    spec = SynthSpec(architecture="qwen3_moe", source_format=source_format,
                      layers=layers, experts=experts, hidden=hidden, intermediate=intermediate,
                      vocab=256 if args.smoke else 4096)
-    source = args.workdir / f"qwen3-like-{layers}L-{experts}E-{hidden}H"
+    source = args.workdir / f"qwen3-like-{args.format}-{layers}L-{experts}E-{hidden}H"
     if not (source / "model.safetensors.index.json").is_file():
         shutil.rmtree(source, ignore_errors=True)
         started = time.perf_counter()
         make_checkpoint(source, spec)
         print(f"built {source} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     size = folder_bytes(source)
-    moeconv = str(Path(sys.executable).with_name("moeconv"))
-    copies, converts = [], []
-    for _ in range(args.repeats):
-        for target, runs, command in (
-            # moeconv fsyncs what it writes (a finished shard must survive a power loss, for resume),
-            # so the copy is flushed to disk too: `sync FILE...` fsyncs the copied files.
-            ("copy", copies, ["sh", "-c", f'cp -r "{source}" "{args.workdir / "copy"}" && sync "{args.workdir / "copy"}"/*']),
-            ("converted", converts, [moeconv, "convert", str(source), "-o", str(args.workdir / "converted"), "-q", "--json"]),
-        ):
-            shutil.rmtree(args.workdir / target, ignore_errors=True)
-            runs.append(timed(command))
-    for target in ("copy", "converted"):
-        shutil.rmtree(args.workdir / target, ignore_errors=True)
-    copy_s = statistics.median(t for t, _ in copies)
-    convert_s = statistics.median(t for t, _ in converts)
-    result = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "source_bytes": size,
-        "layers": layers,
-        "experts": experts,
-        "copy_seconds": round(copy_s, 3),
-        "convert_seconds": round(convert_s, 3),
-        "copy_gb_per_s": round(size / copy_s / 1e9, 3),
-        "convert_gb_per_s": round(size / convert_s / 1e9, 3),
-        "ratio_convert_to_copy": round(convert_s / copy_s, 2),
-        "convert_peak_rss_mb": round(max(rss for _, rss in converts)),
-        "runs": {"copy": copies, "convert": converts},
-    }
-    print(f"| {result['date']} | {size / 1e9:.2f} GB, {layers} layers x {experts} experts | "
-          f"copy {copy_s:.2f} s ({result['copy_gb_per_s']} GB/s) | convert {convert_s:.2f} s "
-          f"({result['convert_gb_per_s']} GB/s) | {result['ratio_convert_to_copy']}x | "
-          f"{result['convert_peak_rss_mb']} MB |")
+    moeconv = [sys.executable, "-m", "moeconv"]
+    copy = ["sh", "-c", f'cp -r "{source}" "{args.workdir / "copy"}" && sync "{args.workdir / "copy"}"/*']
+    results = []
+    for backend in args.backends.split(","):
+        for workers in [int(w) for w in args.workers.split(",") if w] or [None]:
+            command = [*moeconv, "convert", str(source), "-o", str(args.workdir / "converted"), "-q", "--json",
+                       "--backend", backend, *(["--workers", str(workers)] if workers else [])]
+            copies, converts = [], []
+            for _ in range(args.repeats):
+                # moeconv fsyncs what it writes (a finished shard must survive a power loss, for resume),
+                # so the copy is flushed to disk too: `sync FILE...` fsyncs the copied files.
+                for target, runs, run in (("copy", copies, copy), ("converted", converts, command)):
+                    shutil.rmtree(args.workdir / target, ignore_errors=True)
+                    runs.append(timed(run))
+            for target in ("copy", "converted"):
+                shutil.rmtree(args.workdir / target, ignore_errors=True)
+            copy_s = statistics.median(t for t, _ in copies)
+            convert_s = statistics.median(t for t, _ in converts)
+            result = {
+                "date": time.strftime("%Y-%m-%d"),
+                "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+                "format": args.format, "backend": backend, "workers": workers,
+                "source_bytes": size, "layers": layers, "experts": experts,
+                "copy_seconds": round(copy_s, 3), "convert_seconds": round(convert_s, 3),
+                "copy_gb_per_s": round(size / copy_s / 1e9, 3), "convert_gb_per_s": round(size / convert_s / 1e9, 3),
+                "ratio_convert_to_copy": round(convert_s / copy_s, 2),
+                "convert_peak_rss_mb": round(max(rss for _, rss in converts)),
+                "runs": {"copy": copies, "convert": converts},
+            }
+            results.append(result)
+            print(f"| {result['date']} | {args.format} {size / 1e9:.2f} GB, {layers} layers x {experts} experts | "
+                  f"{backend} | {workers or 'default'} | copy {copy_s:.2f} s ({result['copy_gb_per_s']} GB/s) | "
+                  f"convert {convert_s:.2f} s ({result['convert_gb_per_s']} GB/s) | "
+                  f"{result['ratio_convert_to_copy']}x | {result['convert_peak_rss_mb']} MB |", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        args.json.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -82,11 +82,13 @@ class Architecture:
         """(experts, hidden, intermediate) from config.json (or its `text_config`, where a multimodal
         model keeps them): positive integers (not 4.7, "8" or true)."""
         text = config.get("text_config")
+        sources = [config, text] if isinstance(text, dict) else [config]
         sizes = []
         for key in (self.experts_key, "hidden_size", self.intermediate_key):
-            value = config.get(key)
-            if value is None and isinstance(text, dict):
-                value = text.get(key)
+            # transformers 5 writes the expert count as num_local_experts for every MoE family
+            # (measured on the configs of Qwen3-MoE checkpoints llm-compressor 0.12 saves)
+            names = (key, "num_local_experts") if key == self.experts_key else (key,)
+            value = next((found[name] for found in sources for name in names if found.get(name) is not None), None)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 found = "is missing" if value is None else f"is {value!r}, not a positive integer"
                 raise MoeconvError(f"{where}: {self.model_type} config key {key} {found} "
