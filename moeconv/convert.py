@@ -308,19 +308,29 @@ class _Journal:
 
 def _write_shard(plan: Plan, shard: OutputShard, path: Path, reader: TensorReader, advance: Progress,
                  audits: Audits, workers: int) -> str:
-    """Writes the shard job by job and returns its sha256. Conversion jobs run on a few worker threads
-    (torch releases the GIL inside its ops) with a bounded window, so at most a few experts are in
-    memory at a time; results are written in job order, so the bytes do not depend on the scheduling.
-    Written under a temporary name and renamed once complete and flushed, so a shard file under its
-    final name is always whole."""
+    """Writes the shard and returns its sha256. Each job is read, transformed and written at its slots
+    by one of a few worker threads (torch, pread, pwrite and hashlib release the GIL), with a bounded
+    window, so at most a few experts are in memory at a time; every byte has one place, so the bytes
+    do not depend on the scheduling. Completions are taken in job order, which tells the hasher how far
+    the file is final. Written under a temporary name and renamed once complete and flushed, so a
+    shard file under its final name is always whole."""
     metadata = {"format": "pt", "producer": f"moeconv {__version__}", "backend": plan.backend.name}
     temporary = path.with_name(path.name + ".partial")
     codec = plan.codec
 
-    def run(job):
-        return None if job.copies else job.convert(codec, reader)
-
     with ShardWriter(temporary, shard.tensors, metadata) as writer:
+        def run(job) -> list:
+            """Writes the job's slots; returns the audit counts of its source linears."""
+            if job.copies:
+                entry = job.source.entry
+                writer.copy_range(job.slot.tensor.name, entry.file, entry.begin, entry.end)
+                return []
+            blocks, counts = job.convert(codec, reader)
+            for suffix, data in blocks.items():
+                slot = job.slots[suffix]
+                writer.write(slot.tensor.name, data, offset=slot.offset)
+            return counts
+
         # Once job i is written, every byte before the first slot of a later job is final.
         final = [writer.size] * (len(shard.jobs) + 1)
         for index in range(len(shard.jobs) - 1, -1, -1):
@@ -328,17 +338,9 @@ def _write_shard(plan: Plan, shard: OutputShard, path: Path, reader: TensorReade
             final[index] = min(final[index + 1], first)
         hasher = PrefixHasher(temporary)
         try:
-            for index, (job, result) in enumerate(zip(shard.jobs, _bounded_map(run, shard.jobs, workers))):
-                if job.copies:
-                    entry = job.source.entry
-                    writer.copy_range(job.slot.tensor.name, entry.file, entry.begin, entry.end)
-                else:
-                    blocks, counts = result
-                    for name, found in counts:
-                        audits.record(name, found)
-                    for suffix, data in blocks.items():
-                        slot = job.slots[suffix]
-                        writer.write(slot.tensor.name, data, offset=slot.offset)
+            for index, (job, counts) in enumerate(zip(shard.jobs, _bounded_map(run, shard.jobs, workers))):
+                for name, found in counts:
+                    audits.record(name, found)
                 advance(sum(piece.nbytes for piece in job.inputs))
                 hasher.advance(final[index + 1])
         except BaseException:

@@ -37,8 +37,9 @@ def _require_little_endian() -> None:
 
 
 class ShardWriter:
-    """Declare every tensor up front, then fill their bytes in any order; `close` checks nothing is
-    missing. Use it as a context manager: leaving with an exception closes without that check."""
+    """Declare every tensor up front, then fill their bytes in any order, from any thread; `close`
+    checks nothing is missing. Use it as a context manager: leaving with an exception closes without
+    that check."""
 
     def __init__(self, path: Path, tensors: Sequence[TensorSpec], metadata: dict[str, str]):
         _require_little_endian()
@@ -58,6 +59,7 @@ class ShardWriter:
         self._data_start = 8 + len(encoded)
         self.size = self._data_start + offset
         self._written = dict.fromkeys(self._layout, 0)
+        self._counting = threading.Lock()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.pwrite(self._fd, len(encoded).to_bytes(8, "little") + encoded, 0)
         os.ftruncate(self._fd, self.size)
@@ -70,7 +72,8 @@ class ShardWriter:
         start, nbytes = self._layout[name]
         if offset < 0 or offset + length > nbytes:
             raise ValueError(f"write of {length} bytes at {offset} overflows tensor {name} ({nbytes} bytes)")
-        self._written[name] += length
+        with self._counting:  # writes come from several threads; pwrite itself needs no lock
+            self._written[name] += length
         return self._data_start + start + offset
 
     def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> None:
