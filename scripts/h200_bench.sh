@@ -1,7 +1,8 @@
 #!/bin/sh
 # Conversion throughput on the lent 16-core H200 host (docs/BENCHMARKS.md), in two phases that each
 # fit one 10-minute device call: `gptq` (build a GPTQ checkpoint, the worker-count table for triton,
-# every backend at the default worker count), `awq` (the same for an AWQ source).
+# every backend at the default worker count), `scaling` (worker counts for a
+# transcoded and a canonical-route backend), `awq` (the same for an AWQ source).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -14,6 +15,9 @@ case $phase in
       --repeats 1 --json "$out/gptq-workers.json"
     python3 benchmarks/bench_convert.py --size-gb 4 --format gptq --backends triton,humming,cpu,compressed-tensors \
       --repeats 2 --json "$out/gptq-backends.json" ;;
+  scaling)
+    python3 benchmarks/bench_convert.py --size-gb 4 --format gptq --backends triton,humming --workers 1,2,4,8,16 \
+      --repeats 1 --json "$out/gptq-scaling.json" ;;
   awq)
     python3 benchmarks/bench_convert.py --size-gb 4 --format awq --backends triton --workers 1,4,16 \
       --repeats 1 --json "$out/awq-workers.json"
