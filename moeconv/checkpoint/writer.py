@@ -68,37 +68,23 @@ class ShardWriter:
         """The file offset of tensor `name`'s first byte."""
         return self._data_start + self._layout[name][0]
 
-    def _target(self, name: str, offset: int, length: int) -> int:
+    def claim(self, name: str, offset: int, length: int) -> int:
+        """Counts `length` bytes at `offset` inside tensor `name` as written and returns their file
+        position: for writers in other processes, which write there through their own descriptor."""
         start, nbytes = self._layout[name]
         if offset < 0 or offset + length > nbytes:
             raise ValueError(f"write of {length} bytes at {offset} overflows tensor {name} ({nbytes} bytes)")
-        with self._counting:  # writes come from several threads; pwrite itself needs no lock
+        with self._counting:  # claims come from several threads; pwrite itself needs no lock
             self._written[name] += length
         return self._data_start + start + offset
 
     def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> None:
         """Write `tensor`'s bytes at byte `offset` inside tensor `name`."""
-        data = tensor.reshape(-1).view(torch.uint8).numpy()
-        position = self._target(name, offset, data.nbytes)
-        view = memoryview(data)
-        while view:
-            written = os.pwrite(self._fd, view, position)
-            view, position = view[written:], position + written
+        write_at(self._fd, tensor, self.claim(name, offset, tensor.numel() * tensor.element_size()))
 
     def copy_range(self, name: str, source: Path, begin: int, end: int) -> None:
         """Copy bytes [begin, end) of `source` as the whole of tensor `name`, in the kernel where possible."""
-        position = self._target(name, 0, end - begin)
-        with open(source, "rb") as handle:
-            src = handle.fileno()
-            while begin < end:
-                chunk = min(_COPY_CHUNK, end - begin)
-                try:
-                    copied = os.copy_file_range(src, self._fd, chunk, begin, position)
-                except OSError:
-                    copied = os.pwrite(self._fd, os.pread(src, chunk, begin), position)
-                if copied <= 0:
-                    raise MoeconvError(f"{source}: ended early while copying tensor {name}")
-                begin, position = begin + copied, position + copied
+        copy_into(self._fd, self.claim(name, 0, end - begin), source, begin, end, name)
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -118,6 +104,29 @@ class ShardWriter:
             os.fsync(self._fd)
         finally:
             os.close(self._fd)
+
+
+def write_at(fd: int, tensor: torch.Tensor, position: int) -> None:
+    """All of `tensor`'s bytes at file `position` of `fd`."""
+    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    while view:
+        written = os.pwrite(fd, view, position)
+        view, position = view[written:], position + written
+
+
+def copy_into(fd: int, position: int, source: Path, begin: int, end: int, name: str) -> None:
+    """Bytes [begin, end) of `source` at file `position` of `fd`, in the kernel where possible."""
+    with open(source, "rb") as handle:
+        src = handle.fileno()
+        while begin < end:
+            chunk = min(_COPY_CHUNK, end - begin)
+            try:
+                copied = os.copy_file_range(src, fd, chunk, begin, position)
+            except OSError:
+                copied = os.pwrite(fd, os.pread(src, chunk, begin), position)
+            if copied <= 0:
+                raise MoeconvError(f"{source}: ended early while copying tensor {name}")
+            begin, position = begin + copied, position + copied
 
 
 class PrefixHasher:
