@@ -214,7 +214,8 @@ def convert(
         ("shards", len(report.files)),
         ("bytes in / out", f"{_human(plan.checkpoint.total_bytes)} / {_human(plan.output_bytes)}"),
         ("time", f"{report.seconds:.2f} s ({plan.checkpoint.total_bytes / max(report.seconds, 1e-9) / 1e9:.2f} GB/s)"),
-        ("peak memory", "-" if report.peak_rss_mb is None else f"{report.peak_rss_mb:.0f} MB"),
+        ("peak memory", "-" if report.peak_rss_mb is None else f"{report.peak_rss_mb:.0f} MB" + (
+            f" (largest worker process {report.worker_peak_rss_mb:.0f} MB)" if report.worker_peak_rss_mb else "")),
     ]
     rows += _audit_rows(report.to_json())
     out.print(_key_values("converted", rows))

@@ -53,6 +53,7 @@ class ConvertReport:
     nonfinite_scales: dict[str, Any] = field(default_factory=dict)  # NaN / inf scales: count, first tensor
     resumed_files: list[str] = field(default_factory=list)
     peak_rss_mb: float | None = None
+    worker_peak_rss_mb: float | None = None  # the largest worker process's (pages shared with this one included)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -62,6 +63,7 @@ class ConvertReport:
             "files": self.files,
             "resumed_files": self.resumed_files,
             "peak_rss_mb": self.peak_rss_mb,
+            "worker_peak_rss_mb": self.worker_peak_rss_mb,
             "suspicious_zero_slots": self.suspicious_zero_slots,
             "nonfinite_scales": self.nonfinite_scales,
         }
@@ -210,7 +212,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
             raise _space_error(error, output, plan.output_bytes) from None
     return ConvertReport(output, plan.summary(), time.perf_counter() - started, journal.files(),
                          audits.report("suspicious_zero_slots"), audits.report("nonfinite_scales"), journal.reused,
-                         peak_rss_mb())
+                         peak_rss_mb(), executor.worker_peak_rss_mb)
 
 
 def _check_free_space(plan: Plan, staging: Path, journal: _Journal) -> None:
@@ -369,6 +371,11 @@ def _run_job(job, codec, path: Path, positions: dict[str, int]) -> tuple[list, d
     return counts, reader.fingerprints
 
 
+def _run_worker_job(*task) -> tuple[tuple[list, dict[str, bytes]], float | None]:
+    """`_run_job` in a worker process, with that process's resident-memory high-water mark."""
+    return _run_job(*task), peak_rss_mb()
+
+
 def _start_worker() -> None:
     """A worker process: one torch thread (the parallelism is the processes), no SIGINT of its own
     (the parent stops the pool), and killed with the parent, so no orphan writes on after a kill -9."""
@@ -392,6 +399,7 @@ class _Executor:
 
     def __init__(self, workers: int):
         self.workers = workers
+        self.worker_peak_rss_mb: float | None = None
         self._pool = None
         if workers > 1:
             import multiprocessing
@@ -406,11 +414,17 @@ class _Executor:
             return
         pending: deque = deque()
         for task in tasks:
-            pending.append(self._pool.submit(_run_job, *task))
+            pending.append(self._pool.submit(_run_worker_job, *task))
             if len(pending) >= 2 * self.workers:
-                yield pending.popleft().result()
+                yield self._taken(pending.popleft())
         while pending:
-            yield pending.popleft().result()
+            yield self._taken(pending.popleft())
+
+    def _taken(self, future):
+        result, peak = future.result()
+        if peak is not None:
+            self.worker_peak_rss_mb = max(self.worker_peak_rss_mb or 0.0, peak)
+        return result
 
     def close(self) -> None:
         if self._pool is not None:

@@ -25,8 +25,12 @@ def test_peak_rss_of_a_1gb_conversion(tmp_path):
     assert done.returncode == 0, done.stderr
     # The converter's own high-water mark (VmHWM, from exec on); wait4's maxrss would also count the
     # pages of this large pytest process the child was forked from.
-    peak_mb = json.loads(done.stdout)["peak_rss_mb"]
-    print(f"converted {source_bytes / 1e9:.2f} GB with peak RSS {peak_mb:.0f} MB")
+    report = json.loads(done.stdout)
+    peak_mb, worker_mb = report["peak_rss_mb"], report["worker_peak_rss_mb"]
+    print(f"converted {source_bytes / 1e9:.2f} GB with peak RSS {peak_mb:.0f} MB (largest worker {worker_mb} MB)")
     assert peak_mb < LIMIT_MB
+    # Worker processes (one per core) hold a window of experts each; their RSS counts the pages they
+    # share with the parent they were forked from, so each stays under the same bound.
+    assert worker_mb is None or worker_mb < LIMIT_MB
     assert sum(path.stat().st_size for path in (tmp_path / "out").glob("*.safetensors")) > 0.9 * source_bytes
     shutil.rmtree(tmp_path)  # 2 GB: not worth keeping once it passed
