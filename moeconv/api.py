@@ -56,9 +56,10 @@ def convert(source: str | Path, output: str | Path, *, backend: str = "triton", 
 
 
 def verify(output: str | Path, *, source: str | Path | None = None, sample: int | None = None,
-           numerics: bool = True, tokens: int = 8, numerics_layers: int | None = None) -> VerifyReport:
+           level: str = "numerics", tokens: int = 8, numerics_layers: int | None = None) -> VerifyReport:
     """Checks a folder written by `convert` (structure and sha256, bit-exact decode against the source,
-    kernel numerics) and returns the report; `report.ok` is the verdict. `source` (a folder or a Hub
+    kernel numerics; `level` stops after "structure" or "lossless") and returns the report; `report.ok`
+    is the verdict. `source` (a folder or a Hub
     id) defaults to the one recorded in the output's manifest; a different checkpoint is refused."""
     return _verify(Path(output), source=source, sample=sample,
-                   numerics=numerics, tokens=tokens, numerics_layers=numerics_layers)
+                   level=level, tokens=tokens, numerics_layers=numerics_layers)

@@ -292,7 +292,9 @@ def verify(
     output: Path = typer.Argument(..., help="A folder written by `moeconv convert`."),
     source: Optional[Path] = typer.Option(None, "--source", help="Source checkpoint (default: the one in moeconv.json)."),
     sample: Optional[int] = typer.Option(None, "--sample", min=1, help="Check N random experts per layer, not all."),
-    numerics: bool = typer.Option(True, "--numerics/--no-numerics", help="Run the Triton kernel check."),
+    level: str = typer.Option("numerics", "--level",
+                              help="How far to check: structure (files, checksums), lossless (and bit-exact decode "
+                                   "against the source), numerics (and the kernel against a float64 reference)."),
     tokens: int = typer.Option(8, "--tokens", min=1, help="Random tokens per layer for the kernel check."),
     numerics_layers: Optional[int] = typer.Option(None, "--numerics-layers", min=0,
                                                   help="Kernel check on the first N MoE layers only."),
@@ -305,7 +307,7 @@ def verify(
     from moeconv.verify import verify as run_verification
 
     with _progress_for_verify(quiet) as progress:
-        report = run_verification(output, source=source, sample=sample, numerics=numerics, tokens=tokens,
+        report = run_verification(output, source=source, sample=sample, level=level, tokens=tokens,
                                   numerics_layers=numerics_layers, progress=progress)
     if as_json:
         _print_json(report.to_json())

@@ -95,14 +95,21 @@ class VerifyReport:
         return data
 
 
-def verify(output: Path, source: str | Path | None = None, sample: int | None = None, numerics: bool = True,
+LEVELS = ("structure", "lossless", "numerics")  # each includes the ones before it
+
+
+def verify(output: Path, source: str | Path | None = None, sample: int | None = None, level: str = "numerics",
            tokens: int = 8, numerics_layers: int | None = None, seed: int = 0,
            progress: Callable[..., None] | None = None) -> VerifyReport:
-    """Runs all three levels and returns the report; `report.ok` is the verdict.
+    """Runs the levels up to `level` and returns the report; `report.ok` is the verdict.
 
+    level: "structure" (files, index, configs, manifest, sha256), "lossless" (and every job decodes to
+    the source's canonical form bit for bit, pass-through bytes equal), "numerics" (and the kernel).
     sample: check only this many experts per layer for losslessness (chosen at random from `seed`).
     numerics_layers: run the kernel on only the first N MoE layers (the interpreter on a CPU is slow).
     """
+    if level not in LEVELS:
+        raise MoeconvError(f"verify level {level!r} is not one of {', '.join(LEVELS)}")
     output = Path(output).expanduser().resolve()
     if not output.is_dir():
         raise MoeconvError(f"{output}: not a folder (give the folder `moeconv convert -o` wrote)")
@@ -129,7 +136,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     advance(0, sum(path.stat().st_size for path in converted.files) + plan.source_expert_bytes)
     report.structure_problems = _check_reading(plan) + _check_structure(plan, output, manifest, converted.tensors,
                                                                         advance)
-    if report.structure_problems:
+    if report.structure_problems or level == "structure":
         return report
     report.passthrough_problems, report.passthrough_checked = _check_passthrough(plan, converted.tensors)
     generator = torch.Generator().manual_seed(seed)
@@ -151,7 +158,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
                 result.experts_exact += not problems
                 result.experts_checked += 1
             advance(layer.source_bytes)
-            if numerics and (numerics_layers is None or index < numerics_layers):
+            if level == "numerics" and (numerics_layers is None or index < numerics_layers):
                 report.numerics_device = kernel.device()
                 try:
                     result.relative_error, result.max_abs_error = _check_numerics(

@@ -87,4 +87,4 @@ def test_every_output_records_what_it_targets(tmp_path):
         assert backend.targets.get("engine"), name
         moeconv.convert(source, tmp_path / name, backend=name)
         assert json.loads((tmp_path / name / "moeconv.json").read_text())["targets"] == backend.targets
-        assert moeconv.verify(tmp_path / name, numerics=False).to_json()["targets"] == backend.targets
+        assert moeconv.verify(tmp_path / name, level="lossless").to_json()["targets"] == backend.targets

@@ -66,7 +66,7 @@ def test_trust_data_converts_and_verifies(tmp_path):
     _lie(source, checkpoint_format="gptq")
     result = cli("convert", source, "-o", tmp_path / "out", "--trust-data", "--quiet")
     assert result.exit_code == 0, result.output
-    report = cli("verify", tmp_path / "out", "--no-numerics", "--json")
+    report = cli("verify", tmp_path / "out", "--level", "lossless", "--json")
     assert report.exit_code == 0, report.output
     assert json.loads((tmp_path / "out" / "moeconv.json").read_text())["arguments"]["trust"] == "data"
 

@@ -474,7 +474,7 @@ def test_nonfinite_scales_are_converted_faithfully_and_reported(pristine, tmp_pa
     assert code == 0 and json.loads(out)["nonfinite_scales"] == {"count": 2, "first_tensor": prefix}
     code, out, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q", "--json")
     assert code == 0 and json.loads(out)["nonfinite_scales"] == {"count": 2, "first_tensor": prefix}
-    code, out, err = run_main(capsys, "verify", tmp_path / "out", "--no-numerics", "--json")
+    code, out, err = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "--json")
     report = json.loads(out)
     assert code == 0, err  # lossless: NaN bytes round-trip
     assert report["nonfinite_scales"] == {"count": 2, "first_tensor": prefix}

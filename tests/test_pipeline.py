@@ -54,7 +54,7 @@ def test_hub_id_resolved_offline_from_the_cache(tmp_path):
     assert manifest["source"]["repo"] == "acme/tiny-moe"
     assert manifest["source"]["revision"] == COMMIT
     assert manifest["source"]["path"].endswith(f"snapshots/{COMMIT}")
-    done = subprocess.run([EXE, "verify", str(tmp_path / "out"), "--no-numerics"], capture_output=True, text=True,
+    done = subprocess.run([EXE, "verify", str(tmp_path / "out"), "--level", "lossless"], capture_output=True, text=True,
                           env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -155,4 +155,4 @@ def test_python_api_mirrors_the_cli(tmp_path):
     assert moeconv.inspect(source)["architecture"] == "qwen3_moe"
     report = moeconv.convert(source, tmp_path / "out", max_shard_size=200_000)
     assert report.output == (tmp_path / "out").absolute()
-    assert moeconv.verify(tmp_path / "out", numerics=False).ok
+    assert moeconv.verify(tmp_path / "out", level="lossless").ok

@@ -84,6 +84,6 @@ def test_a_verify_of_a_damaged_toy_output_fails(registered, tmp_path):
     manifest = json.loads(manifest_path.read_text())
     manifest["files"][entry.file.name]["sha256"] = sha256_file(entry.file)
     manifest_path.write_text(json.dumps(manifest))
-    verdict = moeconv.verify(tmp_path / "out", numerics=False)
+    verdict = moeconv.verify(tmp_path / "out", level="lossless")
     assert not verdict.ok
     assert any("expert 3 down" in failure for failure in verdict.failures()), verdict.failures()

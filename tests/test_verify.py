@@ -86,7 +86,7 @@ def test_good_conversion_cli_json_and_exit_0(converted):
 def test_one_changed_byte_fails_lossless(damaged, tensor, expert, offset, mask, expected):
     _, out = damaged
     _flip_byte(out, tensor, expert, offset, mask)
-    report = verify(out, numerics=False)
+    report = verify(out, level="lossless")
     assert not report.ok
     assert any(expected in failure for failure in report.failures()), report.failures()
 
@@ -140,7 +140,7 @@ def test_changed_passthrough_tensor_fails(damaged):
     manifest = json.loads((out / "moeconv.json").read_text())
     manifest["files"][entry.file.name]["sha256"] = sha256_file(entry.file)
     (out / "moeconv.json").write_text(json.dumps(manifest))
-    report = verify(out, numerics=False)
+    report = verify(out, level="lossless")
     assert any("model.layers.0.self_attn.q_proj.qweight differs from the source" in f for f in report.failures())
 
 
@@ -149,7 +149,7 @@ def test_config_disagreeing_with_conversion_fails(damaged):
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"]["has_zp"] = False
     (out / "config.json").write_text(json.dumps(config))
-    report = verify(out, numerics=False)
+    report = verify(out, level="lossless")
     assert "config.json: quantization_config does not describe this conversion" in report.failures()
 
 
@@ -157,7 +157,7 @@ def test_verify_against_a_different_source_fails(damaged, tmp_path):
     _, out = damaged
     other = make_checkpoint(tmp_path / "other", SynthSpec(layers=2, experts=4, hidden=128, intermediate=64, seed=7))
     with pytest.raises(MoeconvError, match="other: not the source .*out was made from") as refusal:
-        verify(out, source=other, numerics=False)
+        verify(out, source=other, level="lossless")
     assert "\n" not in str(refusal.value)
 
 
@@ -167,3 +167,18 @@ def test_not_a_moeconv_output(tmp_path):
     assert str(result.exception) == f"{tmp_path}: no moeconv.json: not a folder written by `moeconv convert`"
     result = cli("verify", tmp_path / "missing")
     assert str(result.exception) == f"{tmp_path / 'missing'}: not a folder (give the folder `moeconv convert -o` wrote)"
+
+
+def test_levels_stop_where_asked(damaged):
+    """--level structure checks files and checksums only (a consistent but wrong byte passes it, the
+    lossless level catches it); lossless runs no kernel; an unknown level is a one-line error."""
+    source, out = damaged
+    _flip_byte(out, f"{LAYER}.w13_qweight", expert=2)
+    structure = verify(out, level="structure")
+    assert structure.ok and not structure.layers and structure.passthrough_checked == 0
+    lossless = verify(out, level="lossless")
+    assert not lossless.ok and all(layer.relative_error is None for layer in lossless.layers)
+    result = cli("verify", out, "--level", "everything")
+    assert result.exit_code != 0
+    with pytest.raises(MoeconvError, match="verify level 'everything' is not one of structure, lossless, numerics"):
+        verify(out, level="everything")
