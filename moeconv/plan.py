@@ -636,11 +636,23 @@ def make_plan(source: Path | Checkpoint, backend: str = "triton", max_shard_size
         units += [(linear.prefix, _single(_linear_job(target, linear))) for linear in linears]
         converted = {entry.name for linear in linears for entry in linear.tensors.values()}
         others = [name for name in others if name not in converted]
+        _refuse_fp8_beside(checkpoint, target, others)
     units += [(name, _single(_copy_job(checkpoint.tensors[name]))) for name in others]
     units.sort(key=lambda item: _natural_key(item[0]))
     shards = _assign_shards([unit for _, unit in units], max_shard_size)
     return Plan(checkpoint, architecture, source_format, target, tuple(layers), shards, max_shard_size, trust,
                 detection, factor, tp, skipped, tuple(unquantized))
+
+
+def _refuse_fp8_beside(checkpoint: Checkpoint, backend: Backend, others: list[str]) -> None:
+    """A whole-checkpoint scheme's config describes every linear: FP8 block-scaled linears beside the
+    integer experts (MiniMax, DeepSeek) would be declared either quantized like the experts or float,
+    and an engine would misread them either way. Refused with the way out, not written half-right."""
+    fp8 = next((checkpoint.tensors[name] for name in others if checkpoint.tensors[name].dtype.startswith("F8_")), None)
+    if fp8 is not None:
+        raise MoeconvError(f"{fp8.file}: tensor {fp8.name} is {fp8.dtype}: backend {backend.name!r} writes one "
+                           f"quantization scheme for the whole checkpoint and cannot describe FP8 linears beside "
+                           f"the integer experts yet; --backend triton converts the experts and copies the rest")
 
 
 class Unit(NamedTuple):

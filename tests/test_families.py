@@ -73,3 +73,20 @@ def test_gpt_oss_is_refused_as_mxfp4(tmp_path, capsys):
     (source / "config.json").write_text(json.dumps(config))
     code, _, err = run_main(capsys, "inspect", source)
     assert code == 2 and "MXFP4" in err and "not an integer-affine code" in err
+
+
+def test_fp8_linears_beside_integer_experts(tmp_path, capsys):
+    """MiniMax / DeepSeek ship FP8 block-scaled attention beside INT4 experts: the stacked backends copy
+    those tensors byte for byte; a whole-checkpoint scheme refuses rather than describe them wrongly."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=64, intermediate=64))
+    fp8 = {"model.layers.0.self_attn.kv_b_proj.weight": torch.zeros(64, 64, dtype=torch.float8_e4m3fn),
+           "model.layers.0.self_attn.kv_b_proj.weight_scale_inv": torch.ones(1, 1)}
+    save_file(fp8, str(source / "model-fp8.safetensors"))
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(fp8, "model-fp8.safetensors"))
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    moeconv.convert(source, tmp_path / "triton", backend="triton")
+    report = moeconv.verify(tmp_path / "triton", level="lossless")
+    assert report.ok, report.failures()
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "ct", "--backend", "compressed-tensors")
+    assert code == 2 and "F8_E4M3" in err and "kv_b_proj.weight" in err and "--backend triton" in err
