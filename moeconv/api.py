@@ -49,7 +49,7 @@ def convert(source: str | Path, output: str | Path, *, backend: str = "triton", 
             trust: str | None = None, tp: int = 1, regroup: bool = False,
             progress: Callable[[int], None] | None = None, workers: int | None = None) -> ConvertReport:
     """Convert (resuming an interrupted run with the same arguments) and return the report.
-    workers: threads that transform experts (default: one per core, at most 16)."""
+    workers: processes that transform experts (default: one per core, at most 16)."""
     conversion = plan(source, backend=backend, revision=revision, local_files_only=local_files_only,
                       max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup)
     return _execute(conversion, Path(output), progress=progress, workers=workers)

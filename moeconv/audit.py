@@ -33,6 +33,14 @@ class Audits:
         self.first: dict[str, str] = {}
         self.casts = {"checked": 0, "changed": 0, "overflow": 0, "max_relative_change": 0.0}
 
+    def merge(self, other: Audits) -> None:
+        """Adds what another Audits (a worker process's) found; the first tensor stays the earliest."""
+        for kind, found in other.totals.items():
+            self.record(other.first[kind], {kind: found})
+        for key in ("checked", "changed", "overflow"):
+            self.casts[key] += other.casts[key]
+        self.casts["max_relative_change"] = max(self.casts["max_relative_change"], other.casts["max_relative_change"])
+
     def record_cast(self, scales: torch.Tensor, engine_dtype: torch.dtype) -> None:
         """What an engine's cast of `scales` to `engine_dtype` does to them: values that change, values
         that become infinite, the largest relative change among the finite ones."""

@@ -170,7 +170,7 @@ def convert(
     tp: int = TP,
     regroup: bool = typer.Option(False, "--regroup", help="Halve the group size (lossless) where that makes the backend fit."),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, max=64,
-                                          help="Threads that transform experts (default: one per core, at most 16)."),
+                                          help="Processes that transform experts (default: one per core, at most 16)."),
 ) -> None:
     """Convert a checkpoint into a backend's layout (docs/FORMAT.md); what the backend does not convert is
     copied byte for byte. An interrupted conversion resumes when the same command is run again."""
@@ -300,6 +300,8 @@ def verify(
                                                   help="Kernel check on the first N MoE layers only."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, max=64,
+                                          help="Processes that run the bit-exact checks (default: one per core, at most 16)."),
 ) -> None:
     """Check a converted checkpoint: structure and checksums, bit-exact decode against the source, and
     the Triton kernel against a float64 reference. Exit code 0 only if every check passes."""
@@ -308,7 +310,7 @@ def verify(
 
     with _progress_for_verify(quiet) as progress:
         report = run_verification(output, source=source, sample=sample, level=level, tokens=tokens,
-                                  numerics_layers=numerics_layers, progress=progress)
+                                  numerics_layers=numerics_layers, progress=progress, workers=workers)
     if as_json:
         _print_json(report.to_json())
     else:

@@ -11,14 +11,11 @@ import json
 import os
 import shutil
 import time
-from collections import deque
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 
 from moeconv._version import __version__
 from moeconv.audit import Audits
@@ -28,21 +25,12 @@ from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, sam
 from moeconv.checkpoint.schema import is_plain_file_name
 from moeconv.checkpoint.writer import PrefixHasher, ShardWriter, copy_into, sha256_file, write_at
 from moeconv.errors import MoeconvError
+from moeconv.executor import Executor, peak_rss_mb, worker_descriptor, worker_reader
 from moeconv.plan import OutputShard, Plan, SourceSlice
 # Source files that describe the source's quantization or weights: replaced, never copied.
 _NOT_COPIED = {"config.json", INDEX_NAME, QUANTIZE_CONFIG_NAME, "quant_config.json", MANIFEST_NAME}
 
 Progress = Callable[[int], None]
-def default_workers() -> int:
-    """One worker per core this process may use (the transform releases the GIL inside torch ops, and
-    hashing runs beside them), at most 16."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, min(16, cores))
-
-
 @dataclass
 class ConvertReport:
     output: Path
@@ -191,7 +179,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
             _check_free_space(plan, staging, journal)
             audits = Audits()
             try:
-                with TensorReader(fingerprints={}) as reader, _Executor(workers or default_workers()) as executor:
+                with TensorReader(fingerprints={}) as reader, Executor(workers) as executor:
                     for shard in plan.shards:
                         if journal.is_done(shard.file_name):
                             _check_unchanged_source(plan, shard, staging, journal)
@@ -225,16 +213,6 @@ def _check_free_space(plan: Plan, staging: Path, journal: _Journal) -> None:
             shutil.rmtree(staging, ignore_errors=True)
         raise MoeconvError(f"{staging.parent}: {free / 1e9:.2f} GB free, but the conversion needs "
                            f"{needed / 1e9:.2f} GB more there; free some space or choose another -o")
-
-
-def peak_rss_mb() -> float | None:
-    """This process's resident-memory high-water mark. VmHWM (Linux) starts at exec; getrusage's
-    maxrss would also count the pages of a large parent the process was forked from."""
-    try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
-    except (OSError, StopIteration):
-        return None
 
 
 def _read_journal(path: Path) -> dict[str, Any] | None:
@@ -309,9 +287,9 @@ class _Journal:
 
 
 def _write_shard(plan: Plan, shard: OutputShard, path: Path, reader: TensorReader, advance: Progress,
-                 audits: Audits, executor: _Executor) -> str:
+                 audits: Audits, executor: Executor) -> str:
     """Writes the shard and returns its sha256. Each job is read, transformed and written at its slots
-    by one worker (`_Executor`), a bounded window of jobs at a time, so at most a few experts are in
+    by one worker (moeconv.executor), a bounded window of jobs at a time, so at most a few experts are in
     memory per worker; every byte has one place, so the bytes do not depend on the scheduling.
     Completions are taken in job order, which tells the hasher how far the file is final. Written
     under a temporary name and renamed once complete and flushed, so a shard file under its final
@@ -328,7 +306,7 @@ def _write_shard(plan: Plan, shard: OutputShard, path: Path, reader: TensorReade
             final[index] = min(final[index + 1], *tasks[index][3].values())
         hasher = PrefixHasher(temporary)
         try:
-            for index, (job, (counts, fingerprints)) in enumerate(zip(shard.jobs, executor.map(tasks))):
+            for index, (job, (counts, fingerprints)) in enumerate(zip(shard.jobs, executor.map(_run_job, tasks))):
                 reader.fingerprints.update(fingerprints)
                 for name, found in counts:
                     audits.record(name, found)
@@ -342,22 +320,12 @@ def _write_shard(plan: Plan, shard: OutputShard, path: Path, reader: TensorReade
     return digest
 
 
-# One worker process's open files: a reader of the source, a descriptor of the shard being written.
-_WORKER: dict[str, Any] = {}
-
-
 def _run_job(job, codec, path: Path, positions: dict[str, int]) -> tuple[list, dict[str, bytes]]:
     """Reads, transforms and writes one job at its file positions (through this process's own
     descriptor of the shard); returns the audit counts and the content hashes of what it read."""
-    reader = _WORKER.get("reader")
-    if reader is None:
-        reader = _WORKER["reader"] = TensorReader()
+    reader = worker_reader()
     reader.fingerprints = {}
-    if _WORKER.get("path") != path:
-        if "fd" in _WORKER:
-            os.close(_WORKER["fd"])
-        _WORKER["fd"], _WORKER["path"] = os.open(path, os.O_WRONLY), path
-    fd = _WORKER["fd"]
+    fd = worker_descriptor(path)
     if job.copies:
         entry = job.source.entry
         copy_into(fd, positions[""], entry.file, entry.begin, entry.end, entry.name)
@@ -369,75 +337,6 @@ def _run_job(job, codec, path: Path, positions: dict[str, int]) -> tuple[list, d
                              f"not the planned {job.slots[suffix].shape}")
         write_at(fd, data, positions[suffix])
     return counts, reader.fingerprints
-
-
-def _run_worker_job(*task) -> tuple[tuple[list, dict[str, bytes]], float | None]:
-    """`_run_job` in a worker process, with that process's resident-memory high-water mark."""
-    return _run_job(*task), peak_rss_mb()
-
-
-def _start_worker() -> None:
-    """A worker process: one torch thread (the parallelism is the processes), no SIGINT of its own
-    (the parent stops the pool), and killed with the parent, so no orphan writes on after a kill -9."""
-    import signal
-
-    torch.set_num_threads(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
-    except (OSError, AttributeError):
-        pass
-
-
-class _Executor:
-    """Runs `_run_job` tasks in order with at most 2 x workers in flight: in this process for one
-    worker, else in forked worker processes. Processes, not threads: on a 16-core host, threads stopped
-    scaling at 2 to 4 workers (each job took 13x longer with 16 threads: the GIL), and the jobs share
-    nothing but the files, which every process opens itself."""
-
-    def __init__(self, workers: int):
-        self.workers = workers
-        self.worker_peak_rss_mb: float | None = None
-        self._pool = None
-        if workers > 1:
-            import multiprocessing
-
-            self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"),
-                                             initializer=_start_worker)
-
-    def map(self, tasks: list):
-        if self._pool is None:
-            for task in tasks:
-                yield _run_job(*task)
-            return
-        pending: deque = deque()
-        for task in tasks:
-            pending.append(self._pool.submit(_run_worker_job, *task))
-            if len(pending) >= 2 * self.workers:
-                yield self._taken(pending.popleft())
-        while pending:
-            yield self._taken(pending.popleft())
-
-    def _taken(self, future):
-        result, peak = future.result()
-        if peak is not None:
-            self.worker_peak_rss_mb = max(self.worker_peak_rss_mb or 0.0, peak)
-        return result
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        if "fd" in _WORKER:
-            os.close(_WORKER.pop("fd"))
-            _WORKER.pop("path")
-
-    def __enter__(self) -> _Executor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _write_metadata(plan: Plan, staging: Path, files: dict[str, dict[str, Any]]) -> None:

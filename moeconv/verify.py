@@ -28,7 +28,8 @@ from moeconv.checkpoint.schema import weight_map
 from moeconv.checkpoint.writer import sha256_file
 from moeconv.errors import MoeconvError
 from moeconv.kernels.runners import LAYER_KERNELS, NUMERICS_TOLERANCE
-from moeconv.plan import ConvertJob, CopyJob, ExpertJob, LinearJob, MoELayer, Plan, make_plan
+from moeconv.executor import Executor, worker_reader
+from moeconv.plan import Codec, ConvertJob, CopyJob, ExpertJob, LinearJob, MoELayer, Plan, make_plan
 from moeconv.source import resolve_source
 
 
@@ -100,13 +101,14 @@ LEVELS = ("structure", "lossless", "numerics")  # each includes the ones before 
 
 def verify(output: Path, source: str | Path | None = None, sample: int | None = None, level: str = "numerics",
            tokens: int = 8, numerics_layers: int | None = None, seed: int = 0,
-           progress: Callable[..., None] | None = None) -> VerifyReport:
+           progress: Callable[..., None] | None = None, workers: int | None = None) -> VerifyReport:
     """Runs the levels up to `level` and returns the report; `report.ok` is the verdict.
 
     level: "structure" (files, index, configs, manifest, sha256), "lossless" (and every job decodes to
     the source's canonical form bit for bit, pass-through bytes equal), "numerics" (and the kernel).
     sample: check only this many experts per layer for losslessness (chosen at random from `seed`).
     numerics_layers: run the kernel on only the first N MoE layers (the interpreter on a CPU is slow).
+    workers: processes that run the lossless checks (default: one per core, at most 16).
     """
     if level not in LEVELS:
         raise MoeconvError(f"verify level {level!r} is not one of {', '.join(LEVELS)}")
@@ -142,17 +144,22 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     generator = torch.Generator().manual_seed(seed)
     audits = Audits()
     cast = plan.engine_scale_cast(_served_dtype(output))
-    with TensorReader() as reader:
+    codec = plan.codec
+    with TensorReader() as reader, Executor(workers) as executor:
         linears = [job for job in plan.jobs if isinstance(job, LinearJob)]
-        report.dense_linear_problems = [f"{job.prefix}: {problem}" for job in linears
-                                        for _, problem in _check_job(plan, job, converted.tensors, reader, audits, cast)]
+        tasks = [(codec, job, _outputs_of(job, converted.tensors), cast) for job in linears]
+        for job, (problems, found) in zip(linears, executor.map(_check_task, tasks)):
+            audits.merge(found)
+            report.dense_linear_problems += [f"{job.prefix}: {problem}" for _, problem in problems]
         report.dense_linears_checked = len(linears)
         for index, layer in enumerate(plan.layers):
             started = time.perf_counter()
             result = LayerResult(layer.module, tolerance=kernel.tolerance(layer.shape))
             jobs = plan.expert_jobs(layer)
-            for e in _sampled(layer.shape.experts, sample, generator):
-                problems = _check_job(plan, jobs[e], converted.tensors, reader, audits, cast)
+            experts = _sampled(layer.shape.experts, sample, generator)
+            tasks = [(codec, jobs[e], _outputs_of(jobs[e], converted.tensors), cast) for e in experts]
+            for e, (problems, found) in zip(experts, executor.map(_check_task, tasks)):
+                audits.merge(found)
                 result.lossless_failures += [f"expert {e}{f' {key}' if key else ''}: {problem}"
                                              for key, problem in problems]
                 result.experts_exact += not problems
@@ -254,11 +261,22 @@ def _output_blocks(job: ConvertJob, tensors: dict[str, TensorEntry], reader: Ten
             for suffix, slot in job.slots.items()}
 
 
-def _check_job(plan: Plan, job: ConvertJob, tensors: dict[str, TensorEntry], reader: TensorReader,
+def _outputs_of(job: ConvertJob, tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """The output tensors a job's slots lie in (what a worker process needs of the output's header)."""
+    return {slot.tensor.name: tensors[slot.tensor.name] for slot in job.slots.values()}
+
+
+def _check_task(codec: Codec, job: ConvertJob, outputs: dict[str, TensorEntry],
+                cast: tuple[torch.dtype, torch.dtype] | None) -> tuple[list[tuple[str | None, str]], Audits]:
+    """`_check_job` in a worker (moeconv.executor): its problems, and what its audits found."""
+    audits = Audits()
+    return _check_job(codec, job, outputs, worker_reader(), audits, cast), audits
+
+
+def _check_job(codec: Codec, job: ConvertJob, tensors: dict[str, TensorEntry], reader: TensorReader,
                audits: Audits, cast: tuple[torch.dtype, torch.dtype] | None) -> list[tuple[str | None, str]]:
     """(projection, mismatch) for every canonical weight whose output bytes do not decode to exactly
     what the source format's decoder gives; (None, why) when the layout cannot be decoded at all."""
-    codec = plan.codec
     try:
         converted = job.decode(codec, _output_blocks(job, tensors, reader))
     except ValueError as error:  # the layout's own redundancy (e.g. CPU compensation sums) disagrees

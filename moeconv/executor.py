@@ -1,0 +1,124 @@
+"""Runs a work list's independent tasks on worker processes, results in order.
+
+Processes, not threads: on a 16-core host, threads stopped scaling at 2 to 4 workers (each job took
+13x longer with 16 threads: the GIL; docs/BENCHMARKS.md), and the jobs share nothing but files,
+which every worker opens itself (`worker_reader`, `worker_descriptor`). Workers are forked, so the
+task functions and the plan objects need no import in the child; each runs one torch thread, ignores
+SIGINT (the parent stops the pool) and dies with the parent (no orphan writes on after a kill -9).
+One worker runs the tasks in this process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from moeconv.checkpoint.reader import TensorReader
+
+_STATE: dict[str, Any] = {}  # this process's reader and write descriptor
+
+
+def worker_reader() -> TensorReader:
+    """This process's reader of source and output tensors (one descriptor per file, kept open)."""
+    if "reader" not in _STATE:
+        _STATE["reader"] = TensorReader()
+    return _STATE["reader"]
+
+
+def worker_descriptor(path: Path) -> int:
+    """This process's write descriptor of `path` (the shard being written; the previous one is closed)."""
+    if _STATE.get("path") != path:
+        _close_descriptor()
+        _STATE["fd"], _STATE["path"] = os.open(path, os.O_WRONLY), path
+    return _STATE["fd"]
+
+
+def _close_descriptor() -> None:
+    if "fd" in _STATE:
+        os.close(_STATE.pop("fd"))
+        _STATE.pop("path")
+
+
+def peak_rss_mb() -> float | None:
+    """This process's resident-memory high-water mark. VmHWM (Linux) starts at exec; getrusage's
+    maxrss would also count the pages of a large parent the process was forked from."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return None
+
+
+def _in_worker(function: Callable, task: tuple) -> tuple[Any, float | None]:
+    return function(*task), peak_rss_mb()
+
+
+def _start_worker() -> None:
+    import signal
+
+    import torch
+
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+
+
+def default_workers() -> int:
+    """One worker per core this process may use, at most 16."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(16, cores))
+
+
+class Executor:
+    """`map(function, tasks)`: function(*task) for each task, in order, at most 2 x workers in flight."""
+
+    def __init__(self, workers: int | None = None):
+        self.workers = workers or default_workers()
+        self.worker_peak_rss_mb: float | None = None  # the largest worker's (pages shared with the parent included)
+        self._pool = None
+        if self.workers > 1:
+            import multiprocessing
+
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, initializer=_start_worker,
+                                             mp_context=multiprocessing.get_context("fork"))
+
+    def map(self, function: Callable, tasks: Iterable[tuple]) -> Iterator[Any]:
+        if self._pool is None:
+            for task in tasks:
+                yield function(*task)
+            return
+        pending: deque = deque()
+        for task in tasks:
+            pending.append(self._pool.submit(_in_worker, function, task))
+            if len(pending) >= 2 * self.workers:
+                yield self._taken(pending.popleft())
+        while pending:
+            yield self._taken(pending.popleft())
+
+    def _taken(self, future) -> Any:
+        result, peak = future.result()
+        if peak is not None:
+            self.worker_peak_rss_mb = max(self.worker_peak_rss_mb or 0.0, peak)
+        return result
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        _close_descriptor()
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
