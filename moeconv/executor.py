@@ -92,6 +92,9 @@ class Executor:
 
             self._pool = ProcessPoolExecutor(max_workers=self.workers, initializer=_start_worker,
                                              mp_context=multiprocessing.get_context("fork"))
+            # Fork every worker now, before the caller starts threads of its own (the shard hashers).
+            for started in [self._pool.submit(os.getpid) for _ in range(self.workers)]:
+                started.result()
 
     def map(self, function: Callable, tasks: Iterable[tuple]) -> Iterator[Any]:
         if self._pool is None:
@@ -116,6 +119,8 @@ class Executor:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         _close_descriptor()
+        if "reader" in _STATE:  # the in-process worker's: its descriptors must not outlive the run
+            _STATE.pop("reader").close()
 
     def __enter__(self) -> Executor:
         return self
