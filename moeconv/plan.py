@@ -68,22 +68,22 @@ class DenseLinear:
 
 @dataclass(frozen=True)
 class SourceSlice:
-    """Where a job's input bytes are: a stored tensor, or one expert's block (dim 0) of a tensor that
-    stacks experts on disk."""
+    """Where a job's input bytes are: a stored tensor. (The slice of a tensor that stacks experts on
+    disk would be one expert's block; no producer writes quantized experts that way today: llm-compressor
+    unfuses them before quantizing, tests/packers/make_llmc_fused.py.)"""
 
     entry: TensorEntry
-    expert: int | None = None
 
     @property
     def key(self) -> str:
-        return self.entry.name if self.expert is None else f"{self.entry.name}[{self.expert}]"
+        return self.entry.name
 
     @property
     def nbytes(self) -> int:
-        return self.entry.nbytes if self.expert is None else self.entry.nbytes // self.entry.shape[0]
+        return self.entry.nbytes
 
     def read(self, reader: TensorReader) -> torch.Tensor:
-        return reader.read(self.entry) if self.expert is None else reader.read_index(self.entry, self.expert)
+        return reader.read(self.entry)
 
 
 @dataclass(frozen=True)

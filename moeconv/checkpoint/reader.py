@@ -194,7 +194,7 @@ def fingerprint(tensor: torch.Tensor) -> bytes:
 
 
 class TensorReader:
-    """Reads whole tensors, or one index of dim 0, with `pread`, keeping one descriptor per file."""
+    """Reads whole tensors, or a block of one (`read_slice`), with `pread`, keeping one descriptor per file."""
 
     def __init__(self, fingerprints: dict[str, bytes] | None = None) -> None:
         self._files: dict[Path, int] = {}
@@ -225,13 +225,6 @@ class TensorReader:
         tensor = self._read(entry, entry.begin, entry.nbytes, entry.shape)
         if self.fingerprints is not None:
             self.fingerprints[entry.name] = fingerprint(tensor)
-        return tensor
-
-    def read_index(self, entry: TensorEntry, index: int) -> torch.Tensor:
-        """entry[index] along dim 0 (one expert of a stacked tensor), fingerprinted as `name[index]`."""
-        tensor = self.read_slice(entry, index * (entry.nbytes // entry.shape[0]), entry.shape[1:])
-        if self.fingerprints is not None:
-            self.fingerprints[f"{entry.name}[{index}]"] = fingerprint(tensor)
         return tensor
 
     def read_slice(self, entry: TensorEntry, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
