@@ -191,13 +191,13 @@ class ExpertJob:
             return self.encode(codec, weights), audits
         raw = {projection: {suffix: piece.read(reader) for suffix, piece in linear.items()}
                for projection, linear in self.sources.items()}
-        audits = [(next(iter(self.sources[projection].values())).key.rsplit(".", 1)[0],
-                   audit_counts(codec.source_format, tensors, None)) for projection, tensors in raw.items()]
+        audits = [(_linear_name(self.sources[projection]), audit_counts(codec.source_format, tensors, None))
+                  for projection, tensors in raw.items()]
         try:
             return codec.transcoder(codec.source_format, raw, self.shape, codec.regroup_factor), audits
-        except MoeconvError as error:
+        except MoeconvError as error:  # any projection's: name the expert
             first = next(iter(self.sources["gate"].values())).entry
-            raise MoeconvError(f"{first.file}: {first.name.rsplit('.', 2)[0]}: {error}") from None
+            raise MoeconvError(f"{first.file}: {self.module}.{self.expert}: {error}") from None
 
     def read_source(self, codec: Codec, reader: TensorReader) -> tuple[dict[str, QuantizedWeight], list[Audit]]:
         """The canonical gate, up and down, and the audit counts of their source tensors."""
@@ -205,8 +205,7 @@ class ExpertJob:
         for projection, linear in self.sources.items():
             tensors = {suffix: piece.read(reader) for suffix, piece in linear.items()}
             weights[projection] = _decoded(codec, linear, tensors)
-            name = next(iter(linear.values())).key.rsplit(".", 1)[0]
-            audits.append((name, audit_counts(codec.source_format, tensors, weights[projection])))
+            audits.append((_linear_name(linear), audit_counts(codec.source_format, tensors, weights[projection])))
         return weights, audits
 
     def encode(self, codec: Codec, weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
@@ -220,13 +219,22 @@ Job = Union[CopyJob, LinearJob, ExpertJob]
 ConvertJob = Union[LinearJob, ExpertJob]
 
 
+def _linear_name(linear: dict[str, SourceSlice]) -> str:
+    """The module path of one source linear (its tensors' names without the suffix)."""
+    return next(iter(linear.values())).key.rsplit(".", 1)[0]
+
+
+def _refusal(linear: dict[str, SourceSlice], error: MoeconvError) -> MoeconvError:
+    """A decoder's or transcoder's refusal, naming the file and the linear it came from."""
+    return MoeconvError(f"{next(iter(linear.values())).entry.file}: {_linear_name(linear)}: {error}")
+
+
 def _decoded(codec: Codec, sources: dict[str, SourceSlice], tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
     """The canonical form of one source linear; a refusal names the file and the linear."""
     try:
         return codec.decode_source(tensors)
     except MoeconvError as error:
-        first = next(iter(sources.values())).entry
-        raise MoeconvError(f"{first.file}: {first.name.rsplit('.', 1)[0]}: {error}") from None
+        raise _refusal(sources, error) from None
 
 
 @dataclass(frozen=True)
