@@ -125,8 +125,8 @@ def _print_inspect(report: dict[str, Any], title: str) -> None:
         rows.append(("[red]config disagrees[/]", disagreement))
     for undecided in detection.get("undecided", []):
         rows.append(("[yellow]undecided[/]", f"{undecided}; the config's value is used"))
-    if detection["act_order"]:
-        rows.append(("[red]act-order[/]", detection["act_order"]))
+    for module, case in report["act_order"].items():
+        rows.append((f"{'[red]' if case.startswith('refused') else ''}act-order {module}", case))
     for name, verdict in report["backends"].items():
         if verdict["eligible"]:
             text = "eligible"

@@ -11,7 +11,7 @@ from moeconv.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
 from moeconv.audit import Audits, count as audit_counts
 from moeconv.spec import FLOAT_DTYPES
 from moeconv.models import architecture_from_config
-from moeconv.plan import detect_format, eligibility, find_moe_layers
+from moeconv.plan import act_order_suspected, detect_format, eligibility, find_moe_layers, scan_act_order
 
 
 def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]:
@@ -22,6 +22,12 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
     # Describe the checkpoint as the tensors show it; disagreements are reported, not fatal, here.
     source_format = detection.detected if detection.disagreements and detection.detected else configured
     found, unquantized = find_moe_layers(checkpoint, architecture, source_format)
+    act_orders: dict[str, str] = {}
+    if act_order_suspected(checkpoint, detection):
+        with TensorReader() as reader:
+            scanned, refusals = scan_act_order(found, reader)
+        act_orders = {layer.module: layer.act_order for layer in scanned}
+        act_orders.update({module: f"refused: {reason}" for module, reason in refusals.items()})
     layers = [replace(layer, shape=replace(layer.shape, tp=tp)) for layer in found]
     first = layers[0].shape
     expert_bytes = sum(layer.source_bytes for layer in layers)
@@ -33,6 +39,7 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
         "config_format": configured.describe(),
         "detection": detection.to_json(),
         "moe_layers": [layer.module for layer in layers],
+        "act_order": act_orders,  # per MoE layer when any g_idx is not k // g: static, relabelled, folded or refused
         "unquantized_experts": unquantized,  # held in float: passed through
         "experts_per_layer": first.experts,
         "expert_shapes": {

@@ -16,17 +16,17 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from math import prod
 from pathlib import Path
-from typing import Any, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Union
 
 import torch
 
-from moeconv import transcoders
+from moeconv import act_order, transcoders
 from moeconv._version import __version__
 from moeconv.audit import count as audit_counts
 from moeconv.backends import all_backends, auto_order, get_backend
 from moeconv.backends.base import Backend
 from moeconv.backends.base import ExpertWeights, converts_dense_linears
-from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight, regroup
+from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight, effective_group_size, regroup
 from moeconv.checkpoint.reader import Checkpoint, TensorEntry, TensorReader, open_checkpoint
 from moeconv.detect import Detection, detect, sample_linears
 from moeconv.errors import MoeconvError
@@ -45,6 +45,7 @@ class MoELayer:
     module: str
     shape: MoELayerShape
     experts: tuple[dict[str, dict[str, TensorEntry]], ...]
+    act_order: str = act_order.STATIC  # or RELABELLED, FOLDED (scan_act_order)
 
     @property
     def source_bytes(self) -> int:
@@ -115,6 +116,13 @@ class Codec:
         """One source linear in the canonical form the plan writes."""
         return regroup(self.source_format.decode(tensors), self.regroup_factor)
 
+    def decode_ordered(self, tensors: dict[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None]:
+        """As `decode_source`, and for an act-order linear the input permutation under which its groups
+        are static (act_order.py); formats that store no g_idx have none."""
+        ordered = getattr(self.source_format, "decode_ordered", None)
+        weight, inputs = ordered(tensors) if ordered else (self.source_format.decode(tensors), None)
+        return regroup(weight, self.regroup_factor), inputs
+
 
 Audit = tuple[str, dict[str, int]]  # (source linear, audit counts)
 
@@ -157,7 +165,7 @@ class LinearJob:
     def read_source(self, codec: Codec, reader: TensorReader) -> tuple[dict[str, QuantizedWeight], list[Audit]]:
         """The canonical weight (keyed "linear"), and the audit counts of its source tensors."""
         tensors = {suffix: piece.read(reader) for suffix, piece in self.sources.items()}
-        weight = _decoded(codec, self.sources, tensors)
+        weight = _decoded(codec.decode_source, self.sources, tensors)
         return {"linear": weight}, [(self.prefix, audit_counts(codec.source_format, tensors, weight))]
 
     def encode(self, codec: Codec, weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
@@ -185,28 +193,45 @@ class ExpertJob:
 
     def convert(self, codec: Codec, reader: TensorReader) -> tuple[dict[str, torch.Tensor], list[Audit]]:
         """This expert's slice of every layer tensor, and the audit counts of its source tensors: through
-        the pair's transcoder where there is one, else decoded to the canonical form and encoded."""
-        if codec.transcoder is None:
-            weights, audits = self.read_source(codec, reader)
-            return self.encode(codec, weights), audits
-        raw = {projection: {suffix: piece.read(reader) for suffix, piece in linear.items()}
-               for projection, linear in self.sources.items()}
-        audits = [(_linear_name(self.sources[projection]), audit_counts(codec.source_format, tensors, None))
-                  for projection, tensors in raw.items()]
-        try:
-            return codec.transcoder(codec.source_format, raw, self.shape, codec.regroup_factor), audits
-        except MoeconvError as error:  # any projection's: name the expert
-            first = next(iter(self.sources["gate"].values())).entry
-            raise MoeconvError(f"{first.file}: {self.module}.{self.expert}: {error}") from None
+        the pair's transcoder where there is one and it takes this expert, else decoded to the canonical
+        form and encoded."""
+        raw = self._read(reader)
+        if codec.transcoder is not None:
+            try:
+                slices = codec.transcoder(codec.source_format, raw, self.shape, codec.regroup_factor)
+            except MoeconvError as error:  # any projection's: name the expert
+                raise self._refusal(error) from None
+            if slices is not None:
+                return slices, self._audits(codec, raw, {})
+        weights, audits = self._canonical(codec, raw)
+        return self.encode(codec, weights), audits
 
     def read_source(self, codec: Codec, reader: TensorReader) -> tuple[dict[str, QuantizedWeight], list[Audit]]:
         """The canonical gate, up and down, and the audit counts of their source tensors."""
-        weights, audits = {}, []
-        for projection, linear in self.sources.items():
-            tensors = {suffix: piece.read(reader) for suffix, piece in linear.items()}
-            weights[projection] = _decoded(codec, linear, tensors)
-            audits.append((_linear_name(linear), audit_counts(codec.source_format, tensors, weights[projection])))
-        return weights, audits
+        return self._canonical(codec, self._read(reader))
+
+    def _read(self, reader: TensorReader) -> dict[str, dict[str, torch.Tensor]]:
+        return {projection: {suffix: piece.read(reader) for suffix, piece in linear.items()}
+                for projection, linear in self.sources.items()}
+
+    def _canonical(self, codec: Codec, raw: dict[str, dict[str, torch.Tensor]]
+                   ) -> tuple[dict[str, QuantizedWeight], list[Audit]]:
+        """Decoded; an act-order down projection folded with its gate and up (act_order.fold)."""
+        weights = {projection: _decoded(codec.decode_source, self.sources[projection], raw[projection])
+                   for projection in ("gate", "up")}
+        down, inputs = _decoded(codec.decode_ordered, self.sources["down"], raw["down"])
+        weights = {**act_order.fold(weights, inputs), "down": down}
+        return weights, self._audits(codec, raw, weights)
+
+    def _audits(self, codec: Codec, raw: dict[str, dict[str, torch.Tensor]],
+                weights: dict[str, QuantizedWeight]) -> list[Audit]:
+        return [(_linear_name(self.sources[projection]), audit_counts(codec.source_format, tensors, weights.get(projection)))
+                for projection, tensors in raw.items()]
+
+    def _refusal(self, error: MoeconvError) -> MoeconvError:
+        """A decoder's or transcoder's refusal, naming the file and the expert."""
+        first = next(iter(self.sources["gate"].values())).entry
+        return MoeconvError(f"{first.file}: {self.module}.{self.expert}: {error}")
 
     def encode(self, codec: Codec, weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
         return codec.backend.encode_expert(ExpertWeights(**weights), self.shape)
@@ -229,10 +254,11 @@ def _refusal(linear: dict[str, SourceSlice], error: MoeconvError) -> MoeconvErro
     return MoeconvError(f"{next(iter(linear.values())).entry.file}: {_linear_name(linear)}: {error}")
 
 
-def _decoded(codec: Codec, sources: dict[str, SourceSlice], tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
-    """The canonical form of one source linear; a refusal names the file and the linear."""
+def _decoded(decode: Callable[[dict[str, torch.Tensor]], Any], sources: dict[str, SourceSlice],
+             tensors: dict[str, torch.Tensor]) -> Any:
+    """`decode` (one of the codec's) of one source linear; a refusal names the file and the linear."""
     try:
-        return codec.decode_source(tensors)
+        return decode(tensors)
     except MoeconvError as error:
         raise _refusal(sources, error) from None
 
@@ -360,6 +386,7 @@ class Plan:
             "skipped_backends": [{"backend": name, "reason": reason} for name, reason in self.skipped_backends],
             "detection": self.detection.to_json() if self.detection else None,
             "moe_layers": len(self.layers),
+            "act_order": {layer.module: layer.act_order for layer in self.layers if layer.act_order != act_order.STATIC},
             "unquantized_experts": list(self.unquantized_experts),
             "source_bytes": self.checkpoint.total_bytes,
             "source_expert_bytes": self.source_expert_bytes,
@@ -402,10 +429,8 @@ def detect_format(checkpoint: Checkpoint, architecture: Architecture) -> tuple[S
 def resolve_format(checkpoint: Checkpoint, architecture: Architecture,
                    trust: str | None = None) -> tuple[SourceFormat, Detection]:
     """The source format to decode with: the config's, unless the tensors disagree. Then stop and
-    explain, or follow `trust` ("config" or "data"). Act-order is refused either way."""
+    explain, or follow `trust` ("config" or "data"). Act-order is the plan's (scan_act_order)."""
     configured, detection = detect_format(checkpoint, architecture)
-    if detection.act_order:
-        raise MoeconvError(detection.act_order)
     if not detection.disagreements or trust == "config":
         return configured, detection
     if trust == "data" and detection.detected is not None:
@@ -483,6 +508,58 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture,
             f"{next(iter(architecture.projections))}.qweight)"
         )
     return layers, unquantized
+
+
+def act_order_suspected(checkpoint: Checkpoint, detection: Detection) -> bool:
+    """The config says desc_act, or a sampled g_idx is not k // g: then every g_idx is read."""
+    return bool(detection.act_order) or checkpoint.quantization_config.get("desc_act") is True
+
+
+def scan_act_order(layers: list[MoELayer], reader: TensorReader) -> tuple[list[MoELayer], dict[str, str]]:
+    """Reads every expert g_idx: the layers with their act-order case (act_order.py), and the layers that
+    cannot be folded with the reason (a gate or up permuted over the hidden dimension, uneven groups)."""
+    scanned, refusals = [], {}
+    for layer in layers:
+        kinds: dict[str, dict[str, list[str]]] = {projection: defaultdict(list) for projection in PROJECTIONS}
+        for expert in layer.experts:
+            for projection, linear in expert.items():
+                entry = linear.get("g_idx")
+                if entry is None:
+                    continue
+                in_features = layer.shape.intermediate if projection == "down" else layer.shape.hidden
+                group_size = effective_group_size(in_features, layer.shape.group_size)
+                kind = act_order.group_order(reader.read(entry), group_size).kind
+                kinds[projection][kind].append(entry.name)
+        bad = [(projection, kind, names) for projection in PROJECTIONS for kind, names in kinds[projection].items()
+               if kind == act_order.IRREGULAR or (kind == act_order.PERMUTED and projection != "down")]
+        if bad:
+            projection, kind, names = bad[0]
+            refusals[layer.module] = (f"{names[0]}: {act_order.describe(kind, f'{projection} projection')} "
+                                      f"({len(names)} of {layer.shape.experts} experts' {projection} projections)")
+            continue
+        case = (act_order.FOLDED if kinds["down"][act_order.PERMUTED] else
+                act_order.RELABELLED if any(kinds[p][act_order.RELABELLED] for p in PROJECTIONS) else act_order.STATIC)
+        scanned.append(replace(layer, act_order=case))
+    return scanned, refusals
+
+
+def check_dense_g_idx(checkpoint: Checkpoint, names: list[str], group_size: int, reader: TensorReader,
+                      converts: bool) -> None:
+    """A dense linear's g_idx must be k // g when it is copied (engines read it with static groups),
+    or at most relabel whole groups when a backend re-encodes it: act-order is not folded outside
+    the routed experts."""
+    for name in names:
+        if not name.endswith(".g_idx"):
+            continue
+        entry = checkpoint.tensors[name]
+        g_idx = reader.read(entry)
+        kind = act_order.group_order(g_idx, effective_group_size(g_idx.numel(), group_size)).kind
+        if kind == act_order.STATIC or (converts and kind == act_order.RELABELLED):
+            continue
+        what = act_order.describe(kind, "linear") if converts else (
+            "g_idx is not k // group_size (act-order) on a linear this backend copies as it is; engines read "
+            "copied GPTQ linears with static groups (vLLM 0.33 ignores g_idx)")
+        raise MoeconvError(f"{entry.file}: {name}: {what}")
 
 
 def find_dense_linears(checkpoint: Checkpoint, source_format: SourceFormat, backend: Backend, names: list[str],
@@ -630,6 +707,12 @@ def make_plan(source: Path | Checkpoint, backend: str = "triton", max_shard_size
     architecture = architecture_from_config(checkpoint.config, config_path)
     source_format, detection = resolve_format(checkpoint, architecture, trust)
     found, unquantized = find_moe_layers(checkpoint, architecture, source_format)
+    if act_order_suspected(checkpoint, detection):
+        with TensorReader() as reader:
+            found, refusals = scan_act_order(found, reader)
+        if refusals:
+            raise MoeconvError(f"{checkpoint.root}: {next(iter(refusals.values()))}; {len(refusals)} of "
+                               f"{len(refusals) + len(found)} MoE layers use act-order that cannot be folded")
     layers = [replace(layer, shape=replace(layer.shape, tp=tp)) for layer in found]
     target, factor, skipped = choose_backend(backend, layers, regroup)
     if factor > 1:
@@ -639,6 +722,8 @@ def make_plan(source: Path | Checkpoint, backend: str = "triton", max_shard_size
                     for linear in expert.values() for entry in linear.values()}
     units: list[tuple[str, Unit]] = [(layer.module, _layer_unit(target, layer)) for layer in layers]
     others = [name for name in checkpoint.tensors if name not in expert_names]
+    with TensorReader() as reader:
+        check_dense_g_idx(checkpoint, others, source_format.group_size, reader, converts_dense_linears(target))
     if converts_dense_linears(target):
         linears = find_dense_linears(checkpoint, source_format, target, others, factor)
         units += [(linear.prefix, _single(_linear_job(target, linear))) for linear in linears]

@@ -16,7 +16,7 @@ shifts on bytes, put in natural order with one gather, and packed in pairs along
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Union
 
 import torch
 
@@ -26,7 +26,8 @@ from moeconv.formats.awq import AWQ, NATURAL_FROM_SLOTS
 from moeconv.formats.gptq import GPTQ
 
 Linear = Mapping[str, torch.Tensor]  # one source linear's tensors, by suffix
-Transcoder = Callable[[object, Mapping[str, Linear], MoELayerShape, int], dict[str, torch.Tensor]]
+# A transcoder may decline one expert (None): that expert then takes the canonical route.
+Transcoder = Callable[[object, Mapping[str, Linear], MoELayerShape, int], Union[dict[str, torch.Tensor], None]]
 
 
 def _regrouped(tensor: torch.Tensor, factor: int) -> torch.Tensor:
@@ -47,10 +48,15 @@ def _stacked_gemms(linears: Mapping[str, Linear], one: Callable[[Linear], tuple]
     return slices
 
 
-def gptq_to_triton(fmt: GPTQ, linears: Mapping[str, Linear], layer: MoELayerShape, factor: int) -> dict[str, torch.Tensor]:
+def gptq_to_triton(fmt: GPTQ, linears: Mapping[str, Linear], layer: MoELayerShape,
+                   factor: int) -> dict[str, torch.Tensor] | None:
+    """None for an expert with a non-trivial g_idx: the canonical route folds act-order or refuses it."""
+    if not all(fmt.static_groups(linear.get("g_idx"), linear["qweight"].shape[0] * 32 // fmt.bits)
+               for linear in linears.values()):
+        return None
+
     def one(linear: Linear) -> tuple:
         qweight = linear["qweight"]
-        fmt.check_g_idx(linear.get("g_idx"), qweight.shape[0] * 32 // fmt.bits)
         codes = packing.words_to_bytes(qweight.T.contiguous(), dim=1)
         zeros = None
         if not fmt.sym:

@@ -52,7 +52,7 @@ def _drop_tensor(source: Path, name: str) -> Path:
 
 def _permute_g_idx(source: Path, name: str) -> None:
     entry = open_checkpoint(source).tensors[name]
-    values = torch.flip(torch.arange(entry.shape[0], dtype=torch.int32) // 32, [0])
+    values = torch.arange(entry.shape[0], dtype=torch.int32) % (entry.shape[0] // 32)  # act-order: interleaved groups
     with open(entry.file, "r+b") as handle:
         handle.seek(entry.begin)
         handle.write(values.numpy().tobytes())
@@ -69,8 +69,8 @@ EXPERT = "model.layers.1.mlp.experts.2"
     (lambda s: _edit_config(s, model_type="dbrx"), "unsupported architecture 'dbrx'; supported: deepseek_v2"),
     (lambda s: _edit_config(s, num_experts=6), "has experts 0..3 (4), but config.json says 6"),
     (lambda s: _drop_tensor(s, f"{EXPERT}.up_proj.qzeros"), "tensor model.layers.1.mlp.experts.2.<up>.qzeros is missing"),
-    (lambda s: _permute_g_idx(s, f"{EXPERT}.down_proj.g_idx"),
-     f"{EXPERT}.down_proj.g_idx is not k // group_size: the checkpoint uses act-order"),
+    (lambda s: _permute_g_idx(s, f"{EXPERT}.gate_proj.g_idx"),
+     f"{EXPERT}.gate_proj.g_idx: g_idx is an act-order permutation (desc_act) of the gate projection's inputs"),
     (lambda s: (s / "config.json").write_text("{not json"), "config.json: not valid JSON"),
 ], ids=["missing-shard", "shape-vs-config", "bits", "architecture", "expert-count", "missing-tensor", "act-order",
         "bad-json"])

@@ -70,7 +70,7 @@ def test_gptq_qweight_packs_along_k_hand_checked():
 def test_gptq_refuses_act_order():
     weight = QuantizedWeight(torch.zeros(8, 64, dtype=torch.uint8), None, torch.ones(8, 2, dtype=torch.float16), 4, 32)
     tensors = GPTQ(4, 32, sym=True).encode(weight)
-    tensors["g_idx"] = torch.flip(tensors["g_idx"], [0])
+    tensors["g_idx"] = torch.arange(64, dtype=torch.int32) % 2  # both groups 32 wide, interleaved
     with pytest.raises(MoeconvError, match="act-order"):
         GPTQ(4, 32, sym=True).decode(tensors)
 

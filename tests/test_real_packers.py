@@ -267,13 +267,21 @@ def test_autogptq_zero_point_0_is_unrecoverable_and_flagged(packed, bits):
     assert fmt.suspicious_zero_slots(t["qzeros"]) == corrupted_slots >= len(C.ZERO0_SLOTS[bits])
 
 
-def test_act_order_g_idx_is_refused(packed):
-    """AutoGPTQ's qlinear_cuda honours a permuted g_idx (desc_act=true); moeconv must not misread it."""
+def test_act_order_g_idx_reads_as_permuted_inputs(packed):
+    """AutoGPTQ's qlinear_cuda honours a permuted g_idx (desc_act=true): the plain decoder refuses it, the
+    ordered one gives the packed codes with the inputs permuted to static groups, and the zeros and scales
+    group by group as the packer was given them."""
     t = packed.of(C.ACT_ORDER_NAME)
     assert not torch.equal(t["g_idx"], torch.arange(t["g_idx"].numel(), dtype=torch.int32) // 64)
     fmt = GPTQ(bits=4, group_size=64, sym=False, checkpoint_format="gptq")
+    stored = {"qweight": t["qweight"], "qzeros": t["qzeros"], "scales": t["pscales"], "g_idx": t["g_idx"]}
     with pytest.raises(MoeconvError, match="act-order"):
-        fmt.decode({"qweight": t["qweight"], "qzeros": t["qzeros"], "scales": t["pscales"], "g_idx": t["g_idx"]})
+        fmt.decode(stored)
+    weight, inputs = fmt.decode_ordered(stored)
+    assert torch.equal(t["g_idx"][inputs].long(), torch.arange(t["g_idx"].numel()) // 64)
+    _same_bytes(weight.codes, t["codes"][:, inputs].contiguous(), "codes")
+    _same_bytes(weight.zeros, t["zeros"], "zeros")
+    _same_bytes(weight.scales, t["scales"], "scales")
 
 
 def test_mismatch_on_channel_wise_decode(packed):

@@ -63,14 +63,15 @@ def test_pairs_without_a_transcoder_take_the_canonical_route():
                                                                            activation_bits=8)) is None
 
 
-def test_act_order_is_refused_on_the_transcoded_path_too():
+def test_the_transcoder_leaves_act_order_experts_to_the_canonical_route():
     fmt = GPTQ(4, 32, sym=False)
     weight = QuantizedWeight(torch.zeros(64, 64, dtype=torch.uint8), torch.zeros(64, 2, dtype=torch.uint8),
                              torch.ones(64, 2, dtype=torch.float16), 4, 32)
     stored = {p: fmt.encode(weight) for p in ("gate", "up", "down")}
-    stored["up"]["g_idx"] = torch.arange(64, dtype=torch.int32).flip(0) // 32
-    with pytest.raises(Exception, match="act-order"):
-        transcoders.gptq_to_triton(fmt, stored, MoELayerShape(1, 64, 64, 4, 32, False, "F16"), 1)
+    shape = MoELayerShape(1, 64, 64, 4, 32, False, "F16")
+    assert transcoders.gptq_to_triton(fmt, stored, shape, 1) is not None
+    stored["down"]["g_idx"] = torch.arange(64, dtype=torch.int32) % 2  # act-order: folded by the canonical route
+    assert transcoders.gptq_to_triton(fmt, stored, shape, 1) is None
 
 
 @pytest.mark.parametrize("source", [GPTQ(4, 128, sym=False), AWQ(4, 64, zero_point=True)], ids=str)

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from moeconv import packing
+from moeconv import act_order, packing
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
@@ -97,32 +97,40 @@ class GPTQ:
         return packing.repeated_word(1, self.bits) if self.checkpoint_format == V1 else 0
 
     def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
+        """Static groups only: a g_idx that is k // g, or that relabels whole groups (act_order.py)."""
+        weight, inputs = self.decode_ordered(tensors)
+        if inputs is not None:
+            raise MoeconvError(act_order.describe(act_order.PERMUTED, "linear"))
+        return weight
+
+    def decode_ordered(self, tensors: Mapping[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None]:
+        """The canonical form, and for an act-order g_idx (every group g channels wide, in any order)
+        the input permutation P under which it holds: the source linear is `W[:, P]` = the returned
+        weight. P is None for static (or relabelled) groups."""
         # Transpose the packed words (b/8 of the bytes of the codes), then unpack along the rows.
         codes = packing.unpack(tensors["qweight"].T.contiguous(), self.bits, dim=1)
         in_features = codes.shape[1]
-        self.check_g_idx(tensors.get("g_idx"), in_features)
+        group_size = effective_group_size(in_features, self.group_size)
+        scales = tensors["scales"].T.contiguous()
         zeros = None
         if not self.sym:
             true_words = packing.add_to_words(tensors["qzeros"], self.zero_offset_word())
             zeros = packing.unpack(true_words, self.bits, dim=1).T.contiguous()
-        return QuantizedWeight(
-            codes=codes,
-            zeros=zeros,
-            scales=tensors["scales"].T.contiguous(),
-            bits=self.bits,
-            group_size=effective_group_size(in_features, self.group_size),
-        )
+        order = act_order.group_order(tensors.get("g_idx"), group_size)
+        if order.kind == act_order.IRREGULAR:
+            raise MoeconvError(act_order.describe(order.kind, "linear"))
+        if order.kind == act_order.RELABELLED:
+            scales = scales[:, order.groups].contiguous()
+            zeros = None if zeros is None else zeros[:, order.groups].contiguous()
+        if order.kind == act_order.PERMUTED:
+            codes = codes[:, order.channels].contiguous()
+        weight = QuantizedWeight(codes=codes, zeros=zeros, scales=scales, bits=self.bits, group_size=group_size)
+        return weight, order.channels
 
-    def check_g_idx(self, g_idx: torch.Tensor | None, in_features: int) -> None:
-        """A stored g_idx must be the trivial k // g: anything else is act-order."""
+    def static_groups(self, g_idx: torch.Tensor | None, in_features: int) -> bool:
+        """The stored g_idx (if any) is the trivial k // g: the stored words mean what they say."""
         group_size = effective_group_size(in_features, self.group_size)
-        if g_idx is not None and not torch.equal(
-            g_idx.to(torch.int64), torch.arange(in_features, dtype=torch.int64) // group_size
-        ):
-            raise MoeconvError(
-                "g_idx is not the trivial k // group_size (act-order, desc_act=true); "
-                "moeconv does not convert act-order checkpoints yet"
-            )
+        return act_order.group_order(g_idx, group_size).kind == act_order.STATIC
 
     def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         """Writes what GPTQModel writes: v1 zeros as true-zero words minus the repeated-ones word."""
@@ -286,13 +294,13 @@ def _trimmed_mean(values: torch.Tensor) -> tuple[float, float]:
 
 
 def _check_act_order(sample: list[Linear], read: Read, detection: Detection) -> None:
+    """Records the first sampled linear whose g_idx is not k // g: the plan then reads every g_idx."""
     for tensors, _, in_features in sample:
         if "g_idx" not in tensors:
             continue
         g_idx = read(tensors["g_idx"]).to(torch.int64)
         groups = int(g_idx.max()) + 1 if g_idx.numel() else 1
         if not torch.equal(g_idx, torch.arange(in_features) // max(1, in_features // groups)):
-            detection.act_order = (
-                f"{tensors['g_idx'].file}: {tensors['g_idx'].name} is not k // group_size: "
-                f"the checkpoint uses act-order (desc_act), which moeconv does not convert yet")
+            detection.act_order = (f"{tensors['g_idx'].file}: {tensors['g_idx'].name} is not k // group_size: "
+                                   f"act-order (desc_act)")
             return

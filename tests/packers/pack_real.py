@@ -133,10 +133,12 @@ def choose(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return codes.to(torch.uint8), zeros.to(torch.uint8), scales
 
 
-def float_weight(case: Case, codes, zeros, scales) -> torch.Tensor:
-    g = case.k // case.groups
-    z = zeros.to(torch.float32).repeat_interleave(g, dim=1)
-    s = scales.to(torch.float32).repeat_interleave(g, dim=1)
+def float_weight(case: Case, codes, zeros, scales, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """(codes − zero) · scale per input channel, each channel in group g_idx[k] (default k // g)."""
+    if g_idx is None:
+        g_idx = torch.arange(case.k) // (case.k // case.groups)
+    z = zeros.to(torch.float32)[:, g_idx.long()]
+    s = scales.to(torch.float32)[:, g_idx.long()]
     w32 = (codes.to(torch.float32) - z) * s
     w = w32.to(torch.float16)
     if not torch.equal(w.to(torch.float32), w32):
@@ -162,7 +164,7 @@ def linear_of(w: torch.Tensor) -> nn.Linear:
 
 def pack_case(case: Case, api: dict, g_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     codes, zeros, scales = choose(case)
-    w = float_weight(case, codes, zeros, scales)
+    w = float_weight(case, codes, zeros, scales, g_idx)
     g = case.k // case.groups
     linear = linear_of(w)
     if g_idx is None:
@@ -204,7 +206,8 @@ def pack_case(case: Case, api: dict, g_idx: torch.Tensor | None = None) -> dict[
 
 
 def pack_act_order(api: dict) -> dict[str, torch.Tensor]:
-    """AutoGPTQ qlinear_cuda with a permuted g_idx (desc_act=true): moeconv must refuse it."""
+    """AutoGPTQ qlinear_cuda with a permuted g_idx (desc_act=true), the float weight made with that
+    grouping (channel k in group g_idx[k]): moeconv must read it as a linear with permuted inputs."""
     case = Case(AUTOGPTQ, 4, 64, "nonzero", seed=7)
     gen = torch.Generator().manual_seed(7)
     perm = torch.randperm(case.k, generator=gen)
