@@ -30,18 +30,22 @@ test: $(STAMP) packers
 	$(BIN)/python -m pytest
 
 # Optional, not part of `make test` or CI: vLLM 0.33.0 in its own venv (7-8 GB, about 10 minutes),
-# then every backend's output loaded with vLLM's own model classes and weight loaders on the CPU.
+# then every backend's output loaded with vLLM's own model classes and weight loaders on the CPU,
+# and the triton outputs served through moeconv's vLLM plugin (loader, byte identity, vLLM's kernel).
 ENGINES_STAMP := .venv-engines/.engines-installed
 
-$(ENGINES_STAMP):
+$(ENGINES_STAMP): pyproject.toml
 	test -x .venv-engines/bin/python || $(PYTHON) -m venv .venv-engines
 	.venv-engines/bin/pip install -q vllm==0.33.0
+	# moeconv itself, beside vLLM (no deps: vLLM's torch stays), for its vllm.general_plugins entry point.
+	.venv-engines/bin/pip install -q --no-deps -e .
 	touch $(ENGINES_STAMP)
 
 engines: $(ENGINES_STAMP)
 
 test-engines: $(STAMP) $(ENGINES_STAMP)
 	$(BIN)/python tests/engines/run_matrix.py
+	$(BIN)/python tests/engines/run_plugin.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_convert.py

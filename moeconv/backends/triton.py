@@ -31,7 +31,7 @@ class TritonBackend:
     layout_version = 1
     numerics = Numerics("triton")
     targets = {"kernel": "vLLM 0.33.0 TritonWNA16Experts / TritonExperts layouts",
-               "engine": "none yet: stock vLLM 0.33 has no loader for stacked experts (a moeconv plugin is planned)"}
+               "engine": "vLLM 0.33 with moeconv's plugin (moeconv/vllm_plugin): stock vLLM has no loader for stacked experts"}
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.activation_bits == 8:
@@ -114,6 +114,7 @@ class TritonBackend:
             "has_zp": not layer.symmetric,
             "layout": "moe_wna16",
             "weight_bits_order": "even k in the low nibble" if layer.bits == 4 else "one code per byte",
+            "scale_dtype": layer.scale_dtype,  # the stored scales' dtype: the vLLM plugin keeps it
         }
 
 

@@ -67,6 +67,11 @@ def _patch_platform() -> None:
         humming.device.DeviceInfo._get_value = lambda self: _H200
     except ImportError:
         pass
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonWNA16Experts
+
+    # The moe_wna16 Triton experts' device check (is_cuda_alike, which would also switch activations
+    # to CUDA-only custom ops): answered as on a GPU, for the experts class only.
+    TritonWNA16Experts._supports_current_device = staticmethod(lambda: True)
     import vllm.model_executor.kernels.linear as linear_kernels
     from vllm.platforms import PlatformEnum
 
@@ -102,6 +107,14 @@ class _Capability(tuple):
 
 
 def load(checkpoint: Path) -> dict:
+    return build_and_load(checkpoint)[1]
+
+
+def build_and_load(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
+    """The model vLLM builds for the checkpoint, after its own loader ran twice (two sentinels), and
+    what the loading showed; `load_seconds` is the faster of the two `load_weights` passes."""
+    import time
+
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -120,7 +133,7 @@ def load(checkpoint: Path) -> dict:
         model = initialize_model(vllm_config=vllm_config)
         loader = DefaultModelLoader(LoadConfig())
         consumed: set[str] = set()
-        unloaded_per_pass = []
+        unloaded_per_pass, seconds = [], []
         for sentinel in SENTINELS:
             for parameter in model.parameters():
                 with torch.no_grad():
@@ -135,16 +148,18 @@ def load(checkpoint: Path) -> dict:
                     yielded[tensor.untyped_storage().data_ptr()] = name
                     yield name, tensor
 
+            started = time.perf_counter()
             model.load_weights(weights())
+            seconds.append(time.perf_counter() - started)
             unloaded_per_pass.append({name for name, parameter in model.named_parameters()
                                       if parameter.numel() and bool((parameter.data == (
                                           sentinel if parameter.dtype.is_floating_point else int(sentinel))).all())})
             checkpoint_names = set(yielded.values())
     unloaded = sorted(set.intersection(*unloaded_per_pass))
     not_consumed = sorted(checkpoint_names - consumed)
-    return {"loaded": True, "tensors": len(checkpoint_names), "not_consumed": not_consumed[:20],
-            "not_consumed_count": len(not_consumed), "unloaded_parameters": unloaded[:20],
-            "unloaded_count": len(unloaded)}
+    return model, {"loaded": True, "tensors": len(checkpoint_names), "not_consumed": not_consumed[:20],
+                   "not_consumed_count": len(not_consumed), "unloaded_parameters": unloaded[:20],
+                   "unloaded_count": len(unloaded), "load_seconds": round(min(seconds), 4)}
 
 
 def _wrap_loaders(model, yielded: dict[int, str], consumed: set[str]) -> None:
@@ -165,7 +180,17 @@ def _wrap_loaders(model, yielded: dict[int, str], consumed: set[str]) -> None:
         parameter.weight_loader = recording
 
 
+def one_line(error: Exception) -> str:
+    """An exception as one line: vLLM wraps a quantization config's refusal in pydantic's
+    ValidationError, whose first line says only that VllmConfig did not validate."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {' / '.join(lines)}"[:600]
+
+
 def main() -> None:
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # as vLLM's engine does at start-up: moeconv's entry point registers "moeconv"
     _patch_platform()
     for path in sys.argv[1:]:
         try:
@@ -173,7 +198,7 @@ def main() -> None:
         except Exception as error:  # noqa: BLE001 (vLLM's refusal is the result being measured)
             if os.environ.get("MOECONV_ENGINE_TRACE"):
                 traceback.print_exc()
-            result = {"loaded": False, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}",
+            result = {"loaded": False, "error": one_line(error),
                       "where": traceback.format_exc().splitlines()[-3][:200]}
         print(json.dumps({"checkpoint": path, **result}), flush=True)
 

@@ -1,0 +1,148 @@
+"""`make test-engines`, second part: moeconv's vLLM plugin serving `--backend triton` outputs.
+
+Runs in the main venv; tests/engines/plugin_check.py and vllm_load.py run in .venv-engines
+(vllm==0.33.0 with moeconv installed, `make engines`). For every architecture x source format whose
+dense layers vLLM 0.33 loads, a synthetic source is converted with `--backend triton` and checked by
+plugin_check.py: vLLM's model class and loader consume every tensor through the plugin, every MoE
+parameter is byte-identical to the file, the post-load step re-allocates nothing, and vLLM's own
+moe_wna16 Triton kernel on the loaded parameters matches the float64 reference of the source. Then:
+
+  * load time: a Qwen3-MoE-shaped GPTQ source with many experts and its triton output, each loaded by
+    vLLM's `load_weights` (stock vLLM for the source, the plugin for the output), tensors and seconds;
+  * refusals at start-up, with the reason: a W8A8 output (int8 layout not served yet) and the real
+    GPTQModel act-order checkpoint's output (asymmetric GPTQ dense layers, which vLLM 0.33 refuses).
+
+Prints markdown tables; exits 1 when a check fails.
+
+    .venv/bin/python tests/engines/run_plugin.py [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import moeconv
+from moeconv.formats import AWQ, GPTQ, CompressedTensors
+from moeconv.synth import SynthSpec, make_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_matrix import NOT_IN_CHECKPOINTS  # noqa: E402  (kv-cache scales: no checkpoint carries them)
+
+# Parameters moeconv's synthetic sources do not have (Qwen3's q_norm / k_norm, Qwen2's attention
+# biases): stock vLLM leaves them unloaded for the sources too (run_matrix.py's table shows it).
+SYNTH_GAPS = ("q_norm.weight", "k_norm.weight", "qkv_proj.bias")
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_PYTHON = ROOT / ".venv-engines" / "bin" / "python"
+ENGINES = ROOT / "tests" / "engines"
+ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
+SOURCES = {  # the formats whose dense linears vLLM 0.33 loads (its GPTQ is symmetric only)
+    "gptq-sym": GPTQ(4, 32, sym=True),
+    "gptq-8bit-sym": GPTQ(8, 32, sym=True),
+    "awq": AWQ(4, 32),
+    "ct-sym": CompressedTensors(bits=4, group_size=32, symmetric=True),
+    "ct-asym": CompressedTensors(bits=4, group_size=32, symmetric=False),
+}
+MANY_EXPERTS = SynthSpec(architecture="qwen3_moe", source_format=GPTQ(4, 32, sym=True), layers=4, experts=128,
+                         hidden=64, intermediate=64)
+EXPECTED_REFUSALS = {
+    "w8a8": "W8A8 int8) is not served by this plugin yet",
+    "act-order (GPTQModel, asymmetric)": "the dense layers keep the source's 'gptq' quantization",
+}
+
+
+def _engine(script: str, *args: str) -> list[dict]:
+    done = subprocess.run([str(ENGINE_PYTHON), str(ENGINES / script), *args], capture_output=True, text=True,
+                          timeout=3600)
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if len(results) != len(args):
+        sys.exit(f"{script} answered {len(results)} of {len(args)}:\n{done.stderr[-3000:]}")
+    return results
+
+
+def _problems(result: dict) -> list[str]:
+    """What is wrong with one plugin_check result. vLLM's own weight mapper drops GPTQ's `.g_idx`
+    (unused by its kernels); moeconv copies only trivial ones (k // g), so those are not counted."""
+    if not result["loaded"]:
+        return [result["error"]]
+    problems = []
+    not_consumed = [name for name in result["not_consumed"] if not name.endswith(".g_idx")]
+    if not_consumed:
+        problems.append(f"not consumed: {not_consumed[:3]}")
+    unloaded = [name for name in result["unloaded_parameters"] if not name.endswith(NOT_IN_CHECKPOINTS + SYNTH_GAPS)]
+    if unloaded:
+        problems.append(f"unloaded: {unloaded[:3]}")
+    for key in ("not_byte_identical", "reallocated_after_loading"):
+        if result[key]:
+            problems.append(f"{key}: {result[key][:3]}")
+    if not result["numerics_ok"]:
+        problems.append(f"relative error {result['relative_error']:.2e} > {result['tolerance']}")
+    return problems
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", type=Path, help="write the checkpoints here instead of a temporary folder")
+    args = parser.parse_args()
+    if not ENGINE_PYTHON.exists():
+        sys.exit(f"{ENGINE_PYTHON} is missing: run `make engines` first")
+    failures = []
+    with tempfile.TemporaryDirectory(prefix="moeconv-plugin-") as scratch:
+        base = args.keep or Path(scratch)
+        pairs = {}
+        for architecture in ARCHITECTURES:
+            for name, fmt in SOURCES.items():
+                source = make_checkpoint(base / architecture / name / "src",
+                                         SynthSpec(architecture=architecture, source_format=fmt))
+                out = moeconv.convert(source, base / architecture / name / "triton", backend="triton").output
+                pairs[(architecture, name)] = (source, out)
+        results = _engine("plugin_check.py", *[f"{s}={o}" for s, o in pairs.values()])
+        print("| architecture | source | tensors | byte-identical | re-allocated after load | "
+              "vLLM moe_wna16 kernel vs float64 source | verdict |")
+        print("|---|---|---|---|---|---|---|")
+        for (architecture, name), result in zip(pairs, results):
+            problems = _problems(result)
+            failures += [f"{architecture} {name}: {problem}" for problem in problems]
+            if result["loaded"]:
+                print(f"| {architecture} | {name} | {result['tensors']} | {result['tensors_compared']} MoE tensors, "
+                      f"{len(result['not_byte_identical'])} differ | {len(result['reallocated_after_loading'])} | "
+                      f"{result['relative_error']:.1e} | {'ok' if not problems else '; '.join(problems)} |")
+            else:
+                print(f"| {architecture} | {name} | | | | | refused: {result['error'][:120]} |")
+
+        source = make_checkpoint(base / "many" / "src", MANY_EXPERTS)
+        out = moeconv.convert(source, base / "many" / "triton", backend="triton").output
+        loads = _engine("vllm_load.py", str(source), str(out))
+        print("\n| checkpoint | tensors | vLLM `load_weights` (s) |\n|---|---|---|")
+        for label, result in zip(("GPTQ source, stock vLLM", "triton output, plugin"), loads):
+            if not result["loaded"]:
+                failures.append(f"{label}: {result['error']}")
+                continue
+            print(f"| {label} ({MANY_EXPERTS.layers} layers x {MANY_EXPERTS.experts} experts) | {result['tensors']} | "
+                  f"{result['load_seconds']:.3f} |")
+
+        w8a8 = make_checkpoint(base / "w8a8" / "src", SynthSpec(source_format=CompressedTensors(
+            format="int-quantized", bits=8, group_size=-1, activation_bits=8)))
+        (base / "act-order").mkdir(parents=True, exist_ok=True)
+        refused = {"w8a8": moeconv.convert(w8a8, base / "w8a8" / "triton", backend="triton").output,
+                   "act-order (GPTQModel, asymmetric)": moeconv.convert(
+                       ROOT / "tests" / "data" / "gptqmodel_act_order" / "down_only", base / "act-order" / "triton",
+                       backend="triton").output}
+        print("\n| output | plugin at start-up |\n|---|---|")
+        for (label, path), result in zip(refused.items(), _engine("vllm_load.py", *map(str, refused.values()))):
+            error = result.get("error", "")
+            print(f"| {label} | {'loaded' if result['loaded'] else 'refused: ' + error[:160]} |")
+            if result["loaded"] or EXPECTED_REFUSALS[label] not in error:
+                failures.append(f"{label}: expected a refusal naming {EXPECTED_REFUSALS[label]!r}, got {error or 'a load'}")
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
