@@ -81,3 +81,26 @@ def test_the_plugin_is_an_entry_point_and_imports_no_vllm():
         "moeconv.vllm_plugin:register"]
     code = "import sys, moeconv.vllm_plugin, moeconv.vllm_plugin.shards; print('vllm' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+@settings(max_examples=20, deadline=None)
+@given(tp=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**31 - 1))
+def test_each_rank_holds_its_slice_of_a_w8a8_expert(tp, seed):
+    """The int8 W8A8 layout: gate/up rows and down columns split, one scale per output channel (down's
+    scales are whole on every rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, intermediate = 64, 32 * tp
+    expert = ExpertWeights(random_canonical(gen, 8, True, intermediate, hidden, 1),
+                           random_canonical(gen, 8, True, intermediate, hidden, 1),
+                           random_canonical(gen, 8, True, hidden, intermediate, 1))
+    shape = MoELayerShape(1, hidden, intermediate, 8, -1, True, "F16", activation_bits=8, tp=tp)
+    assert TritonBackend().refusal(shape) is None
+    full = {name: tensor.unsqueeze(0) for name, tensor in TritonBackend().encode_expert(expert, shape).items()}
+    per = intermediate // tp
+    for rank in range(tp):
+        span = slice(rank * per, (rank + 1) * per)
+        down = QuantizedWeight(expert.down.codes[:, span].contiguous(), None, expert.down.scales, 8, per)
+        own = ExpertWeights(_rows(expert.gate, span.start, span.stop), _rows(expert.up, span.start, span.stop), down)
+        expected = TritonBackend().encode_expert(own, MoELayerShape(1, hidden, per, 8, -1, True, "F16", activation_bits=8))
+        for name, tensor in full.items():
+            assert torch.equal(rank_part(name, tensor, intermediate, 8, -1, tp, rank)[0], expected[name]), (name, rank)

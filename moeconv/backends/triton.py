@@ -135,6 +135,8 @@ def _split_rows(weight: QuantizedWeight, rows: int) -> tuple[QuantizedWeight, Qu
 def _int8_refusal(layer: MoELayerShape) -> str | None:
     if layer.bits != 8 or not layer.symmetric or not is_channelwise(layer.group_size):
         return "the W8A8 int8 kernels take symmetric 8-bit weights with one scale per channel"
+    if layer.intermediate % layer.tp:
+        return f"intermediate size {layer.intermediate} does not split over tp={layer.tp}"
     return None
 
 

@@ -17,7 +17,11 @@ import vllm
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.model_executor.layers.fused_moe import FusedMoeWeightScaleSupported, RoutedExperts
 from vllm.model_executor.layers.quantization import get_quantization_config
+from compressed_tensors.quantization import QuantizationArgs
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_int8 import (  # noqa: E501
+    CompressedTensorsW8A8Int8MoEMethod,
+)
 from vllm.model_executor.layers.quantization.moe_wna16 import MoeWNA16Method
 from vllm.model_executor.utils import set_weight_attrs
 
@@ -25,10 +29,11 @@ from moeconv.backends.triton import TritonBackend
 from moeconv.canonical import MoELayerShape, is_channelwise
 from moeconv.spec import TORCH_DTYPES
 from moeconv.vllm_plugin import QUANT_METHOD
-from moeconv.vllm_plugin.shards import W2, W13, rank_part
+from moeconv.vllm_plugin.shards import SPLITS, rank_part
 
 ENGINE_VERSIONS = ("0.33.",)  # the vLLM releases whose moe_wna16 code this method was built against
-STACKED = W13 + W2
+STACKED = tuple(SPLITS)  # every stacked tensor name of the triton layout (both variants)
+INT8_LAYOUT = "int8_w8a8"
 
 
 def _refuse(why: str) -> ValueError:
@@ -50,16 +55,20 @@ class MoeconvConfig(QuantizationConfig):
         if config.get("layout_version") != TritonBackend.layout_version:
             raise _refuse(f"layout version {config.get('layout_version')!r}; this plugin reads triton layout "
                           f"v{TritonBackend.layout_version} (reconvert with this moeconv)")
-        if config.get("layout") != "moe_wna16":
-            raise _refuse(f"triton layout {config.get('layout')!r} (W8A8 int8) is not served by this plugin yet")
+        self.layout = config.get("layout")
+        if self.layout not in ("moe_wna16", INT8_LAYOUT):
+            raise _refuse(f"triton layout {self.layout!r} is not one this plugin knows (moe_wna16, {INT8_LAYOUT})")
         self.weight_bits = int(config["bits"])
         self.group_size = int(config["group_size"])
         self.has_zp = bool(config["has_zp"])
-        if is_channelwise(self.group_size):
-            raise _refuse("channel-wise scales are not served by this plugin yet")
-        if config.get("scale_dtype") not in TORCH_DTYPES:
-            raise _refuse("the config names no scale_dtype (an output of an older moeconv): reconvert")
-        self.scale_dtype = TORCH_DTYPES[config["scale_dtype"]]
+        if self.layout == INT8_LAYOUT:
+            self.scale_dtype = torch.float32  # the int8 layout's per-channel scales
+        else:
+            if is_channelwise(self.group_size):
+                raise _refuse("channel-wise moe_wna16 scales are not served by this plugin yet")
+            if config.get("scale_dtype") not in TORCH_DTYPES:
+                raise _refuse("the config names no scale_dtype (an output of an older moeconv): reconvert")
+            self.scale_dtype = TORCH_DTYPES[config["scale_dtype"]]
         self.bit8_pack_factor = 8 // self.weight_bits
         self.linear_quant_method = "gptq"  # MoeWNA16Method's branches: the stacked tensors are already N-first
         self.dense = _dense_config(config["source_quantization_config"])
@@ -99,6 +108,8 @@ class MoeconvConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, RoutedExperts):
+            if self.layout == INT8_LAYOUT:
+                return StackedInt8ExpertsMethod(self, layer.moe_config)
             return StackedExpertsMethod(self, layer.moe_config)
         # The dense config is rebuilt from the raw dict: it needs the model's fused-module names.
         self.dense.packed_modules_mapping = self.packed_modules_mapping
@@ -133,35 +144,63 @@ class StackedExpertsMethod(MoeWNA16Method):
 
     def create_weights(self, layer: RoutedExperts, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
-        config: MoeconvConfig = self.quant_config
-        tp_size = self.moe.tp_size
-        shape = MoELayerShape(experts=num_experts, hidden=hidden_size,
-                              intermediate=intermediate_size_per_partition * tp_size, bits=config.weight_bits,
-                              group_size=config.group_size, symmetric=not config.has_zp,
-                              scale_dtype=_dtype_name(config.scale_dtype), tp=tp_size)
-        reason = TritonBackend().refusal(shape)
-        if reason:
-            raise _refuse(f"{layer.layer_name}: {reason} (convert with --tp {tp_size} to check, or --regroup)")
-        layer.quant_config = config
-        layer.group_size = config.group_size
+        layer.group_size = self.quant_config.group_size
         layer.group_size_div_factor = 1
-        specs = {spec.name: spec for spec in TritonBackend().layer_tensors(shape)}
-        rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
-        for name, spec in specs.items():
-            per_rank = rank_part(name, torch.empty(spec.shape, dtype=TORCH_DTYPES[spec.dtype], device="meta"),
-                                 shape.intermediate, config.weight_bits, config.group_size, tp_size, rank).shape
-            parameter = torch.nn.Parameter(torch.empty(per_rank, dtype=TORCH_DTYPES[spec.dtype]), requires_grad=False)
-            layer.register_parameter(name, parameter)
-            set_weight_attrs(parameter, {**extra_weight_attrs, "quant_method": FusedMoeWeightScaleSupported.GROUP.value,
-                                         "is_transposed": False,
-                                         "weight_loader": _whole_tensor_loader(layer, name, shape, tp_size, rank)})
-        _load_stacked_by_name(layer)
+        _create_stacked(self, layer, num_experts, hidden_size, intermediate_size_per_partition, extra_weight_attrs)
 
     def process_weights_after_loading(self, layer: RoutedExperts) -> None:
         """Nothing to repack: the parameters are the kernel's tensors as loaded."""
         layer.w13_weight = layer.w13_qweight
         layer.w2_weight = layer.w2_qweight
         self._setup_kernel(layer)
+
+
+class StackedInt8ExpertsMethod(CompressedTensorsW8A8Int8MoEMethod):
+    """vLLM's compressed-tensors W8A8 int8 MoE method (int8 weights, one fp32 scale per channel,
+    dynamic per-token int8 activations) with its Triton experts, on moeconv's stacked int8 tensors:
+    one copy per tensor. Its post-load step for the Triton backend only builds the kernel."""
+
+    supports_pre_processed_weights = True
+
+    def __init__(self, quant_config: MoeconvConfig, moe) -> None:
+        weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+        tokens = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+        super().__init__(weights, tokens, dataclasses.replace(moe, moe_backend="triton"))
+        self.quant_config = quant_config
+
+    def create_weights(self, layer: RoutedExperts, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        layer.w13_input_scale = None  # dynamic per-token activations
+        layer.w2_input_scale = None
+        _create_stacked(self, layer, num_experts, hidden_size, intermediate_size_per_partition, extra_weight_attrs)
+
+
+def _create_stacked(method, layer: RoutedExperts, num_experts: int, hidden_size: int, intermediate_per_rank: int,
+                    extra_weight_attrs: dict[str, Any]) -> None:
+    """The layer's parameters exactly as the triton backend lays them out (this rank's part of each),
+    each with a loader that copies the stored tensor; refused with the reason when the layer cannot
+    be split over this tensor-parallel size (the check `convert --tp` makes)."""
+    config: MoeconvConfig = method.quant_config
+    tp_size = method.moe.tp_size
+    int8 = config.layout == INT8_LAYOUT
+    shape = MoELayerShape(experts=num_experts, hidden=hidden_size, intermediate=intermediate_per_rank * tp_size,
+                          bits=config.weight_bits, group_size=config.group_size, symmetric=not config.has_zp,
+                          scale_dtype=_dtype_name(config.scale_dtype), activation_bits=8 if int8 else 16, tp=tp_size)
+    backend = TritonBackend()
+    reason = backend.refusal(shape)
+    if reason:
+        raise _refuse(f"{layer.layer_name}: {reason} (convert with --tp {tp_size} to check, or --regroup)")
+    layer.quant_config = config
+    rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
+    strategy = FusedMoeWeightScaleSupported.CHANNEL if int8 else FusedMoeWeightScaleSupported.GROUP
+    for spec in backend.layer_tensors(shape):
+        full = torch.empty(spec.shape, dtype=TORCH_DTYPES[spec.dtype], device="meta")
+        per_rank = rank_part(spec.name, full, shape.intermediate, config.weight_bits, config.group_size, tp_size, rank)
+        parameter = torch.nn.Parameter(torch.empty(per_rank.shape, dtype=full.dtype), requires_grad=False)
+        layer.register_parameter(spec.name, parameter)
+        set_weight_attrs(parameter, {**extra_weight_attrs, "quant_method": strategy.value, "is_transposed": False,
+                                     "weight_loader": _whole_tensor_loader(layer, spec.name, shape, tp_size, rank)})
+    _load_stacked_by_name(layer)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -11,8 +11,9 @@ For each pair, OUTPUT (a triton conversion of SOURCE) is built and loaded by vLL
   * byte identity: every MoE parameter equals the file's tensor, byte for byte;
   * the post-load step: `process_weights_after_loading` of every MoE layer leaves each parameter's
     storage where it was (nothing re-allocated, nothing repacked), and how much the process grew;
-  * numerics: vLLM's own moe_wna16 Triton kernel (`invoke_fused_moe_wna16_triton_kernel`, under
-    TRITON_INTERPRET=1 with fp16 activations) on the loaded parameters, for the first MoE layer,
+  * numerics: vLLM's own Triton MoE kernel (`invoke_fused_moe_wna16_triton_kernel` for moe_wna16,
+    `invoke_fused_moe_triton_kernel` with int8 W8A8 for the int8 layout; under TRITON_INTERPRET=1 with
+    fp16 activations) on the loaded parameters, for the first MoE layer,
     against the float64 reference of the SOURCE (moeconv's decoders of the source checkpoint). The token
     routing is built in torch (vLLM's `moe_align_block_size` is a CUDA op); the activation between the
     GEMMs is SiLU-and-multiply in torch.
@@ -54,10 +55,10 @@ def _file_tensors(output: Path) -> dict[str, tuple[Path, str]]:
 
 
 def _moe_layers(model):
-    from moeconv.vllm_plugin.method import StackedExpertsMethod
+    from moeconv.vllm_plugin.method import StackedExpertsMethod, StackedInt8ExpertsMethod
 
     return [(name, module) for name, module in model.named_modules()
-            if isinstance(getattr(module, "quant_method", None), StackedExpertsMethod)]
+            if isinstance(getattr(module, "quant_method", None), (StackedExpertsMethod, StackedInt8ExpertsMethod))]
 
 
 def check(source: Path, output: Path) -> dict:
@@ -95,17 +96,22 @@ def check(source: Path, output: Path) -> dict:
 
 def _numerics(source: Path, layer, module_name: str) -> dict:
     import triton.language as tl
-    from vllm.model_executor.layers.fused_moe.fused_moe import invoke_fused_moe_wna16_triton_kernel
+    from vllm.model_executor.layers.fused_moe.fused_moe import (
+        invoke_fused_moe_triton_kernel,
+        invoke_fused_moe_wna16_triton_kernel,
+    )
 
     from moeconv.checkpoint.reader import TensorReader
     from moeconv.kernels.fused_moe import align_tokens_to_experts
     from moeconv.kernels.reference import random_routing, reference_fused_moe, relative_error
-    from moeconv.kernels.runners import NUMERICS_TOLERANCE
+    from moeconv.kernels.runners import NUMERICS_TOLERANCE, W8A8_NUMERICS_TOLERANCE
     from moeconv.plan import make_plan
+    from moeconv.vllm_plugin.method import INT8_LAYOUT
 
     plan = make_plan(source, backend="triton")
     moe = next(item for item in plan.layers if item.module == module_name)
     config = layer.quant_config
+    int8 = config.layout == INT8_LAYOUT
     experts, hidden, intermediate = moe.shape.experts, moe.shape.hidden, moe.shape.intermediate
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(TOKENS, hidden, generator=gen) * 0.5).to(torch.float16)
@@ -115,16 +121,25 @@ def _numerics(source: Path, layer, module_name: str) -> dict:
     expert_ids = torch.where(blocks.block_experts == experts, -1, blocks.block_experts)  # vLLM: -1 skips a block
     padded = torch.tensor([blocks.pair_ids.numel()], dtype=torch.int32)
     kernel = {"BLOCK_SIZE_M": BLOCK_M, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 1, "SPLIT_K": 1}
-    flags = {"use_int8_w8a16": config.weight_bits == 8, "use_int4_w4a16": config.weight_bits == 4,
-             "block_shape": [0, config.group_size], "compute_type": tl.float16}
 
     def gemm(a, prefix, out_features, pairs_per_row, routed):
         c = torch.zeros(a.shape[0], pairs_per_row, out_features, dtype=torch.float16)
+        routing = weights.to(torch.float32) if routed else None
+        if int8:  # dynamic per-token int8 activations, as vLLM's W8A8 path quantizes them (s = max|a| / 127)
+            scale = a.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 127
+            q = torch.round(a.float() / scale).clamp(-128, 127).to(torch.int8)
+            invoke_fused_moe_triton_kernel(
+                q, getattr(layer, f"{prefix}_weight"), c, scale, getattr(layer, f"{prefix}_weight_scale"), routing,
+                blocks.pair_ids, expert_ids, padded, routed, pairs_per_row, kernel, compute_type=tl.float16,
+                use_fp8_w8a8=False, use_int8_w8a8=True, use_int8_w8a16=False, use_int4_w4a16=False,
+                per_channel_quant=True, block_shape=None)
+            return c
         invoke_fused_moe_wna16_triton_kernel(
             a, getattr(layer, f"{prefix}_qweight"), c, getattr(layer, f"{prefix}_scales"),
-            getattr(layer, f"{prefix}_qzeros", None) if config.has_zp else None,
-            weights.to(torch.float32).reshape(-1) if routed else None, blocks.pair_ids, expert_ids, padded,
-            routed, pairs_per_row, kernel, **flags)
+            getattr(layer, f"{prefix}_qzeros", None) if config.has_zp else None, routing, blocks.pair_ids,
+            expert_ids, padded, routed, pairs_per_row, kernel, compute_type=tl.float16,
+            use_int8_w8a16=config.weight_bits == 8, use_int4_w4a16=config.weight_bits == 4,
+            block_shape=[0, config.group_size])
         return c
 
     gate_up = gemm(x, "w13", 2 * intermediate, topk, False).reshape(TOKENS * topk, 2 * intermediate)
@@ -137,8 +152,9 @@ def _numerics(source: Path, layer, module_name: str) -> dict:
                        for s in sources])
     w2 = torch.stack([s["down"].dequantize(torch.float64) for s in sources])
     error = relative_error(out, reference_fused_moe(x, w13, w2, weights, ids))
-    return {"numerics_layer": module_name, "relative_error": error, "tolerance": NUMERICS_TOLERANCE,
-            "numerics_ok": error <= NUMERICS_TOLERANCE}
+    tolerance = W8A8_NUMERICS_TOLERANCE if int8 else NUMERICS_TOLERANCE
+    return {"numerics_layer": module_name, "relative_error": error, "tolerance": tolerance,
+            "numerics_ok": error <= tolerance}
 
 
 def main() -> None:

@@ -47,11 +47,11 @@ NOT_IN_CHECKPOINTS = (".attn.k_scale", ".attn.v_scale", ".attn.q_scale", ".attn.
 def expected_to_load(backend: str, source_format) -> bool:
     """compressed-tensors always; humming from symmetric sources (vLLM's loader rejects the standard
     schema's expert zero points); triton through moeconv's plugin when vLLM loads the source's dense
-    linears (its GPTQ is symmetric only) and the layout is moe_wna16 (the int8 W8A8 one is not served yet)."""
+    linears (its GPTQ is symmetric only)."""
     if backend == "compressed-tensors":
         return True
     if backend == "triton":
-        return source_format.activation_bits == 16 and (source_format.method != "gptq" or source_format.symmetric)
+        return source_format.method != "gptq" or source_format.symmetric
     return backend == "humming" and source_format.symmetric
 
 

@@ -67,11 +67,12 @@ def _patch_platform() -> None:
         humming.device.DeviceInfo._get_value = lambda self: _H200
     except ImportError:
         pass
-    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonWNA16Experts
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts, TritonWNA16Experts
 
-    # The moe_wna16 Triton experts' device check (is_cuda_alike, which would also switch activations
-    # to CUDA-only custom ops): answered as on a GPU, for the experts class only.
-    TritonWNA16Experts._supports_current_device = staticmethod(lambda: True)
+    # The Triton experts' device check (is_cuda_alike, which would also switch activations to CUDA-only
+    # custom ops): answered as on a GPU, for the experts classes only (moe_wna16 and int8 W8A8).
+    for experts in (TritonExperts, TritonWNA16Experts):
+        experts._supports_current_device = staticmethod(lambda: True)
     import vllm.model_executor.kernels.linear as linear_kernels
     from vllm.platforms import PlatformEnum
 
