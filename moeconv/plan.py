@@ -606,6 +606,15 @@ def _check_linear(linear: dict[str, TensorEntry], prefix: str, projection: str, 
     required, optional = source_format.suffixes(), source_format.optional_suffixes()
     any_entry = next(iter(linear.values()), None)
     where = any_entry.file if any_entry else "checkpoint"
+    floats = [entry for entry in linear.values() if entry.dtype in FLOAT_DTYPES and len(entry.shape) == 2]
+    if floats and not any(suffix in linear for suffix in required):
+        entry = floats[0]
+        raise MoeconvError(
+            f"{entry.file}: tensor {entry.name} is {entry.dtype}{list(entry.shape)}: this {projection} projection "
+            f"is held in float while the layer's other projections are quantized (mixed precision inside one MoE "
+            f"layer); every MoE layout moeconv writes (triton, humming, cpu, compressed-tensors) holds one "
+            f"quantization scheme for all three projections, so no backend takes it; refusing rather than "
+            f"converting part of the layer")
     for suffix in required:
         if suffix not in linear:
             raise MoeconvError(f"{where}: tensor {prefix}.<{projection}>.{suffix} is missing")

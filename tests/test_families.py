@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import moeconv
 from moeconv.checkpoint.reader import open_checkpoint
@@ -90,3 +91,28 @@ def test_fp8_linears_beside_integer_experts(tmp_path, capsys):
     assert report.ok, report.failures()
     code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "ct", "--backend", "compressed-tensors")
     assert code == 2 and "F8_E4M3" in err and "kv_b_proj.weight" in err and "--backend triton" in err
+
+
+@pytest.mark.parametrize("fmt", [GPTQ(4, 32, sym=True), CompressedTensors(bits=4, group_size=32)], ids=str)
+def test_a_float_down_proj_beside_int4_gate_up_is_refused_by_every_backend(tmp_path, capsys, fmt):
+    """GLM "AWQ" copies keep down_proj bf16 and quantize gate/up: no stacked layout holds that, so
+    `--backend auto` refuses in one line naming the float tensor, and nothing is written."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=64, intermediate=64, source_format=fmt))
+    for shard in source.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        mixed = {name: value for name, value in tensors.items() if ".experts." not in name or ".down_proj." not in name}
+        for name in tensors:
+            if ".experts." in name and ".down_proj." in name:
+                mixed[name.rsplit(".", 1)[0] + ".weight"] = torch.zeros(64, 64, dtype=torch.bfloat16)
+        save_file(mixed, str(shard), metadata={"format": "pt"})
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {(name.rsplit(".", 1)[0] + ".weight" if ".experts." in name and ".down_proj." in name
+                            else name): file for name, file in index["weight_map"].items()}
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    for backend in ("auto", "triton", "compressed-tensors"):
+        code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "--backend", backend)
+        line = err.strip()
+        assert code == 2 and "\n" not in line
+        assert "model.layers.0.mlp.experts.0.down_proj.weight is BF16[64, 64]" in line
+        assert "mixed precision inside one MoE layer" in line and "no backend takes it" in line
+        assert not (tmp_path / "out").exists()
