@@ -146,6 +146,11 @@ _FAMILIES = {"mixtral": ("MixtralForCausalLM", "mixtral"), "qwen2_moe": ("Qwen2M
              "kimi_k2": ("DeepseekV3ForCausalLM", "deepseek"), "glm4_moe": ("Glm4MoeForCausalLM", "deepseek"),
              "minimax_m2": ("MiniMaxM2ForCausalLM", "mixtral")}
 _ROUTER_BIAS = ("deepseek_v3", "kimi_k2", "glm4_moe")  # e_score_correction_bias beside the router
+# DeepSeek's multi-head latent attention (MLA), small: its projections in place of q/k/v/o_proj. V2 has
+# no query LoRA (q_proj); V3 and Kimi-K2 do (q_a_proj, q_a_layernorm, q_b_proj).
+_MLA = {"num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 128, "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 32, "v_head_dim": 32}
+_MLA_Q_LORA = {"deepseek_v2": None, "deepseek_v3": 128, "kimi_k2": 128}
 
 
 def _build(spec: SynthSpec) -> tuple[_Builder, dict[str, Any]]:
@@ -158,8 +163,11 @@ def _build(spec: SynthSpec) -> tuple[_Builder, dict[str, Any]]:
         p = f"{root}.layers.{layer}"
         b.dense(f"{p}.input_layernorm.weight", (h,), ones=True)
         b.dense(f"{p}.post_attention_layernorm.weight", (h,), ones=True)
-        for projection in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            b.quantized(f"{p}.self_attn.{projection}", h, h)
+        if arch in _MLA_Q_LORA:
+            _mla(b, f"{p}.self_attn", h, _MLA_Q_LORA[arch])
+        else:
+            for projection in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                b.quantized(f"{p}.self_attn.{projection}", h, h)
         if layer < spec.dense_layers:
             b.mlp(f"{p}.mlp", _HF_NAMES, spec.dense_intermediate)
             continue
@@ -181,6 +189,21 @@ def _build(spec: SynthSpec) -> tuple[_Builder, dict[str, Any]]:
     b.dense(f"{root}.norm.weight", (h,), ones=True)
     b.dense("lm_head.weight", (spec.vocab, h))
     return b, _config(spec)
+
+
+def _mla(b: _Builder, prefix: str, hidden: int, q_lora_rank: int | None) -> None:
+    heads, rank = _MLA["num_attention_heads"], _MLA["kv_lora_rank"]
+    nope, rope, v = _MLA["qk_nope_head_dim"], _MLA["qk_rope_head_dim"], _MLA["v_head_dim"]
+    if q_lora_rank is None:
+        b.quantized(f"{prefix}.q_proj", heads * (nope + rope), hidden)
+    else:
+        b.quantized(f"{prefix}.q_a_proj", q_lora_rank, hidden)
+        b.dense(f"{prefix}.q_a_layernorm.weight", (q_lora_rank,), ones=True)
+        b.quantized(f"{prefix}.q_b_proj", heads * (nope + rope), q_lora_rank)
+    b.quantized(f"{prefix}.kv_a_proj_with_mqa", rank + rope, hidden)
+    b.dense(f"{prefix}.kv_a_layernorm.weight", (rank,), ones=True)
+    b.quantized(f"{prefix}.kv_b_proj", heads * (nope + v), rank)
+    b.quantized(f"{prefix}.o_proj", hidden, heads * v)
 
 
 def _config(spec: SynthSpec) -> dict[str, Any]:
@@ -209,6 +232,8 @@ def _config(spec: SynthSpec) -> dict[str, Any]:
                       first_k_dense_replace=spec.dense_layers)
         if arch in _ROUTER_BIAS:  # the router's e_score_correction_bias exists only with this routing
             config.update(topk_method="noaux_tc", n_group=1, topk_group=1)
+        if arch in _MLA_Q_LORA:
+            config.update(_MLA, q_lora_rank=_MLA_Q_LORA[arch], max_position_embeddings=4096)
     if arch == "qwen3_5_moe":  # a multimodal wrapper: the language model's sizes live in text_config
         text = {key: config.pop(key) for key in list(config) if key not in ("architectures", "model_type",
                                                                                "torch_dtype", "quantization_config")}

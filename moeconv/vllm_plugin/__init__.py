@@ -7,6 +7,9 @@ dtypes moeconv wrote, loads each stacked tensor with one copy (this rank's slice
 parallelism), does nothing after loading, and runs vLLM's own moe_wna16 Triton experts on them. The
 dense layers load through the source's own quantization method, which the config records.
 
+`register` also wraps vLLM's default loader so a tensor named `<layer>.<stacked name>` goes straight to
+its parameter (model classes' own `load_weights` know only per-expert and fused names).
+
 This module imports no vLLM; `register` imports `moeconv.vllm_plugin.method`, which does.
 `shards.py` holds the tensor-parallel slicing, vLLM-free, so it is tested without vLLM.
 """
@@ -20,6 +23,7 @@ def register() -> None:
     """vLLM calls this at start-up (in every process) for each `vllm.general_plugins` entry point."""
     from vllm.model_executor.layers.quantization import register_quantization_config
 
-    from moeconv.vllm_plugin.method import MoeconvConfig
+    from moeconv.vllm_plugin.method import MoeconvConfig, route_stacked_tensors
 
     register_quantization_config(QUANT_METHOD)(MoeconvConfig)
+    route_stacked_tensors()

@@ -200,7 +200,6 @@ def _create_stacked(method, layer: RoutedExperts, num_experts: int, hidden_size:
         layer.register_parameter(spec.name, parameter)
         set_weight_attrs(parameter, {**extra_weight_attrs, "quant_method": strategy.value, "is_transposed": False,
                                      "weight_loader": _whole_tensor_loader(layer, spec.name, shape, tp_size, rank)})
-    _load_stacked_by_name(layer)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -222,21 +221,46 @@ def _whole_tensor_loader(layer: RoutedExperts, name: str, shape: MoELayerShape, 
     return load
 
 
-def _load_stacked_by_name(layer: RoutedExperts) -> None:
-    """vLLM's expert loader maps per-expert and fused checkpoint names; the stacked names are the
-    parameters' own, so they go straight to the parameters' loaders, the rest to vLLM's."""
-    per_expert = layer.load_weights
+def route_stacked_tensors() -> None:
+    """Model classes map checkpoint names to parameters in their own `load_weights` (per-expert and
+    fused expert names; DeepSeek's looks every other name up in its parameter dict, where the experts'
+    parameters sit one module deeper, under `routed_experts`). The stacked names are the layers' own
+    `<layer_name>.<tensor>`, so vLLM's default loader is wrapped to hand those straight to the
+    parameters' loaders and everything else to the model, unchanged. Idempotent."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    def load_weights(weights):
-        others = []
-        for name, tensor in weights:
-            if name in STACKED and hasattr(layer, name):
-                parameter = getattr(layer, name)
-                parameter.weight_loader(parameter, tensor)
-                yield name
-            else:
-                others.append((name, tensor))
-        if others:
-            yield from per_expert(others)
+    original = DefaultModelLoader.load_weights
+    if getattr(original, "routes_moeconv_tensors", False):
+        return
 
-    layer.load_weights = load_weights
+    def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
+        stacked = {f"{module.layer_name}.{name}": parameter for module in model.modules()
+                   if isinstance(getattr(module, "quant_method", None), (StackedExpertsMethod, StackedInt8ExpertsMethod))
+                   for name, parameter in module.named_parameters(recurse=False) if name in STACKED}
+        if not stacked:
+            return original(self, model, model_config)
+        by_model = model.load_weights
+
+        def routed(weights):
+            loaded = set()
+
+            def others():
+                for name, tensor in weights:
+                    parameter = stacked.get(name)
+                    if parameter is None:
+                        yield name, tensor
+                    else:
+                        parameter.weight_loader(parameter, tensor)
+                        loaded.add(name)
+
+            result = by_model(others())
+            return None if result is None else set(result) | loaded
+
+        model.load_weights = routed  # for this call only: the instance attribute shadows the class's
+        try:
+            return original(self, model, model_config)
+        finally:
+            del model.load_weights
+
+    load_weights.routes_moeconv_tensors = True
+    DefaultModelLoader.load_weights = load_weights

@@ -26,9 +26,8 @@ from moeconv.synth import SynthSpec, make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = ROOT / ".venv-engines" / "bin" / "python"
-# DeepSeek-V3 is not in the matrix yet: moeconv's synthetic checkpoints give it Llama-style attention
-# (q/k/v/o_proj), not DeepSeek's MLA tensors, so vLLM's model class cannot take them as a whole.
-ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
+# DeepSeek-V3 with its multi-head latent attention (synth writes MLA for the DeepSeek family)
+ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 SOURCES = {
     "gptq-sym": GPTQ(4, 32, sym=True),
     "gptq-v1-asym": GPTQ(4, 32, sym=False),

@@ -144,13 +144,16 @@ def build_and_load(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
             _wrap_loaders(model, yielded, consumed)
 
             def weights():
-                for name, tensor in loader.get_all_weights(model_config, model):
+                for name, tensor in DefaultModelLoader.get_all_weights(loader, model_config, model):
                     held.append(tensor)  # keeps the storage alive, so its address names the tensor
                     yielded[tensor.untyped_storage().data_ptr()] = name
                     yield name, tensor
 
-            started = time.perf_counter()
-            model.load_weights(weights())
+            # vLLM's own DefaultModelLoader.load_weights (which hands the model its weights iterator), fed
+            # by the recording iterator above.
+            loader.get_all_weights = lambda _config, _model: weights()
+            loader.counter_before_loading_weights = started = time.perf_counter()
+            loader.load_weights(model, model_config)
             seconds.append(time.perf_counter() - started)
             unloaded_per_pass.append({name for name, parameter in model.named_parameters()
                                       if parameter.numel() and bool((parameter.data == (
