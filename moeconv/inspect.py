@@ -11,17 +11,19 @@ from moeconv.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
 from moeconv.audit import Audits, count as audit_counts
 from moeconv.spec import FLOAT_DTYPES
 from moeconv.models import architecture_from_config
-from moeconv.plan import act_order_suspected, detect_format, eligibility, find_moe_layers, scan_act_order
+from moeconv.plan import (act_order_suspected, detect_format, eligibility, expert_tensors, find_moe_layers,
+                          scan_act_order)
 
 
 def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]:
     checkpoint = source if isinstance(source, Checkpoint) else open_checkpoint(Path(source))
     where = str(checkpoint.root / "config.json")
     architecture = architecture_from_config(checkpoint.config, where)
-    configured, detection = detect_format(checkpoint, architecture)
+    experts = expert_tensors(checkpoint, architecture)
+    configured, detection = detect_format(checkpoint, architecture, experts)
     # Describe the checkpoint as the tensors show it; disagreements are reported, not fatal, here.
     source_format = detection.detected if detection.disagreements and detection.detected else configured
-    found, unquantized = find_moe_layers(checkpoint, architecture, source_format)
+    found, unquantized = find_moe_layers(checkpoint, architecture, source_format, experts)
     act_orders: dict[str, str] = {}
     if act_order_suspected(checkpoint, detection):
         with TensorReader() as reader:

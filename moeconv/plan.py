@@ -27,7 +27,7 @@ from moeconv.backends import all_backends, auto_order, get_backend
 from moeconv.backends.base import Backend
 from moeconv.backends.base import ExpertWeights, converts_dense_linears
 from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight, effective_group_size, regroup
-from moeconv.checkpoint.reader import Checkpoint, TensorEntry, TensorReader, open_checkpoint
+from moeconv.checkpoint.reader import Checkpoint, TensorEntry, TensorReader, collection_paused, open_checkpoint
 from moeconv.detect import Detection, detect, sample_linears
 from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat, format_from_config
@@ -403,19 +403,43 @@ def _natural_key(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def group_experts(checkpoint: Checkpoint, architecture: Architecture) -> dict[str, dict[int, dict[str, dict[str, TensorEntry]]]]:
-    """module -> expert -> projection -> suffix -> tensor, for every routed-expert tensor name."""
-    grouped: dict[str, dict[int, dict[str, dict[str, TensorEntry]]]] = defaultdict(
-        lambda: defaultdict(lambda: defaultdict(dict))
-    )
+Grouped = dict[str, dict[int, dict[str, dict[str, TensorEntry]]]]  # module -> expert -> projection -> suffix
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    """Every tensor under an `experts` module, from one pass over the names (a Kimi-K2 has 209k):
+    the ones a naming scheme claims, grouped, and the modules held wholly in float (an MTP layer left
+    bf16, experts fused on disk as 3-D float tensors), which pass through byte for byte."""
+
+    grouped: Grouped
+    unquantized: list[str]
+
+
+def expert_tensors(checkpoint: Checkpoint, architecture: Architecture) -> ExpertTensors:
+    """A non-float tensor under an `experts` module that no naming scheme claims is refused, never
+    copied as if it were not an expert."""
+    grouped: Grouped = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
+    floats: dict[str, bool] = {}  # module -> every tensor under it is float
     for name, entry in checkpoint.tensors.items():
         parsed = architecture.parse(name)
+        module = parsed.module if parsed is not None else architecture.experts_module(name)
+        if module is None:
+            continue
+        if parsed is None and entry.dtype not in FLOAT_DTYPES:
+            raise MoeconvError(
+                f"{entry.file}: tensor {name} ({entry.dtype}{list(entry.shape)}) is under {module} but matches no "
+                f"{architecture.model_type} expert naming (experts.E.<projection>.<suffix>); fused 3-D quantized "
+                f"experts (as llm-compressor 0.12 writes `gate_up_proj_packed`) are not read yet; refusing rather "
+                f"than copying them unconverted (namings live in moeconv/models.py)")
+        floats[module] = floats.get(module, True) and entry.dtype in FLOAT_DTYPES
         if parsed is not None:
             grouped[parsed.module][parsed.expert][parsed.projection][parsed.suffix] = entry
-    return grouped
+    return ExpertTensors(grouped, sorted((module for module, held in floats.items() if held), key=_natural_key))
 
 
-def detect_format(checkpoint: Checkpoint, architecture: Architecture) -> tuple[SourceFormat, Detection]:
+def detect_format(checkpoint: Checkpoint, architecture: Architecture,
+                  experts: ExpertTensors | None = None) -> tuple[SourceFormat, Detection]:
     """The format the config declares, and what a sample of the expert tensors shows."""
     config_path = str(checkpoint.root / "config.json")
     if not checkpoint.quantization_config:
@@ -423,14 +447,15 @@ def detect_format(checkpoint: Checkpoint, architecture: Architecture) -> tuple[S
     configured = format_from_config(checkpoint.quantization_config, config_path)
     _, hidden, intermediate = architecture.expected_sizes(checkpoint.config, config_path)
     sizes = {"gate": (intermediate, hidden), "up": (intermediate, hidden), "down": (hidden, intermediate)}
-    return configured, detect(sample_linears(group_experts(checkpoint, architecture), sizes), configured)
+    experts = experts or expert_tensors(checkpoint, architecture)
+    return configured, detect(sample_linears(experts.grouped, sizes), configured)
 
 
-def resolve_format(checkpoint: Checkpoint, architecture: Architecture,
-                   trust: str | None = None) -> tuple[SourceFormat, Detection]:
+def resolve_format(checkpoint: Checkpoint, architecture: Architecture, trust: str | None = None,
+                   experts: ExpertTensors | None = None) -> tuple[SourceFormat, Detection]:
     """The source format to decode with: the config's, unless the tensors disagree. Then stop and
     explain, or follow `trust` ("config" or "data"). Act-order is the plan's (scan_act_order)."""
-    configured, detection = detect_format(checkpoint, architecture)
+    configured, detection = detect_format(checkpoint, architecture, experts)
     if not detection.disagreements or trust == "config":
         return configured, detection
     if trust == "data" and detection.detected is not None:
@@ -440,34 +465,14 @@ def resolve_format(checkpoint: Checkpoint, architecture: Architecture,
     raise MoeconvError(f"{checkpoint.root / 'config.json'}: {detection.disagreements[0]}{more}; {hint}")
 
 
-def unquantized_expert_modules(checkpoint: Checkpoint, architecture: Architecture) -> list[str]:
-    """The `experts` modules held in float (an MTP layer left bf16, experts fused on disk as 3-D float
-    tensors): they pass through byte for byte, and the plan says so. A non-float tensor under an
-    `experts` module that no naming scheme claims is refused, never copied as if it were not an expert."""
-    modules: dict[str, bool] = {}  # module -> every tensor under it is float
-    for name, entry in checkpoint.tensors.items():
-        module = architecture.experts_module(name)
-        if module is None:
-            continue
-        parsed = architecture.parse(name)
-        if parsed is None and entry.dtype not in FLOAT_DTYPES:
-            raise MoeconvError(
-                f"{entry.file}: tensor {name} ({entry.dtype}{list(entry.shape)}) is under {module} but matches no "
-                f"{architecture.model_type} expert naming (experts.E.<projection>.<suffix>); fused 3-D quantized "
-                f"experts (as llm-compressor 0.12 writes `gate_up_proj_packed`) are not read yet; refusing rather "
-                f"than copying them unconverted (namings live in moeconv/models.py)")
-        modules[module] = modules.get(module, True) and entry.dtype in FLOAT_DTYPES
-    return sorted((module for module, floats in modules.items() if floats), key=_natural_key)
-
-
-def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture,
-                    source_format: SourceFormat) -> tuple[list[MoELayer], list[str]]:
+def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_format: SourceFormat,
+                    tensors: ExpertTensors | None = None) -> tuple[list[MoELayer], list[str]]:
     """Group the routed-expert tensors into layers and check them against the config. Experts held in
-    float (`unquantized_expert_modules`) are not a layer to convert: they pass through."""
+    float (`ExpertTensors.unquantized`) are not a layer to convert: they pass through."""
     where = checkpoint.root / "config.json"
     experts_expected, hidden, intermediate = architecture.expected_sizes(checkpoint.config, str(where))
-    grouped = group_experts(checkpoint, architecture)
-    unquantized = unquantized_expert_modules(checkpoint, architecture)
+    tensors = tensors or expert_tensors(checkpoint, architecture)
+    grouped, unquantized = tensors.grouped, tensors.unquantized
     layers = []
     for module in sorted(set(grouped) - set(unquantized), key=_natural_key):
         experts = grouped[module]
@@ -712,10 +717,17 @@ def make_plan(source: Path | Checkpoint, backend: str = "triton", max_shard_size
     if tp < 1:
         raise MoeconvError(f"--tp must be at least 1, not {tp}")
     checkpoint = source if isinstance(source, Checkpoint) else open_checkpoint(Path(source))
+    with collection_paused():
+        return _make_plan(checkpoint, backend, max_shard_size, trust, tp, regroup)
+
+
+def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust: str | None, tp: int,
+               regroup: bool) -> Plan:
     config_path = str(checkpoint.root / "config.json")
     architecture = architecture_from_config(checkpoint.config, config_path)
-    source_format, detection = resolve_format(checkpoint, architecture, trust)
-    found, unquantized = find_moe_layers(checkpoint, architecture, source_format)
+    experts = expert_tensors(checkpoint, architecture)
+    source_format, detection = resolve_format(checkpoint, architecture, trust, experts)
+    found, unquantized = find_moe_layers(checkpoint, architecture, source_format, experts)
     if act_order_suspected(checkpoint, detection):
         with TensorReader() as reader:
             found, refusals = scan_act_order(found, reader)

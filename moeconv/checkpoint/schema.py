@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,32 @@ def read_bytes(path: Path, limit: int) -> bytes:
 
 def parse_json(raw: bytes, where: str) -> Any:
     """Strict JSON: UTF-8, no duplicate keys, no NaN, bounded nesting; one-line errors."""
+    return _parse(raw, where, strict_keys=True)
+
+
+# The keys of a safetensors header entry. Inside a JSON string a quote is escaped, so `"dtype":` in the
+# raw text is always a key: counting them counts every occurrence of the key, duplicates included.
+_ENTRY_KEYS = [re.compile(rf'"{key}"\s*:') for key in ("dtype", "shape", "data_offsets")]
+
+
+def parse_header(raw: bytes, where: str) -> Any:
+    """`parse_json` for a safetensors header, at the C parser's speed when that is provably the same
+    reading: when every entry key occurs in the raw text exactly once per tensor and no
+    `__metadata__` key occurs twice, the text has no duplicate keys (a duplicate tensor name would
+    add a second set of entry keys). Anything else is parsed strictly, to name the duplicate."""
+    data = _parse(raw, where, strict_keys=False)
+    if isinstance(data, dict):
+        text = raw.decode("utf-8")
+        metadata = data.get("__metadata__")
+        tensors = len(data) - ("__metadata__" in data)
+        counts_fit = all(len(pattern.findall(text)) == tensors for pattern in _ENTRY_KEYS)
+        if counts_fit and (not isinstance(metadata, dict) or all(
+                text.count(json.dumps(key) + ":") + text.count(json.dumps(key) + " :") == 1 for key in metadata)):
+            return data
+    return parse_json(raw, where)
+
+
+def _parse(raw: bytes, where: str, strict_keys: bool) -> Any:
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
         result: dict[str, Any] = {}
         for key, value in items:
@@ -66,7 +94,8 @@ def parse_json(raw: bytes, where: str) -> Any:
         raise MoeconvError(f"{where}: {name} is not JSON")
 
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=pairs if strict_keys else None,
+                          parse_constant=constant)
     except UnicodeDecodeError:
         raise MoeconvError(f"{where}: not valid UTF-8") from None
     except RecursionError:
@@ -137,10 +166,15 @@ def header_entries(header: Any, path: Path, data_size: int) -> list[tuple[str, s
             raise MoeconvError(f"{where}: dtype {dtype!r} is not a safetensors dtype")
         if not isinstance(shape, list):
             raise MoeconvError(f"{where}: shape must be a list, not {shape!r}")
-        shape = tuple(natural_number(size, f"{where}: each shape entry") for size in shape)
+        # type(x) is int: not a bool, not a float (natural_number names the offending value)
+        if not all(type(size) is int and size >= 0 for size in shape):
+            shape = [natural_number(size, f"{where}: each shape entry") for size in shape]
+        shape = tuple(shape)
         if not isinstance(offsets, list) or len(offsets) != 2:
             raise MoeconvError(f"{where}: data_offsets must be [begin, end], not {offsets!r}")
-        begin, end = (natural_number(offset, f"{where}: data_offsets") for offset in offsets)
+        begin, end = offsets
+        if not (type(begin) is int and type(end) is int and begin >= 0 and end >= 0):
+            begin, end = (natural_number(offset, f"{where}: data_offsets") for offset in offsets)
         numel = 1
         for size in shape:
             numel *= size
@@ -151,7 +185,7 @@ def header_entries(header: Any, path: Path, data_size: int) -> list[tuple[str, s
             raise MoeconvError(f"{where}: data_offsets hold {end - begin} bytes, but {dtype}{list(shape)} "
                                f"needs {numel * DTYPE_SIZES[dtype]}")
         entries.append((name, dtype, shape, begin, end))
-    ordered = sorted(entries, key=lambda entry: (entry[3], entry[4]))
+    ordered = sorted(entries, key=itemgetter(3, 4))
     for before, after in zip(ordered, ordered[1:]):
         if after[3] < before[4]:
             raise MoeconvError(f"{path}: tensors {before[0]} and {after[0]} overlap in the data buffer")
