@@ -338,6 +338,30 @@ def test_duplicate_header_keys_with_different_entries(pristine, tmp_path):
         open_checkpoint(root)
 
 
+@pytest.mark.parametrize("text, refused", [
+    ('{"a": {"dtype": "F16", "shape": [1], "data_offsets": [0, 2]}}', None),
+    ('{"a": {"dtype": "F16", "shape": [1], "data_offsets": [0, 2]}, '
+     '"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}}', "appears twice"),  # a duplicate tensor
+    ('{"a": {"dtype": "F16", "shape": [1], "shape": [2], "data_offsets": [0, 2]}, '
+     '"b": {"shape": [1], "data_offsets": [2, 4]}}', "appears twice"),  # a key twice in one entry
+    ('{"__metadata__": {"format": "pt", "format": "np"}, '
+     '"a": {"dtype": "F16", "shape": [1], "data_offsets": [0, 2]}}', "appears twice"),  # metadata
+    ('{"__metadata__": {"dtype": "x"}, "a": {"dtype": "F16", "shape": [1], "data_offsets": [0, 2]}}', None),
+    ('{"a\\"dtype\\": ": {"dtype": "F16", "shape": [1], "data_offsets": [0, 2]}}', None),  # a key in a name
+])
+def test_the_fast_header_parse_reads_what_the_strict_one_reads(text, refused):
+    """schema.parse_header takes the C parser's result only when it provably equals the strict
+    reading; every duplicate key is still refused, and every other header reads the same."""
+    from moeconv.checkpoint.schema import parse_header, parse_json
+
+    raw = text.encode()
+    if refused:
+        with pytest.raises(MoeconvError, match=refused):
+            parse_header(raw, "h")
+        return
+    assert parse_header(raw, "h") == parse_json(raw, "h")
+
+
 # ------------------------------------------------------------------------------ outputs and faults
 
 
