@@ -234,6 +234,11 @@ def _config(spec: SynthSpec) -> dict[str, Any]:
             config.update(topk_method="noaux_tc", n_group=1, topk_group=1)
         if arch in _MLA_Q_LORA:
             config.update(_MLA, q_lora_rank=_MLA_Q_LORA[arch], max_position_embeddings=4096)
+    if arch in ("glm4_moe", "minimax_m2"):  # attention sizes their configs have no usable default for
+        config.update(num_attention_heads=2, num_key_value_heads=2, head_dim=spec.hidden // 2,
+                      rotary_dim=spec.hidden // 2, partial_rotary_factor=1.0)
+    if arch == "minimax_m2":
+        config.update(scoring_func="sigmoid", use_routing_bias=False)
     if arch == "qwen3_5_moe":  # a multimodal wrapper: the language model's sizes live in text_config
         text = {key: config.pop(key) for key in list(config) if key not in ("architectures", "model_type",
                                                                                "torch_dtype", "quantization_config")}

@@ -234,19 +234,27 @@ def route_stacked_tensors() -> None:
         return
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
-        stacked = {f"{module.layer_name}.{name}": parameter for module in model.modules()
-                   if isinstance(getattr(module, "quant_method", None), (StackedExpertsMethod, StackedInt8ExpertsMethod))
-                   for name, parameter in module.named_parameters(recurse=False) if name in STACKED}
+        stacked = {}  # every name a checkpoint may give a stacked tensor: the module's path (MiniMax's
+        # `block_sparse_moe.experts`, whose layer_name says mlp) and its layer_name
+        for path, module in model.named_modules():
+            if isinstance(getattr(module, "quant_method", None), (StackedExpertsMethod, StackedInt8ExpertsMethod)):
+                for name, parameter in module.named_parameters(recurse=False):
+                    if name in STACKED:
+                        for owner in (path.removesuffix(".routed_experts"), module.layer_name):
+                            stacked[f"{owner}.{name}"] = parameter
         if not stacked:
             return original(self, model, model_config)
         by_model = model.load_weights
+        mapper = getattr(model, "hf_to_vllm_mapper", None)  # checkpoint names -> the model's (MiniMax: mlp)
 
         def routed(weights):
             loaded = set()
 
             def others():
                 for name, tensor in weights:
-                    parameter = stacked.get(name)
+                    parameter = stacked.get(name) if name.rsplit(".", 1)[-1] in STACKED else None
+                    if parameter is None and mapper is not None and name.rsplit(".", 1)[-1] in STACKED:
+                        parameter = stacked.get(mapper.map_name(name) or "")
                     if parameter is None:
                         yield name, tensor
                     else:

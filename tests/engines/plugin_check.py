@@ -57,7 +57,9 @@ def _file_tensors(output: Path) -> dict[str, tuple[Path, str]]:
 def _moe_layers(model):
     from moeconv.vllm_plugin.method import StackedExpertsMethod, StackedInt8ExpertsMethod
 
-    return [(name, module) for name, module in model.named_modules()
+    # (the checkpoint's module path: vLLM nests RoutedExperts one module deeper, and MiniMax's layer_name
+    # says mlp where the module and the checkpoint say block_sparse_moe)
+    return [(name.removesuffix(".routed_experts"), module) for name, module in model.named_modules()
             if isinstance(getattr(module, "quant_method", None), (StackedExpertsMethod, StackedInt8ExpertsMethod))]
 
 
@@ -72,7 +74,7 @@ def check(source: Path, output: Path) -> dict:
         for leaf in STACKED:
             if not hasattr(module, leaf):
                 continue
-            full = f"{module.layer_name}.{leaf}"  # the checkpoint's name (vLLM nests RoutedExperts deeper)
+            full = f"{name}.{leaf}"
             with safe_open(str(files[full]), "pt") as handle:
                 stored = handle.get_tensor(full)
             parameter = getattr(module, leaf).data
@@ -90,7 +92,7 @@ def check(source: Path, output: Path) -> dict:
              if getattr(dict(layers)[name], leaf).data_ptr() != pointer]
     result.update(moe_layers=len(layers), tensors_compared=compared, not_byte_identical=mismatched,
                   reallocated_after_loading=moved, post_load_rss_growth_mb=round(_rss_mb() - rss, 2))
-    result.update(_numerics(source, layers[0][1], layers[0][1].layer_name))
+    result.update(_numerics(source, layers[0][1], layers[0][0]))
     return result
 
 

@@ -27,7 +27,7 @@ from moeconv.synth import SynthSpec, make_checkpoint
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = ROOT / ".venv-engines" / "bin" / "python"
 # DeepSeek-V3 with its multi-head latent attention (synth writes MLA for the DeepSeek family)
-ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "kimi_k2", "glm4_moe", "minimax_m2")
 SOURCES = {
     "gptq-sym": GPTQ(4, 32, sym=True),
     "gptq-v1-asym": GPTQ(4, 32, sym=False),
