@@ -60,12 +60,18 @@ def not_consumed(result: dict) -> list[str]:
     return [name for name in result["not_consumed"] if not name.endswith(".g_idx")]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def command_line(doc: str) -> argparse.Namespace:
+    """The engine scripts' one option (`--keep DIR`), once .venv-engines is there."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--keep", type=Path, help="write the checkpoints here instead of a temporary folder")
     args = parser.parse_args()
     if not ENGINE_PYTHON.exists():
         sys.exit(f"{ENGINE_PYTHON} is missing: run `make engines` first")
+    return args
+
+
+def main() -> None:
+    args = command_line(__doc__)
     with tempfile.TemporaryDirectory(prefix="moeconv-engines-") as scratch:
         base = args.keep or Path(scratch)
         cases, refusals = [], {}

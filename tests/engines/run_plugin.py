@@ -19,7 +19,6 @@ Prints markdown tables; exits 1 when a check fails.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -31,14 +30,13 @@ from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.synth import SynthSpec, make_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_matrix import NOT_IN_CHECKPOINTS  # noqa: E402  (kv-cache scales: no checkpoint carries them)
+from run_matrix import ENGINE_PYTHON, NOT_IN_CHECKPOINTS, command_line, not_consumed  # noqa: E402
 
 # Parameters moeconv's synthetic sources do not have (Qwen3's q_norm / k_norm, Qwen2's attention
 # biases): stock vLLM leaves them unloaded for the sources too (run_matrix.py's table shows it).
 SYNTH_GAPS = ("q_norm.weight", "k_norm.weight", "qkv_proj.bias")
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE_PYTHON = ROOT / ".venv-engines" / "bin" / "python"
 ENGINES = ROOT / "tests" / "engines"
 ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "kimi_k2", "glm4_moe", "minimax_m2")
 SOURCES = {  # the formats whose dense linears vLLM 0.33 loads (its GPTQ is symmetric only)
@@ -67,14 +65,13 @@ def _engine(script: str, *args: str) -> list[dict]:
 
 
 def _problems(result: dict) -> list[str]:
-    """What is wrong with one plugin_check result. vLLM's own weight mapper drops GPTQ's `.g_idx`
-    (unused by its kernels); moeconv copies only trivial ones (k // g), so those are not counted."""
+    """What is wrong with one plugin_check result (GPTQ's trivial `.g_idx`, which vLLM's own mapper
+    drops, not counted; NOT_IN_CHECKPOINTS: kv-cache scales no checkpoint carries)."""
     if not result["loaded"]:
         return [result["error"]]
     problems = []
-    not_consumed = [name for name in result["not_consumed"] if not name.endswith(".g_idx")]
-    if not_consumed:
-        problems.append(f"not consumed: {not_consumed[:3]}")
+    if not_consumed(result):
+        problems.append(f"not consumed: {not_consumed(result)[:3]}")
     unloaded = [name for name in result["unloaded_parameters"] if not name.endswith(NOT_IN_CHECKPOINTS + SYNTH_GAPS)]
     if unloaded:
         problems.append(f"unloaded: {unloaded[:3]}")
@@ -87,11 +84,7 @@ def _problems(result: dict) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--keep", type=Path, help="write the checkpoints here instead of a temporary folder")
-    args = parser.parse_args()
-    if not ENGINE_PYTHON.exists():
-        sys.exit(f"{ENGINE_PYTHON} is missing: run `make engines` first")
+    args = command_line(__doc__)
     failures = []
     with tempfile.TemporaryDirectory(prefix="moeconv-plugin-") as scratch:
         base = args.keep or Path(scratch)
