@@ -275,6 +275,10 @@ def _detection_notes(plan) -> list[str]:
         return []
     notes = [f"undecided: {what}; the config's value is used" for what in detection.undecided]
     notes += [f"note: {note}" for note in getattr(plan.backend, "notes", lambda layer: [])(plan.layers[0].shape)]
+    if plan.dense_layers_unservable():
+        notes.append("note: the dense layers keep the source's asymmetric GPTQ, which vLLM 0.33 does not load "
+                     "(moeconv's vLLM plugin refuses this output at start-up); to serve it with vLLM use "
+                     "--backend compressed-tensors")
     cast = plan.engine_scale_cast()
     if cast:
         stored, model = (str(dtype).removeprefix("torch.") for dtype in cast)

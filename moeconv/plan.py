@@ -331,6 +331,12 @@ class Plan:
             return None
         return stored, model
 
+    def dense_layers_unservable(self) -> bool:
+        """The output copies the source's dense linears, and they are asymmetric GPTQ, which vLLM 0.33
+        refuses (its GPTQ is symmetric only; measured with `make test-engines`)."""
+        fmt = self.source_format
+        return not converts_dense_linears(self.backend) and fmt.method == "gptq" and not fmt.symmetric
+
     @property
     def output_bytes(self) -> int:
         return sum(shard.nbytes for shard in self.shards)

@@ -144,3 +144,16 @@ def test_package_attributes_are_the_api_functions_after_submodule_imports():
     importlib.import_module("moeconv.verify")
     assert callable(moeconv.convert) and moeconv.convert.__module__ == "moeconv.api"
     assert moeconv.verify.__module__ == "moeconv.api" and moeconv.inspect.__module__ == "moeconv.api"
+
+
+def test_convert_says_when_the_copied_dense_layers_are_not_servable(monkeypatch, tmp_path, capsys):
+    """triton and cpu outputs keep the source's dense linears: from asymmetric GPTQ, vLLM 0.33 loads none
+    of them (measured in make test-engines), and convert says so, with the way out."""
+    from moeconv.formats import GPTQ
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(4, 32, sym=False), hidden=64, intermediate=64))
+    code, _, err = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "out", "--backend", "triton", "-q")
+    assert code == 0 and "dense layers keep the source's asymmetric GPTQ" in err and "--backend compressed-tensors" in err
+    code, _, err = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "ct", "--backend", "compressed-tensors",
+                            "-q")
+    assert code == 0 and "dense layers keep" not in err
