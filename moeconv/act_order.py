@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moeconv.canonical import QuantizedWeight
+from moeconv.errors import MoeconvError
 
 STATIC, RELABELLED, PERMUTED, IRREGULAR = "static", "relabelled", "permuted", "irregular"
 FOLDED = "down folded into gate/up"  # a layer whose down projections are PERMUTED: folded
@@ -79,3 +80,19 @@ def fold(producers: dict[str, QuantizedWeight], inputs: torch.Tensor | None) -> 
                                         scales=weight.scales[inputs].contiguous(),
                                         bits=weight.bits, group_size=weight.group_size)
             for projection, weight in producers.items()}
+
+
+def static_form(codes: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor, g_idx: torch.Tensor | None,
+                group_size: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """A linear's codes (N, K), zeros and scales (N, G) as stored, read with its g_idx: the same in
+    static groups (relabelled groups reordered), and for act-order the input permutation P under which
+    that holds (the stored linear is W[:, P]; None otherwise). Irregular groups are refused."""
+    order = group_order(g_idx, group_size)
+    if order.kind == IRREGULAR:
+        raise MoeconvError(describe(order.kind, "linear"))
+    if order.kind == RELABELLED:
+        scales = scales[:, order.groups].contiguous()
+        zeros = None if zeros is None else zeros[:, order.groups].contiguous()
+    if order.kind == PERMUTED:
+        codes = codes[:, order.channels].contiguous()
+    return codes, zeros, scales, order.channels

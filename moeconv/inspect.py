@@ -25,9 +25,10 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
     source_format = detection.detected if detection.disagreements and detection.detected else configured
     found, unquantized = find_moe_layers(checkpoint, architecture, source_format, experts)
     act_orders: dict[str, str] = {}
-    if act_order_suspected(checkpoint, detection):
+    group_index = getattr(source_format, "group_index_suffix", None)
+    if group_index and act_order_suspected(checkpoint, source_format, detection):
         with TensorReader() as reader:
-            scanned, refusals = scan_act_order(found, reader)
+            scanned, refusals = scan_act_order(found, group_index, reader)
         act_orders = {layer.module: layer.act_order for layer in scanned}
         act_orders.update({module: f"refused: {reason}" for module, reason in refusals.items()})
     layers = [replace(layer, shape=replace(layer.shape, tp=tp)) for layer in found]

@@ -521,20 +521,24 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
     return layers, unquantized
 
 
-def act_order_suspected(checkpoint: Checkpoint, detection: Detection) -> bool:
-    """The config says desc_act, or a sampled g_idx is not k // g: then every g_idx is read."""
-    return bool(detection.act_order) or checkpoint.quantization_config.get("desc_act") is True
+def act_order_suspected(checkpoint: Checkpoint, source_format: SourceFormat, detection: Detection) -> bool:
+    """The config says act-order (the format's `configures_act_order`), or a sampled g_idx is not
+    k // g: then every expert g_idx is read."""
+    configured = getattr(source_format, "configures_act_order", lambda config: False)
+    return bool(detection.act_order) or configured(checkpoint.quantization_config)
 
 
-def scan_act_order(layers: list[MoELayer], reader: TensorReader) -> tuple[list[MoELayer], dict[str, str]]:
+def scan_act_order(layers: list[MoELayer], suffix: str,
+                   reader: TensorReader) -> tuple[list[MoELayer], dict[str, str]]:
     """Reads every expert g_idx: the layers with their act-order case (act_order.py), and the layers that
-    cannot be folded with the reason (a gate or up permuted over the hidden dimension, uneven groups)."""
+    cannot be folded with the reason (a gate or up permuted over the hidden dimension, uneven groups).
+    `suffix`: the format's g_idx tensor (`group_index_suffix`)."""
     scanned, refusals = [], {}
     for layer in layers:
         kinds: dict[str, dict[str, list[str]]] = {projection: defaultdict(list) for projection in PROJECTIONS}
         for expert in layer.experts:
             for projection, linear in expert.items():
-                entry = linear.get("g_idx")
+                entry = linear.get(suffix)
                 if entry is None:
                     continue
                 in_features = layer.shape.intermediate if projection == "down" else layer.shape.hidden
@@ -554,13 +558,13 @@ def scan_act_order(layers: list[MoELayer], reader: TensorReader) -> tuple[list[M
     return scanned, refusals
 
 
-def check_dense_g_idx(checkpoint: Checkpoint, names: list[str], group_size: int, reader: TensorReader,
-                      converts: bool) -> None:
+def check_dense_g_idx(checkpoint: Checkpoint, names: list[str], suffix: str, group_size: int,
+                      reader: TensorReader, converts: bool) -> None:
     """A dense linear's g_idx must be k // g when it is copied (engines read it with static groups),
     or at most relabel whole groups when a backend re-encodes it: act-order is not folded outside
     the routed experts."""
     for name in names:
-        if not name.endswith(".g_idx"):
+        if not name.endswith(f".{suffix}"):
             continue
         entry = checkpoint.tensors[name]
         g_idx = reader.read(entry)
@@ -568,8 +572,8 @@ def check_dense_g_idx(checkpoint: Checkpoint, names: list[str], group_size: int,
         if kind == act_order.STATIC or (converts and kind == act_order.RELABELLED):
             continue
         what = act_order.describe(kind, "linear") if converts else (
-            "g_idx is not k // group_size (act-order) on a linear this backend copies as it is; engines read "
-            "copied GPTQ linears with static groups (vLLM 0.33 ignores g_idx)")
+            f"{suffix} is not k // group_size (act-order) on a linear this backend copies as it is; engines "
+            f"read copied linears with static groups (vLLM 0.33 ignores {suffix})")
         raise MoeconvError(f"{entry.file}: {name}: {what}")
 
 
@@ -734,9 +738,10 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     experts = expert_tensors(checkpoint, architecture)
     source_format, detection = resolve_format(checkpoint, architecture, trust, experts)
     found, unquantized = find_moe_layers(checkpoint, architecture, source_format, experts)
-    if act_order_suspected(checkpoint, detection):
+    group_index = getattr(source_format, "group_index_suffix", None)  # formats that may store a g_idx
+    if group_index and act_order_suspected(checkpoint, source_format, detection):
         with TensorReader() as reader:
-            found, refusals = scan_act_order(found, reader)
+            found, refusals = scan_act_order(found, group_index, reader)
         if refusals:
             raise MoeconvError(f"{checkpoint.root}: {next(iter(refusals.values()))}; {len(refusals)} of "
                                f"{len(refusals) + len(found)} MoE layers use act-order that cannot be folded")
@@ -749,8 +754,10 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
                     for linear in expert.values() for entry in linear.values()}
     units: list[tuple[str, Unit]] = [(layer.module, _layer_unit(target, layer)) for layer in layers]
     others = [name for name in checkpoint.tensors if name not in expert_names]
-    with TensorReader() as reader:
-        check_dense_g_idx(checkpoint, others, source_format.group_size, reader, converts_dense_linears(target))
+    if group_index:
+        with TensorReader() as reader:
+            check_dense_g_idx(checkpoint, others, group_index, source_format.group_size, reader,
+                              converts_dense_linears(target))
     if converts_dense_linears(target):
         linears = find_dense_linears(checkpoint, source_format, target, others, factor)
         units += [(linear.prefix, _single(_linear_job(target, linear))) for linear in linears]

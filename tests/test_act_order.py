@@ -24,7 +24,7 @@ from moeconv.backends import REGISTRY
 from moeconv.canonical import QuantizedWeight
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.errors import MoeconvError
-from moeconv.formats import GPTQ
+from moeconv.formats import GPTQ, CompressedTensors
 from moeconv.plan import ExpertJob, make_plan
 
 from helpers import run_main
@@ -39,22 +39,28 @@ def _act_order_weight(weight: QuantizedWeight, g_idx: torch.Tensor) -> torch.Ten
     return (weight.codes.double() - zeros) * weight.scales.double()[:, g_idx.long()]
 
 
-def _stored(fmt: GPTQ, weight: QuantizedWeight, g_idx: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The GPTQ tensors of `weight` with `g_idx` in place of k // g (the codes, zeros and scales are packed
-    by column and by group index alike, whatever the grouping)."""
-    return {**fmt.encode(weight), "g_idx": g_idx.to(torch.int32)}
+def _stored(fmt, weight: QuantizedWeight, g_idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The format's tensors of `weight` with `g_idx` (GPTQ's g_idx, compressed-tensors' weight_g_idx) in
+    place of k // g (codes, zeros and scales are packed by column and by group index alike, whatever the
+    grouping)."""
+    return {**fmt.encode(weight), fmt.group_index_suffix: g_idx.to(torch.int32)}
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(bits=st.sampled_from([2, 4, 8]), sym=st.booleans(), groups=st.integers(1, 4), group_size=st.sampled_from([32, 64]),
-       seed=st.integers(0, 2**31 - 1), version=st.sampled_from(["gptq", "gptq_v2"]))
+       seed=st.integers(0, 2**31 - 1), version=st.sampled_from(["gptq", "gptq_v2", "compressed-tensors"]))
 def test_an_act_order_linear_decodes_to_its_inputs_permuted_exactly(bits, sym, groups, group_size, seed, version):
     gen = torch.Generator().manual_seed(seed)
     k = groups * group_size
     weight = random_canonical(gen, bits, sym, 16, k, groups)
     perm = torch.randperm(k, generator=gen)  # the quantization order: group j = perm[j·g:(j+1)·g]
-    g_idx = torch.argsort(perm) // group_size  # as GPTQModel and AutoGPTQ write it
-    fmt = GPTQ(bits, group_size, sym=sym, checkpoint_format=version)
+    g_idx = torch.argsort(perm) // group_size  # as GPTQModel, AutoGPTQ and llm-compressor write it
+    if version == "compressed-tensors":
+        bits = 4 if bits == 2 else bits
+        weight = random_canonical(gen, bits, sym, 16, k, groups)
+        fmt = CompressedTensors(bits=bits, group_size=group_size, symmetric=sym)
+    else:
+        fmt = GPTQ(bits, group_size, sym=sym, checkpoint_format=version)
     if bits == 4 and not sym and version == "gptq":
         weight.zeros.clamp_(min=1)  # v1 cannot store a zero of 0 cleanly (formats/gptq.py)
     decoded, inputs = fmt.decode_ordered(_stored(fmt, weight, g_idx))
@@ -181,3 +187,80 @@ def test_inspect_reports_each_layer_case():
     assert folded["act_order"] == {f"model.layers.{i}.mlp.experts": act_order.FOLDED for i in range(2)}
     refused = moeconv.inspect(DATA / "everywhere")
     assert all(case.startswith("refused: ") and "gate_proj.g_idx" in case for case in refused["act_order"].values())
+
+
+# ------------------------------------------------------- compressed-tensors actorder "group"
+
+CT_DATA = Path(__file__).parent / "data" / "ct_actorder" / "packed.safetensors"
+
+
+@pytest.mark.parametrize("case, symmetric", [("sym", True), ("asym", False)])
+def test_real_compressed_tensors_actorder_group_reads_as_permuted_inputs(case, symmetric):
+    """Packed by the REAL compressed-tensors 0.17.1 with a weight_g_idx (tests/packers/make_ct_actorder.py):
+    moeconv reads the packer's intended codes with the inputs in static-group order, the zero points and
+    scales group by group, and the weight equals the library's own decompression, permuted."""
+    t = {key.split(".", 1)[1]: value for key, value in load_file(str(CT_DATA)).items() if key.startswith(f"{case}.")}
+    fmt = CompressedTensors(bits=4, group_size=32, symmetric=symmetric)
+    stored = {key: t[key] for key in ("weight_packed", "weight_scale", "weight_shape", "weight_g_idx", "weight_zero_point")
+              if key in t}
+    with pytest.raises(MoeconvError, match="act-order"):
+        fmt.decode(stored)
+    weight, inputs = fmt.decode_ordered(stored)
+    assert torch.equal(t["weight_g_idx"][inputs].long(), torch.arange(128) // 32)
+    assert torch.equal(weight.codes, t["codes"][:, inputs])
+    assert torch.equal(weight.effective_zeros(), t["zeros"])
+    assert torch.equal(weight.scales, t["scales"])
+    # the library dequantizes in float16: one rounding of s·(q − z)
+    torch.testing.assert_close(weight.dequantize(torch.float64).float(), t["decompressed"][:, inputs],
+                               rtol=1e-3, atol=1e-6)
+
+
+def test_a_compressed_tensors_checkpoint_with_actorder_group_on_down_folds(tmp_path):
+    """A compressed-tensors MoE whose experts' down_proj store weight_g_idx (actorder "group"): every
+    backend converts it, bit-exact against the folded reading, and the converted experts compute what
+    the act-order definition says the source computes."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from moeconv.synth import SynthSpec, make_checkpoint
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=64, intermediate=64,
+                                                         source_format=CompressedTensors(bits=4, group_size=32)))
+    gen = torch.Generator().manual_seed(5)
+    g_idx = {}
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    for shard in sorted(source.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        for name in [n for n in tensors if n.endswith(".down_proj.weight_packed") and ".experts." in n]:
+            prefix = name.removesuffix(".weight_packed")
+            g_idx[prefix] = (torch.argsort(torch.randperm(64, generator=gen)) // 32).to(torch.int32)
+            tensors[f"{prefix}.weight_g_idx"] = g_idx[prefix]
+            index["weight_map"][f"{prefix}.weight_g_idx"] = shard.name
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((source / "config.json").read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        group["weights"]["actorder"] = "group"
+    (source / "config.json").write_text(json.dumps(config))
+
+    assert set(moeconv.inspect(source)["act_order"].values()) == {act_order.FOLDED}
+    static = CompressedTensors(bits=4, group_size=32)
+    for backend in REGISTRY:
+        out = tmp_path / backend
+        moeconv.convert(source, out, backend=backend)
+        report = moeconv.verify(out, numerics_layers=1)
+        assert report.ok, (backend, report.failures())
+        plan = make_plan(source, backend=backend)
+        job = plan.expert_jobs(plan.layers[0])[1]
+        with TensorReader() as reader:
+            w = _output_expert(plan, job, open_checkpoint(out).tensors, reader)
+            raw = {p: {s: piece.read(reader) for s, piece in linear.items()} for p, linear in job.sources.items()}
+        prefix = f"{plan.layers[0].module}.1.down_proj"
+        source_down = _act_order_weight(static.decode({k: v for k, v in raw["down"].items() if k != "weight_g_idx"}),
+                                        g_idx[prefix])
+        gate, up = (static.decode(raw[p]).dequantize(torch.float64) for p in ("gate", "up"))
+        x = torch.randn(4, 64, generator=gen, dtype=torch.float64)
+        ours = (torch.nn.functional.silu(x @ w["gate"].T) * (x @ w["up"].T)) @ w["down"].T
+        theirs = (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ source_down.T
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)

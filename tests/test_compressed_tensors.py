@@ -133,7 +133,7 @@ def test_only_the_groups_that_cover_experts_count():
 
 
 @pytest.mark.parametrize("config, message", [
-    (_config({"actorder": "group"}), r"group_0.weights.actorder 'group' stores a g_idx"),
+    (_config({"actorder": "random"}), r"group_0.weights.actorder 'random' is not one of weight, static, group, dynamic"),
     (_config({"type": "float"}), r"weights.type 'float' is not supported"),
     (_config({"num_bits": 3}), r"weights.num_bits 3 is not supported by pack-quantized \(supported: 4, 8\)"),
     (_config({"num_bits": 4, "strategy": "channel"}, TOKEN_INT8, fmt="int-quantized"), r"num_bits 4 .* int-quantized"),

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 import torch
 
-from moeconv import packing
+from moeconv import act_order, packing
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
@@ -44,8 +44,10 @@ PACK_QUANTIZED = "pack-quantized"
 INT_QUANTIZED = "int-quantized"
 NAIVE_QUANTIZED = "naive-quantized"
 _BITS = {PACK_QUANTIZED: (4, 8), INT_QUANTIZED: (8,), NAIVE_QUANTIZED: (8,)}
-# actorder "weight" (alias "static") only changes calibration; "group" ("dynamic") stores g_idx.
-_LAYOUT_PRESERVING_ACTORDER = (None, False, "weight", "static")
+# actorder "weight" (alias "static") only changes calibration; "group" ("dynamic") stores each linear's
+# weight_g_idx, read like GPTQ's act-order g_idx (act_order.py).
+ACTORDERS = (None, False, "weight", "static", "group", "dynamic")
+GROUP_ACTORDERS = ("group", "dynamic")
 COMPRESSED_TENSORS_VERSION = "0.20.1"
 
 # Module names of routed-expert linears in every naming scheme moeconv reads: a config group whose
@@ -110,6 +112,14 @@ class CompressedTensors(FormatDefaults):
         return cls(format=fmt, bits=bits, group_size=group_size, symmetric=symmetric,
                    activation_bits=activation_bits, ignore=tuple(config.get("ignore") or ()))
 
+    @staticmethod
+    def configures_act_order(config: Mapping[str, Any]) -> bool:
+        """A config group with actorder "group": its linears store weight_g_idx."""
+        groups = config.get("config_groups")
+        return isinstance(groups, dict) and any(
+            isinstance(group, dict) and isinstance(group.get("weights"), dict)
+            and group["weights"].get("actorder") in GROUP_ACTORDERS for group in groups.values())
+
     def suffixes(self) -> tuple[str, ...]:
         if not self.packed:
             return ("weight", "weight_scale")
@@ -117,9 +127,10 @@ class CompressedTensors(FormatDefaults):
         return required if self.symmetric else required + ("weight_zero_point",)
 
     def optional_suffixes(self) -> tuple[str, ...]:
-        return ()
+        return ("weight_g_idx",) if self.packed else ()
 
-    vector_suffixes = ("weight_shape",)
+    vector_suffixes = ("weight_shape", "weight_g_idx")
+    group_index_suffix = "weight_g_idx"  # actorder "group": the group of each input channel (act_order.py)
 
     @classmethod
     def claims(cls, linears: list[Linear]) -> bool:
@@ -167,9 +178,19 @@ class CompressedTensors(FormatDefaults):
             "weight_scale": TensorSpec("weight_scale", (out_features, groups), None),
             "weight_shape": TensorSpec("weight_shape", (2,), "I64"),
             "weight_zero_point": TensorSpec("weight_zero_point", (out_features * self.bits // 32, groups), "I32"),
+            "weight_g_idx": TensorSpec("weight_g_idx", (in_features,), "I32"),
         }
 
     def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
+        """Static groups only: no weight_g_idx, or one that relabels whole groups (act_order.py)."""
+        weight, inputs = self.decode_ordered(tensors)
+        if inputs is not None:
+            raise MoeconvError(act_order.describe(act_order.PERMUTED, "linear"))
+        return weight
+
+    def decode_ordered(self, tensors: Mapping[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None]:
+        """The canonical form, and for actorder "group" the input permutation P under which it holds
+        (the stored linear is W[:, P]); None for static groups."""
         if self.packed:
             codes = packing.unpack(tensors["weight_packed"], self.bits, dim=1)
             stated = tuple(tensors["weight_shape"].tolist())
@@ -180,13 +201,10 @@ class CompressedTensors(FormatDefaults):
         zeros = None
         if not self.symmetric:
             zeros = packing.unpack(tensors["weight_zero_point"], self.bits, dim=0)
-        return QuantizedWeight(
-            codes=codes,
-            zeros=zeros,
-            scales=tensors["weight_scale"].contiguous(),
-            bits=self.bits,
-            group_size=effective_group_size(codes.shape[1], self.group_size),
-        )
+        group_size = effective_group_size(codes.shape[1], self.group_size)
+        codes, zeros, scales, inputs = act_order.static_form(codes, zeros, tensors["weight_scale"].contiguous(),
+                                                             tensors.get("weight_g_idx"), group_size)
+        return QuantizedWeight(codes=codes, zeros=zeros, scales=scales, bits=self.bits, group_size=group_size), inputs
 
     def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         if not self.packed:
@@ -279,8 +297,8 @@ def _scheme(group: Mapping[str, Any], fmt: str | None, field: str) -> tuple[str,
     if weights.get("dynamic"):
         raise MoeconvError(f"{field}.weights.dynamic is true: weights quantized at run time are not stored packed")
     actorder = weights.get("actorder")
-    if actorder not in _LAYOUT_PRESERVING_ACTORDER:
-        raise MoeconvError(f"{field}.weights.actorder {actorder!r} stores a g_idx permutation; not supported")
+    if actorder not in ACTORDERS:
+        raise MoeconvError(f"{field}.weights.actorder {actorder!r} is not one of {', '.join(map(str, ACTORDERS[2:]))}")
     strategy = weights.get("strategy")
     if strategy == "group" and fmt == PACK_QUANTIZED:
         group_size = config_int(weights, "group_size", 0, f"{field}.weights")

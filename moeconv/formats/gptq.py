@@ -116,16 +116,12 @@ class GPTQ:
         if not self.sym:
             true_words = packing.add_to_words(tensors["qzeros"], self.zero_offset_word())
             zeros = packing.unpack(true_words, self.bits, dim=1).T.contiguous()
-        order = act_order.group_order(tensors.get("g_idx"), group_size)
-        if order.kind == act_order.IRREGULAR:
-            raise MoeconvError(act_order.describe(order.kind, "linear"))
-        if order.kind == act_order.RELABELLED:
-            scales = scales[:, order.groups].contiguous()
-            zeros = None if zeros is None else zeros[:, order.groups].contiguous()
-        if order.kind == act_order.PERMUTED:
-            codes = codes[:, order.channels].contiguous()
-        weight = QuantizedWeight(codes=codes, zeros=zeros, scales=scales, bits=self.bits, group_size=group_size)
-        return weight, order.channels
+        codes, zeros, scales, inputs = act_order.static_form(codes, zeros, scales, tensors.get("g_idx"), group_size)
+        return QuantizedWeight(codes=codes, zeros=zeros, scales=scales, bits=self.bits, group_size=group_size), inputs
+
+    @staticmethod
+    def configures_act_order(config: Mapping[str, Any]) -> bool:
+        return config.get("desc_act") is True
 
     def static_groups(self, g_idx: torch.Tensor | None, in_features: int) -> bool:
         """The stored g_idx (if any) is the trivial k // g: the stored words mean what they say."""
@@ -154,6 +150,7 @@ class GPTQ:
         return int((packing.unpack(qzeros, self.bits, dim=1) == (1 << self.bits) - 1).sum())
 
     vector_suffixes = ("g_idx",)
+    group_index_suffix = "g_idx"  # act-order's group of each input channel (act_order.py)
     audited_suffixes = ("qzeros",)
 
     def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
