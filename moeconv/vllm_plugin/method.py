@@ -117,14 +117,20 @@ class MoeconvConfig(QuantizationConfig):
 
 
 def _dense_config(source: dict[str, Any]) -> QuantizationConfig:
-    """The source's own quantization config, for the linears moeconv copied unchanged. GPTQ's desc_act
-    is cleared: moeconv copies a dense GPTQ linear only when its g_idx is k // g (plan.check_dense_g_idx),
-    and an act-order down projection of the experts was folded into static groups."""
+    """The source's own quantization config, for the linears moeconv copied unchanged. Act-order flags
+    (GPTQ's desc_act, compressed-tensors' actorder) are cleared: moeconv copies a dense linear only when
+    its g_idx is k // g (plan.check_dense_g_idx), and an act-order down projection of the experts was
+    folded into static groups."""
     method = source.get("quant_method")
     if method == "gptq":
         dynamic = {pattern: {k: v for k, v in override.items() if k != "desc_act"}
                    for pattern, override in (source.get("dynamic") or {}).items()}
         source = {**source, "desc_act": False, "dynamic": {p: o for p, o in dynamic.items() if o or p.startswith("-:")}}
+    if method == "compressed-tensors":  # actorder "group" likewise: only trivial weight_g_idx are copied
+        source = {**source, "config_groups": {
+            name: {**group, "weights": {**group["weights"], "actorder": None}}
+            if isinstance(group, dict) and isinstance(group.get("weights"), dict) else group
+            for name, group in (source.get("config_groups") or {}).items()}}
     try:
         return get_quantization_config(method).from_config(source)
     except (ValueError, KeyError) as error:
