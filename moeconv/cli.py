@@ -191,6 +191,7 @@ def convert(
     for note in _detection_notes(plan):
         err.print(note, highlight=False, soft_wrap=True)
     if dry_run:
+        _print_serving_note(plan)
         summary = plan.summary()
         if as_json:
             _print_json(summary)
@@ -203,6 +204,7 @@ def convert(
         except KeyboardInterrupt:  # in-process callers (main() turns signals into exit 3 itself)
             err.print("[bold red]interrupted[/]: run the same command again to resume")
             raise typer.Exit(3) from None
+    _print_serving_note(plan)
     if as_json:
         _print_json(report.to_json())
         return
@@ -268,6 +270,14 @@ def _progress(description: str, total: int, quiet: bool):
 LINE_SECONDS = 5.0
 
 
+def _print_serving_note(plan) -> None:
+    """After the work (an error stays one line): what serving this output with vLLM will meet."""
+    if plan.dense_layers_unservable():
+        err.print("note: the dense layers keep the source's asymmetric GPTQ, which vLLM 0.33 does not load "
+                  "(moeconv's vLLM plugin refuses this output at start-up); to serve it with vLLM use "
+                  "--backend compressed-tensors", highlight=False, soft_wrap=True)
+
+
 def _detection_notes(plan) -> list[str]:
     """What the data could not decide, and which side a --trust flag followed."""
     detection = plan.detection
@@ -275,10 +285,6 @@ def _detection_notes(plan) -> list[str]:
         return []
     notes = [f"undecided: {what}; the config's value is used" for what in detection.undecided]
     notes += [f"note: {note}" for note in getattr(plan.backend, "notes", lambda layer: [])(plan.layers[0].shape)]
-    if plan.dense_layers_unservable():
-        notes.append("note: the dense layers keep the source's asymmetric GPTQ, which vLLM 0.33 does not load "
-                     "(moeconv's vLLM plugin refuses this output at start-up); to serve it with vLLM use "
-                     "--backend compressed-tensors")
     cast = plan.engine_scale_cast()
     if cast:
         stored, model = (str(dtype).removeprefix("torch.") for dtype in cast)
