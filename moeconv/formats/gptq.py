@@ -295,9 +295,9 @@ def _check_act_order(sample: list[Linear], read: Read, detection: Detection) -> 
     for tensors, _, in_features in sample:
         if "g_idx" not in tensors:
             continue
-        g_idx = read(tensors["g_idx"]).to(torch.int64)
-        groups = int(g_idx.max()) + 1 if g_idx.numel() else 1
-        if not torch.equal(g_idx, torch.arange(in_features) // max(1, in_features // groups)):
+        g_idx = read(tensors["g_idx"])
+        groups = int(g_idx.max()) + 1 if g_idx.numel() else 1  # g from the data: the config's may be wrong
+        if act_order.group_order(g_idx, max(1, in_features // groups)).kind != act_order.STATIC:
             detection.act_order = (f"{tensors['g_idx'].file}: {tensors['g_idx'].name} is not k // group_size: "
                                    f"act-order (desc_act)")
             return
