@@ -1,13 +1,15 @@
 """Conversion throughput and peak memory against a plain copy of the same files, in the same run.
 
     python benchmarks/bench_convert.py [--size-gb 3] [--workdir bench-data] [--json out.json]
-        [--format gptq|awq] [--backends triton,humming] [--workers 1,2,4]
+        [--format gptq|awq] [--backends triton,humming] [--workers 1,2,4] [--devices cpu,cuda]
 
 Builds (or reuses) a synthetic GPTQ checkpoint with realistic expert sizes (Qwen3-30B-A3B-like:
 H = 2048, I = 768, 128 experts per layer, 4-bit, g = 128, asymmetric v1), then alternates
 `cp -r` + `sync` and `moeconv convert` several times, each a separate process, and reports the median
 time, GB/s, the ratio convert/copy, and moeconv's peak RSS (VmHWM, which it reports itself), for each
-backend and worker count asked for. Both read the
+backend, worker count and device asked for. `convert_seconds` is the whole process (Python and torch
+start-up, planning, conversion); `conversion_seconds` is what moeconv reports for the conversion
+itself (from the output folder's creation to its rename). Both read the
 source from the page cache after the first warm-up pass, so the ratio compares the work, not the
 disk's cold-read speed.
 """
@@ -29,15 +31,15 @@ from moeconv.formats import AWQ, GPTQ
 from moeconv.synth import SynthSpec, make_checkpoint
 
 
-def timed(command: list[str]) -> tuple[float, float | None]:
-    """(seconds, peak RSS in MB) of one child process. moeconv reports its own peak (VmHWM, counted
-    from exec) in its --json report; a child's wait4 maxrss would include this process's pages."""
+def timed(command: list[str]) -> tuple[float, dict]:
+    """(seconds, moeconv's --json report or {}) of one child process. moeconv reports its own peak
+    RSS (VmHWM, counted from exec); a child's wait4 maxrss would include this process's pages."""
     started = time.perf_counter()
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"{command} failed")
-    return seconds, json.loads(done.stdout)["peak_rss_mb"] if "--json" in command else None
+    return seconds, json.loads(done.stdout) if "--json" in command else {}
 
 
 def folder_bytes(path: Path) -> int:
@@ -54,6 +56,7 @@ def main() -> None:
     parser.add_argument("--format", choices=("gptq", "awq"), default="gptq")
     parser.add_argument("--backends", default="triton", help="comma-separated")
     parser.add_argument("--workers", default="", help="comma-separated worker counts (default: moeconv's own)")
+    parser.add_argument("--devices", default="auto", help="comma-separated --device values")
     args = parser.parse_args()
 
     hidden, intermediate, experts = (256, 128, 8) if args.smoke else (2048, 768, 128)
@@ -76,9 +79,10 @@ def main() -> None:
     copy = ["sh", "-c", f'cp -r "{source}" "{args.workdir / "copy"}" && sync "{args.workdir / "copy"}"/*']
     results = []
     for backend in args.backends.split(","):
-        for workers in [int(w) for w in args.workers.split(",") if w] or [None]:
+        for workers, device in [(w, d) for w in ([int(w) for w in args.workers.split(",") if w] or [None])
+                                for d in args.devices.split(",")]:
             command = [*moeconv, "convert", str(source), "-o", str(args.workdir / "converted"), "-q", "--json",
-                       "--backend", backend, *(["--workers", str(workers)] if workers else [])]
+                       "--backend", backend, "--device", device, *(["--workers", str(workers)] if workers else [])]
             copies, converts = [], []
             for _ in range(args.repeats):
                 # moeconv fsyncs what it writes (a finished shard must survive a power loss, for resume),
@@ -90,22 +94,27 @@ def main() -> None:
                 shutil.rmtree(args.workdir / target, ignore_errors=True)
             copy_s = statistics.median(t for t, _ in copies)
             convert_s = statistics.median(t for t, _ in converts)
+            conversion_s = statistics.median(report["seconds"] for _, report in converts)
             result = {
                 "date": time.strftime("%Y-%m-%d"),
                 "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-                "format": args.format, "backend": backend, "workers": workers,
+                "format": args.format, "backend": backend, "workers": workers, "device": converts[0][1]["device"],
                 "source_bytes": size, "layers": layers, "experts": experts,
                 "copy_seconds": round(copy_s, 3), "convert_seconds": round(convert_s, 3),
+                "conversion_seconds": round(conversion_s, 3),
+                "conversion_ratio_to_copy": round(conversion_s / copy_s, 2),
                 "copy_gb_per_s": round(size / copy_s / 1e9, 3), "convert_gb_per_s": round(size / convert_s / 1e9, 3),
                 "ratio_convert_to_copy": round(convert_s / copy_s, 2),
-                "convert_peak_rss_mb": round(max(rss for _, rss in converts)),
-                "runs": {"copy": copies, "convert": converts},
+                "convert_peak_rss_mb": round(max(report["peak_rss_mb"] for _, report in converts)),
+                "runs": {"copy": [t for t, _ in copies], "convert": [t for t, _ in converts],
+                         "conversion": [report["seconds"] for _, report in converts]},
             }
             results.append(result)
             print(f"| {result['date']} | {args.format} {size / 1e9:.2f} GB, {layers} layers x {experts} experts | "
-                  f"{backend} | {workers or 'default'} | copy {copy_s:.2f} s ({result['copy_gb_per_s']} GB/s) | "
-                  f"convert {convert_s:.2f} s ({result['convert_gb_per_s']} GB/s) | "
-                  f"{result['ratio_convert_to_copy']}x | {result['convert_peak_rss_mb']} MB |", flush=True)
+                  f"{backend} | {workers or 'default'} | {result['device']} | copy {copy_s:.2f} s "
+                  f"({result['copy_gb_per_s']} GB/s) | convert {convert_s:.2f} s ({result['convert_gb_per_s']} GB/s) | "
+                  f"{result['ratio_convert_to_copy']}x | conversion {conversion_s:.2f} s "
+                  f"({result['conversion_ratio_to_copy']}x) | {result['convert_peak_rss_mb']} MB |", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -47,12 +47,14 @@ def plan(source: str | Path, *, backend: str = "triton", revision: str | None = 
 def convert(source: str | Path, output: str | Path, *, backend: str = "triton", revision: str | None = None,
             local_files_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
             trust: str | None = None, tp: int = 1, regroup: bool = False,
-            progress: Callable[[int], None] | None = None, workers: int | None = None) -> ConvertReport:
+            progress: Callable[[int], None] | None = None, workers: int | None = None,
+            device: str = "auto") -> ConvertReport:
     """Convert (resuming an interrupted run with the same arguments) and return the report.
-    workers: processes that transform experts (default: one per core, at most 16)."""
+    workers: processes that transform experts (default: one per core, at most 16). device: where
+    they transform: "auto" (a visible GPU, else the CPU), "cpu", "cuda" or "cuda:N"; the same bytes."""
     conversion = plan(source, backend=backend, revision=revision, local_files_only=local_files_only,
                       max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup)
-    return _execute(conversion, Path(output), progress=progress, workers=workers)
+    return _execute(conversion, Path(output), progress=progress, workers=workers, device=device)
 
 
 def verify(output: str | Path, *, source: str | Path | None = None, sample: int | None = None,

@@ -171,6 +171,8 @@ def convert(
     regroup: bool = typer.Option(False, "--regroup", help="Halve the group size (lossless) where that makes the backend fit."),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, max=64,
                                           help="Processes that transform experts (default: one per core, at most 16)."),
+    device: str = typer.Option("auto", "--device", metavar="auto|cpu|cuda[:N]",
+                               help="Where the experts are transformed: auto takes a visible GPU (the same bytes)."),
 ) -> None:
     """Convert a checkpoint into a backend's layout (docs/FORMAT.md); what the backend does not convert is
     copied byte for byte. An interrupted conversion resumes when the same command is run again."""
@@ -200,7 +202,7 @@ def convert(
         return
     with _progress("converting", plan.checkpoint.total_bytes, quiet) as advance:
         try:
-            report = run_conversion(plan, output, progress=advance, workers=workers)
+            report = run_conversion(plan, output, progress=advance, workers=workers, device=device)
         except KeyboardInterrupt:  # in-process callers (main() turns signals into exit 3 itself)
             err.print("[bold red]interrupted[/]: run the same command again to resume")
             raise typer.Exit(3) from None
@@ -215,6 +217,7 @@ def convert(
         ("MoE layers", len(plan.layers)),
         ("shards", len(report.files)),
         ("bytes in / out", f"{_human(plan.checkpoint.total_bytes)} / {_human(plan.output_bytes)}"),
+        ("device", report.device),
         ("time", f"{report.seconds:.2f} s ({plan.checkpoint.total_bytes / max(report.seconds, 1e-9) / 1e9:.2f} GB/s)"),
         ("peak memory", "-" if report.peak_rss_mb is None else f"{report.peak_rss_mb:.0f} MB" + (
             f" (largest worker process {report.worker_peak_rss_mb:.0f} MB)" if report.worker_peak_rss_mb else "")),
@@ -334,7 +337,7 @@ def _print_verify(report) -> None:
     structure = "ok" if not report.structure_problems else f"{len(report.structure_problems)} problem(s)"
     out.print(_key_values(f"verify {report.output}", [
         ("source", report.source),
-        ("structure, index, configs, sha256", structure),
+        ("structure, index, configs, digests", structure),
         ("pass-through tensors byte-identical", f"{report.passthrough_checked - len(report.passthrough_problems)}"
                                                 f"/{report.passthrough_checked}"),
         *([("dense linears bit-exact", f"{report.dense_linears_checked - len(report.dense_linear_problems)}"

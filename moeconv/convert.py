@@ -23,9 +23,9 @@ from moeconv.checkpoint import manifest
 from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
 from moeconv.checkpoint.schema import is_plain_file_name
-from moeconv.checkpoint.writer import PrefixHasher, ShardWriter, copy_into, sha256_file, write_at
+from moeconv.checkpoint.writer import DIGEST_KEY, BlockHasher, ShardWriter, copy_into, file_digest, write_at
 from moeconv.errors import MoeconvError
-from moeconv.executor import Executor, peak_rss_mb, worker_descriptor, worker_reader
+from moeconv.executor import Executor, peak_rss_mb, resolve_device, worker_descriptor, worker_reader
 from moeconv.plan import OutputShard, Plan, SourceSlice
 # Source files that describe the source's quantization or weights: replaced, never copied.
 _NOT_COPIED = {"config.json", INDEX_NAME, QUANTIZE_CONFIG_NAME, "quant_config.json", MANIFEST_NAME}
@@ -42,11 +42,13 @@ class ConvertReport:
     resumed_files: list[str] = field(default_factory=list)
     peak_rss_mb: float | None = None
     worker_peak_rss_mb: float | None = None  # the largest worker process's (pages shared with this one included)
+    device: str = "cpu"  # where the experts were transformed, in words
 
     def to_json(self) -> dict[str, Any]:
         return {
             "output": str(self.output),
             "seconds": round(self.seconds, 3),
+            "device": self.device,
             "plan": self.plan,
             "files": self.files,
             "resumed_files": self.resumed_files,
@@ -162,14 +164,18 @@ def _check_unchanged_source(plan: Plan, shard: OutputShard, staging: Path, journ
                            f"({changed} of {shard.file_name} differs); remove {staging} to start over")
 
 
-def convert(plan: Plan, output: Path, progress: Progress | None = None, workers: int | None = None) -> ConvertReport:
+def convert(plan: Plan, output: Path, progress: Progress | None = None, workers: int | None = None,
+            device: str = "auto") -> ConvertReport:
     """Writes the plan's output at `output`. Resumable: an interrupted run (Ctrl-C, kill -9, power
     loss) leaves its finished shards and a journal in the staging folder; running again with the
     same plan re-hashes them, keeps those that match, and writes the rest, so the result is
-    byte-identical to an uninterrupted run. A different source or different arguments refuse."""
+    byte-identical to an uninterrupted run. A different source or different arguments refuse.
+    device: where the workers transform (`auto`, `cpu`, `cuda`, `cuda:N`; auto takes a visible GPU);
+    the bytes are the same on every device."""
     check_output_folder(output, plan.checkpoint.root)
     output = resolved_output(output)
     advance = progress or (lambda nbytes: None)
+    on_device = resolve_device(device)
     started = time.perf_counter()
     staging = staging_folder(output)
     with _exclusive(output):
@@ -179,7 +185,8 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
             _check_free_space(plan, staging, journal)
             audits = Audits()
             try:
-                with TensorReader(fingerprints={}) as reader, Executor(workers) as executor:
+                with TensorReader(fingerprints={}) as reader, Executor(workers, on_device) as executor:
+                    used = executor.device_in_use()
                     for shard in plan.shards:
                         if journal.is_done(shard.file_name):
                             _check_unchanged_source(plan, shard, staging, journal)
@@ -200,7 +207,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
             raise _space_error(error, output, plan.output_bytes) from None
     return ConvertReport(output, plan.summary(), time.perf_counter() - started, journal.files(),
                          audits.report("suspicious_zero_slots"), audits.report("nonfinite_scales"), journal.reused,
-                         peak_rss_mb(), executor.worker_peak_rss_mb)
+                         peak_rss_mb(), executor.worker_peak_rss_mb, used)
 
 
 def _check_free_space(plan: Plan, staging: Path, journal: _Journal) -> None:
@@ -225,7 +232,7 @@ def _read_journal(path: Path) -> dict[str, Any] | None:
     done = recorded.get("done") if isinstance(recorded, dict) else None
     if not isinstance(done, dict) or not all(
             is_plain_file_name(name) and isinstance(info, dict) and isinstance(info.get("bytes"), int)
-            and isinstance(info.get("sha256"), str) and isinstance(info.get("source"), str)
+            and isinstance(info.get(DIGEST_KEY), str) and isinstance(info.get("source"), str)
             for name, info in done.items()):
         return None
     return recorded
@@ -255,7 +262,7 @@ class _Journal:
                     f"rerun with the same source and arguments to resume it, or remove that folder")
             for name, info in recorded["done"].items():
                 file = staging / name
-                if file.is_file() and file.stat().st_size == info["bytes"] and sha256_file(file) == info["sha256"]:
+                if file.is_file() and file.stat().st_size == info["bytes"] and file_digest(file) == info[DIGEST_KEY]:
                     journal.done[name] = info
                     journal.reused.append(name)
         else:
@@ -265,16 +272,16 @@ class _Journal:
         return journal
 
     def files(self) -> dict[str, dict[str, Any]]:
-        """Each finished shard's size and sha256, as the manifest records them."""
-        return {name: {"bytes": info["bytes"], "sha256": info["sha256"]} for name, info in self.done.items()}
+        """Each finished shard's size and digest, as the manifest records them."""
+        return {name: {"bytes": info["bytes"], DIGEST_KEY: info[DIGEST_KEY]} for name, info in self.done.items()}
 
     def is_done(self, name: str) -> bool:
         return name in self.done
 
-    def mark_done(self, name: str, sha256: str, source: str) -> None:
+    def mark_done(self, name: str, digest: str, source: str) -> None:
         """`source`: the fingerprint of the source tensors the shard was converted from (see
         `_source_fingerprint`), so that a resume notices a source changed in between."""
-        self.done[name] = {"bytes": (self.staging / name).stat().st_size, "sha256": sha256, "source": source}
+        self.done[name] = {"bytes": (self.staging / name).stat().st_size, DIGEST_KEY: digest, "source": source}
         self._save()
 
     def _save(self) -> None:
@@ -288,7 +295,7 @@ class _Journal:
 
 def _write_shard(plan: Plan, shard: OutputShard, path: Path, reader: TensorReader, advance: Progress,
                  audits: Audits, executor: Executor) -> str:
-    """Writes the shard and returns its sha256. Each job is read, transformed and written at its slots
+    """Writes the shard and returns its digest (writer.combined_digest). Each job is read, transformed and written at its slots
     by one worker (moeconv.executor), a bounded window of jobs at a time, so at most a few experts are in
     memory per worker; every byte has one place, so the bytes do not depend on the scheduling.
     Completions are taken in job order, which tells the hasher how far the file is final. Written
@@ -304,7 +311,7 @@ def _write_shard(plan: Plan, shard: OutputShard, path: Path, reader: TensorReade
         final = [writer.size] * (len(tasks) + 1)
         for index in range(len(tasks) - 1, -1, -1):
             final[index] = min(final[index + 1], *tasks[index][3].values())
-        hasher = PrefixHasher(temporary)
+        hasher = BlockHasher(temporary)
         try:
             for index, (job, (counts, fingerprints)) in enumerate(zip(shard.jobs, executor.map(_run_job, tasks))):
                 reader.fingerprints.update(fingerprints)

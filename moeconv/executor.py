@@ -6,6 +6,12 @@ which every worker opens itself (`worker_reader`, `worker_descriptor`). Workers 
 task functions and the plan objects need no import in the child; each runs one torch thread, ignores
 SIGINT (the parent stops the pool) and dies with the parent (no orphan writes on after a kill -9).
 One worker runs the tasks in this process.
+
+With a device (`cuda`), each worker moves what it reads there, transforms it there (the device is the
+worker's default, so the codecs' own tensors are made there too) and brings the result back before
+writing: the same operations on integers and copies of floats, so the same bytes. The parent never
+touches CUDA (the availability check asks NVML), because a forked child cannot use a CUDA that its
+parent initialised; where the parent already has, the tasks run in this process instead.
 """
 
 from __future__ import annotations
@@ -17,15 +23,45 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from moeconv.checkpoint.reader import TensorReader
+from moeconv.errors import MoeconvError
 
 _STATE: dict[str, Any] = {}  # this process's reader and write descriptor
 
 
 def worker_reader() -> TensorReader:
-    """This process's reader of source and output tensors (one descriptor per file, kept open)."""
+    """This process's reader of source and output tensors (one descriptor per file, kept open), which
+    hands them over on this worker's device."""
     if "reader" not in _STATE:
-        _STATE["reader"] = TensorReader()
+        _STATE["reader"] = TensorReader(device=_STATE.get("device"))
     return _STATE["reader"]
+
+
+def resolve_device(requested: str) -> str | None:
+    """None (the CPU) or a torch device name for `--device auto|cpu|cuda|cuda:N`. auto takes the GPU
+    when one is visible and this torch can use it; asking for cuda without one is a user error."""
+    import torch
+
+    if requested == "cpu":
+        return None
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # asks NVML: no CUDA in this process yet
+    available = torch.cuda.is_available()
+    if requested == "auto":
+        return "cuda" if available else None
+    if not requested.startswith("cuda"):
+        raise MoeconvError(f"--device {requested}: choose auto, cpu, cuda or cuda:N")
+    if not available:
+        raise MoeconvError(f"--device {requested}: no CUDA GPU is visible to this torch "
+                           f"({torch.__version__}); use --device cpu")
+    return requested
+
+
+def device_name(device: str | None) -> str:
+    """What a worker on `device` computes on, in words (initialises CUDA in the calling process)."""
+    if device is None:
+        return "cpu"
+    import torch
+
+    return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
 
 
 def worker_descriptor(path: Path) -> int:
@@ -56,12 +92,13 @@ def _in_worker(function: Callable, task: tuple) -> tuple[Any, float | None]:
     return function(*task), peak_rss_mb()
 
 
-def _start_worker() -> None:
+def _start_worker(device: str | None) -> None:
     import signal
 
     import torch
 
     torch.set_num_threads(1)
+    _use_device(device)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
@@ -69,6 +106,14 @@ def _start_worker() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
     except (OSError, AttributeError):
         pass
+
+
+def _use_device(device: str | None) -> None:
+    import torch
+
+    _STATE["device"] = device
+    if device is not None:
+        torch.set_default_device(device)
 
 
 def default_workers() -> int:
@@ -81,20 +126,29 @@ def default_workers() -> int:
 
 
 class Executor:
-    """`map(function, tasks)`: function(*task) for each task, in order, at most 2 x workers in flight."""
+    """`map(function, tasks)`: function(*task) for each task, in order, at most 2 x workers in flight,
+    on `device` (None: the CPU; see resolve_device)."""
 
-    def __init__(self, workers: int | None = None):
+    def __init__(self, workers: int | None = None, device: str | None = None):
+        import torch
+
         self.workers = workers or default_workers()
+        if device is not None and torch.cuda.is_initialized():
+            self.workers = 1  # forked children cannot use this process's CUDA
+        self.device = device
         self.worker_peak_rss_mb: float | None = None  # the largest worker's (pages shared with the parent included)
         self._pool = None
+        self._default_device = torch.get_default_device()
         if self.workers > 1:
             import multiprocessing
 
             self._pool = ProcessPoolExecutor(max_workers=self.workers, initializer=_start_worker,
-                                             mp_context=multiprocessing.get_context("fork"))
+                                             initargs=(device,), mp_context=multiprocessing.get_context("fork"))
             # Fork every worker now, before the caller starts threads of its own (the shard hashers).
             for started in [self._pool.submit(os.getpid) for _ in range(self.workers)]:
                 started.result()
+        else:
+            _use_device(device)
 
     def map(self, function: Callable, tasks: Iterable[tuple]) -> Iterator[Any]:
         if self._pool is None:
@@ -115,12 +169,22 @@ class Executor:
             self.worker_peak_rss_mb = max(self.worker_peak_rss_mb or 0.0, peak)
         return result
 
+    def device_in_use(self) -> str:
+        """The device the workers compute on, in words (asked of a worker: this process keeps off CUDA)."""
+        if self._pool is None:
+            return device_name(self.device)
+        return self._pool.submit(device_name, self.device).result()
+
     def close(self) -> None:
+        import torch
+
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         _close_descriptor()
         if "reader" in _STATE:  # the in-process worker's: its descriptors must not outlive the run
             _STATE.pop("reader").close()
+        _STATE.pop("device", None)
+        torch.set_default_device(self._default_device)
 
     def __enter__(self) -> Executor:
         return self

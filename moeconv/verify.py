@@ -1,7 +1,7 @@
 """Proof that a converted checkpoint is right (DESIGN.md §7).
 
 1. structure: every tensor the layout needs is there with its shape and dtype; index, config,
-   quantize_config and manifest agree; each file's sha256 matches the manifest (streamed).
+   quantize_config and manifest agree; each file's digest matches the manifest (its blocks hashed in parallel).
 2. lossless: every conversion job of the plan (each expert, each dense linear a backend converts)
    decodes from the output back to the canonical form, and equals what the SOURCE format's decoder
    gives for the source tensors, bit for bit; pass-through tensors are byte-identical to the source.
@@ -25,7 +25,7 @@ from moeconv.checkpoint import manifest as manifests
 from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader, open_checkpoint, read_json, same_bytes
 from moeconv.checkpoint.schema import weight_map
-from moeconv.checkpoint.writer import sha256_file
+from moeconv.checkpoint.writer import DIGEST_KEY, file_digest
 from moeconv.errors import MoeconvError
 from moeconv.kernels.runners import LAYER_KERNELS, NUMERICS_TOLERANCE
 from moeconv.executor import Executor, worker_reader
@@ -104,7 +104,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
            progress: Callable[..., None] | None = None, workers: int | None = None) -> VerifyReport:
     """Runs the levels up to `level` and returns the report; `report.ok` is the verdict.
 
-    level: "structure" (files, index, configs, manifest, sha256), "lossless" (and every job decodes to
+    level: "structure" (files, index, configs, manifest, file digests), "lossless" (and every job decodes to
     the source's canonical form bit for bit, pass-through bytes equal), "numerics" (and the kernel).
     sample: check only this many experts per layer for losslessness (chosen at random from `seed`).
     numerics_layers: run the kernel on only the first N MoE layers (the interpreter on a CPU is slow).
@@ -222,15 +222,15 @@ def _check_structure(plan: Plan, output: Path, manifest: dict[str, Any],
     shard_files = set(weight_map(index, output / INDEX_NAME).values())
     files = manifests.recorded_files(manifest)
     if files is None:
-        return problems + [f"{MANIFEST_NAME}: files must map plain file names to their bytes and sha256"]
+        return problems + [f"{MANIFEST_NAME}: files must map plain file names to their bytes and {DIGEST_KEY}"]
     if shard_files != set(files):
         problems.append(f"{MANIFEST_NAME}: files {sorted(files)} != index's {sorted(shard_files)}")
     for name, recorded in files.items():
         path = output / name
         if not path.is_file():
             problems.append(f"{name}: listed in {MANIFEST_NAME} but missing")
-        elif path.stat().st_size != recorded["bytes"] or sha256_file(path) != recorded["sha256"]:
-            problems.append(f"{name}: sha256 or size differs from {MANIFEST_NAME}")
+        elif path.stat().st_size != recorded["bytes"] or file_digest(path) != recorded[DIGEST_KEY]:
+            problems.append(f"{name}: digest or size differs from {MANIFEST_NAME}")
         if path.is_file():
             advance(path.stat().st_size)
     return problems

@@ -2,7 +2,9 @@
 # Conversion throughput on the lent 16-core H200 host (docs/BENCHMARKS.md), in two phases that each
 # fit one 10-minute device call: `gptq` (build a GPTQ checkpoint, the worker-count table for triton,
 # every backend at the default worker count), `scaling` (worker counts for a
-# transcoded and a canonical-route backend), `awq` (the same for an AWQ source).
+# transcoded and a canonical-route backend), `awq` (the same for an AWQ source); `device` (the GPU
+# tests of `convert --device`, then a 7 GB GPTQ source on the CPU and the GPU), `scaling7` (the
+# worker-count table and every backend on that 7 GB source).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -10,6 +12,15 @@ export PYTHONPATH=$PWD
 nproc; free -g | head -2; df -h . | tail -1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case $phase in
+  device)
+    python3 -m pytest -q -x -p no:cacheprovider tests/test_device.py tests/test_writer.py
+    python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends triton,humming --devices cpu,cuda \
+      --repeats 1 --json "$out/gptq7-devices.json" ;;
+  scaling7)
+    python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends triton --workers 1,2,4,8,16 --devices cpu \
+      --repeats 1 --json "$out/gptq7-workers.json"
+    python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends cpu,compressed-tensors --devices cpu,cuda \
+      --repeats 1 --json "$out/gptq7-backends.json" ;;
   gptq)
     python3 benchmarks/bench_convert.py --size-gb 4 --format gptq --backends triton --workers 1,2,4,8,16 \
       --repeats 1 --json "$out/gptq-workers.json"

@@ -42,7 +42,7 @@ def main() -> None:
     timed(reader, "fingerprint", "source fingerprint (sha256)")
     timed(writer.ShardWriter, "write", "pwrite")
     timed(writer.ShardWriter, "close", "close + fsync")
-    timed(writer.PrefixHasher, "finish", "waiting for the output hash")
+    timed(writer.BlockHasher, "finish", "waiting for the output digest")
     for job in (plan_module.ExpertJob, plan_module.LinearJob):
         timed(job, "convert", "read + transform")
     started = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -37,3 +38,10 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
         sys.argv = argv
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def blocks_sha256(data: bytes, block: int) -> str:
+    """The manifest's file digest written out from its definition in docs/FORMAT.md: sha256 over the
+    concatenated sha256 digests of each block (one empty block for an empty file)."""
+    pieces = [data[start:start + block] for start in range(0, max(len(data), 1), block)]
+    return hashlib.sha256(b"".join(hashlib.sha256(piece).digest() for piece in pieces)).hexdigest()

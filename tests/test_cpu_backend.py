@@ -20,7 +20,7 @@ from moeconv.backends.base import ExpertWeights
 from moeconv.backends.cpu import block_int4, vnni_suffixes
 from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
-from moeconv.checkpoint.writer import sha256_file
+from moeconv.checkpoint.writer import DIGEST_KEY, file_digest
 from moeconv.errors import MoeconvError
 from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.kernels import random_routing, reference_fused_moe, relative_error
@@ -450,7 +450,7 @@ def _write_slice(folder, tensor: str, expert: int, data: torch.Tensor) -> None:
         handle.seek(entry.begin + expert * (entry.nbytes // entry.shape[0]))
         handle.write(data.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     manifest = json.loads((folder / "moeconv.json").read_text())
-    manifest["files"][entry.file.name]["sha256"] = sha256_file(entry.file)
+    manifest["files"][entry.file.name][DIGEST_KEY] = file_digest(entry.file)
     (folder / "moeconv.json").write_text(json.dumps(manifest))
 
 

@@ -14,13 +14,13 @@ from safetensors import safe_open
 
 from moeconv.backends.triton import TritonBackend
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
-from moeconv.checkpoint.writer import sha256_file
+from moeconv.checkpoint.writer import file_digest
 from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.models import ARCHITECTURES
 from moeconv.plan import make_plan
 from moeconv.synth import SynthSpec, make_checkpoint
 
-from helpers import cli
+from helpers import blocks_sha256, cli
 
 CASES = [
     ("mixtral", "legacy", GPTQ(4, 32, sym=False)),
@@ -55,13 +55,13 @@ def test_convert_round_trip(tmp_path, architecture, naming, source_format):
                      layers=3, dense_layers=0 if architecture == "mixtral" else 1, experts=4, hidden=256,
                      intermediate=128)
     source = make_checkpoint(tmp_path / "src", spec, max_shard_size=300_000)
-    before = {path.name: sha256_file(path) for path in source.iterdir()}
+    before = {path.name: file_digest(path) for path in source.iterdir()}
     result = cli("convert", source, "-o", tmp_path / "out", "--max-shard-size", "400KB", "--quiet")
     assert result.exit_code == 0, result.output
     out = tmp_path / "out"
 
     # The source is untouched.
-    assert {path.name: sha256_file(path) for path in source.iterdir()} == before
+    assert {path.name: file_digest(path) for path in source.iterdir()} == before
 
     converted = _load_all(out)
     plan = make_plan(source)
@@ -98,7 +98,8 @@ def test_convert_round_trip(tmp_path, architecture, naming, source_format):
     assert set(manifest["files"]) == {path.name for path in shards}
     entries = open_checkpoint(out).tensors.values()
     for path in shards:
-        assert manifest["files"][path.name] == {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        assert manifest["files"][path.name] == {"bytes": path.stat().st_size,
+                                                "sha256_64mib_blocks": blocks_sha256(path.read_bytes(), 64 << 20)}
         # Tensor bytes per shard stay under the limit (as transformers counts it), unless the shard
         # holds a single MoE layer that is larger than the limit by itself.
         inside = [entry for entry in entries if entry.file == path]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from moeconv.checkpoint.reader import open_checkpoint
-from moeconv.checkpoint.writer import sha256_file
+from moeconv.checkpoint.writer import DIGEST_KEY, file_digest
 from moeconv.convert import convert
 from moeconv.errors import MoeconvError
 from moeconv.plan import make_plan
@@ -54,7 +54,7 @@ def _flip_byte(folder: Path, tensor: str, expert: int, offset: int = 0, mask: in
         handle.write(bytes([value ^ mask]))
     if update_manifest:
         manifest = json.loads((folder / "moeconv.json").read_text())
-        manifest["files"][entry.file.name]["sha256"] = sha256_file(entry.file)
+        manifest["files"][entry.file.name][DIGEST_KEY] = file_digest(entry.file)
         (folder / "moeconv.json").write_text(json.dumps(manifest))
 
 
@@ -100,7 +100,7 @@ def test_changed_weight_byte_also_fails_numerics(damaged):
             _flip_byte(out, f"{LAYER}.w13_qweight", expert, offset, 0x88, update_manifest=False)
     entry = open_checkpoint(out).tensors[f"{LAYER}.w13_qweight"]
     manifest = json.loads((out / "moeconv.json").read_text())
-    manifest["files"][entry.file.name]["sha256"] = sha256_file(entry.file)
+    manifest["files"][entry.file.name][DIGEST_KEY] = file_digest(entry.file)
     (out / "moeconv.json").write_text(json.dumps(manifest))
     report = verify(out)
     layer = next(layer for layer in report.layers if layer.module == LAYER)
@@ -113,7 +113,7 @@ def test_file_bytes_differ_from_manifest(damaged):
     _flip_byte(out, f"{LAYER}.w2_scales", 0, update_manifest=False)
     result = cli("verify", out)
     assert isinstance(result.exception, MoeconvError) and result.exception.exit_code == 1
-    assert "sha256 or size differs from moeconv.json" in str(result.exception)
+    assert "digest or size differs from moeconv.json" in str(result.exception)
 
 
 def test_missing_tensor_fails_structure(damaged):
@@ -138,7 +138,7 @@ def test_changed_passthrough_tensor_fails(damaged):
         handle.seek(entry.begin)
         handle.write(b"\x00\x00\x00\x00")
     manifest = json.loads((out / "moeconv.json").read_text())
-    manifest["files"][entry.file.name]["sha256"] = sha256_file(entry.file)
+    manifest["files"][entry.file.name][DIGEST_KEY] = file_digest(entry.file)
     (out / "moeconv.json").write_text(json.dumps(manifest))
     report = verify(out, level="lossless")
     assert any("model.layers.0.self_attn.q_proj.qweight differs from the source" in f for f in report.failures())

@@ -1,19 +1,26 @@
 """The streaming writer's pieces."""
 
-import hashlib
+import pytest
 
-from moeconv.checkpoint.writer import PrefixHasher, sha256_file
+from moeconv.checkpoint.writer import BlockHasher, file_digest
+
+from helpers import blocks_sha256
 
 
-def test_prefix_hasher_equals_hashing_the_finished_file(tmp_path):
+@pytest.mark.parametrize("size", [0, 1, 999, 1000, 1001, 256 * 4099])
+def test_block_hasher_and_file_digest_equal_the_definition(tmp_path, size):
     path = tmp_path / "f"
-    data = bytes(range(256)) * 4099
+    data = (bytes(range(256)) * (size // 256 + 1))[:size]
     path.write_bytes(b"\0" * len(data))
-    hasher = PrefixHasher(path, chunk=1000)
+    hasher = BlockHasher(path, threads=3, block=1000)
     with open(path, "r+b") as handle:
         for start in range(0, len(data), 70_000):  # written front to back, announced piece by piece
             handle.seek(start)
             handle.write(data[start:start + 70_000])
             handle.flush()
             hasher.advance(min(start + 70_000, len(data)))
-    assert hasher.finish(len(data)) == hashlib.sha256(data).hexdigest() == sha256_file(path)
+    expected = blocks_sha256(data, 1000)
+    assert hasher.finish(len(data)) == expected == file_digest(path, threads=2, block=1000)
+    assert file_digest(path, threads=1) == blocks_sha256(data, 64 * 1024 * 1024)
+    if size:
+        assert expected != blocks_sha256(data[:-1] + bytes([data[-1] ^ 1]), 1000)
