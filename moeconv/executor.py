@@ -9,9 +9,9 @@ One worker runs the tasks in this process.
 
 With a device (`cuda`), each worker moves what it reads there, transforms it there (the device is the
 worker's default, so the codecs' own tensors are made there too) and brings the result back before
-writing: the same operations on integers and copies of floats, so the same bytes. The parent never
-touches CUDA (the availability check asks NVML), because a forked child cannot use a CUDA that its
-parent initialised; where the parent already has, the tasks run in this process instead.
+writing: the same operations on integers and copies of floats, so the same bytes. Those workers are
+spawned, not forked: a forked child cannot use CUDA once the parent has asked the CUDA runtime
+anything (even `torch.cuda.is_available()`), and a fresh interpreter costs only its imports, once.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def device_name(device: str | None) -> str:
         return "cpu"
     import torch
 
-    return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    named = torch.device(device)
+    return f"{device} ({torch.cuda.get_device_name(named) if named.type == 'cuda' else named.type})"
 
 
 def worker_descriptor(path: Path) -> int:
@@ -133,8 +134,6 @@ class Executor:
         import torch
 
         self.workers = workers or default_workers()
-        if device is not None and torch.cuda.is_initialized():
-            self.workers = 1  # forked children cannot use this process's CUDA
         self.device = device
         self.worker_peak_rss_mb: float | None = None  # the largest worker's (pages shared with the parent included)
         self._pool = None
@@ -142,8 +141,9 @@ class Executor:
         if self.workers > 1:
             import multiprocessing
 
+            start = "fork" if device is None else "spawn"
             self._pool = ProcessPoolExecutor(max_workers=self.workers, initializer=_start_worker,
-                                             initargs=(device,), mp_context=multiprocessing.get_context("fork"))
+                                             initargs=(device,), mp_context=multiprocessing.get_context(start))
             # Fork every worker now, before the caller starts threads of its own (the shard hashers).
             for started in [self._pool.submit(os.getpid) for _ in range(self.workers)]:
                 started.result()

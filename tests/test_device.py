@@ -64,7 +64,7 @@ def test_the_gpu_writes_the_bytes_the_cpu_writes(tmp_path, name, backend):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_a_process_that_already_uses_cuda_converts_in_process(tmp_path):
+def test_a_process_that_already_uses_cuda_converts_on_it(tmp_path):
     torch.zeros(1, device="cuda")  # this process's CUDA is initialised: forked workers could not use it
     source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(4, 32, sym=False), hidden=256,
                                                          intermediate=128, experts=8, layers=2))
@@ -72,3 +72,18 @@ def test_a_process_that_already_uses_cuda_converts_in_process(tmp_path):
     on_cpu = moeconv.convert(source, tmp_path / "cpu", device="cpu", workers=1)
     assert on_cpu.device == "cpu" and on_gpu.device.startswith("cuda")
     assert _files(tmp_path / "cpu") == _files(tmp_path / "gpu")
+
+
+def test_spawned_device_workers_write_the_bytes_forked_ones_write(tmp_path, monkeypatch):
+    """The device path's plumbing (spawned workers, tensors handed over to a default device and
+    back) without a GPU: the CPU named as the device."""
+    import importlib
+
+    convert_module = importlib.import_module("moeconv.convert")
+    source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(4, 32, sym=False), hidden=256,
+                                                         intermediate=128, experts=8, layers=2))
+    moeconv.convert(source, tmp_path / "forked", backend="humming", workers=2, device="cpu")
+    monkeypatch.setattr(convert_module, "resolve_device", lambda requested: "cpu")
+    spawned = moeconv.convert(source, tmp_path / "spawned", backend="humming", workers=2, device="cpu")
+    assert spawned.device == "cpu (cpu)"
+    assert _files(tmp_path / "forked") == _files(tmp_path / "spawned")

@@ -1,0 +1,93 @@
+"""Runs a conversion's output shards as Ray tasks (`convert --executor ray`): one machine or many.
+
+The driver plans from headers and keeps the journal; each task converts one output shard exactly as
+the local executor does (moeconv.convert.convert_shard: the same jobs, the same bytes), writing it
+under its temporary name in the staging folder and renaming it when whole, and returns its digest,
+its source fingerprint and its audit counts. So every node must see the source and the output's
+parent folder at the same paths (shared storage), and a task is idempotent: a retry (Ray retries a
+task whose worker or node died) rewrites the shard from the start. An input error is not retried:
+the driver raises the task's own error, one line naming the file and tensor.
+
+Parallelism is one task per output shard (`--max-shard-size` makes more, smaller ones); each task
+uses one core. Progress counts each shard's source bytes when its task finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from moeconv.errors import MoeconvError
+
+Progress = Callable[[int], None]
+
+
+def _convert_shard_task(plan: Any, index: int, staging: str):
+    """One Ray task: output shard `index` of `plan`, converted on this worker in this process."""
+    from moeconv.convert import convert_shard
+    from moeconv.executor import Executor
+
+    with Executor(1) as executor:
+        return convert_shard(plan, plan.shards[index], Path(staging), executor, None)
+
+
+def connect(address: str | None) -> tuple[bool, str]:
+    """Joins the Ray cluster at `address`, else the one this machine belongs to (RAY_ADDRESS, or a
+    local `ray start`), else starts a local Ray. Returns (started here, a description in words)."""
+    try:
+        import ray
+    except ImportError:
+        raise MoeconvError("--executor ray needs Ray: pip install 'moeconv[ray]'") from None
+    quiet = {"logging_level": logging.ERROR, "log_to_driver": False, "include_dashboard": False}
+    started = False
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address or "auto", **quiet)
+        except ConnectionError as error:
+            if address:
+                raise MoeconvError(f"--ray-address {address}: no Ray cluster reachable there ({error})") from None
+            ray.init(**quiet)
+            started = True
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    cpus = int(ray.cluster_resources().get("CPU", 0))
+    where = "a local Ray started for this run" if started else "the Ray cluster"
+    return started, f"ray: {where} ({len(nodes)} node{'s' if len(nodes) != 1 else ''}, {cpus} CPUs)"
+
+
+class RayShards:
+    """Runs shards as Ray tasks (see the module docstring). `task` is the remote function's body:
+    `_convert_shard_task`, replaceable to inject faults in tests."""
+
+    def __init__(self, address: str | None = None, task: Callable = _convert_shard_task, max_retries: int = 3):
+        self.address, self.task, self.max_retries = address, task, max_retries
+        self.device = "ray"
+        self.worker_peak_rss_mb = None
+
+    def run(self, plan: Any, shards: list, staging: Path, advance: Progress) -> Iterator[Any]:
+        """The finished shards (convert.ShardDone), in the order their tasks finish."""
+        import ray
+
+        started, self.device = connect(self.address)
+        try:
+            remote = ray.remote(num_cpus=1, max_retries=self.max_retries)(self.task)
+            plan_ref = ray.put(plan)
+            index = {shard.file_name: number for number, shard in enumerate(plan.shards)}
+            pending = {remote.remote(plan_ref, index[shard.file_name], str(staging)): shard for shard in shards}
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                shard = pending.pop(ready[0])
+                try:
+                    done = ray.get(ready[0])
+                except ray.exceptions.RayTaskError as error:
+                    for other in pending:
+                        ray.cancel(other, force=True)
+                    cause = error.cause
+                    if isinstance(cause, (MoeconvError, OSError)):  # the input's or the filesystem's: one line
+                        raise cause from None
+                    raise
+                advance(shard.source_bytes)
+                yield done
+        finally:
+            if started:
+                ray.shutdown()
