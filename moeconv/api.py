@@ -48,20 +48,25 @@ def convert(source: str | Path, output: str | Path, *, backend: str = "triton", 
             local_files_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
             trust: str | None = None, tp: int = 1, regroup: bool = False,
             progress: Callable[[int], None] | None = None, workers: int | None = None,
-            device: str = "auto") -> ConvertReport:
+            device: str = "auto", executor: str = "local", ray_address: str | None = None) -> ConvertReport:
     """Convert (resuming an interrupted run with the same arguments) and return the report.
     workers: processes that transform experts (default: one per core, at most 16). device: where
-    they transform: "auto" (a visible GPU, else the CPU), "cpu", "cuda" or "cuda:N"; the same bytes."""
+    they transform: "auto" (a visible GPU, else the CPU), "cpu", "cuda" or "cuda:N"; the same bytes.
+    executor: "local", or "ray" (one Ray task per output shard, on the cluster at `ray_address`, the
+    one Ray finds, or a local Ray; the same bytes)."""
     conversion = plan(source, backend=backend, revision=revision, local_files_only=local_files_only,
                       max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup)
-    return _execute(conversion, Path(output), progress=progress, workers=workers, device=device)
+    return _execute(conversion, Path(output), progress=progress, workers=workers, device=device,
+                    executor=executor, ray_address=ray_address)
 
 
 def verify(output: str | Path, *, source: str | Path | None = None, sample: int | None = None,
-           level: str = "numerics", tokens: int = 8, numerics_layers: int | None = None) -> VerifyReport:
+           level: str = "numerics", tokens: int = 8, numerics_layers: int | None = None, workers: int | None = None,
+           executor: str = "local", ray_address: str | None = None) -> VerifyReport:
     """Checks a folder written by `convert` (structure and sha256, bit-exact decode against the source,
     kernel numerics; `level` stops after "structure" or "lossless") and returns the report; `report.ok`
     is the verdict. `source` (a folder or a Hub
-    id) defaults to the one recorded in the output's manifest; a different checkpoint is refused."""
-    return _verify(Path(output), source=source, sample=sample,
-                   level=level, tokens=tokens, numerics_layers=numerics_layers)
+    id) defaults to the one recorded in the output's manifest; a different checkpoint is refused.
+    workers / executor / ray_address: where the bit-exact checks run, as for `convert`."""
+    return _verify(Path(output), source=source, sample=sample, level=level, tokens=tokens,
+                   numerics_layers=numerics_layers, workers=workers, executor=executor, ray_address=ray_address)

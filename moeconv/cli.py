@@ -83,6 +83,11 @@ def _key_values(title: str, rows: list[tuple[str, Any]]) -> Table:
 SOURCE_HELP = "Checkpoint folder, or a Hugging Face id (org/model)."
 REVISION = typer.Option(None, "--revision", help="Hub branch, tag or commit (Hub ids only).")
 LOCAL_ONLY = typer.Option(False, "--local-files-only", help="Use the Hugging Face cache only, never download.")
+EXECUTOR = typer.Option("local", "--executor", metavar="local|ray",
+                        help="local: this machine's processes; ray: Ray tasks, one per output shard for convert "
+                             "(pip install 'moeconv[ray]'; source and output on storage every node sees).")
+RAY_ADDRESS = typer.Option(None, "--ray-address", metavar="HOST:PORT",
+                           help="The Ray cluster to join (default: the one Ray finds, else a local Ray, said so).")
 TP = typer.Option(1, "--tp", min=1, help="Tensor-parallel size the output will be served with (eligibility checks).")
 
 
@@ -173,6 +178,8 @@ def convert(
                                           help="Processes that transform experts (default: one per core, at most 16)."),
     device: str = typer.Option("auto", "--device", metavar="auto|cpu|cuda[:N]",
                                help="Where the experts are transformed: auto takes a visible GPU (the same bytes)."),
+    executor: str = EXECUTOR,
+    ray_address: Optional[str] = RAY_ADDRESS,
 ) -> None:
     """Convert a checkpoint into a backend's layout (docs/FORMAT.md); what the backend does not convert is
     copied byte for byte. An interrupted conversion resumes when the same command is run again."""
@@ -202,7 +209,8 @@ def convert(
         return
     with _progress("converting", plan.checkpoint.total_bytes, quiet) as advance:
         try:
-            report = run_conversion(plan, output, progress=advance, workers=workers, device=device)
+            report = run_conversion(plan, output, progress=advance, workers=workers, device=device,
+                                    executor=executor, ray_address=ray_address)
         except KeyboardInterrupt:  # in-process callers (main() turns signals into exit 3 itself)
             err.print("[bold red]interrupted[/]: run the same command again to resume")
             raise typer.Exit(3) from None
@@ -315,6 +323,8 @@ def verify(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, max=64,
                                           help="Processes that run the bit-exact checks (default: one per core, at most 16)."),
+    executor: str = EXECUTOR,
+    ray_address: Optional[str] = RAY_ADDRESS,
 ) -> None:
     """Check a converted checkpoint: structure and checksums, bit-exact decode against the source, and
     the Triton kernel against a float64 reference. Exit code 0 only if every check passes."""
@@ -323,7 +333,8 @@ def verify(
 
     with _progress_for_verify(quiet) as progress:
         report = run_verification(output, source=source, sample=sample, level=level, tokens=tokens,
-                                  numerics_layers=numerics_layers, progress=progress, workers=workers)
+                                  numerics_layers=numerics_layers, progress=progress, workers=workers,
+                                  executor=executor, ray_address=ray_address)
     if as_json:
         _print_json(report.to_json())
     else:

@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 from moeconv._version import __version__
@@ -165,17 +165,19 @@ def _check_unchanged_source(plan: Plan, shard: OutputShard, staging: Path, journ
 
 
 def convert(plan: Plan, output: Path, progress: Progress | None = None, workers: int | None = None,
-            device: str = "auto") -> ConvertReport:
+            device: str = "auto", executor: str | Any = "local", ray_address: str | None = None) -> ConvertReport:
     """Writes the plan's output at `output`. Resumable: an interrupted run (Ctrl-C, kill -9, power
     loss) leaves its finished shards and a journal in the staging folder; running again with the
     same plan re-hashes them, keeps those that match, and writes the rest, so the result is
     byte-identical to an uninterrupted run. A different source or different arguments refuse.
     device: where the workers transform (`auto`, `cpu`, `cuda`, `cuda:N`; auto takes a visible GPU);
-    the bytes are the same on every device."""
+    the bytes are the same on every device. executor: "local" (this machine's worker processes),
+    "ray" (one Ray task per shard, moeconv.distributed; `ray_address` or the cluster Ray finds, else
+    a local Ray), or an object with the same `run` as those two."""
     check_output_folder(output, plan.checkpoint.root)
     output = resolved_output(output)
     advance = progress or (lambda nbytes: None)
-    on_device = resolve_device(device)
+    runner = _runner(executor, workers, device, ray_address)
     started = time.perf_counter()
     staging = staging_folder(output)
     with _exclusive(output):
@@ -185,17 +187,18 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
             _check_free_space(plan, staging, journal)
             audits = Audits()
             try:
-                with TensorReader(fingerprints={}) as reader, Executor(workers, on_device) as executor:
-                    used = executor.device_in_use()
-                    for shard in plan.shards:
-                        if journal.is_done(shard.file_name):
-                            _check_unchanged_source(plan, shard, staging, journal)
-                            advance(shard.source_bytes)
-                            continue
-                        digest = _write_shard(plan, shard, staging / shard.file_name, reader, advance, audits,
-                                              executor)
-                        journal.mark_done(shard.file_name, digest, _source_fingerprint(shard, reader.fingerprints))
-                _write_metadata(plan, staging, journal.files())
+                todo = []
+                for shard in plan.shards:
+                    if journal.is_done(shard.file_name):
+                        _check_unchanged_source(plan, shard, staging, journal)
+                        advance(shard.source_bytes)
+                    else:
+                        todo.append(shard)
+                for done in runner.run(plan, todo, staging, advance):
+                    audits.merge(done.audits)
+                    journal.mark_done(done.file_name, done.digest, done.source)
+                finished = journal.files()  # in the order the shards finished: listed in the plan's
+                _write_metadata(plan, staging, {shard.file_name: finished[shard.file_name] for shard in plan.shards})
             except MoeconvError:
                 shutil.rmtree(staging, ignore_errors=True)  # a refusal, not an interruption: nothing to resume
                 raise
@@ -207,7 +210,58 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
             raise _space_error(error, output, plan.output_bytes) from None
     return ConvertReport(output, plan.summary(), time.perf_counter() - started, journal.files(),
                          audits.report("suspicious_zero_slots"), audits.report("nonfinite_scales"), journal.reused,
-                         peak_rss_mb(), executor.worker_peak_rss_mb, used)
+                         peak_rss_mb(), runner.worker_peak_rss_mb, runner.device)
+
+
+def _runner(executor: str | Any, workers: int | None, device: str, ray_address: str | None) -> Any:
+    """What runs the shards: LocalShards, distributed.RayShards, or the caller's own."""
+    if not isinstance(executor, str):
+        return executor
+    if executor == "local":
+        return LocalShards(workers, device)
+    if executor == "ray":
+        from moeconv.distributed import RayShards
+
+        return RayShards(ray_address)
+    raise MoeconvError(f"--executor {executor}: choose local or ray")
+
+
+@dataclass
+class ShardDone:
+    """What converting one output shard leaves for the journal and the report."""
+
+    file_name: str
+    digest: str  # writer.combined_digest of the finished file
+    source: str  # _source_fingerprint: what a resume compares
+    audits: Audits
+
+
+class LocalShards:
+    """The shards one after another, each one's jobs spread over this machine's worker processes
+    (moeconv.executor) on `device`."""
+
+    def __init__(self, workers: int | None = None, device: str = "auto"):
+        self.workers, self.on_device = workers, resolve_device(device)
+        self.device = "cpu"  # in words, once running
+        self.worker_peak_rss_mb: float | None = None
+
+    def run(self, plan: Plan, shards: list[OutputShard], staging: Path, advance: Progress) -> Iterator[ShardDone]:
+        with Executor(self.workers, self.on_device) as executor:
+            self.device = executor.device_in_use()
+            try:
+                for shard in shards:
+                    yield convert_shard(plan, shard, staging, executor, advance)
+            finally:
+                self.worker_peak_rss_mb = executor.worker_peak_rss_mb
+
+
+def convert_shard(plan: Plan, shard: OutputShard, staging: Path, executor: Executor,
+                  advance: Progress | None) -> ShardDone:
+    """One output shard written into `staging` under its own name, whole (see _write_shard)."""
+    audits = Audits()
+    digest, fingerprints = _write_shard(plan, shard, staging / shard.file_name, advance or (lambda nbytes: None),
+                                        audits, executor)
+    return ShardDone(shard.file_name, digest, _source_fingerprint(shard, fingerprints), audits)
 
 
 def _check_free_space(plan: Plan, staging: Path, journal: _Journal) -> None:
@@ -293,9 +347,10 @@ class _Journal:
         (self.staging / self.NAME).unlink()
 
 
-def _write_shard(plan: Plan, shard: OutputShard, path: Path, reader: TensorReader, advance: Progress,
-                 audits: Audits, executor: Executor) -> str:
-    """Writes the shard and returns its digest (writer.combined_digest). Each job is read, transformed and written at its slots
+def _write_shard(plan: Plan, shard: OutputShard, path: Path, advance: Progress, audits: Audits,
+                 executor: Executor) -> tuple[str, dict[str, bytes]]:
+    """Writes the shard; returns its digest (writer.combined_digest) and the content checks of the
+    source tensors its jobs read. Each job is read, transformed and written at its slots
     by one worker (moeconv.executor), a bounded window of jobs at a time, so at most a few experts are in
     memory per worker; every byte has one place, so the bytes do not depend on the scheduling.
     Completions are taken in job order, which tells the hasher how far the file is final. Written
@@ -312,9 +367,10 @@ def _write_shard(plan: Plan, shard: OutputShard, path: Path, reader: TensorReade
         for index in range(len(tasks) - 1, -1, -1):
             final[index] = min(final[index + 1], *tasks[index][3].values())
         hasher = BlockHasher(temporary)
+        fingerprints: dict[str, bytes] = {}
         try:
-            for index, (job, (counts, fingerprints)) in enumerate(zip(shard.jobs, executor.map(_run_job, tasks))):
-                reader.fingerprints.update(fingerprints)
+            for index, (job, (counts, read)) in enumerate(zip(shard.jobs, executor.map(_run_job, tasks))):
+                fingerprints.update(read)
                 for name, found in counts:
                     audits.record(name, found)
                 advance(sum(piece.nbytes for piece in job.inputs))
@@ -324,7 +380,7 @@ def _write_shard(plan: Plan, shard: OutputShard, path: Path, reader: TensorReade
             raise
         digest = hasher.finish(writer.size)
     os.replace(temporary, path)
-    return digest
+    return digest, fingerprints
 
 
 def _run_job(job, codec, path: Path, positions: dict[str, int]) -> tuple[list, dict[str, bytes]]:

@@ -1,4 +1,5 @@
-"""Runs a conversion's output shards as Ray tasks (`convert --executor ray`): one machine or many.
+"""Runs a conversion's output shards as Ray tasks (`convert --executor ray`), and verify's checks
+(`verify --executor ray`): on one machine or many.
 
 The driver plans from headers and keeps the journal; each task converts one output shard exactly as
 the local executor does (moeconv.convert.convert_shard: the same jobs, the same bytes), writing it
@@ -9,14 +10,16 @@ task whose worker or node died) rewrites the shard from the start. An input erro
 the driver raises the task's own error, one line naming the file and tensor.
 
 Parallelism is one task per output shard (`--max-shard-size` makes more, smaller ones); each task
-uses one core. Progress counts each shard's source bytes when its task finishes.
+uses one core. Progress counts each shard's source bytes when its task finishes. verify sends each
+expert's and linear's check as a task (`RayMap`, the local executor's `map`).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from collections import deque
+from typing import Any, Callable, Iterable, Iterator
 
 from moeconv.errors import MoeconvError
 
@@ -32,6 +35,25 @@ def _convert_shard_task(plan: Any, index: int, staging: str):
         return convert_shard(plan, plan.shards[index], Path(staging), executor, None)
 
 
+_LOCAL_OBJECT_STORE = 256 * 1024 * 1024
+
+
+def _check_reachable(address: str) -> None:
+    """A cluster's GCS address (host:port) answers a TCP connect, checked first: Ray itself retries
+    an unreachable address for minutes, logging as it goes. Client addresses (ray://) go to Ray."""
+    import socket
+
+    if "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        raise MoeconvError(f"--ray-address {address}: no Ray cluster reachable there ({reason}); "
+                           f"give the head node's host:port, or leave it out to start a local Ray") from None
+
+
 def connect(address: str | None) -> tuple[bool, str]:
     """Joins the Ray cluster at `address`, else the one this machine belongs to (RAY_ADDRESS, or a
     local `ray start`), else starts a local Ray. Returns (started here, a description in words)."""
@@ -42,12 +64,14 @@ def connect(address: str | None) -> tuple[bool, str]:
     quiet = {"logging_level": logging.ERROR, "log_to_driver": False, "include_dashboard": False}
     started = False
     if not ray.is_initialized():
+        if address:
+            _check_reachable(address)
         try:
             ray.init(address=address or "auto", **quiet)
         except ConnectionError as error:
             if address:
                 raise MoeconvError(f"--ray-address {address}: no Ray cluster reachable there ({error})") from None
-            ray.init(**quiet)
+            ray.init(object_store_memory=_LOCAL_OBJECT_STORE, **quiet)  # only the plan goes through it
             started = True
     nodes = [node for node in ray.nodes() if node.get("Alive")]
     cpus = int(ray.cluster_resources().get("CPU", 0))
@@ -78,16 +102,61 @@ class RayShards:
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 shard = pending.pop(ready[0])
                 try:
-                    done = ray.get(ready[0])
-                except ray.exceptions.RayTaskError as error:
+                    done = _result(ready[0])
+                except BaseException:
                     for other in pending:
                         ray.cancel(other, force=True)
-                    cause = error.cause
-                    if isinstance(cause, (MoeconvError, OSError)):  # the input's or the filesystem's: one line
-                        raise cause from None
                     raise
                 advance(shard.source_bytes)
                 yield done
         finally:
             if started:
                 ray.shutdown()
+
+
+def _result(reference: Any) -> Any:
+    """A finished task's value; its input or filesystem error re-raised as itself (one line)."""
+    import ray
+
+    try:
+        return ray.get(reference)
+    except ray.exceptions.RayTaskError as error:
+        if isinstance(error.cause, (MoeconvError, OSError)):
+            raise error.cause from None
+        raise
+
+
+class RayMap:
+    """moeconv.executor.Executor's `map(function, tasks)` as Ray tasks, results in task order, at most
+    two per cluster CPU in flight; a context manager that joins or starts Ray (see `connect`)."""
+
+    def __init__(self, address: str | None = None):
+        self.address = address
+        self.started, self.device = False, "ray"
+
+    def __enter__(self) -> RayMap:
+        self.started, self.device = connect(self.address)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import ray
+
+        if self.started:
+            ray.shutdown()
+
+    def map(self, function: Callable, tasks: Iterable[tuple]) -> Iterator[Any]:
+        import ray
+
+        remote = ray.remote(num_cpus=1)(function)
+        window = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
+        pending: deque = deque()
+        try:
+            for task in tasks:
+                pending.append(remote.remote(*task))
+                if len(pending) >= window:
+                    yield _result(pending.popleft())
+            while pending:
+                yield _result(pending.popleft())
+        finally:
+            for reference in pending:
+                ray.cancel(reference, force=True)

@@ -101,7 +101,8 @@ LEVELS = ("structure", "lossless", "numerics")  # each includes the ones before 
 
 def verify(output: Path, source: str | Path | None = None, sample: int | None = None, level: str = "numerics",
            tokens: int = 8, numerics_layers: int | None = None, seed: int = 0,
-           progress: Callable[..., None] | None = None, workers: int | None = None) -> VerifyReport:
+           progress: Callable[..., None] | None = None, workers: int | None = None, executor: str = "local",
+           ray_address: str | None = None) -> VerifyReport:
     """Runs the levels up to `level` and returns the report; `report.ok` is the verdict.
 
     level: "structure" (files, index, configs, manifest, file digests), "lossless" (and every job decodes to
@@ -109,6 +110,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     sample: check only this many experts per layer for losslessness (chosen at random from `seed`).
     numerics_layers: run the kernel on only the first N MoE layers (the interpreter on a CPU is slow).
     workers: processes that run the lossless checks (default: one per core, at most 16).
+    executor: "local", or "ray" (each check a Ray task; `ray_address` as for convert).
     """
     if level not in LEVELS:
         raise MoeconvError(f"verify level {level!r} is not one of {', '.join(LEVELS)}")
@@ -145,7 +147,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     audits = Audits()
     cast = plan.engine_scale_cast(_served_dtype(output))
     codec = plan.codec
-    with TensorReader() as reader, Executor(workers) as executor:
+    with TensorReader() as reader, _checkers(executor, workers, ray_address) as executor:
         linears = [job for job in plan.jobs if isinstance(job, LinearJob)]
         tasks = [(codec, job, _outputs_of(job, converted.tensors), cast) for job in linears]
         for job, (problems, found) in zip(linears, executor.map(_check_task, tasks)):
@@ -179,6 +181,17 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
         report.engine_scale_cast = {"stored": str(cast[0]).removeprefix("torch."),
                                     "model": str(cast[1]).removeprefix("torch."), **audits.casts}
     return report
+
+
+def _checkers(executor: str, workers: int | None, ray_address: str | None) -> Any:
+    """What runs the lossless checks: this machine's worker processes, or Ray tasks."""
+    if executor == "local":
+        return Executor(workers)
+    if executor == "ray":
+        from moeconv.distributed import RayMap
+
+        return RayMap(ray_address)
+    raise MoeconvError(f"--executor {executor}: choose local or ray")
 
 
 def _served_dtype(output: Path) -> str | None:

@@ -17,9 +17,11 @@ case $phase in
     python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends triton,humming --devices cpu,cuda \
       --repeats 1 --json "$out/gptq7-devices.json" ;;
   scaling7)
-    python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends triton --workers 1,2,4,8,16 --devices cpu \
+    python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends triton --workers 1,2,4,16 --devices cpu \
       --repeats 1 --json "$out/gptq7-workers.json"
-    python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends cpu,compressed-tensors --devices cpu,cuda \
+    python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends triton --workers 2,8 --devices cuda \
+      --repeats 1 --json "$out/gptq7-gpu-workers.json"
+    python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends cpu,compressed-tensors --devices cpu \
       --repeats 1 --json "$out/gptq7-backends.json" ;;
   gptq)
     python3 benchmarks/bench_convert.py --size-gb 4 --format gptq --backends triton --workers 1,2,4,8,16 \

@@ -1,0 +1,178 @@
+"""`convert --executor ray`: one Ray task per output shard, on a local Ray of two CPUs. The output
+must be byte-identical to the local executor's, survive a worker killed mid-task, resume after the
+driver is killed, and report an input error once, as one line."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import moeconv
+from moeconv.api import plan as make_plan
+from moeconv.checkpoint.reader import open_checkpoint
+from moeconv.checkpoint.writer import DIGEST_KEY, file_digest
+from moeconv.errors import MoeconvError
+from moeconv.formats import GPTQ
+from moeconv.synth import SynthSpec, make_checkpoint
+
+from helpers import run_main
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray for the module (starting one takes seconds); convert joins it."""
+    import logging
+
+    ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False, log_to_driver=False,
+             logging_level=logging.ERROR)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A checkpoint whose output has several shards (150 kB each at most)."""
+    return make_checkpoint(tmp_path_factory.mktemp("ray") / "src",
+                           SynthSpec(source_format=GPTQ(4, 32, sym=False), hidden=256, intermediate=128,
+                                     experts=8, layers=3), max_shard_size=400_000)
+
+
+def _local(source: Path, folder: Path, backend: str = "triton") -> Path:
+    moeconv.convert(source, folder, backend=backend, max_shard_size=150_000, workers=1)
+    return folder
+
+
+@pytest.mark.parametrize("backend", ["triton", "humming"])
+def test_ray_writes_the_bytes_the_local_executor_writes(local_ray, source, tmp_path, backend):
+    on_ray = moeconv.convert(source, tmp_path / "ray", backend=backend, max_shard_size=150_000, executor="ray")
+    assert on_ray.device.startswith("ray: the Ray cluster (1 node, 2 CPUs)")
+    assert len(on_ray.files) > 3
+    assert _files(tmp_path / "ray") == _files(_local(source, tmp_path / "local", backend))
+
+
+def test_verify_on_ray_checks_every_expert(local_ray, source, tmp_path):
+    _local(source, tmp_path / "out", "humming")
+    report = moeconv.verify(tmp_path / "out", level="lossless", executor="ray")
+    assert report.ok and sum(layer.experts_checked for layer in report.layers) == 3 * 8
+    entry = open_checkpoint(tmp_path / "out").tensors["model.layers.1.mlp.experts.3.down_proj.weight"]
+    with open(entry.file, "r+b") as handle:  # one nibble of one expert, the manifest digest made to match
+        handle.seek(entry.begin + entry.nbytes // 2)
+        byte = handle.read(1)[0]
+        handle.seek(entry.begin + entry.nbytes // 2)
+        handle.write(bytes([byte ^ 0x10]))
+    manifest_path = tmp_path / "out" / "moeconv.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][entry.file.name][DIGEST_KEY] = file_digest(entry.file)
+    manifest_path.write_text(json.dumps(manifest))
+    damaged = moeconv.verify(tmp_path / "out", level="lossless", executor="ray")
+    assert not damaged.ok and not damaged.structure_problems
+    failed = {layer.module: layer.lossless_failures for layer in damaged.layers if layer.lossless_failures}
+    assert list(failed) == ["model.layers.1.mlp.experts"]
+    assert failed["model.layers.1.mlp.experts"][0].startswith("expert 3 down")
+
+
+def _dies_once(plan, index, staging):
+    """A task body whose first attempt at the shard with the most jobs kills its own worker process
+    after writing that shard's first job."""
+    from moeconv import distributed
+
+    target = max(range(len(plan.shards)), key=lambda number: len(plan.shards[number].jobs))
+    attempts = Path(staging).parent / f"attempts-{index}"
+    with open(attempts, "a") as record:
+        record.write("x")
+    if index == target and attempts.read_text() == "x":
+        convert_module = importlib.import_module("moeconv.convert")
+        real, jobs = convert_module._run_job, []
+
+        def run_then_die(*args):
+            jobs.append(1)
+            if len(jobs) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args)
+
+        convert_module._run_job = run_then_die
+    return distributed._convert_shard_task(plan, index, staging)
+
+
+def test_a_worker_killed_mid_task_is_retried_to_the_same_bytes(local_ray, source, tmp_path):
+    from moeconv import distributed
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the task body lives in this file
+    plan = make_plan(source, max_shard_size=150_000)
+    report = importlib.import_module("moeconv.convert").convert(
+        plan, tmp_path / "ray", executor=distributed.RayShards(task=_dies_once))
+    target = max(range(len(plan.shards)), key=lambda number: len(plan.shards[number].jobs))
+    assert len(plan.shards[target].jobs) > 2
+    attempts = {number: (tmp_path / f"attempts-{number}").read_text() for number in range(len(plan.shards))}
+    assert attempts == {number: "xx" if number == target else "x" for number in attempts}  # killed, retried once
+    assert len(report.files) == len(plan.shards)
+    assert _files(tmp_path / "ray") == _files(_local(source, tmp_path / "local"))
+
+
+def test_an_input_error_in_a_task_is_one_line(local_ray, source, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in source.iterdir():
+        (broken / path.name).write_bytes(path.read_bytes())
+    shard = sorted(broken.glob("*.safetensors"))[-1]
+    with open(shard, "r+b") as handle:  # the last shard's data cut short: found only when a task reads it
+        handle.truncate(shard.stat().st_size - 64)
+    code, _, err = run_main(capsys, "convert", broken, "-o", tmp_path / "out", "--executor", "ray", "-q",
+                            "--max-shard-size", "150KB")
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and shard.name in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_killed_driver_resumes_on_ray(source, tmp_path):
+    """No shared Ray here: each driver starts its own local Ray, as a user's would."""
+    command = [sys.executable, "-m", "moeconv", "convert", str(source), "-o", str(tmp_path / "out"), "-q",
+               "--executor", "ray", "--max-shard-size", "150KB", "--json"]
+    journal = tmp_path / ".out.moeconv-partial" / "moeconv-progress.json"
+    driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and driver.poll() is None:
+        try:
+            if json.loads(journal.read_text())["done"]:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    if driver.poll() is not None:
+        pytest.fail(f"the driver ended before it could be killed: {driver.communicate()[1].decode()[-500:]}")
+    os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait()
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    report = json.loads(resumed.stdout)
+    assert report["resumed_files"] and report["device"].startswith("ray:")
+    assert _files(tmp_path / "out") == _files(_local(source, tmp_path / "local"))
+
+
+def test_an_unreachable_ray_address_is_one_line(tmp_path, source, capsys):
+    if ray.is_initialized():
+        ray.shutdown()
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "--executor", "ray",
+                            "--ray-address", "127.0.0.1:1", "-q")
+    assert code == 2 and "--ray-address 127.0.0.1:1: no Ray cluster reachable there" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_an_unknown_executor_is_refused(source, tmp_path):
+    with pytest.raises(MoeconvError, match="--executor threads: choose local or ray"):
+        moeconv.convert(source, tmp_path / "out", executor="threads")
