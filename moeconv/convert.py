@@ -222,7 +222,7 @@ def _runner(executor: str | Any, workers: int | None, device: str, ray_address: 
     if executor == "ray":
         from moeconv.distributed import RayShards
 
-        return RayShards(ray_address)
+        return RayShards(convert_shard_alone, ray_address)
     raise MoeconvError(f"--executor {executor}: choose local or ray")
 
 
@@ -262,6 +262,12 @@ def convert_shard(plan: Plan, shard: OutputShard, staging: Path, executor: Execu
     digest, fingerprints = _write_shard(plan, shard, staging / shard.file_name, advance or (lambda nbytes: None),
                                         audits, executor)
     return ShardDone(shard.file_name, digest, _source_fingerprint(shard, fingerprints), audits)
+
+
+def convert_shard_alone(plan: Plan, index: int, staging: str) -> ShardDone:
+    """Output shard `index` converted in this process alone: the body of a Ray task (distributed.py)."""
+    with Executor(1) as executor:
+        return convert_shard(plan, plan.shards[index], Path(staging), executor, None)
 
 
 def _check_free_space(plan: Plan, staging: Path, journal: _Journal) -> None:

@@ -2,7 +2,8 @@
 (`verify --executor ray`): on one machine or many.
 
 The driver plans from headers and keeps the journal; each task converts one output shard exactly as
-the local executor does (moeconv.convert.convert_shard: the same jobs, the same bytes), writing it
+the local executor does (the caller's task, moeconv.convert.convert_shard_alone: the same jobs, the
+same bytes), writing it
 under its temporary name in the staging folder and renaming it when whole, and returns its digest,
 its source fingerprint and its audit counts. So every node must see the source and the output's
 parent folder at the same paths (shared storage), and a task is idempotent: a retry (Ray retries a
@@ -17,22 +18,13 @@ expert's and linear's check as a task (`RayMap`, the local executor's `map`).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from collections import deque
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from moeconv.errors import MoeconvError
 
 Progress = Callable[[int], None]
-
-
-def _convert_shard_task(plan: Any, index: int, staging: str):
-    """One Ray task: output shard `index` of `plan`, converted on this worker in this process."""
-    from moeconv.convert import convert_shard
-    from moeconv.executor import Executor
-
-    with Executor(1) as executor:
-        return convert_shard(plan, plan.shards[index], Path(staging), executor, None)
 
 
 _LOCAL_OBJECT_STORE = 256 * 1024 * 1024
@@ -80,10 +72,10 @@ def connect(address: str | None) -> tuple[bool, str]:
 
 
 class RayShards:
-    """Runs shards as Ray tasks (see the module docstring). `task` is the remote function's body:
-    `_convert_shard_task`, replaceable to inject faults in tests."""
+    """Runs shards as Ray tasks (see the module docstring). `task(plan, shard index, staging folder)`
+    converts one shard in the calling process and returns what the journal records."""
 
-    def __init__(self, address: str | None = None, task: Callable = _convert_shard_task, max_retries: int = 3):
+    def __init__(self, task: Callable, address: str | None = None, max_retries: int = 3):
         self.address, self.task, self.max_retries = address, task, max_retries
         self.device = "ray"
         self.worker_peak_rss_mb = None

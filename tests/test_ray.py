@@ -89,8 +89,6 @@ def test_verify_on_ray_checks_every_expert(local_ray, source, tmp_path):
 def _dies_once(plan, index, staging):
     """A task body whose first attempt at the shard with the most jobs kills its own worker process
     after writing that shard's first job."""
-    from moeconv import distributed
-
     target = max(range(len(plan.shards)), key=lambda number: len(plan.shards[number].jobs))
     attempts = Path(staging).parent / f"attempts-{index}"
     with open(attempts, "a") as record:
@@ -106,7 +104,7 @@ def _dies_once(plan, index, staging):
             return real(*args)
 
         convert_module._run_job = run_then_die
-    return distributed._convert_shard_task(plan, index, staging)
+    return importlib.import_module("moeconv.convert").convert_shard_alone(plan, index, staging)
 
 
 def test_a_worker_killed_mid_task_is_retried_to_the_same_bytes(local_ray, source, tmp_path):
@@ -115,7 +113,7 @@ def test_a_worker_killed_mid_task_is_retried_to_the_same_bytes(local_ray, source
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the task body lives in this file
     plan = make_plan(source, max_shard_size=150_000)
     report = importlib.import_module("moeconv.convert").convert(
-        plan, tmp_path / "ray", executor=distributed.RayShards(task=_dies_once))
+        plan, tmp_path / "ray", executor=distributed.RayShards(_dies_once))
     target = max(range(len(plan.shards)), key=lambda number: len(plan.shards[number].jobs))
     assert len(plan.shards[target].jobs) > 2
     attempts = {number: (tmp_path / f"attempts-{number}").read_text() for number in range(len(plan.shards))}
