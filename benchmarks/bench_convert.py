@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--format", choices=("gptq", "awq"), default="gptq")
     parser.add_argument("--backends", default="triton", help="comma-separated")
     parser.add_argument("--workers", default="", help="comma-separated worker counts (default: moeconv's own)")
-    parser.add_argument("--devices", default="auto", help="comma-separated --device values")
+    parser.add_argument("--devices", default="cpu", help="comma-separated --device values")
     args = parser.parse_args()
 
     hidden, intermediate, experts = (256, 128, 8) if args.smoke else (2048, 768, 128)

@@ -48,10 +48,10 @@ def convert(source: str | Path, output: str | Path, *, backend: str = "triton", 
             local_files_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
             trust: str | None = None, tp: int = 1, regroup: bool = False,
             progress: Callable[[int], None] | None = None, workers: int | None = None,
-            device: str = "auto", executor: str = "local", ray_address: str | None = None) -> ConvertReport:
+            device: str = "cpu", executor: str = "local", ray_address: str | None = None) -> ConvertReport:
     """Convert (resuming an interrupted run with the same arguments) and return the report.
     workers: processes that transform experts (default: one per core, at most 16). device: where
-    they transform: "auto" (a visible GPU, else the CPU), "cpu", "cuda" or "cuda:N"; the same bytes.
+    they transform: "cpu", "cuda" or "cuda:N" (the same bytes; the GPU measured slower).
     executor: "local", or "ray" (one Ray task per output shard, on the cluster at `ray_address`, the
     one Ray finds, or a local Ray; the same bytes)."""
     conversion = plan(source, backend=backend, revision=revision, local_files_only=local_files_only,

@@ -165,13 +165,13 @@ def _check_unchanged_source(plan: Plan, shard: OutputShard, staging: Path, journ
 
 
 def convert(plan: Plan, output: Path, progress: Progress | None = None, workers: int | None = None,
-            device: str = "auto", executor: str | Any = "local", ray_address: str | None = None) -> ConvertReport:
+            device: str = "cpu", executor: str | Any = "local", ray_address: str | None = None) -> ConvertReport:
     """Writes the plan's output at `output`. Resumable: an interrupted run (Ctrl-C, kill -9, power
     loss) leaves its finished shards and a journal in the staging folder; running again with the
     same plan re-hashes them, keeps those that match, and writes the rest, so the result is
     byte-identical to an uninterrupted run. A different source or different arguments refuse.
-    device: where the workers transform (`auto`, `cpu`, `cuda`, `cuda:N`; auto takes a visible GPU);
-    the bytes are the same on every device. executor: "local" (this machine's worker processes),
+    device: where the workers transform (`cpu`, `cuda`, `cuda:N`); the bytes are the same on every
+    device (the GPU measured slower: docs/BENCHMARKS.md). executor: "local" (this machine's worker processes),
     "ray" (one Ray task per shard, moeconv.distributed; `ray_address` or the cluster Ray finds, else
     a local Ray), or an object with the same `run` as those two."""
     check_output_folder(output, plan.checkpoint.root)
@@ -240,7 +240,7 @@ class LocalShards:
     """The shards one after another, each one's jobs spread over this machine's worker processes
     (moeconv.executor) on `device`."""
 
-    def __init__(self, workers: int | None = None, device: str = "auto"):
+    def __init__(self, workers: int | None = None, device: str = "cpu"):
         self.workers, self.on_device = workers, resolve_device(device)
         self.device = "cpu"  # in words, once running
         self.worker_peak_rss_mb: float | None = None

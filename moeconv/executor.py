@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from moeconv.checkpoint.reader import TensorReader
+from moeconv.checkpoint.writer import usable_cores
 from moeconv.errors import MoeconvError
 
 _STATE: dict[str, Any] = {}  # this process's reader and write descriptor
@@ -37,18 +38,16 @@ def worker_reader() -> TensorReader:
 
 
 def resolve_device(requested: str) -> str | None:
-    """None (the CPU) or a torch device name for `--device auto|cpu|cuda|cuda:N`. auto takes the GPU
-    when one is visible and this torch can use it; asking for cuda without one is a user error."""
+    """None (the CPU) or a torch device name for `--device cpu|cuda|cuda:N`; asking for cuda without
+    a GPU this torch can use is a user error."""
     import torch
 
     if requested == "cpu":
         return None
+    if requested != "cuda" and not (requested.startswith("cuda:") and requested[5:].isdigit()):
+        raise MoeconvError(f"--device {requested}: choose cpu, cuda or cuda:N")
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # asks NVML: no CUDA in this process yet
     available = torch.cuda.is_available()
-    if requested == "auto":
-        return "cuda" if available else None
-    if not requested.startswith("cuda"):
-        raise MoeconvError(f"--device {requested}: choose auto, cpu, cuda or cuda:N")
     if not available:
         raise MoeconvError(f"--device {requested}: no CUDA GPU is visible to this torch "
                            f"({torch.__version__}); use --device cpu")
@@ -119,11 +118,7 @@ def _use_device(device: str | None) -> None:
 
 def default_workers() -> int:
     """One worker per core this process may use, at most 16."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, min(16, cores))
+    return max(1, min(16, usable_cores()))
 
 
 class Executor:

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ("bench_int8_kernel.py", []),
     ("bench_convert.py", ["--workdir", "{tmp}"]),
     ("bench_plan.py", []),
+    ("bench_ray.py", ["--workdir", "{tmp}"]),
 ])
 def test_benchmark_smoke(tmp_path, script, extra):
     output = tmp_path / "result.json"

@@ -1,6 +1,6 @@
 """`convert --device`: where the experts are transformed. The bytes must not depend on it: on a GPU
 every (source format, backend) pair is converted on both and compared file by file; without one,
-asking for cuda is a one-line refusal and auto stays on the CPU."""
+asking for cuda is a one-line refusal and the default is the CPU."""
 
 from __future__ import annotations
 
@@ -36,13 +36,13 @@ def test_cuda_without_a_gpu_is_refused_in_one_line(tmp_path, capsys):
     assert code == 2 and "--device cuda: no CUDA GPU is visible" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
-    report = moeconv.convert(source, tmp_path / "auto", workers=2)
+    report = moeconv.convert(source, tmp_path / "default", workers=2)
     assert report.device == "cpu"
 
 
 def test_an_unknown_device_is_refused(tmp_path):
     source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=128, intermediate=64, experts=4, layers=1))
-    with pytest.raises(MoeconvError, match="--device tpu: choose auto, cpu, cuda or cuda:N"):
+    with pytest.raises(MoeconvError, match="--device tpu: choose cpu, cuda or cuda:N"):
         moeconv.convert(source, tmp_path / "out", device="tpu")
 
 

@@ -179,12 +179,16 @@ class _Hashers:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def hash_threads() -> int:
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, min(8, cores))
+        return os.cpu_count() or 1
+
+
+def hash_threads() -> int:
+    return max(1, min(8, usable_cores()))
 
 
 class BlockHasher:
