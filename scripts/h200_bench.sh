@@ -4,7 +4,8 @@
 # every backend at the default worker count), `scaling` (worker counts for a
 # transcoded and a canonical-route backend), `awq` (the same for an AWQ source); `device` (the GPU
 # tests of `convert --device`, then a 7 GB GPTQ source on the CPU and the GPU), `scaling7` (the
-# worker-count table and every backend on that 7 GB source).
+# worker-count table and every backend on that 7 GB source), `awq7` (a 7 GB AWQ source on three backends,
+# then verify's structure and lossless levels timed on its triton output).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -16,6 +17,16 @@ case $phase in
     python3 -m pytest -q -x -p no:cacheprovider tests/test_device.py tests/test_writer.py
     python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends triton,humming --devices cpu,cuda \
       --repeats 1 --json "$out/gptq7-devices.json" ;;
+  awq7)
+    python3 benchmarks/bench_convert.py --size-gb 7 --format awq --backends triton,humming,compressed-tensors \
+      --devices cpu --repeats 1 --json "$out/awq7-backends.json"
+    src=$(ls -d bench-data/qwen3-like-awq-*)
+    rm -rf /tmp/awq7-triton
+    python3 -m moeconv convert "$src" -o /tmp/awq7-triton -q --json > "$out/awq7-convert.json"
+    for level in structure lossless; do
+      /usr/bin/time -f "verify $level: %e s, peak %M KB" python3 -m moeconv verify /tmp/awq7-triton --level $level -q \
+        --json > "$out/awq7-verify-$level.json" || echo "verify $level exit $?"
+    done ;;
   scaling7)
     python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends triton --workers 1,2,4,16 --devices cpu \
       --repeats 1 --json "$out/gptq7-workers.json"
