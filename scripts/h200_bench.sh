@@ -24,8 +24,10 @@ case $phase in
     rm -rf /tmp/awq7-triton
     python3 -m moeconv convert "$src" -o /tmp/awq7-triton -q --json > "$out/awq7-convert.json"
     for level in structure lossless; do
-      /usr/bin/time -f "verify $level: %e s, peak %M KB" python3 -m moeconv verify /tmp/awq7-triton --level $level -q \
-        --json > "$out/awq7-verify-$level.json" || echo "verify $level exit $?"
+      begin=$(date +%s.%N)
+      python3 -m moeconv verify /tmp/awq7-triton --level $level -q --json > "$out/awq7-verify-$level.json" \
+        || echo "verify $level exit $?"
+      echo "verify $level: $(python3 -c "print(round($(date +%s.%N) - $begin, 2))") s"
     done ;;
   scaling7)
     python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends triton --workers 1,2,4,16 --devices cpu \
