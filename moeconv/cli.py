@@ -226,7 +226,7 @@ def convert(
         ("MoE layers", len(plan.layers)),
         ("shards", len(report.files)),
         ("bytes in / out", f"{_human(plan.checkpoint.total_bytes)} / {_human(plan.output_bytes)}"),
-        ("device", report.device),
+        ("ran on", report.device),
         ("time", f"{report.seconds:.2f} s ({plan.checkpoint.total_bytes / max(report.seconds, 1e-9) / 1e9:.2f} GB/s)"),
         ("peak memory", "-" if report.peak_rss_mb is None else f"{report.peak_rss_mb:.0f} MB" + (
             f" (largest worker process {report.worker_peak_rss_mb:.0f} MB)" if report.worker_peak_rss_mb else "")),
