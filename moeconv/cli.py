@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
@@ -75,8 +76,8 @@ def _key_values(title: str, rows: list[tuple[str, Any]]) -> Table:
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold", overflow="fold")
     table.add_column(overflow="fold")  # wrap long paths and tensor names rather than cut them
-    for key, value in rows:
-        table.add_row(key, str(value))
+    for key, value in rows:  # keys may carry markup; values are data (paths, tensor names: "[" is literal)
+        table.add_row(key, escape(str(value)))
     return table
 
 
@@ -197,9 +198,9 @@ def convert(
     plan = make_plan(source, backend=backend, max_shard_size=max_shard_size, revision=revision,
                      local_files_only=local_files_only, trust=trust, tp=tp, regroup=regroup)
     for name, reason in plan.skipped_backends:
-        err.print(f"backend {name} skipped: {reason}", highlight=False, soft_wrap=True)
+        err.print(escape(f"backend {name} skipped: {reason}"), highlight=False, soft_wrap=True)
     for note in _detection_notes(plan):
-        err.print(note, highlight=False, soft_wrap=True)
+        err.print(escape(note), highlight=False, soft_wrap=True)
     if dry_run:
         _print_serving_note(plan)
         summary = plan.summary()
@@ -363,14 +364,14 @@ def _print_verify(report) -> None:
     for header in ("bit-exact", "rel err", "max abs", "time", "result"):
         table.add_column(header, no_wrap=True)
     for layer in report.layers:
-        table.add_row(layer.module, f"{layer.experts_exact}/{layer.experts_checked}",
+        table.add_row(escape(layer.module), f"{layer.experts_exact}/{layer.experts_checked}",
                       "-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
                       "-" if layer.max_abs_error is None else f"{layer.max_abs_error:.1e}",
                       f"{layer.seconds:.2f} s", "[green]ok[/]" if layer.ok else "[red]FAIL[/]")
     if report.layers:
         out.print(table)
     for problem in report.failures()[:20]:
-        err.print(f"[red]x[/] {problem}", highlight=False, soft_wrap=True)
+        err.print(f"[red]x[/] {escape(problem)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -414,7 +415,7 @@ def _print_plan(summary: dict[str, Any]) -> None:
     out.print(_key_values("plan (nothing written)", rows))
     table = Table("shard", "bytes", "tensors", title_justify="left")
     for shard in summary["shards"]:
-        table.add_row(shard["file"], _human(shard["bytes"]), str(shard["tensors"]))
+        table.add_row(escape(shard["file"]), _human(shard["bytes"]), str(shard["tensors"]))
     out.print(table)
 
 
@@ -433,7 +434,7 @@ def main() -> None:
     try:
         app()
     except MoeconvError as error:
-        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
         sys.exit(error.exit_code)
     except Interrupted as interruption:
         err.print(f"[bold red]interrupted[/] ({interruption}): run the same command again to resume")

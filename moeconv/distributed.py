@@ -38,11 +38,13 @@ def _check_reachable(address: str) -> None:
     if "://" in address:
         return
     host, _, port = address.rpartition(":")
+    if not (host and port.isdigit()):
+        raise MoeconvError(f"--ray-address {address}: give the head node's HOST:PORT (e.g. 10.0.0.1:6379), "
+                           f"or leave it out to start a local Ray")
     try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
-    except (OSError, ValueError) as error:
-        reason = getattr(error, "strerror", None) or str(error)
-        raise MoeconvError(f"--ray-address {address}: no Ray cluster reachable there ({reason}); "
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as error:
+        raise MoeconvError(f"--ray-address {address}: no Ray cluster reachable there ({error.strerror or error}); "
                            f"give the head node's host:port, or leave it out to start a local Ray") from None
 
 
@@ -82,9 +84,9 @@ class RayShards:
 
     def run(self, plan: Any, shards: list, staging: Path, advance: Progress) -> Iterator[Any]:
         """The finished shards (convert.ShardDone), in the order their tasks finish."""
+        started, self.device = connect(self.address)
         import ray
 
-        started, self.device = connect(self.address)
         try:
             remote = ray.remote(num_cpus=1, max_retries=self.max_retries)(self.task)
             plan_ref = ray.put(plan)

@@ -96,6 +96,16 @@ def test_output_folder_not_empty(monkeypatch, capsys, tmp_path, source):
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
 
 
+def test_brackets_in_paths_are_printed_as_they_are(monkeypatch, capsys, tmp_path, source):
+    """Rich markup must not eat "[v2]" (or "[ray]" in an install hint) from an error or a report."""
+    (tmp_path / "out[v2]").mkdir()
+    (tmp_path / "out[v2]" / "keep.txt").write_text("mine")
+    code, _, err = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "out[v2]")
+    assert code == 2 and "out[v2]: output folder exists and is not empty" in err, err
+    code, out, _ = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "model[bold]", "-q")
+    assert code == 0 and "model[bold]" in out.replace("\n", "").replace(" ", "").replace("│", "")
+
+
 def test_unknown_backend_lists_the_choices(monkeypatch, capsys, tmp_path, source):
     code, _, err = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "out", "--backend", "marlin")
     assert code == 2

@@ -171,6 +171,20 @@ def test_an_unreachable_ray_address_is_one_line(tmp_path, source, capsys):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_malformed_ray_address_is_one_line(tmp_path, source, capsys):
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "--executor", "ray",
+                            "--ray-address", "headnode", "-q")
+    assert code == 2 and "--ray-address headnode: give the head node's HOST:PORT" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_ray_missing_is_one_line(tmp_path, source, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if `pip install 'moeconv[ray]'` had not been run
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "--executor", "ray", "-q")
+    assert code == 2 and "--executor ray needs Ray: pip install 'moeconv[ray]'" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_an_unknown_executor_is_refused(source, tmp_path):
     with pytest.raises(MoeconvError, match="--executor threads: choose local or ray"):
         moeconv.convert(source, tmp_path / "out", executor="threads")
