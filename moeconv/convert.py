@@ -246,22 +246,41 @@ class LocalShards:
         self.worker_peak_rss_mb: float | None = None
 
     def run(self, plan: Plan, shards: list[OutputShard], staging: Path, advance: Progress) -> Iterator[ShardDone]:
-        with Executor(self.workers, self.on_device) as executor:
+        """Each shard is finished (its last blocks hashed, fsync, rename) on a thread while the workers
+        fill the next one: the fsync waits for the disk, and the cores need not wait with it. A
+        shard is yielded (and so journaled) only once finished."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with Executor(self.workers, self.on_device) as executor, \
+                ThreadPoolExecutor(1, thread_name_prefix="moeconv-finish") as finisher:
             self.device = executor.device_in_use()
+            finishing = None
             try:
                 for shard in shards:
-                    yield convert_shard(plan, shard, staging, executor, advance)
+                    audits, path = Audits(), staging / shard.file_name
+                    writer, hasher, fingerprints = _fill_shard(plan, shard, path, advance, audits, executor)
+                    if finishing is not None:
+                        yield _finished(*finishing)
+                    finishing = (finisher.submit(_finish_shard, writer, hasher, path), shard, fingerprints, audits)
+                if finishing is not None:
+                    yield _finished(*finishing)
             finally:
                 self.worker_peak_rss_mb = executor.worker_peak_rss_mb
 
 
+def _finished(digest: Any, shard: OutputShard, fingerprints: dict[str, bytes], audits: Audits) -> ShardDone:
+    """The ShardDone of a shard whose `_finish_shard` runs as the future `digest`."""
+    return ShardDone(shard.file_name, digest.result(), _source_fingerprint(shard, fingerprints), audits)
+
+
 def convert_shard(plan: Plan, shard: OutputShard, staging: Path, executor: Executor,
                   advance: Progress | None) -> ShardDone:
-    """One output shard written into `staging` under its own name, whole (see _write_shard)."""
+    """One output shard written into `staging` under its own name, whole (_fill_shard, _finish_shard)."""
     audits = Audits()
-    digest, fingerprints = _write_shard(plan, shard, staging / shard.file_name, advance or (lambda nbytes: None),
-                                        audits, executor)
-    return ShardDone(shard.file_name, digest, _source_fingerprint(shard, fingerprints), audits)
+    path = staging / shard.file_name
+    writer, hasher, fingerprints = _fill_shard(plan, shard, path, advance or (lambda nbytes: None), audits, executor)
+    return ShardDone(shard.file_name, _finish_shard(writer, hasher, path), _source_fingerprint(shard, fingerprints),
+                     audits)
 
 
 def convert_shard_alone(plan: Plan, index: int, staging: str) -> ShardDone:
@@ -353,19 +372,19 @@ class _Journal:
         (self.staging / self.NAME).unlink()
 
 
-def _write_shard(plan: Plan, shard: OutputShard, path: Path, advance: Progress, audits: Audits,
-                 executor: Executor) -> tuple[str, dict[str, bytes]]:
-    """Writes the shard; returns its digest (writer.combined_digest) and the content checks of the
-    source tensors its jobs read. Each job is read, transformed and written at its slots
-    by one worker (moeconv.executor), a bounded window of jobs at a time, so at most a few experts are in
-    memory per worker; every byte has one place, so the bytes do not depend on the scheduling.
-    Completions are taken in job order, which tells the hasher how far the file is final. Written
-    under a temporary name and renamed once complete and flushed, so a shard file under its final
-    name is always whole."""
+def _fill_shard(plan: Plan, shard: OutputShard, path: Path, advance: Progress, audits: Audits,
+                executor: Executor) -> tuple[ShardWriter, BlockHasher, dict[str, bytes]]:
+    """Writes every byte of the shard under a temporary name; returns its open writer, its hasher (the
+    blocks still hashing) and the content checks of the source tensors its jobs read, for
+    `_finish_shard`. Each job is read, transformed and written at its slots by one worker
+    (moeconv.executor), a bounded window of jobs at a time, so at most a few experts are in memory
+    per worker; every byte has one place, so the bytes do not depend on the scheduling. Completions
+    are taken in job order, which tells the hasher how far the file is final."""
     metadata = {"format": "pt", "producer": f"moeconv {__version__}", "backend": plan.backend.name}
     temporary = path.with_name(path.name + ".partial")
     codec = plan.codec
-    with ShardWriter(temporary, shard.tensors, metadata) as writer:
+    writer = ShardWriter(temporary, shard.tensors, metadata)
+    try:
         tasks = [(job, codec, temporary, {suffix: writer.claim(slot.tensor.name, slot.offset, slot.nbytes)
                                           for suffix, slot in job.slots.items()}) for job in shard.jobs]
         # Once job i is written, every byte before the first slot of a later job is final.
@@ -384,9 +403,23 @@ def _write_shard(plan: Plan, shard: OutputShard, path: Path, advance: Progress, 
         except BaseException:
             hasher.cancel()
             raise
+    except BaseException:
+        writer.abort()
+        raise
+    return writer, hasher, fingerprints
+
+
+def _finish_shard(writer: ShardWriter, hasher: BlockHasher, path: Path) -> str:
+    """The filled shard's digest once its last blocks are hashed; then flushed to disk (fsync) and
+    renamed to `path`, so a shard file under its final name is always whole."""
+    try:
         digest = hasher.finish(writer.size)
-    os.replace(temporary, path)
-    return digest, fingerprints
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+    os.replace(writer.path, path)
+    return digest
 
 
 def _run_job(job, codec, path: Path, positions: dict[str, int]) -> tuple[list, dict[str, bytes]]:

@@ -93,7 +93,11 @@ class ShardWriter:
         if exc_type is None:
             self.close()
         else:
-            os.close(self._fd)  # the caller's error wins; the partial file is the caller's to remove
+            self.abort()  # the caller's error wins
+
+    def abort(self) -> None:
+        """Close without the completeness check or the flush; the partial file is the caller's to remove."""
+        os.close(self._fd)
 
     def close(self) -> None:
         """Fails if any declared byte was not written; the file is flushed to disk."""
