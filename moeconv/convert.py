@@ -259,8 +259,13 @@ class LocalShards:
                 for shard in shards:
                     audits, path = Audits(), staging / shard.file_name
                     writer, hasher, fingerprints = _fill_shard(plan, shard, path, advance, audits, executor)
-                    if finishing is not None:
-                        yield _finished(*finishing)
+                    try:
+                        if finishing is not None:
+                            yield _finished(*finishing)
+                    except BaseException:  # the previous shard failed, or the caller stopped: drop this one
+                        hasher.cancel()
+                        writer.abort()
+                        raise
                     finishing = (finisher.submit(_finish_shard, writer, hasher, path), shard, fingerprints, audits)
                 if finishing is not None:
                     yield _finished(*finishing)

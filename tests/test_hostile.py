@@ -425,6 +425,34 @@ def test_a_full_disk_is_one_line_naming_the_output_and_the_space_needed(pristine
     assert code == 0, err
 
 
+def test_a_shard_that_fails_its_flush_leaves_nothing_open_and_resumes(pristine, tmp_path, capsys, monkeypatch):
+    """The first shard's fsync (on the finishing thread, while the next shard is being filled) fails as
+    a full disk: one line, no descriptor left open, and the rerun writes the same bytes."""
+    convert_module = importlib.import_module("moeconv.convert")  # the module, not the package's function
+    real = convert_module._finish_shard
+    calls = {"n": 0}
+
+    def full_disk_once(writer, hasher, path):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            hasher.cancel()
+            writer.abort()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(writer, hasher, path)
+
+    monkeypatch.setattr(convert_module, "_finish_shard", full_disk_once)
+    descriptors = len(os.listdir("/proc/self/fd"))
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q", "--max-shard-size", "100KB")
+    assert code == 2 and "out: no space left on the device" in err and len(err.strip().splitlines()) == 1, err
+    assert len(os.listdir("/proc/self/fd")) == descriptors
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q", "--max-shard-size", "100KB")
+    assert code == 0, err
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "again", "-q", "--max-shard-size", "100KB")
+    assert code == 0, err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == \
+        {p.name: p.read_bytes() for p in (tmp_path / "again").iterdir()}
+
+
 def test_not_enough_free_space_is_refused_up_front(pristine, tmp_path, capsys, monkeypatch):
     import shutil as shutil_module
 
