@@ -3,9 +3,8 @@
 
 The driver plans from headers and keeps the journal; each task converts one output shard exactly as
 the local executor does (the caller's task, moeconv.convert.convert_shard_alone: the same jobs, the
-same bytes), writing it
-under its temporary name in the staging folder and renaming it when whole, and returns its digest,
-its source fingerprint and its audit counts. So every node must see the source and the output's
+same bytes), writing it under its temporary name in the staging folder and renaming it when whole,
+and returns its digest, its source fingerprint and its audit counts. So every node must see the source and the output's
 parent folder at the same paths (shared storage), and a task is idempotent: a retry (Ray retries a
 task whose worker or node died) rewrites the shard from the start. An input error is not retried:
 the driver raises the task's own error, one line naming the file and tensor.
@@ -25,8 +24,6 @@ from typing import Any, Callable, Iterable, Iterator
 from moeconv.errors import MoeconvError
 
 Progress = Callable[[int], None]
-
-
 _LOCAL_OBJECT_STORE = 256 * 1024 * 1024
 
 
