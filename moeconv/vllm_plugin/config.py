@@ -1,0 +1,117 @@
+"""The output's `quantization_config`, parsed strictly before vLLM builds a single layer (no vLLM here).
+
+vLLM hands the plugin the raw JSON of `config.json`. Every value that decides how the stacked bytes
+are read is checked the way `convert` checks a source's config (`moeconv.formats.base.config_int`,
+`config_bool`, `checked_group_size`): `has_zp: "false"`, `bits: 4.7`, `group_size: 127.9`, a numeric
+or boolean `scale_dtype`, a group size that is negative, not a power of two or wider than a byte
+count can hold, a missing or non-object source config, or a source config that is itself a moeconv
+config, are each one refusal starting `moeconv:`, never a coerced value or a raw exception.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from moeconv.backends.triton import TritonBackend
+from moeconv.canonical import CHANNELWISE
+from moeconv.errors import MoeconvError
+from moeconv.formats.base import checked_group_size, config_bool, config_int
+from moeconv.spec import FLOAT_DTYPES
+from moeconv.vllm_plugin import QUANT_METHOD
+
+WNA16_LAYOUT = "moe_wna16"
+INT8_LAYOUT = "int8_w8a8"
+WNA16_BITS = (4, 8)
+MAX_GROUP_SIZE = 1 << 20  # wider than any hidden or intermediate size; a larger one is not a group size
+WHERE = "the output's quantization_config"
+
+
+class PluginRefusal(MoeconvError):
+    """Why the plugin will not serve an output; the message is one line starting `moeconv:`."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"moeconv: {why}")
+
+
+@dataclass(frozen=True)
+class StackedLayout:
+    """What the stacked expert tensors of a `triton` output are, as the plugin reads them."""
+
+    layout: str  # WNA16_LAYOUT or INT8_LAYOUT
+    bits: int
+    group_size: int  # a power of two, or CHANNELWISE
+    has_zp: bool
+    scale_dtype: str  # the stored scales' safetensors dtype (F16, BF16, F32)
+    source: dict[str, Any]  # the source's own quantization_config, which the dense layers keep
+
+    @property
+    def channelwise(self) -> bool:
+        return self.group_size == CHANNELWISE
+
+
+def parse(config: Any) -> StackedLayout:
+    """The layout a moeconv `triton` output's `quantization_config` describes, or a PluginRefusal."""
+    try:
+        return _parse(config)
+    except PluginRefusal:
+        raise
+    except MoeconvError as error:  # config_int & co. word it "WHERE: key must be ..."
+        raise PluginRefusal(str(error)) from None
+
+
+def _parse(config: Any) -> StackedLayout:
+    if not isinstance(config, dict):
+        raise PluginRefusal(f"{WHERE} must be an object, not {type(config).__name__}")
+    backend = config.get("backend")
+    if backend != TritonBackend.name:
+        raise PluginRefusal(f"backend {backend!r} outputs are not served by this plugin yet (only 'triton')")
+    version = config.get("layout_version")
+    if isinstance(version, bool) or version != TritonBackend.layout_version:
+        raise PluginRefusal(f"layout version {version!r}; this plugin reads triton layout "
+                            f"v{TritonBackend.layout_version} (reconvert with this moeconv)")
+    layout = config.get("layout")
+    if layout not in (WNA16_LAYOUT, INT8_LAYOUT):
+        raise PluginRefusal(f"triton layout {layout!r} is not one this plugin knows ({WNA16_LAYOUT}, {INT8_LAYOUT})")
+    for key in ("bits", "group_size", "has_zp"):
+        if key not in config:
+            raise PluginRefusal(f"{WHERE} has no {key}: reconvert")
+    bits = config_int(config, "bits", 0, WHERE)
+    group_size = config_int(config, "group_size", 0, WHERE)
+    has_zp = config_bool(config, "has_zp", False, WHERE)
+    if group_size > MAX_GROUP_SIZE:
+        raise PluginRefusal(f"{WHERE}: group_size {group_size} is larger than any layer ({MAX_GROUP_SIZE})")
+    if group_size < 0 and group_size != CHANNELWISE:
+        raise PluginRefusal(f"{WHERE}: group_size {group_size} is negative (-1 means channel-wise)")
+    group_size = checked_group_size(group_size, WHERE)
+    if layout == INT8_LAYOUT:
+        if bits != 8 or has_zp or group_size != CHANNELWISE:
+            raise PluginRefusal(f"{WHERE}: the {INT8_LAYOUT} layout is symmetric 8-bit with one scale per channel, "
+                                f"not bits {bits}, has_zp {has_zp}, group_size {group_size}")
+        scale_dtype = "F32"
+    else:
+        if bits not in WNA16_BITS:
+            raise PluginRefusal(f"{WHERE}: bits {bits}; the {WNA16_LAYOUT} layout holds 4- or 8-bit codes")
+        scale_dtype = config.get("scale_dtype")
+        if scale_dtype is None:
+            raise PluginRefusal("the config names no scale_dtype (an output of an older moeconv): reconvert")
+        if not isinstance(scale_dtype, str) or scale_dtype not in FLOAT_DTYPES:
+            raise PluginRefusal(f"{WHERE}: scale_dtype {scale_dtype!r} is not one of {', '.join(FLOAT_DTYPES)}")
+    return StackedLayout(layout, bits, group_size, has_zp, scale_dtype, _source_config(config))
+
+
+def _source_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The source's own config: an object with a string `quant_method` that is not moeconv's (an
+    output converted again, or a crafted one, would otherwise nest the plugin inside itself)."""
+    source = config.get("source_quantization_config")
+    if source is None:
+        raise PluginRefusal(f"{WHERE} has no source_quantization_config (the dense layers' method): reconvert")
+    if not isinstance(source, dict):
+        raise PluginRefusal(f"{WHERE}: source_quantization_config must be an object, not {type(source).__name__}")
+    method = source.get("quant_method")
+    if not isinstance(method, str) or not method:
+        raise PluginRefusal(f"{WHERE}: source_quantization_config names no quant_method")
+    if method == QUANT_METHOD or "source_quantization_config" in source:
+        raise PluginRefusal(f"{WHERE}: source_quantization_config is itself a moeconv config; convert the "
+                            f"original source, not a moeconv output")
+    return source

@@ -1,0 +1,100 @@
+"""The vLLM plugin's reading of an output's quantization_config (moeconv/vllm_plugin/config.py), without
+vLLM: the configs `convert --backend triton` writes parse to what they say, and every hostile value is
+one refusal line starting `moeconv:` (a PluginRefusal), never a coerced value or another exception."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+import moeconv
+from moeconv.canonical import CHANNELWISE
+from moeconv.formats import AWQ, GPTQ, CompressedTensors
+from moeconv.synth import SynthSpec, make_checkpoint
+from moeconv.vllm_plugin.config import INT8_LAYOUT, WNA16_LAYOUT, PluginRefusal, parse
+
+
+def _written(tmp_path_factory, name: str, fmt) -> dict:
+    base = tmp_path_factory.mktemp(name)
+    source = make_checkpoint(base / "src", SynthSpec(architecture="qwen3_moe", source_format=fmt, layers=1, experts=2))
+    out = moeconv.convert(source, base / "out", backend="triton").output
+    return json.loads((out / "config.json").read_text())["quantization_config"]
+
+
+@pytest.fixture(scope="module")
+def gptq_config(tmp_path_factory) -> dict:
+    return _written(tmp_path_factory, "gptq", GPTQ(4, 32, sym=True))
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, gptq_config) -> dict[str, dict]:
+    return {"gptq": gptq_config,
+            "awq": _written(tmp_path_factory, "awq", AWQ(4, 32)),
+            "ct-channelwise-8bit": _written(tmp_path_factory, "ct8", CompressedTensors(bits=8, group_size=-1)),
+            "w8a8": _written(tmp_path_factory, "w8a8", CompressedTensors(format="int-quantized", bits=8,
+                                                                        group_size=-1, activation_bits=8))}
+
+
+def test_the_configs_convert_writes_parse_to_what_they_say(written):
+    gptq = parse(written["gptq"])
+    assert (gptq.layout, gptq.bits, gptq.group_size, gptq.has_zp, gptq.scale_dtype) == (WNA16_LAYOUT, 4, 32, False, "F16")
+    assert gptq.source["quant_method"] == "gptq"
+    awq = parse(written["awq"])
+    assert (awq.bits, awq.group_size, awq.has_zp, awq.source["quant_method"]) == (4, 32, True, "awq")
+    channelwise = parse(written["ct-channelwise-8bit"])
+    assert (channelwise.bits, channelwise.group_size, channelwise.channelwise) == (8, CHANNELWISE, True)
+    w8a8 = parse(written["w8a8"])
+    assert (w8a8.layout, w8a8.bits, w8a8.has_zp, w8a8.scale_dtype) == (INT8_LAYOUT, 8, False, "F32")
+
+
+def _nested(config: dict) -> dict:
+    return {**config, "source_quantization_config": copy.deepcopy(config)}
+
+
+HOSTILE = {  # what the issue lists, and its neighbours: each must be refused, none coerced
+    "has_zp string": (lambda c: {**c, "has_zp": "false"}, "has_zp must be true or false"),
+    "has_zp int": (lambda c: {**c, "has_zp": 0}, "has_zp must be true or false"),
+    "bits float": (lambda c: {**c, "bits": 4.7}, "bits must be an integer"),
+    "bits bool": (lambda c: {**c, "bits": True}, "bits must be an integer"),
+    "bits string": (lambda c: {**c, "bits": "4"}, "bits must be an integer"),
+    "bits 3": (lambda c: {**c, "bits": 3}, "4- or 8-bit"),
+    "group_size float": (lambda c: {**c, "group_size": 127.9}, "group_size must be an integer"),
+    "group_size integral float": (lambda c: {**c, "group_size": 32.0}, "group_size must be an integer"),
+    "group_size negative": (lambda c: {**c, "group_size": -32}, "is negative"),
+    "group_size not a power of two": (lambda c: {**c, "group_size": 48}, "not -1 or a power of two"),
+    "group_size huge": (lambda c: {**c, "group_size": 1 << 40}, "larger than any layer"),
+    "scale_dtype int": (lambda c: {**c, "scale_dtype": 16}, "scale_dtype 16 is not one of"),
+    "scale_dtype bool": (lambda c: {**c, "scale_dtype": True}, "scale_dtype True is not one of"),
+    "scale_dtype unknown": (lambda c: {**c, "scale_dtype": "I32"}, "scale_dtype 'I32' is not one of"),
+    "scale_dtype missing": (lambda c: {k: v for k, v in c.items() if k != "scale_dtype"}, "names no scale_dtype"),
+    "bits missing": (lambda c: {k: v for k, v in c.items() if k != "bits"}, "has no bits"),
+    "layout_version bool": (lambda c: {**c, "layout_version": True}, "layout version True"),
+    "layout unknown": (lambda c: {**c, "layout": "marlin"}, "triton layout 'marlin'"),
+    "backend cpu": (lambda c: {**c, "backend": "cpu"}, "backend 'cpu' outputs are not served"),
+    "source missing": (lambda c: {k: v for k, v in c.items() if k != "source_quantization_config"},
+                       "has no source_quantization_config"),
+    "source a list": (lambda c: {**c, "source_quantization_config": ["gptq"]}, "must be an object, not list"),
+    "source a string": (lambda c: {**c, "source_quantization_config": "gptq"}, "must be an object, not str"),
+    "source without method": (lambda c: {**c, "source_quantization_config": {"bits": 4}}, "names no quant_method"),
+    "source nests moeconv": (_nested, "is itself a moeconv config"),
+    "source nests itself deeply": (lambda c: _nested(_nested(c)), "is itself a moeconv config"),
+    "not an object": (lambda c: [c], "must be an object, not list"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_each_hostile_value_is_one_moeconv_refusal(gptq_config, case):
+    mutate, expected = HOSTILE[case]
+    with pytest.raises(PluginRefusal) as refusal:
+        parse(mutate(copy.deepcopy(gptq_config)))
+    message = str(refusal.value)
+    assert message.startswith("moeconv: ") and "\n" not in message, message
+    assert expected in message, message
+
+
+def test_int8_layout_fields_must_agree(written):
+    for change in ({"bits": 4}, {"has_zp": True}, {"group_size": 32}):
+        with pytest.raises(PluginRefusal, match="symmetric 8-bit with one scale per channel"):
+            parse({**written["w8a8"], **change})
