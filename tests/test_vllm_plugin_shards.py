@@ -1,8 +1,10 @@
-"""The vLLM plugin's tensor-parallel loading (moeconv/vllm_plugin/shards.py), without vLLM: rank r's
-part of each stacked triton tensor must be exactly what the triton layout holds for the rank's own
-slice of the canonical weights (gate and up rows [r·I/T, (r+1)·I/T), down's input columns likewise),
-encoded independently; and the split is possible exactly when the backend's own `--tp` check says so
-(the plugin refuses a layer with that same check)."""
+"""The vLLM plugin's loading (moeconv/vllm_plugin/shards.py), without vLLM: rank r's part of each stacked
+triton tensor, copied into the parameter of vLLM's compressed-tensors MoE method, must be exactly what
+that parameter holds for the compressed-tensors encoding of the rank's own slice of the canonical
+weights (gate and up rows [r·I/T, (r+1)·I/T), down's input columns likewise), encoded independently by
+moeconv's compressed-tensors format; and the split is possible exactly when the backend's own `--tp`
+check says so (the plugin refuses a layer with that same check). tests/engines/run_differential.py
+shows the same against vLLM's own loader."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from hypothesis import strategies as st
 from moeconv.backends.base import ExpertWeights
 from moeconv.backends.triton import TritonBackend
 from moeconv.canonical import MoELayerShape, QuantizedWeight
-from moeconv.vllm_plugin.shards import rank_part
+from moeconv.formats import CompressedTensors
+from moeconv.vllm_plugin.shards import PARAMETERS, fill
 
 from strategies import random_canonical
 
@@ -32,10 +35,30 @@ def _columns(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
                            weight.scales[:, start // g:stop // g].contiguous(), weight.bits, g)
 
 
+def _ct_parameters(expert: ExpertWeights, bits: int, sym: bool, group_size: int) -> dict[str, torch.Tensor]:
+    """One expert's compressed-tensors MoE parameters as vLLM's loader assembles them from a
+    compressed-tensors checkpoint: each projection encoded by moeconv's compressed-tensors format
+    (pack-quantized, N-first), gate rows then up rows in w13."""
+    fmt = CompressedTensors(bits=bits, group_size=group_size, symmetric=sym)
+    gate, up, down = (fmt.encode(w) for w in expert)
+    parameters = {"w13_weight_packed": torch.cat([gate["weight_packed"], up["weight_packed"]]),
+                  "w13_weight_scale": torch.cat([gate["weight_scale"], up["weight_scale"]]),
+                  "w2_weight_packed": down["weight_packed"], "w2_weight_scale": down["weight_scale"]}
+    if not sym:
+        parameters["w13_weight_zero_point"] = torch.cat([gate["weight_zero_point"], up["weight_zero_point"]])
+        parameters["w2_weight_zero_point"] = down["weight_zero_point"]
+    return parameters
+
+
 @settings(max_examples=40, deadline=None)
 @given(bits=st.sampled_from([4, 8]), sym=st.booleans(), group_size=st.sampled_from([32, 64]),
        tp=st.sampled_from([1, 2, 4]), per_rank_groups=st.integers(1, 2), seed=st.integers(0, 2**31 - 1))
-def test_each_rank_holds_its_slice_of_the_canonical_expert(bits, sym, group_size, tp, per_rank_groups, seed):
+def test_each_rank_fills_the_compressed_tensors_parameters_of_its_slice(bits, sym, group_size, tp, per_rank_groups,
+                                                                        seed):
+    """`fill` copies rank r's part of each stacked triton tensor into the parameter vLLM's compressed-tensors
+    MoE method holds, and the result is what that parameter holds when vLLM loads the compressed-tensors
+    encoding of the rank's own slice of the canonical weights (gate and up rows [r·I/T, (r+1)·I/T),
+    down's input columns likewise)."""
     gen = torch.Generator().manual_seed(seed)
     hidden, intermediate = 64, tp * per_rank_groups * group_size
     expert = ExpertWeights(*(random_canonical(gen, bits, sym, intermediate, hidden, hidden // group_size)
@@ -45,14 +68,16 @@ def test_each_rank_holds_its_slice_of_the_canonical_expert(bits, sym, group_size
     assert TritonBackend().refusal(shape) is None
     full = {name: tensor.unsqueeze(0) for name, tensor in TritonBackend().encode_expert(expert, shape).items()}
     per = intermediate // tp
-    rank_shape = MoELayerShape(1, hidden, per, bits, group_size, sym, "F16")
     for rank in range(tp):
         span = (rank * per, (rank + 1) * per)
         own = ExpertWeights(_rows(expert.gate, *span), _rows(expert.up, *span), _columns(expert.down, *span))
-        expected = TritonBackend().encode_expert(own, rank_shape)
+        expected = _ct_parameters(own, bits, sym, group_size)
+        assert sorted(expected) == sorted(PARAMETERS[name] for name in full)
         for name, tensor in full.items():
-            part = rank_part(name, tensor, intermediate, bits, group_size, tp, rank)
-            assert torch.equal(part[0], expected[name]), (name, rank)
+            want = expected[PARAMETERS[name]]
+            parameter = torch.full((1, *want.shape), -1, dtype=want.dtype)  # the sentinel must all be overwritten
+            fill(name, tensor, parameter, intermediate, bits, group_size, tp, rank)
+            assert torch.equal(parameter[0], want), (name, rank)
 
 
 @pytest.mark.parametrize("intermediate, group_size, tp, splits", [
@@ -64,10 +89,25 @@ def test_the_split_is_possible_exactly_when_the_backend_check_says_so(intermedia
     shape = MoELayerShape(4, 128, intermediate, 4, group_size, False, "F16", tp=tp)
     assert (TritonBackend().refusal(shape) is None) == splits
     if splits:  # every rank's parts are whole bytes and whole groups, and they tile the tensor
-        for spec in TritonBackend().layer_tensors(shape):
+        per = intermediate // tp
+        rank_shape = MoELayerShape(4, 128, per, 4, group_size, False, "F16")
+        for spec, rank_spec in zip(TritonBackend().layer_tensors(shape), TritonBackend().layer_tensors(rank_shape)):
             tensor = torch.arange(torch.Size(spec.shape).numel(), dtype=torch.int64).reshape(spec.shape)
-            parts = [rank_part(spec.name, tensor, intermediate, 4, group_size, tp, r) for r in range(tp)]
-            assert sorted(torch.cat([p.reshape(-1) for p in parts]).tolist()) == list(range(tensor.numel()))
+            parts = []
+            for rank in range(tp):
+                part = torch.full(rank_spec.shape, -1, dtype=torch.int64)
+                if not spec.name.endswith(("_qweight", "_qzeros")):  # (the packed ones view their int32 as bytes)
+                    fill(spec.name, tensor, part, intermediate, 4, group_size, tp, rank)
+                    parts.append(part)
+            if parts:
+                assert sorted(torch.cat([p.reshape(-1) for p in parts]).tolist()) == list(range(tensor.numel()))
+
+
+def test_zero_points_that_do_not_fill_whole_words_per_rank_are_refused():
+    """4-bit, I/T = 4: one rank's gate zero points are 2 bytes, half an int32 word of the parameter."""
+    stored = torch.zeros(1, 2 * 8 // 2, 1, dtype=torch.uint8)  # w13_qzeros of I = 8, one group
+    with pytest.raises(ValueError, match="not whole int32 words"):
+        fill("w13_qzeros", stored, torch.zeros(1, 1, 1, dtype=torch.int32), 8, 4, 64, 2, 0)
 
 
 def test_the_plugin_is_an_entry_point_and_imports_no_vllm():
@@ -103,4 +143,7 @@ def test_each_rank_holds_its_slice_of_a_w8a8_expert(tp, seed):
         own = ExpertWeights(_rows(expert.gate, span.start, span.stop), _rows(expert.up, span.start, span.stop), down)
         expected = TritonBackend().encode_expert(own, MoELayerShape(1, hidden, per, 8, -1, True, "F16", activation_bits=8))
         for name, tensor in full.items():
-            assert torch.equal(rank_part(name, tensor, intermediate, 8, -1, tp, rank)[0], expected[name]), (name, rank)
+            assert PARAMETERS[name] == name  # the W8A8 method's parameters carry the stacked names
+            parameter = torch.full((1, *expected[name].shape), -1, dtype=expected[name].dtype)
+            fill(name, tensor, parameter, intermediate, 8, -1, tp, rank)
+            assert torch.equal(parameter[0], expected[name]), (name, rank)

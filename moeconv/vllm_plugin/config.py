@@ -27,8 +27,9 @@ MAX_GROUP_SIZE = 1 << 20  # wider than any hidden or intermediate size; a larger
 WHERE = "the output's quantization_config"
 
 
-class PluginRefusal(MoeconvError):
-    """Why the plugin will not serve an output; the message is one line starting `moeconv:`."""
+class PluginRefusal(MoeconvError, ValueError):
+    """Why the plugin will not serve an output; the message is one line starting `moeconv:`. A ValueError
+    too: vLLM reports a quantization config's ValueError as the reason its config did not validate."""
 
     def __init__(self, why: str) -> None:
         super().__init__(f"moeconv: {why}")

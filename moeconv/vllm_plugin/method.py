@@ -1,77 +1,70 @@
 """The `moeconv` quantization method for vLLM (imported only by `moeconv.vllm_plugin.register`).
 
-Built for vLLM 0.33 (`vllm/model_executor/layers/quantization/moe_wna16.py` and
-`fused_moe/oracle/int_wna16.py` are the code it stands on): its MoE method is vLLM's `MoeWNA16Method`
-with the Triton backend chosen, parameters created as moeconv wrote them, a loader that copies each
-stacked tensor whole (or this rank's part), and no repack after loading. Everything it cannot serve
-is refused when the config is read or the layer is created, with the reason.
+Built for vLLM 0.33. A MoE layer of a `triton` output is served by the method vLLM itself builds for the
+`compressed-tensors` output of the same source (`CompressedTensorsWNA16MoEMethod`, or the W8A8 int8
+one), because its parameters are N-first like the stacked tensors: each stacked tensor fills its
+parameter with one copy of this rank's part (`shards.fill`), no per-expert tensor, no per-expert Python.
+That method's `__init__` asks vLLM's own MoE oracle which backend serves the layer on this machine
+(`fused_moe/oracle/int_wna16.py`, `oracle/int8.py`: Humming on compute capability 9.0, Marlin or
+FlashInfer elsewhere, Triton when nothing better takes it, vLLM's CPU experts on a CPU build; `--moe-backend`
+overrides it), and its own `process_weights_after_loading` then repacks for that backend, unchanged.
+The chosen backend is logged once per layer kind with the oracle's reason. The dense layers load
+through the source's own quantization method, which the config records.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 import vllm
-from vllm.distributed import get_tensor_model_parallel_rank
-from vllm.model_executor.layers.fused_moe import FusedMoeWeightScaleSupported, RoutedExperts
-from vllm.model_executor.layers.quantization import get_quantization_config
 from compressed_tensors.quantization import QuantizationArgs
+from vllm.config import get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.fused_moe.oracle import int_wna16
+from vllm.model_executor.layers.quantization import get_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_int8 import (  # noqa: E501
     CompressedTensorsW8A8Int8MoEMethod,
 )
-from vllm.model_executor.layers.quantization.moe_wna16 import MoeWNA16Method
-from vllm.model_executor.utils import set_weight_attrs
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16 import (  # noqa: E501
+    CompressedTensorsWNA16MoEMethod,
+)
 
+from moeconv.backends.compressed_tensors import CompressedTensorsBackend
 from moeconv.backends.triton import TritonBackend
-from moeconv.canonical import MoELayerShape, is_channelwise
+from moeconv.canonical import MoELayerShape
+from moeconv.checkpoint.reader import open_checkpoint
+from moeconv.errors import MoeconvError
 from moeconv.spec import TORCH_DTYPES
 from moeconv.vllm_plugin import QUANT_METHOD
-from moeconv.vllm_plugin.shards import SPLITS, rank_part
+from moeconv.vllm_plugin.config import INT8_LAYOUT, PluginRefusal, StackedLayout, parse
+from moeconv.vllm_plugin.shards import PARAMETERS, fill
 
-ENGINE_VERSIONS = ("0.33.",)  # the vLLM releases whose moe_wna16 code this method was built against
-STACKED = tuple(SPLITS)  # every stacked tensor name of the triton layout (both variants)
-INT8_LAYOUT = "int8_w8a8"
+ENGINE_VERSIONS = ("0.33.",)  # the vLLM releases whose MoE methods and oracle this plugin was built against
+STACKED = tuple(PARAMETERS)  # every stacked tensor name of the triton layout (both variants)
 
-
-def _refuse(why: str) -> ValueError:
-    return ValueError(f"moeconv: {why}")
+logger = init_logger(__name__)
 
 
 class MoeconvConfig(QuantizationConfig):
-    """A moeconv `triton` output's `quantization_config`: the stacked expert layout (bits, group size,
-    zero points, layout version) and the source's own config, which the dense layers keep."""
+    """A moeconv `triton` output's `quantization_config`: the stacked expert layout (config.py parses it
+    strictly) and the source's own config, which the dense layers keep."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
         if not vllm.__version__.startswith(ENGINE_VERSIONS):
-            raise _refuse(f"this plugin was built for vLLM {', '.join(v + 'x' for v in ENGINE_VERSIONS)}, "
-                          f"not {vllm.__version__}; reconvert or upgrade moeconv")
-        backend = config.get("backend")
-        if backend != TritonBackend.name:
-            raise _refuse(f"backend {backend!r} outputs are not served by this plugin yet (only 'triton')")
-        if config.get("layout_version") != TritonBackend.layout_version:
-            raise _refuse(f"layout version {config.get('layout_version')!r}; this plugin reads triton layout "
-                          f"v{TritonBackend.layout_version} (reconvert with this moeconv)")
-        self.layout = config.get("layout")
-        if self.layout not in ("moe_wna16", INT8_LAYOUT):
-            raise _refuse(f"triton layout {self.layout!r} is not one this plugin knows (moe_wna16, {INT8_LAYOUT})")
-        self.weight_bits = int(config["bits"])
-        self.group_size = int(config["group_size"])
-        self.has_zp = bool(config["has_zp"])
-        if self.layout == INT8_LAYOUT:
-            self.scale_dtype = torch.float32  # the int8 layout's per-channel scales
-        else:
-            if is_channelwise(self.group_size):
-                raise _refuse("channel-wise moe_wna16 scales are not served by this plugin yet")
-            if config.get("scale_dtype") not in TORCH_DTYPES:
-                raise _refuse("the config names no scale_dtype (an output of an older moeconv): reconvert")
-            self.scale_dtype = TORCH_DTYPES[config["scale_dtype"]]
-        self.bit8_pack_factor = 8 // self.weight_bits
-        self.linear_quant_method = "gptq"  # MoeWNA16Method's branches: the stacked tensors are already N-first
-        self.dense = _dense_config(config["source_quantization_config"])
+            raise PluginRefusal(f"this plugin was built for vLLM {', '.join(v + 'x' for v in ENGINE_VERSIONS)}, "
+                                f"not {vllm.__version__}; reconvert or upgrade moeconv")
+        if sys.byteorder != "little":  # the int32 parameters are filled byte for byte, as vLLM's own views assume
+            raise PluginRefusal("the stacked layouts are served on little-endian hosts only")
+        self.stacked = parse(config)
+        self.dense = _dense_config(self.stacked.source)
+        self._stored: dict[str, tuple[str, tuple[int, ...]]] | None = None
 
     @classmethod
     def get_name(cls) -> str:
@@ -83,7 +76,7 @@ class MoeconvConfig(QuantizationConfig):
 
     @classmethod
     def get_min_capability(cls) -> int:
-        return 70  # the Triton kernel's; the dense method checks its own
+        return 70  # the lowest of the MoE backends'; the oracle and the dense method check their own
 
     @staticmethod
     def get_config_filenames() -> list[str]:
@@ -108,12 +101,29 @@ class MoeconvConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, RoutedExperts):
-            if self.layout == INT8_LAYOUT:
-                return StackedInt8ExpertsMethod(self, layer.moe_config)
-            return StackedExpertsMethod(self, layer.moe_config)
+            return _experts_method(self, layer, prefix)
         # The dense config is rebuilt from the raw dict: it needs the model's fused-module names.
         self.dense.packed_modules_mapping = self.packed_modules_mapping
         return self.dense.get_quant_method(layer, prefix)
+
+    def stored_tensors(self) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]] | None:
+        """The output's stacked tensors (safetensors dtype, shape) by layer and name, from its headers,
+        when vLLM serves it from a local folder (a Hub id is downloaded after the layers are built: then
+        each loader's own shape check is the bound); read once, strictly (moeconv.checkpoint)."""
+        if self._stored is None:
+            root = Path(str(get_current_vllm_config().model_config.model))
+            if not root.is_dir():
+                return None
+            try:
+                checkpoint = open_checkpoint(root)
+            except MoeconvError as error:
+                raise PluginRefusal(str(error)) from None
+            self._stored = {}
+            for name, entry in checkpoint.tensors.items():
+                owner, _, leaf = name.rpartition(".")
+                if leaf in PARAMETERS:
+                    self._stored.setdefault(owner, {})[leaf] = (entry.dtype, entry.shape)
+        return self._stored
 
 
 def _dense_config(source: dict[str, Any]) -> QuantizationConfig:
@@ -121,118 +131,193 @@ def _dense_config(source: dict[str, Any]) -> QuantizationConfig:
     (GPTQ's desc_act, compressed-tensors' actorder) are cleared: moeconv copies a dense linear only when
     its g_idx is k // g (plan.check_dense_g_idx), and an act-order down projection of the experts was
     folded into static groups."""
-    method = source.get("quant_method")
+    method = source["quant_method"]
     if method == "gptq":
-        dynamic = {pattern: {k: v for k, v in override.items() if k != "desc_act"}
-                   for pattern, override in (source.get("dynamic") or {}).items()}
+        dynamic = source.get("dynamic") or {}
+        if not isinstance(dynamic, dict) or not all(isinstance(o, dict) for o in dynamic.values()):
+            raise PluginRefusal("the source's GPTQ config has a malformed 'dynamic' section")
+        dynamic = {pattern: {k: v for k, v in override.items() if k != "desc_act"} for pattern, override in dynamic.items()}
         source = {**source, "desc_act": False, "dynamic": {p: o for p, o in dynamic.items() if o or p.startswith("-:")}}
     if method == "compressed-tensors":  # actorder "group" likewise: only trivial weight_g_idx are copied
+        groups = source.get("config_groups") or {}
+        if not isinstance(groups, dict):
+            raise PluginRefusal("the source's compressed-tensors config_groups is not an object")
         source = {**source, "config_groups": {
             name: {**group, "weights": {**group["weights"], "actorder": None}}
             if isinstance(group, dict) and isinstance(group.get("weights"), dict) else group
-            for name, group in (source.get("config_groups") or {}).items()}}
+            for name, group in groups.items()}}
     try:
         return get_quantization_config(method).from_config(source)
-    except (ValueError, KeyError) as error:
-        raise _refuse(f"the dense layers keep the source's {method!r} quantization, which vLLM "
-                      f"{vllm.__version__} refuses ({str(error).splitlines()[0]}); convert with "
-                      f"--backend compressed-tensors instead") from None
+    except (ValueError, KeyError, TypeError, AttributeError, AssertionError) as error:
+        first = (str(error).splitlines() or [type(error).__name__])[0]
+        raise PluginRefusal(f"the dense layers keep the source's {method!r} quantization, which vLLM "
+                            f"{vllm.__version__} refuses ({first}); convert with --backend compressed-tensors "
+                            f"instead") from None
 
 
-class StackedExpertsMethod(MoeWNA16Method):
-    """vLLM's moe_wna16 method on moeconv's stacked tensors: Triton experts, one copy per tensor."""
-
-    supports_pre_processed_weights = True  # the file holds the kernel's layout: nothing to transform
-
-    def __init__(self, quant_config: MoeconvConfig, moe) -> None:
-        # The layout is moe_wna16's: its Triton experts, whatever backend vLLM would pick for a checkpoint.
-        super().__init__(quant_config, dataclasses.replace(moe, moe_backend="triton"))
-
-    def create_weights(self, layer: RoutedExperts, num_experts: int, hidden_size: int,
-                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
-        layer.group_size = self.quant_config.group_size
-        layer.group_size_div_factor = 1
-        _create_stacked(self, layer, num_experts, hidden_size, intermediate_size_per_partition, extra_weight_attrs)
-
-    def process_weights_after_loading(self, layer: RoutedExperts) -> None:
-        """Nothing to repack: the parameters are the kernel's tensors as loaded."""
-        layer.w13_weight = layer.w13_qweight
-        layer.w2_weight = layer.w2_qweight
-        self._setup_kernel(layer)
+def _layer_shape(stacked: StackedLayout, experts: int, hidden: int, intermediate: int, tp: int) -> MoELayerShape:
+    return MoELayerShape(experts=experts, hidden=hidden, intermediate=intermediate, bits=stacked.bits,
+                         group_size=stacked.group_size, symmetric=not stacked.has_zp, scale_dtype=stacked.scale_dtype,
+                         activation_bits=8 if stacked.layout == INT8_LAYOUT else 16, tp=tp)
 
 
-class StackedInt8ExpertsMethod(CompressedTensorsW8A8Int8MoEMethod):
-    """vLLM's compressed-tensors W8A8 int8 MoE method (int8 weights, one fp32 scale per channel,
-    dynamic per-token int8 activations) with its Triton experts, on moeconv's stacked int8 tensors:
-    one copy per tensor. Its post-load step for the Triton backend only builds the kernel."""
-
-    supports_pre_processed_weights = True
-
-    def __init__(self, quant_config: MoeconvConfig, moe) -> None:
-        weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
-        tokens = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
-        super().__init__(weights, tokens, dataclasses.replace(moe, moe_backend="triton"))
-        self.quant_config = quant_config
-
-    def create_weights(self, layer: RoutedExperts, num_experts: int, hidden_size: int,
-                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
-        layer.w13_input_scale = None  # dynamic per-token activations
-        layer.w2_input_scale = None
-        _create_stacked(self, layer, num_experts, hidden_size, intermediate_size_per_partition, extra_weight_attrs)
+def _quantization_args(stacked: StackedLayout) -> tuple[QuantizationArgs, QuantizationArgs | None]:
+    """The weight (and activation) scheme of the stacked layout, in the words of moeconv's own
+    compressed-tensors backend: the config its output carries for the same layer."""
+    shape = _layer_shape(stacked, 1, 1, 1, 1)  # (the scheme does not depend on the sizes)
+    group = CompressedTensorsBackend().checkpoint_quantization_config(shape, None, [])["config_groups"]["group_0"]
+    activations = group["input_activations"]
+    return QuantizationArgs(**group["weights"]), None if activations is None else QuantizationArgs(**activations)
 
 
-def _create_stacked(method, layer: RoutedExperts, num_experts: int, hidden_size: int, intermediate_per_rank: int,
-                    extra_weight_attrs: dict[str, Any]) -> None:
-    """The layer's parameters exactly as the triton backend lays them out (this rank's part of each),
-    each with a loader that copies the stored tensor; refused with the reason when the layer cannot
-    be split over this tensor-parallel size (the check `convert --tp` makes)."""
-    config: MoeconvConfig = method.quant_config
-    tp_size = method.moe.tp_size
-    int8 = config.layout == INT8_LAYOUT
-    shape = MoELayerShape(experts=num_experts, hidden=hidden_size, intermediate=intermediate_per_rank * tp_size,
-                          bits=config.weight_bits, group_size=config.group_size, symmetric=not config.has_zp,
-                          scale_dtype=_dtype_name(config.scale_dtype), activation_bits=8 if int8 else 16, tp=tp_size)
-    backend = TritonBackend()
-    reason = backend.refusal(shape)
-    if reason:
-        raise _refuse(f"{layer.layer_name}: {reason} (convert with --tp {tp_size} to check, or --regroup)")
-    layer.quant_config = config
-    rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
-    strategy = FusedMoeWeightScaleSupported.CHANNEL if int8 else FusedMoeWeightScaleSupported.GROUP
-    for spec in backend.layer_tensors(shape):
-        full = torch.empty(spec.shape, dtype=TORCH_DTYPES[spec.dtype], device="meta")
-        per_rank = rank_part(spec.name, full, shape.intermediate, config.weight_bits, config.group_size, tp_size, rank)
-        parameter = torch.nn.Parameter(torch.empty(per_rank.shape, dtype=full.dtype), requires_grad=False)
-        layer.register_parameter(spec.name, parameter)
-        set_weight_attrs(parameter, {**extra_weight_attrs, "quant_method": strategy.value, "is_transposed": False,
-                                     "weight_loader": _whole_tensor_loader(layer, spec.name, shape, tp_size, rank)})
+def _experts_method(config: MoeconvConfig, layer: RoutedExperts, prefix: str) -> QuantizeMethodBase:
+    """vLLM's compressed-tensors MoE method for the layer, built as vLLM's compressed-tensors config
+    builds it (`CompressedTensorsMoEMethod.get_moe_method`), whose `__init__` runs the oracle."""
+    weights, activations = _quantization_args(config.stacked)
+    try:
+        if config.stacked.layout == INT8_LAYOUT:
+            method = StackedInt8Method(config, weights, activations, layer.moe_config)
+            backend, reason = method.int8_backend.value, _int8_reason(layer.moe_config)
+        else:
+            method = StackedWNA16Method(config, weights, layer.moe_config)
+            backend, reason = method.wna16_backend.value, _wna16_reason(layer.moe_config, weights, method.wna16_backend)
+    except AssertionError:  # CompressedTensorsWNA16MoEMethod asserts group scales for every backend but Marlin
+        raise PluginRefusal(f"{prefix}: channel-wise scales are served by vLLM {vllm.__version__}'s Marlin MoE "
+                            f"experts only, and vLLM's oracle picked another backend on this machine (pass "
+                            f"--moe-backend marlin where Marlin runs)") from None
+    except (ValueError, NotImplementedError) as error:  # the oracle: an override it refuses, or no backend
+        raise PluginRefusal(f"{prefix}: vLLM's MoE oracle serves no backend for this layer: "
+                            f"{(str(error).splitlines() or [''])[0]}") from None
+    logger.info_once("moeconv: MoE layers on vLLM's %s backend (%s)", backend, reason, scope="local")
+    return method
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, value in TORCH_DTYPES.items() if value == dtype)
+def _wna16_reason(moe, weights: QuantizationArgs, chosen) -> str:
+    """Why the oracle chose `chosen`: the user's override, or the backends before it in vLLM's priority
+    order for this platform and the reason each gave (the oracle's own functions, read back)."""
+    if moe.moe_backend != "auto":
+        return f"--moe-backend {moe.moe_backend}"
+    skipped = []
+    for backend in int_wna16._get_priority_backends():
+        if backend == chosen:
+            break
+        why = int_wna16._backend_incompatibility_reason(backend, moe, weights, not weights.symmetric, False, True)
+        skipped.append(f"{backend.value}: {why or 'its kernels do not support this device or layer'}")
+    order = "vLLM's first WNA16 MoE backend for this platform"
+    return f"{order}; skipped {'; '.join(skipped)}" if skipped else order
 
 
-def _whole_tensor_loader(layer: RoutedExperts, name: str, shape: MoELayerShape, tp_size: int, rank: int):
-    """Copies a stacked tensor from the file into its parameter: one copy, of this rank's part."""
-    config: MoeconvConfig = layer.quant_config
+def _int8_reason(moe) -> str:
+    return f"--moe-backend {moe.moe_backend}" if moe.moe_backend != "auto" else "vLLM's Int8 MoE priority order"
+
+
+class _StackedLoading:
+    """What the two methods add to vLLM's: before the parameters exist, the layer is checked against
+    the backend's own refusals and the files' headers (so nothing is allocated that the files do not
+    hold); after, each parameter a stacked tensor fills gets a loader that copies this rank's part."""
+
+    def _create_stacked(self, create, layer: RoutedExperts, num_experts: int, hidden_size: int,
+                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        config: MoeconvConfig = self.moeconv_config
+        tp_size = self.moe.tp_size
+        shape = _layer_shape(config.stacked, num_experts, hidden_size, intermediate_size_per_partition * tp_size, tp_size)
+        for backend in (TritonBackend(), CompressedTensorsBackend()):  # the file's layout, then the method's packing
+            reason = backend.refusal(shape)
+            if reason:
+                raise PluginRefusal(f"{layer.layer_name}: {reason} (convert with --tp {tp_size} to check, or --regroup)")
+        specs = {spec.name: spec for spec in TritonBackend().layer_tensors(shape)}
+        _check_files(config, layer, specs)
+        create(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra_weight_attrs)
+        rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
+        parameters = dict(layer.named_parameters(recurse=False))
+        # compressed-tensors' (E, 2) weight_shape of the WNA16 method: [N, K] of every expert's projections,
+        # filled with the GEMM's weights (the int8 method has none)
+        shapes = {"w13_qweight": "w13_weight_shape", "w2_qweight": "w2_weight_shape"}
+        self.stacked_parameters = {}
+        for name, spec in specs.items():
+            parameter = parameters[PARAMETERS[name]]
+            companions = [(parameters[shapes[name]], _projection_shape(name, shape))] if shapes.get(name) in parameters else []
+            parameter.weight_loader = _stacked_loader(layer, name, spec, shape, rank, companions)
+            self.stacked_parameters[name] = parameter
+
+
+def _projection_shape(name: str, shape: MoELayerShape) -> torch.Tensor:
+    """[N, K] of one projection of the GEMM, unsharded, as a compressed-tensors checkpoint's `weight_shape`
+    (gate and up are each [I, H]; down is [H, I])."""
+    n, k = (shape.intermediate, shape.hidden) if name.startswith("w13") else (shape.hidden, shape.intermediate)
+    return torch.tensor([n, k], dtype=torch.int64)
+
+
+def _check_files(config: MoeconvConfig, layer: RoutedExperts, specs: dict) -> None:
+    stored = config.stored_tensors()
+    held = None if stored is None else stored.get(layer.layer_name)
+    if held is None:
+        return  # a Hub id, or named through the model's mapper (MiniMax's block_sparse_moe): the loader checks it
+    for name, spec in specs.items():
+        if name not in held:
+            raise PluginRefusal(f"{layer.layer_name}.{name}: the files hold no such tensor; the config says "
+                                f"{spec.dtype}{list(spec.shape)} (reconvert)")
+        dtype, shape = held[name]
+        if dtype != spec.dtype or tuple(shape) != tuple(spec.shape):
+            raise PluginRefusal(f"{layer.layer_name}.{name}: the file holds {dtype}{list(shape)}, the config and the "
+                                f"model's sizes say {spec.dtype}{list(spec.shape)}; reconvert")
+
+
+def _stacked_loader(layer: RoutedExperts, name: str, spec, shape: MoELayerShape, rank: int,
+                    companions: list[tuple[torch.nn.Parameter, torch.Tensor]]):
+    """Copies a stacked tensor from the file into its parameter: one copy, of this rank's part (and sets
+    the companion parameters that follow from its shape)."""
+    stacked: StackedLayout = layer.quant_method.moeconv_config.stacked
 
     def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
-        part = rank_part(name, loaded_weight, shape.intermediate, config.weight_bits, config.group_size, tp_size, rank)
-        if part.shape != param.shape or part.dtype != param.dtype:
-            raise _refuse(f"{layer.layer_name}.{name}: the file holds {loaded_weight.dtype}{list(loaded_weight.shape)}, "
-                          f"this layer expects {param.dtype}{list(param.shape)} on rank {rank} of {tp_size}")
-        param.data.copy_(part)
+        expected = TORCH_DTYPES[spec.dtype]
+        if tuple(loaded_weight.shape) != tuple(spec.shape) or loaded_weight.dtype != expected:
+            raise PluginRefusal(f"{layer.layer_name}.{name}: the file holds {loaded_weight.dtype}"
+                                f"{list(loaded_weight.shape)}, this layer expects {expected}{list(spec.shape)}")
+        try:
+            fill(name, loaded_weight, param.data, shape.intermediate, stacked.bits, stacked.group_size, shape.tp, rank)
+        except ValueError as error:
+            raise PluginRefusal(f"{layer.layer_name}.{name}: {error} (rank {rank} of {shape.tp})") from None
+        for companion, value in companions:
+            companion.data.copy_(value.expand(companion.shape))
         return True
 
     return load
+
+
+class StackedWNA16Method(_StackedLoading, CompressedTensorsWNA16MoEMethod):
+    """vLLM's compressed-tensors WNA16 MoE method (the oracle's backend, its own post-load repack), its
+    parameters filled from moeconv's stacked moe_wna16 tensors."""
+
+    def __init__(self, config: MoeconvConfig, weights: QuantizationArgs, moe) -> None:
+        super().__init__(weights, None, moe)
+        self.moeconv_config = config
+
+    def create_weights(self, layer: RoutedExperts, *args: Any, **kwargs: Any) -> None:
+        self._create_stacked(super().create_weights, layer, *args, **kwargs)
+
+
+class StackedInt8Method(_StackedLoading, CompressedTensorsW8A8Int8MoEMethod):
+    """vLLM's compressed-tensors W8A8 int8 MoE method (int8 weights, one fp32 scale per channel, dynamic
+    per-token int8 activations; the oracle's backend), its parameters filled from the int8 layout."""
+
+    def __init__(self, config: MoeconvConfig, weights: QuantizationArgs, activations: QuantizationArgs, moe) -> None:
+        super().__init__(weights, activations, moe)
+        self.moeconv_config = config
+
+    def create_weights(self, layer: RoutedExperts, *args: Any, **kwargs: Any) -> None:
+        self._create_stacked(super().create_weights, layer, *args, **kwargs)
+
+
+STACKED_METHODS = (StackedWNA16Method, StackedInt8Method)
 
 
 def route_stacked_tensors() -> None:
     """Model classes map checkpoint names to parameters in their own `load_weights` (per-expert and
     fused expert names; DeepSeek's looks every other name up in its parameter dict, where the experts'
     parameters sit one module deeper, under `routed_experts`). The stacked names are the layers' own
-    `<layer_name>.<tensor>`, so vLLM's default loader is wrapped to hand those straight to the
-    parameters' loaders and everything else to the model, unchanged. Idempotent."""
+    `<layer_name>.<tensor>`, so vLLM's default loader is wrapped to hand those straight to the loaders
+    of the parameters they fill and everything else to the model, unchanged. Idempotent."""
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     original = DefaultModelLoader.load_weights
@@ -243,11 +328,11 @@ def route_stacked_tensors() -> None:
         stacked = {}  # every name a checkpoint may give a stacked tensor: the module's path (MiniMax's
         # `block_sparse_moe.experts`, whose layer_name says mlp) and its layer_name
         for path, module in model.named_modules():
-            if isinstance(getattr(module, "quant_method", None), (StackedExpertsMethod, StackedInt8ExpertsMethod)):
-                for name, parameter in module.named_parameters(recurse=False):
-                    if name in STACKED:
-                        for owner in (path.removesuffix(".routed_experts"), module.layer_name):
-                            stacked[f"{owner}.{name}"] = parameter
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, STACKED_METHODS):
+                for name, parameter in method.stacked_parameters.items():
+                    for owner in (path.removesuffix(".routed_experts"), module.layer_name):
+                        stacked[f"{owner}.{name}"] = parameter
         if not stacked:
             return original(self, model, model_config)
         by_model = model.load_weights

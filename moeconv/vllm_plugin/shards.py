@@ -1,4 +1,5 @@
-"""Which part of each stacked `triton` tensor one tensor-parallel rank holds (docs/FORMAT.md).
+"""Which part of each stacked `triton` tensor one tensor-parallel rank holds (docs/FORMAT.md), and how it
+fills the parameter vLLM's compressed-tensors MoE method holds for it (`fill`).
 
 vLLM splits a MoE layer's intermediate dimension I over the ranks: rank r of T holds gate rows and up
 rows [r·I/T, (r+1)·I/T) of w13 and the same input columns of w2. In the stacked layout that is, per
@@ -30,17 +31,57 @@ SPLITS = {
 }
 
 
-def rank_part(name: str, tensor: torch.Tensor, intermediate: int, bits: int, group_size: int,
-              tp_size: int, rank: int) -> torch.Tensor:
-    """Rank `rank`'s part of the stacked tensor `name` (a copy only where the rows are two ranges)."""
-    if name not in SPLITS:
-        raise ValueError(f"{name} is not a tensor of the triton layout")
+# The compressed-tensors MoE parameter (vLLM's CompressedTensorsWNA16MoEMethod / W8A8 int8 method, the
+# methods vLLM builds for a `compressed-tensors` output) each stacked tensor fills. Both are N-first:
+#   w13_weight_packed int32 (E, 2I, H·b/32) holds, as bytes, exactly w13_qweight (E, 2I, H·b/8): codes
+#       packed along K, LSB first, 32/b to a word (little-endian, which vLLM's own moe_wna16 view assumes);
+#   w13_weight_scale (E, 2I, G) is w13_scales, cast to the parameter's dtype as vLLM's loader casts;
+#   w13_weight_zero_point int32 (E, 2I·b/32, G) packs N: byte j of word [e, w, g] is w13_qzeros[e, 4w + j, g];
+#   the int8 layout's tensors are the W8A8 method's parameters under the same names.
+PARAMETERS = {
+    "w13_qweight": "w13_weight_packed", "w2_qweight": "w2_weight_packed",
+    "w13_scales": "w13_weight_scale", "w2_scales": "w2_weight_scale",
+    "w13_qzeros": "w13_weight_zero_point", "w2_qzeros": "w2_weight_zero_point",
+    "w13_weight": "w13_weight", "w13_weight_scale": "w13_weight_scale",
+    "w2_weight": "w2_weight", "w2_weight_scale": "w2_weight_scale",
+}
+WORD_BYTES = 4
+
+
+def fill(name: str, stored: torch.Tensor, parameter: torch.Tensor, intermediate: int, bits: int, group_size: int,
+         tp_size: int, rank: int) -> None:
+    """Copies rank `rank`'s part of the stacked tensor `name` (the file's, whole) into `parameter` (the
+    compressed-tensors parameter of `PARAMETERS`, this rank's): every element copied once, no
+    intermediate tensor. Raises ValueError when the part and the parameter differ in shape."""
     gemm, unit = SPLITS[name]
+    source, target = stored, parameter
+    if name.endswith("_qweight"):
+        target = parameter.view(torch.uint8)
+    elif name.endswith("_qzeros"):  # compare in words: (E, words, 4, G) on both sides
+        experts, words, groups = parameter.shape
+        if stored.shape[1] % WORD_BYTES:
+            raise ValueError(f"{list(stored.shape)} does not pack into int32 words along dim 1")
+        target = parameter.view(torch.uint8).view(experts, words, groups, WORD_BYTES).permute(0, 1, 3, 2)
+        source = stored.view(stored.shape[0], stored.shape[1] // WORD_BYTES, WORD_BYTES, stored.shape[2])
     if tp_size == 1 or unit is None:
-        return tensor
+        _copy(target, source)
+        return
     per_rank = intermediate // tp_size
     size = {"rows": per_rank, "bytes": per_rank * bits // 8, "groups": per_rank // max(group_size, 1)}[unit]
-    if gemm == "w13":  # gate rows, then up rows: this rank's range of each
-        half = tensor.shape[1] // 2
-        return torch.cat([tensor[:, start + rank * size:start + (rank + 1) * size] for start in (0, half)], dim=1)
-    return tensor[:, :, rank * size:(rank + 1) * size]  # w2: this rank's input columns
+    if gemm == "w13":  # gate rows, then up rows: this rank's range of each, into the halves of the parameter
+        if name.endswith("_qzeros"):
+            if size % WORD_BYTES:
+                raise ValueError(f"one rank's {size} packed rows of the gate (and of the up) projection are not "
+                                 f"whole int32 words")
+            size //= WORD_BYTES
+        half = source.shape[1] // 2
+        for index, start in enumerate((0, half)):
+            _copy(target[:, index * size:(index + 1) * size], source[:, start + rank * size:start + (rank + 1) * size])
+        return
+    _copy(target, source[..., rank * size:(rank + 1) * size])  # w2: this rank's input columns (groups)
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    if target.shape != source.shape:
+        raise ValueError(f"this rank's part is {list(source.shape)}, the parameter holds {list(target.shape)}")
+    target.copy_(source)

@@ -6,11 +6,15 @@ exists), never in the main venv:
     .venv-engines/bin/python tests/engines/plugin_check.py SOURCE=OUTPUT [SOURCE=OUTPUT ...]
 
 For each pair, OUTPUT (a triton conversion of SOURCE) is built and loaded by vLLM as in vllm_load.py
-(every parameter written, every tensor consumed; the load time of `load_weights`), and then:
+(every parameter written, every tensor consumed; the load time of `load_weights`) with
+`--moe-backend triton` (vLLM's oracle would pick Humming for the capability 9.0 the harness reports, and
+Humming's repack needs a GPU), and then:
 
-  * byte identity: every MoE parameter equals the file's tensor, byte for byte;
-  * the post-load step: `process_weights_after_loading` of every MoE layer leaves each parameter's
-    storage where it was (nothing re-allocated, nothing repacked), and how much the process grew;
+  * the post-load step: vLLM's own `process_weights_after_loading` for its Triton backend runs on every
+    MoE layer, and the tensors the Triton kernel then reads equal the file's stacked tensors, byte for
+    byte (scales after the cast to the parameters' dtype that every vLLM loader makes; the plugin fills
+    compressed-tensors' N-first parameters, and vLLM views them back as moe_wna16);
+    how much the process grew;
   * numerics: vLLM's own Triton MoE kernel (`invoke_fused_moe_wna16_triton_kernel` for moe_wna16,
     `invoke_fused_moe_triton_kernel` with int8 W8A8 for the int8 layout; under TRITON_INTERPRET=1 with
     fp16 activations) on the loaded parameters, for the first MoE layer,
@@ -55,43 +59,41 @@ def _file_tensors(output: Path) -> dict[str, tuple[Path, str]]:
 
 
 def _moe_layers(model):
-    from moeconv.vllm_plugin.method import StackedExpertsMethod, StackedInt8ExpertsMethod
+    from moeconv.vllm_plugin.method import STACKED_METHODS
 
     # (the checkpoint's module path: vLLM nests RoutedExperts one module deeper, and MiniMax's layer_name
     # says mlp where the module and the checkpoint say block_sparse_moe)
     return [(name.removesuffix(".routed_experts"), module) for name, module in model.named_modules()
-            if isinstance(getattr(module, "quant_method", None), (StackedExpertsMethod, StackedInt8ExpertsMethod))]
+            if isinstance(getattr(module, "quant_method", None), STACKED_METHODS)]
 
 
 def check(source: Path, output: Path) -> dict:
-    from moeconv.vllm_plugin.method import STACKED
+    from moeconv.vllm_plugin.shards import PARAMETERS
 
-    model, result = build_and_load(output)
+    model, result = build_and_load(output, moe_backend="triton")
     layers = _moe_layers(model)
     files = _file_tensors(output)
-    mismatched, compared = [], 0
-    for name, module in layers:
-        for leaf in STACKED:
-            if not hasattr(module, leaf):
-                continue
-            full = f"{name}.{leaf}"
-            with safe_open(str(files[full]), "pt") as handle:
-                stored = handle.get_tensor(full)
-            parameter = getattr(module, leaf).data
-            same = stored.dtype == parameter.dtype and stored.shape == parameter.shape and torch.equal(
-                stored.reshape(-1).view(torch.uint8), parameter.reshape(-1).view(torch.uint8))
-            compared += 1
-            if not same:
-                mismatched.append(full)
-    before = {(name, leaf): getattr(module, leaf).data_ptr() for name, module in layers for leaf in STACKED
-              if hasattr(module, leaf)}
     rss = _rss_mb()
     for _, module in layers:
         module.quant_method.process_weights_after_loading(module)
-    moved = [f"{name}.{leaf}" for (name, leaf), pointer in before.items()
-             if getattr(dict(layers)[name], leaf).data_ptr() != pointer]
+    mismatched, compared = [], 0
+    for name, module in layers:
+        for leaf in module.quant_method.stacked_parameters:
+            full = f"{name}.{leaf}"
+            with safe_open(str(files[full]), "pt") as handle:
+                stored = handle.get_tensor(full)
+            kernel = getattr(module, PARAMETERS[leaf]).data  # after vLLM's post-load step for Triton
+            if stored.dtype.is_floating_point:  # scales: in the parameters' dtype, as vLLM's loaders cast them
+                stored = stored.to(kernel.dtype)
+            same = stored.dtype == kernel.dtype and stored.shape == kernel.shape and torch.equal(
+                stored.reshape(-1).view(torch.uint8), kernel.reshape(-1).view(torch.uint8))
+            compared += 1
+            if not same:
+                mismatched.append(full)
+    backends = sorted({str(getattr(module.quant_method, "wna16_backend", getattr(module.quant_method, "int8_backend",
+                                                                                      None))) for _, module in layers})
     result.update(moe_layers=len(layers), tensors_compared=compared, not_byte_identical=mismatched,
-                  reallocated_after_loading=moved, post_load_rss_growth_mb=round(_rss_mb() - rss, 2))
+                  backends=backends, post_load_rss_growth_mb=round(_rss_mb() - rss, 2))
     result.update(_numerics(source, layers[0][1], layers[0][0]))
     return result
 
@@ -108,12 +110,12 @@ def _numerics(source: Path, layer, module_name: str) -> dict:
     from moeconv.kernels.reference import random_routing, reference_fused_moe, relative_error
     from moeconv.kernels.runners import NUMERICS_TOLERANCE, W8A8_NUMERICS_TOLERANCE
     from moeconv.plan import make_plan
-    from moeconv.vllm_plugin.method import INT8_LAYOUT
+    from moeconv.vllm_plugin.config import INT8_LAYOUT
 
     plan = make_plan(source, backend="triton")
     moe = next(item for item in plan.layers if item.module == module_name)
-    config = layer.quant_config
-    int8 = config.layout == INT8_LAYOUT
+    stacked = layer.quant_method.moeconv_config.stacked
+    int8 = stacked.layout == INT8_LAYOUT
     experts, hidden, intermediate = moe.shape.experts, moe.shape.hidden, moe.shape.intermediate
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(TOKENS, hidden, generator=gen) * 0.5).to(torch.float16)
@@ -136,12 +138,12 @@ def _numerics(source: Path, layer, module_name: str) -> dict:
                 use_fp8_w8a8=False, use_int8_w8a8=True, use_int8_w8a16=False, use_int4_w4a16=False,
                 per_channel_quant=True, block_shape=None)
             return c
-        invoke_fused_moe_wna16_triton_kernel(
-            a, getattr(layer, f"{prefix}_qweight"), c, getattr(layer, f"{prefix}_scales"),
-            getattr(layer, f"{prefix}_qzeros", None) if config.has_zp else None, routing, blocks.pair_ids,
+        invoke_fused_moe_wna16_triton_kernel(  # the tensors vLLM's Triton backend reads after its post-load step
+            a, getattr(layer, f"{prefix}_weight_packed"), c, getattr(layer, f"{prefix}_weight_scale"),
+            getattr(layer, f"{prefix}_weight_zero_point") if stacked.has_zp else None, routing, blocks.pair_ids,
             expert_ids, padded, routed, pairs_per_row, kernel, compute_type=tl.float16,
-            use_int8_w8a16=config.weight_bits == 8, use_int4_w4a16=config.weight_bits == 4,
-            block_shape=[0, config.group_size])
+            use_int8_w8a16=stacked.bits == 8, use_int4_w4a16=stacked.bits == 4,
+            block_shape=[0, stacked.group_size])
         return c
 
     gate_up = gemm(x, "w13", 2 * intermediate, topk, False).reshape(TOKENS * topk, 2 * intermediate)

@@ -111,19 +111,20 @@ def load(checkpoint: Path) -> dict:
     return build_and_load(checkpoint)[1]
 
 
-def build_and_load(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
-    """The model vLLM builds for the checkpoint, after its own loader ran twice (two sentinels), and
-    what the loading showed; `load_seconds` is the faster of the two `load_weights` passes."""
+def build_and_load(checkpoint: Path, moe_backend: str = "auto") -> tuple[torch.nn.Module, dict]:
+    """The model vLLM builds for the checkpoint (`moe_backend`: vLLM's --moe-backend), after its own
+    loader ran twice (two sentinels), and what the loading showed; `load_seconds` is the faster of the
+    two `load_weights` passes."""
     import time
 
-    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import DeviceConfig, KernelConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model
 
     model_config = ModelConfig(model=str(checkpoint), dtype="float16", enforce_eager=True)
     vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"),
-                             load_config=LoadConfig())
+                             load_config=LoadConfig(), kernel_config=KernelConfig(moe_backend=moe_backend))
     with set_current_vllm_config(vllm_config):
         from vllm.distributed import parallel_state
 
