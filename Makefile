@@ -31,7 +31,8 @@ test: $(STAMP) packers
 
 # Optional, not part of `make test` or CI: vLLM 0.33.0 in its own venv (7-8 GB, about 10 minutes),
 # then every backend's output loaded with vLLM's own model classes and weight loaders on the CPU,
-# and the triton outputs served through moeconv's vLLM plugin (loader, byte identity, vLLM's kernel).
+# the triton outputs served through moeconv's vLLM plugin (loader, vLLM's Triton kernel), and the
+# plugin's MoE parameters against stock vLLM's for each choice of vLLM's MoE oracle (differential).
 ENGINES_STAMP := .venv-engines/.engines-installed
 
 $(ENGINES_STAMP): pyproject.toml
@@ -46,6 +47,7 @@ engines: $(ENGINES_STAMP)
 test-engines: $(STAMP) $(ENGINES_STAMP)
 	$(BIN)/python tests/engines/run_matrix.py
 	$(BIN)/python tests/engines/run_plugin.py
+	$(BIN)/python tests/engines/run_differential.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_convert.py

@@ -119,7 +119,8 @@ def test_the_plugin_is_an_entry_point_and_imports_no_vllm():
 
     assert [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "moeconv"] == [
         "moeconv.vllm_plugin:register"]
-    code = "import sys, moeconv.vllm_plugin, moeconv.vllm_plugin.shards; print('vllm' in sys.modules)"
+    code = ("import sys, moeconv.vllm_plugin, moeconv.vllm_plugin.shards, moeconv.vllm_plugin.config; "
+            "print('vllm' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 

@@ -1,17 +1,20 @@
-"""A vLLM plugin that serves moeconv's stacked `triton` outputs as they are on disk.
+"""A vLLM plugin that serves moeconv's stacked `triton` outputs on the MoE backend vLLM itself would pick.
 
 `pip install moeconv` next to vLLM registers it (entry point `vllm.general_plugins`: moeconv =
 moeconv.vllm_plugin:register). A `--backend triton` output's config says `quant_method: "moeconv"`;
-with the plugin, `vllm serve OUT` creates each MoE layer's parameters with exactly the shapes and
-dtypes moeconv wrote, loads each stacked tensor with one copy (this rank's slice of it under tensor
-parallelism), does nothing after loading, and runs vLLM's own moe_wna16 Triton experts on them. The
-dense layers load through the source's own quantization method, which the config records.
+with the plugin, `vllm serve OUT` parses that config strictly, serves each MoE layer with the method
+vLLM builds for the `compressed-tensors` output of the same source (so vLLM's own oracle picks the
+backend for the machine: Humming on Hopper, Marlin, Triton, vLLM's CPU experts; `--moe-backend`
+overrides it), fills that method's parameters by one copy of this rank's part of each stacked tensor,
+and lets its own post-load repack run. The dense layers load through the source's own quantization
+method, which the config records.
 
 `register` also wraps vLLM's default loader so a tensor named `<layer>.<stacked name>` goes straight to
 its parameter (model classes' own `load_weights` know only per-expert and fused names).
 
-This module imports no vLLM; `register` imports `moeconv.vllm_plugin.method`, which does.
-`shards.py` holds the tensor-parallel slicing, vLLM-free, so it is tested without vLLM.
+This module imports no vLLM; `register` imports `moeconv.vllm_plugin.method`, which does. `config.py`
+(the config's parsing) and `shards.py` (which part of a stacked tensor fills which parameter, per
+tensor-parallel rank) are vLLM-free, so they are tested without vLLM.
 """
 
 from __future__ import annotations

@@ -3,14 +3,18 @@
 Runs in the main venv; tests/engines/plugin_check.py and vllm_load.py run in .venv-engines
 (vllm==0.33.0 with moeconv installed, `make engines`). For every architecture x source format whose
 dense layers vLLM 0.33 loads, a synthetic source is converted with `--backend triton` and checked by
-plugin_check.py: vLLM's model class and loader consume every tensor through the plugin, every MoE
-parameter is byte-identical to the file, the post-load step re-allocates nothing, and vLLM's own
-Triton MoE kernel (moe_wna16, or int8 W8A8) on the loaded parameters matches the float64 reference of the source. Then:
+plugin_check.py with `--moe-backend triton`: vLLM's model class and loader consume every tensor through
+the plugin, after vLLM's own post-load step for its Triton backend the tensors the kernel reads are the
+file's stacked tensors byte for byte, and vLLM's own Triton MoE kernel (moe_wna16, or int8 W8A8) on them
+matches the float64 reference of the source (run_differential.py compares the parameters with stock
+vLLM's for every oracle choice). Then:
 
   * load time: a Qwen3-MoE-shaped GPTQ source with many experts and its triton output, each loaded by
     vLLM's `load_weights` (stock vLLM for the source, the plugin for the output), tensors and seconds;
-  * refusals at start-up, with the reason: a `cpu` output (not served by the plugin yet) and the real
-    GPTQModel act-order checkpoint's output (asymmetric GPTQ dense layers, which vLLM 0.33 refuses).
+  * refusals at start-up, with the reason: a `cpu` output (not served by the plugin yet), the real
+    GPTQModel act-order checkpoint's output (asymmetric GPTQ dense layers, which vLLM 0.33 refuses),
+    and a triton output whose config was edited (a string has_zp; a group size its files do not hold,
+    refused from the headers before any parameter is allocated).
 
 Prints markdown tables; exits 1 when a check fails.
 
@@ -52,7 +56,24 @@ MANY_EXPERTS = SynthSpec(architecture="qwen3_moe", source_format=GPTQ(4, 32, sym
 EXPECTED_REFUSALS = {
     "cpu backend output": "backend 'cpu' outputs are not served by this plugin yet",
     "act-order (GPTQModel, asymmetric)": "the dense layers keep the source's 'gptq' quantization",
+    'config edited: has_zp "false"': "moeconv: the output's quantization_config: has_zp must be true or false",
+    "config edited: group_size 16, files hold 32": "w13_scales: the file holds F16[4, 128, 4], the config and "
+                                                   "the model's sizes say F16[4, 128, 8]",
 }
+EDITS = {'config edited: has_zp "false"': {"has_zp": "false"},
+         "config edited: group_size 16, files hold 32": {"group_size": 16}}
+
+
+def _edited(output: Path, where: Path, change: dict) -> Path:
+    """A copy of `output` (its files linked) whose quantization_config has `change` applied."""
+    where.mkdir(parents=True)
+    for path in output.iterdir():
+        if path.name != "config.json":
+            (where / path.name).symlink_to(path)
+    config = json.loads((output / "config.json").read_text())
+    config["quantization_config"].update(change)
+    (where / "config.json").write_text(json.dumps(config))
+    return where
 
 
 def _engine(script: str, *args: str) -> list[dict]:
@@ -128,6 +149,9 @@ def main() -> None:
                    "act-order (GPTQModel, asymmetric)": moeconv.convert(
                        ROOT / "tests" / "data" / "gptqmodel_act_order" / "down_only", base / "act-order" / "triton",
                        backend="triton").output}
+        triton = pairs[("qwen3_moe", "gptq-sym")][1]
+        for index, (label, change) in enumerate(EDITS.items()):
+            refused[label] = _edited(triton, base / "edited" / str(index), change)
         print("\n| output | plugin at start-up |\n|---|---|")
         for (label, path), result in zip(refused.items(), _engine("vllm_load.py", *map(str, refused.values()))):
             error = result.get("error", "")

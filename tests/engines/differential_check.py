@@ -1,0 +1,124 @@
+"""The differential oracle of moeconv's vLLM plugin: its MoE parameters against stock vLLM's, on the CPU.
+
+Runs in .venv-engines (vllm==0.33.0 with moeconv installed, `make engines`), never in the main venv:
+
+    .venv-engines/bin/python tests/engines/differential_check.py REFERENCE=OUTPUT [REFERENCE=OUTPUT ...]
+
+OUTPUT is a `--backend triton` conversion served through the plugin; REFERENCE is a checkpoint stock vLLM
+loads with the same MoE method (the compressed-tensors source itself, or the `compressed-tensors` output
+of a GPTQ / AWQ source). For each pair and each backend choice of vLLM's MoE oracle, forced through
+what the platform reports (compute capability 9.0: Humming; 8.0: Marlin; a CPU platform: vLLM's CPU
+experts; `--moe-backend triton`: the user's override), both are built and loaded by vLLM's own model
+class and loader as in vllm_load.py (every parameter written, twice, with two sentinels), and then,
+before `process_weights_after_loading`, every parameter of every MoE layer is compared: names, shapes,
+dtypes and bytes; and the backend each layer's method chose. Equal parameters and the same backend mean
+both then run the same post-processing and the same kernel. Where the oracle has no backend for the
+layer, both must refuse it (the plugin with one `moeconv:` line).
+
+Prints one JSON line per pair and choice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from vllm_load import _Capability, _patch_platform, build_and_load, one_line  # noqa: E402
+
+# choice -> (compute capability the platform reports, whether it is a CPU platform, --moe-backend)
+CHOICES = {
+    "capability 9.0": ((9, 0), False, "auto"),
+    "capability 8.0": ((8, 0), False, "auto"),
+    "--moe-backend triton": ((9, 0), False, "triton"),
+    "CPU platform": ((9, 0), True, "auto"),  # last: the CPU answers are not undone
+}
+if os.environ.get("MOECONV_DIFFERENTIAL_CHOICES"):  # a subset, for a quicker look
+    CHOICES = {name: CHOICES[name] for name in os.environ["MOECONV_DIFFERENTIAL_CHOICES"].split(",")}
+
+
+def _choose(capability: tuple[int, int], cpu: bool) -> None:
+    """What the oracle asks: the device capability (Humming's priority, Marlin's and Triton's support)
+    and whether the platform is a CPU one (its own priority list; vLLM's CPU int4 experts also ask for
+    an x86 CPU with AMX tiles, answered yes as on a Sapphire Rapids host)."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if cpu:
+        torch.cpu._is_amx_tile_supported = lambda: True
+        type(current_platform).get_cpu_architecture = classmethod(lambda cls: CpuArchEnum.X86)
+
+    platform_class = type(current_platform)
+    platform_class.get_device_capability = classmethod(lambda cls, device_id=0: _Capability(*capability))
+    platform_class.has_device_capability = classmethod(
+        lambda cls, wanted, device_id=0: _Capability(*capability).to_int() >= (
+            wanted if isinstance(wanted, int) else wanted[0] * 10 + wanted[1]))
+    platform_class.is_cpu = lambda self: cpu
+
+
+def _moe_parameters(model) -> dict[str, tuple[str, torch.Tensor]]:
+    """Every parameter of every MoE layer, by its full name, with the layer method's backend."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    found = {}
+    for path, module in model.named_modules():
+        if isinstance(module, RoutedExperts):
+            method = module.quant_method
+            backend = str(getattr(method, "wna16_backend", getattr(method, "int8_backend", None)))
+            for name, parameter in module.named_parameters(recurse=False):
+                found[f"{path}.{name}"] = (backend, parameter.data)
+    return found
+
+
+def _built(checkpoint: Path, moe_backend: str):
+    """(model, load report) or the one-line error vLLM (or the plugin) refused it with."""
+    try:
+        return build_and_load(checkpoint, moe_backend=moe_backend), None
+    except Exception as error:  # noqa: BLE001 (a refusal is a result: the driver judges it)
+        if os.environ.get("MOECONV_ENGINE_TRACE"):
+            traceback.print_exc()
+        return None, one_line(error)
+
+
+def compare(reference: Path, output: Path, moe_backend: str) -> dict:
+    stock, stock_error = _built(reference, moe_backend)
+    plugin, plugin_error = _built(output, moe_backend)
+    if stock is None or plugin is None:
+        return {"loaded": False, "stock_error": stock_error, "plugin_error": plugin_error}
+    (stock, _), (plugin, loaded) = stock, plugin
+    expected, got = _moe_parameters(stock), _moe_parameters(plugin)
+    differ = []
+    for name in sorted(set(expected) & set(got)):
+        want, have = expected[name][1], got[name][1]
+        if want.dtype != have.dtype or want.shape != have.shape or not torch.equal(
+                want.reshape(-1).view(torch.uint8), have.reshape(-1).view(torch.uint8)):
+            differ.append(f"{name}: stock {want.dtype}{list(want.shape)}, plugin {have.dtype}{list(have.shape)}")
+    return {"loaded": True, "moe_parameters": len(expected), "only_stock": sorted(set(expected) - set(got))[:5],
+            "only_plugin": sorted(set(got) - set(expected))[:5], "differ": differ[:5], "differ_count": len(differ),
+            "stock_backends": sorted({backend for backend, _ in expected.values()}),
+            "plugin_backends": sorted({backend for backend, _ in got.values()}),
+            "plugin_not_consumed": loaded["not_consumed"], "plugin_unloaded": loaded["unloaded_parameters"]}
+
+
+def main() -> None:
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    _patch_platform()
+    for choice, (capability, cpu, moe_backend) in CHOICES.items():
+        _choose(capability, cpu)
+        for pair in sys.argv[1:]:
+            reference, output = (Path(part) for part in pair.split("=", 1))
+            result = compare(reference, output, moe_backend)
+            print(json.dumps({"choice": choice, "reference": str(reference), "output": str(output), **result}),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
