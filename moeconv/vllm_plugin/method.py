@@ -42,6 +42,7 @@ from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.errors import MoeconvError
 from moeconv.spec import TORCH_DTYPES
 from moeconv.vllm_plugin import QUANT_METHOD
+from moeconv.vllm_plugin import integrity
 from moeconv.vllm_plugin.config import INT8_LAYOUT, PluginRefusal, StackedLayout, parse
 from moeconv.vllm_plugin.shards import PARAMETERS, fill
 
@@ -64,7 +65,9 @@ class MoeconvConfig(QuantizationConfig):
             raise PluginRefusal("the stacked layouts are served on little-endian hosts only")
         self.stacked = parse(config)
         self.dense = _dense_config(self.stacked.source)
-        self._stored: dict[str, tuple[str, tuple[int, ...]]] | None = None
+        self._stored: dict[str, dict[str, tuple[str, tuple[int, ...], Path]]] | None = None
+        self.verify_on_load = integrity.requested()
+        self._digests: integrity.ShardDigests | None = None
 
     @classmethod
     def get_name(cls) -> str:
@@ -106,13 +109,15 @@ class MoeconvConfig(QuantizationConfig):
         self.dense.packed_modules_mapping = self.packed_modules_mapping
         return self.dense.get_quant_method(layer, prefix)
 
-    def stored_tensors(self) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]] | None:
-        """The output's stacked tensors (safetensors dtype, shape) by layer and name, from its headers,
-        when vLLM serves it from a local folder (a Hub id is downloaded after the layers are built: then
-        each loader's own shape check is the bound); read once, strictly (moeconv.checkpoint)."""
+    def stored_tensors(self) -> dict[str, dict[str, tuple[str, tuple[int, ...], Path]]] | None:
+        """The output's stacked tensors (safetensors dtype, shape, file) by layer and name, from its
+        headers, when vLLM serves it from a local folder (a Hub id is downloaded after the layers are
+        built: then each loader's own shape check is the bound); read once, strictly (moeconv.checkpoint)."""
         if self._stored is None:
             root = Path(str(get_current_vllm_config().model_config.model))
             if not root.is_dir():
+                if self.verify_on_load:
+                    raise PluginRefusal(f"{integrity.ENV}=1 checks a local output folder; {root} is not one")
                 return None
             try:
                 checkpoint = open_checkpoint(root)
@@ -122,8 +127,19 @@ class MoeconvConfig(QuantizationConfig):
             for name, entry in checkpoint.tensors.items():
                 owner, _, leaf = name.rpartition(".")
                 if leaf in PARAMETERS:
-                    self._stored.setdefault(owner, {})[leaf] = (entry.dtype, entry.shape)
+                    self._stored.setdefault(owner, {})[leaf] = (entry.dtype, entry.shape, entry.file)
+            if self.verify_on_load:
+                self._digests = integrity.ShardDigests(root)
         return self._stored
+
+    def check_shard(self, layer_name: str, name: str) -> None:
+        """With MOECONV_VERIFY_ON_LOAD=1: the shard holding this stacked tensor is the one moeconv wrote."""
+        if self._digests is None:
+            return
+        held = _held(self._stored or {}, layer_name).get(name)
+        if held is None:
+            raise PluginRefusal(f"{layer_name}.{name}: {integrity.ENV}=1, but the index names no shard for it")
+        self._digests.check(held[2], f"{layer_name}.{name}")
 
 
 def _dense_config(source: dict[str, Any]) -> QuantizationConfig:
@@ -250,14 +266,14 @@ def _projection_shape(name: str, shape: MoELayerShape) -> torch.Tensor:
 
 def _check_files(config: MoeconvConfig, layer: RoutedExperts, specs: dict) -> None:
     stored = config.stored_tensors()
-    held = None if stored is None else stored.get(layer.layer_name)
-    if held is None:
-        return  # a Hub id, or named through the model's mapper (MiniMax's block_sparse_moe): the loader checks it
+    if stored is None:
+        return  # a Hub id: the loader checks each tensor's shape
+    held = _held(stored, layer.layer_name)
     for name, spec in specs.items():
         if name not in held:
             raise PluginRefusal(f"{layer.layer_name}.{name}: the files hold no such tensor; the config says "
                                 f"{spec.dtype}{list(spec.shape)} (reconvert)")
-        dtype, shape = held[name]
+        dtype, shape, _ = held[name]
         if dtype != spec.dtype or tuple(shape) != tuple(spec.shape):
             raise PluginRefusal(f"{layer.layer_name}.{name}: the file holds {dtype}{list(shape)}, the config and the "
                                 f"model's sizes say {spec.dtype}{list(spec.shape)}; reconvert")
@@ -274,6 +290,7 @@ def _stacked_loader(layer: RoutedExperts, name: str, spec, shape: MoELayerShape,
         if tuple(loaded_weight.shape) != tuple(spec.shape) or loaded_weight.dtype != expected:
             raise PluginRefusal(f"{layer.layer_name}.{name}: the file holds {loaded_weight.dtype}"
                                 f"{list(loaded_weight.shape)}, this layer expects {expected}{list(spec.shape)}")
+        layer.quant_method.moeconv_config.check_shard(layer.layer_name, name)
         try:
             fill(name, loaded_weight, param.data, shape.intermediate, stacked.bits, stacked.group_size, shape.tp, rank)
         except ValueError as error:

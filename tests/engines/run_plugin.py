@@ -14,7 +14,9 @@ vLLM's for every oracle choice). Then:
   * refusals at start-up, with the reason: a `cpu` output (not served by the plugin yet), the real
     GPTQModel act-order checkpoint's output (asymmetric GPTQ dense layers, which vLLM 0.33 refuses),
     and a triton output whose config was edited (a string has_zp; a group size its files do not hold,
-    refused from the headers before any parameter is allocated).
+    refused from the headers before any parameter is allocated); and, with MOECONV_VERIFY_ON_LOAD=1, a
+    triton output as written (loads) and a copy with one byte of a stacked tensor flipped (refused,
+    naming the tensor and its shard).
 
 Prints markdown tables; exits 1 when a check fails.
 
@@ -24,6 +26,8 @@ Prints markdown tables; exits 1 when a check fails.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,6 +36,7 @@ from pathlib import Path
 import moeconv
 from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.synth import SynthSpec, make_checkpoint
+from moeconv.vllm_plugin.integrity import ENV as VERIFY_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_matrix import ENGINE_PYTHON, NOT_IN_CHECKPOINTS, command_line, not_consumed  # noqa: E402
@@ -60,6 +65,9 @@ EXPECTED_REFUSALS = {
     "config edited: group_size 16, files hold 32": "w13_scales: the file holds F16[4, 128, 4], the config and "
                                                    "the model's sizes say F16[4, 128, 8]",
 }
+# With MOECONV_VERIFY_ON_LOAD=1: a copy of a triton output with one byte of a stacked tensor flipped.
+FLIPPED = "model.layers.1.mlp.experts.w2_qweight"
+VERIFY_REFUSAL = f"moeconv: {FLIPPED}: its shard"
 EDITS = {'config edited: has_zp "false"': {"has_zp": "false"},
          "config edited: group_size 16, files hold 32": {"group_size": 16}}
 
@@ -76,9 +84,9 @@ def _edited(output: Path, where: Path, change: dict) -> Path:
     return where
 
 
-def _engine(script: str, *args: str) -> list[dict]:
+def _engine(script: str, *args: str, env: dict[str, str] | None = None) -> list[dict]:
     done = subprocess.run([str(ENGINE_PYTHON), str(ENGINES / script), *args], capture_output=True, text=True,
-                          timeout=3600)
+                          timeout=3600, env=None if env is None else {**os.environ, **env})
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if len(results) != len(args):
         sys.exit(f"{script} answered {len(results)} of {len(args)}:\n{done.stderr[-3000:]}")
@@ -104,6 +112,17 @@ def _problems(result: dict) -> list[str]:
     if not result["numerics_ok"]:
         problems.append(f"relative error {result['relative_error']:.2e} > {result['tolerance']}")
     return problems
+
+
+def _flip_a_byte(output: Path, tensor: str) -> None:
+    from moeconv.checkpoint.reader import open_checkpoint
+
+    entry = open_checkpoint(output).tensors[tensor]
+    with open(entry.file, "r+b") as handle:
+        handle.seek(entry.begin)
+        byte = handle.read(1)
+        handle.seek(entry.begin)
+        handle.write(bytes([byte[0] ^ 0x01]))
 
 
 def main() -> None:
@@ -158,6 +177,18 @@ def main() -> None:
             print(f"| {label} | {'loaded' if result['loaded'] else 'refused: ' + error[:160]} |")
             if result["loaded"] or EXPECTED_REFUSALS[label] not in error:
                 failures.append(f"{label}: expected a refusal naming {EXPECTED_REFUSALS[label]!r}, got {error or 'a load'}")
+
+        flipped = base / "flipped"
+        shutil.copytree(triton, flipped)
+        _flip_a_byte(flipped, FLIPPED)
+        label = f"one byte of {FLIPPED} flipped, {VERIFY_ENV}=1"
+        for name, path in (("as written", triton), (label, flipped)):
+            result, = _engine("vllm_load.py", str(path), env={VERIFY_ENV: "1"})
+            error = result.get("error", "")
+            print(f"| {name}, {VERIFY_ENV}=1 | {'loaded' if result['loaded'] else 'refused: ' + error[:200]} |")
+            if (path == flipped) == result["loaded"] or (path == flipped and VERIFY_REFUSAL not in error):
+                failures.append(f"{name}: expected {'a refusal naming ' + VERIFY_REFUSAL if path == flipped else 'a load'}, "
+                                f"got {error or 'a load'}")
     for failure in failures:
         print(f"FAIL {failure}", file=sys.stderr)
     sys.exit(1 if failures else 0)
