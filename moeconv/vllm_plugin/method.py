@@ -49,7 +49,8 @@ from moeconv.vllm_plugin.shards import PARAMETERS, fill
 ENGINE_VERSIONS = ("0.33.",)  # the vLLM releases whose MoE methods and oracle this plugin was built against
 STACKED = tuple(PARAMETERS)  # every stacked tensor name of the triton layout (both variants)
 
-logger = init_logger(__name__)
+LOGGER_NAME = "vllm.moeconv"  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
+logger = init_logger(LOGGER_NAME)
 
 
 class MoeconvConfig(QuantizationConfig):
@@ -277,6 +278,16 @@ def _check_files(config: MoeconvConfig, layer: RoutedExperts, specs: dict) -> No
         if dtype != spec.dtype or tuple(shape) != tuple(spec.shape):
             raise PluginRefusal(f"{layer.layer_name}.{name}: the file holds {dtype}{list(shape)}, the config and the "
                                 f"model's sizes say {spec.dtype}{list(spec.shape)}; reconvert")
+
+
+def _held(stored: dict[str, dict], layer_name: str) -> dict:
+    """The stacked tensors the files hold for a layer: under its layer_name, or under the one module of the
+    same decoder layer the checkpoint names otherwise (MiniMax's `block_sparse_moe.experts`, whose layer_name
+    says mlp)."""
+    if layer_name in stored:
+        return stored[layer_name]
+    same = [owner for owner in stored if owner.rsplit(".", 2)[0] == layer_name.rsplit(".", 2)[0]]
+    return stored[same[0]] if len(same) == 1 else {}
 
 
 def _stacked_loader(layer: RoutedExperts, name: str, spec, shape: MoELayerShape, rank: int,

@@ -21,6 +21,7 @@ Prints one JSON line per pair and choice.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import traceback
@@ -103,14 +104,29 @@ def compare(reference: Path, output: Path, moe_backend: str) -> dict:
             "only_plugin": sorted(set(got) - set(expected))[:5], "differ": differ[:5], "differ_count": len(differ),
             "stock_backends": sorted({backend for backend, _ in expected.values()}),
             "plugin_backends": sorted({backend for backend, _ in got.values()}),
-            "plugin_not_consumed": loaded["not_consumed"], "plugin_unloaded": loaded["unloaded_parameters"]}
+            "plugin_not_consumed": loaded["not_consumed"], "plugin_unloaded": loaded["unloaded_parameters"],
+            "plugin_logged": [line for line in LOGGED if any(f"vLLM's {backend.split('.')[-1]} backend" in line
+                                                             for backend, _ in got.values())][-1:]}
+
+
+LOGGED: list[str] = []  # the plugin's one-line backend choices, as vLLM's logger received them
+
+
+class _Recorder(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        LOGGED.append(record.getMessage())
 
 
 def main() -> None:
     from vllm.plugins import load_general_plugins
 
+    from moeconv.vllm_plugin.method import LOGGER_NAME
+
     load_general_plugins()
     _patch_platform()
+    plugin_logger = logging.getLogger(LOGGER_NAME)
+    plugin_logger.setLevel(logging.INFO)
+    plugin_logger.addHandler(_Recorder())
     for choice, (capability, cpu, moe_backend) in CHOICES.items():
         _choose(capability, cpu)
         for pair in sys.argv[1:]:

@@ -76,7 +76,7 @@ def main() -> None:
     failures = []
     with tempfile.TemporaryDirectory(prefix="moeconv-differential-") as scratch:
         base = args.keep or Path(scratch)
-        pairs, names = [], {}
+        pairs, names, logged = [], {}, {}
         for name, fmt in SOURCES.items():
             source = make_checkpoint(base / name / "src", SynthSpec(architecture="qwen3_moe", source_format=fmt, **SHAPE))
             out = moeconv.convert(source, base / name / "triton", backend="triton").output
@@ -119,9 +119,15 @@ def main() -> None:
                     problems.append(f"{key}: {result[key][:3]}")
             if not result["moe_parameters"]:
                 problems.append("no MoE parameters compared")
+            if not result["plugin_logged"] or not result["plugin_logged"][0].startswith("moeconv: MoE layers on"):
+                problems.append(f"the plugin logged no line naming {expected}")
             failures += [f"{name}, {result['choice']}: {problem}" for problem in problems]
             print(f"{label} {', '.join(result['plugin_backends'])} | {result['moe_parameters']} | "
                   f"{result['differ_count']} | {'ok' if not problems else '; '.join(problems)} |")
+            logged.setdefault(result["choice"], result["plugin_logged"][:1])
+    print("\n| oracle choice | the plugin's line in vLLM's log (first source) |\n|---|---|")
+    for choice, lines in logged.items():
+        print(f"| {choice} | {' '.join(lines)[:400]} |")
     for failure in failures:
         print(f"FAIL {failure}", file=sys.stderr)
     sys.exit(1 if failures else 0)
