@@ -220,7 +220,7 @@ def _wna16_reason(moe, weights: QuantizationArgs, chosen) -> str:
             break
         why = int_wna16._backend_incompatibility_reason(backend, moe, weights, not weights.symmetric, False, True)
         skipped.append(f"{backend.value}: {why or 'its kernels do not support this device or layer'}")
-    order = "vLLM's first WNA16 MoE backend for this platform"
+    order = "the first of vLLM's WNA16 MoE priority order on this platform that takes the layer"
     return f"{order}; skipped {'; '.join(skipped)}" if skipped else order
 
 
