@@ -32,8 +32,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()
-err = Console(stderr=True)
+out = Console(emoji=False)  # a path's `:thumbsup:` is printed as it is, never as an emoji
+err = Console(stderr=True, emoji=False)
 
 
 def _version(value: bool) -> None:
@@ -182,6 +182,9 @@ def convert(
                                     "measured slower than 16 CPU workers)."),
     executor: str = EXECUTOR,
     ray_address: Optional[str] = RAY_ADDRESS,
+    skip_unsafe_files: bool = typer.Option(False, "--skip-unsafe-files",
+                                           help="Leave out (and list) source files that link outside the source "
+                                                "folder, instead of refusing."),
 ) -> None:
     """Convert a checkpoint into a backend's layout (docs/FORMAT.md); what the backend does not convert is
     copied byte for byte. An interrupted conversion resumes when the same command is run again."""
@@ -212,11 +215,13 @@ def convert(
     with _progress("converting", plan.checkpoint.total_bytes, quiet) as advance:
         try:
             report = run_conversion(plan, output, progress=advance, workers=workers, device=device,
-                                    executor=executor, ray_address=ray_address)
+                                    executor=executor, ray_address=ray_address, skip_unsafe_files=skip_unsafe_files)
         except KeyboardInterrupt:  # in-process callers (main() turns signals into exit 3 itself)
             err.print("[bold red]interrupted[/]: run the same command again to resume")
             raise typer.Exit(3) from None
     _print_serving_note(plan)
+    for name, reason in report.skipped_files.items():
+        err.print(escape(f"note: {name} not copied: {reason}"), highlight=False, soft_wrap=True)
     if as_json:
         _print_json(report.to_json())
         return

@@ -23,12 +23,11 @@ from moeconv.checkpoint import manifest
 from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
 from moeconv.checkpoint.schema import is_plain_file_name
+from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
 from moeconv.checkpoint.writer import DIGEST_KEY, BlockHasher, ShardWriter, copy_into, file_digest, write_at
 from moeconv.errors import MoeconvError
 from moeconv.executor import Executor, peak_rss_mb, resolve_device, worker_descriptor, worker_reader
 from moeconv.plan import OutputShard, Plan, SourceSlice
-# Source files that describe the source's quantization or weights: replaced, never copied.
-_NOT_COPIED = {"config.json", INDEX_NAME, QUANTIZE_CONFIG_NAME, "quant_config.json", MANIFEST_NAME}
 
 Progress = Callable[[int], None]
 @dataclass
@@ -37,6 +36,8 @@ class ConvertReport:
     plan: dict[str, Any]
     seconds: float
     files: dict[str, dict[str, Any]]
+    copied_files: list[str] = field(default_factory=list)
+    skipped_files: dict[str, str] = field(default_factory=dict)  # the source's files left out, and why
     suspicious_zero_slots: dict[str, Any] = field(default_factory=dict)
     nonfinite_scales: dict[str, Any] = field(default_factory=dict)  # NaN / inf scales: count, first tensor
     resumed_files: list[str] = field(default_factory=list)
@@ -51,6 +52,8 @@ class ConvertReport:
             "device": self.device,
             "plan": self.plan,
             "files": self.files,
+            "copied_files": self.copied_files,
+            "skipped_files": self.skipped_files,
             "resumed_files": self.resumed_files,
             "peak_rss_mb": self.peak_rss_mb,
             "worker_peak_rss_mb": self.worker_peak_rss_mb,
@@ -94,22 +97,30 @@ def _exclusive(output: Path):
     import fcntl
 
     path = output.parent / f".{output.name}.moeconv-lock"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as error:
-        raise MoeconvError(f"{output.parent}: cannot create files there ({error.strerror})") from None
-    try:
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise MoeconvError(f"{output.parent}: cannot create files there ({error.strerror})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
             raise MoeconvError(f"{output}: another moeconv (pid {other}) is converting into this folder; "
                                f"wait for it or stop it") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the holder removed the file between our open and our lock: take the new one
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
-        os.unlink(path)  # still held: a waiting writer finds the output complete and refuses it
     finally:
+        os.unlink(path)  # while still held, on every exit (only a kill -9 leaves it, to be taken over)
         os.close(fd)
 
 
@@ -157,15 +168,18 @@ def _check_unchanged_source(plan: Plan, shard: OutputShard, staging: Path, journ
                 entry = job.source.entry
                 begin, _ = header[job.slot.tensor.name]["data_offsets"]
                 if not same_bytes(entry.file, entry.begin, staging / shard.file_name, data_start + begin, entry.nbytes):
-                    changed = entry.name
-                    break
+                    raise MoeconvError(
+                        f"{plan.checkpoint.root}: the source changed since the interrupted conversion, or the "
+                        f"finished output shard {staging / shard.file_name} did (its tensor {entry.name} no longer "
+                        f"equals the source's, in {entry.file.name}); remove {staging} to start over")
     if changed is not None:
         raise MoeconvError(f"{plan.checkpoint.root}: the source changed since the interrupted conversion "
-                           f"({changed} of {shard.file_name} differs); remove {staging} to start over")
+                           f"({changed} of output shard {shard.file_name} differs); remove {staging} to start over")
 
 
 def convert(plan: Plan, output: Path, progress: Progress | None = None, workers: int | None = None,
-            device: str = "cpu", executor: str | Any = "local", ray_address: str | None = None) -> ConvertReport:
+            device: str = "cpu", executor: str | Any = "local", ray_address: str | None = None,
+            skip_unsafe_files: bool = False) -> ConvertReport:
     """Writes the plan's output at `output`. Resumable: an interrupted run (Ctrl-C, kill -9, power
     loss) leaves its finished shards and a journal in the staging folder; running again with the
     same plan re-hashes them, keeps those that match, and writes the rest, so the result is
@@ -173,8 +187,11 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
     device: where the workers transform (`cpu`, `cuda`, `cuda:N`); the bytes are the same on every
     device (the GPU measured slower: docs/BENCHMARKS.md). executor: "local" (this machine's worker processes),
     "ray" (one Ray task per shard, moeconv.distributed; `ray_address` or the cluster Ray finds, else
-    a local Ray), or an object with the same `run` as those two."""
+    a local Ray), or an object with the same `run` as those two. skip_unsafe_files: leave out (and
+    list) a source file that links outside the source folder, instead of refusing (side_files.py)."""
     check_output_folder(output, plan.checkpoint.root)
+    source = plan.checkpoint
+    sides = side_files(source, skip_unsafe_files)
     output = resolved_output(output)
     advance = progress or (lambda nbytes: None)
     runner = _runner(executor, workers, device, ray_address)
@@ -184,8 +201,9 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
         check_output_folder(output)  # again, under the lock: another writer may have finished it
         try:
             journal = _Journal.open(staging, plan.identity())
-            _check_free_space(plan, staging, journal)
+            _check_free_space(plan, staging, journal, sides.nbytes)
             audits = Audits()
+            hashing = SourceDigests(source.files)
             try:
                 todo = []
                 for shard in plan.shards:
@@ -198,17 +216,21 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
                     audits.merge(done.audits)
                     journal.mark_done(done.file_name, done.digest, done.source)
                 finished = journal.files()  # in the order the shards finished: listed in the plan's
-                _write_metadata(plan, staging, {shard.file_name: finished[shard.file_name] for shard in plan.shards})
+                _write_metadata(plan, staging, {shard.file_name: finished[shard.file_name] for shard in plan.shards},
+                                sides, hashing.result())
             except MoeconvError:
                 shutil.rmtree(staging, ignore_errors=True)  # a refusal, not an interruption: nothing to resume
                 raise
+            finally:
+                hashing.cancel()
             journal.remove()
             if output.exists():
                 output.rmdir()
             staging.rename(output)
         except OSError as error:  # the filesystem's refusal: finished shards stay for a resume
-            raise _space_error(error, output, plan.output_bytes) from None
+            raise _space_error(error, output, plan.output_bytes + sides.nbytes) from None
     return ConvertReport(output, plan.summary(), time.perf_counter() - started, journal.files(),
+                         [side.name for side in sides.copied], sides.skipped,
                          audits.report("suspicious_zero_slots"), audits.report("nonfinite_scales"), journal.reused,
                          peak_rss_mb(), runner.worker_peak_rss_mb, runner.device)
 
@@ -294,10 +316,10 @@ def convert_shard_alone(plan: Plan, index: int, staging: str) -> ShardDone:
         return convert_shard(plan, plan.shards[index], Path(staging), executor, None)
 
 
-def _check_free_space(plan: Plan, staging: Path, journal: _Journal) -> None:
-    """Refuse up front when the shards still to write cannot fit."""
+def _check_free_space(plan: Plan, staging: Path, journal: _Journal, side_bytes: int) -> None:
+    """Refuse up front when the shards still to write and the side files cannot fit."""
     done = sum(info["bytes"] for info in journal.done.values())
-    needed = plan.output_bytes - done
+    needed = plan.output_bytes + side_bytes - done
     free = shutil.disk_usage(staging).free
     if needed > free:
         if not journal.done:
@@ -349,6 +371,12 @@ class _Journal:
                 if file.is_file() and file.stat().st_size == info["bytes"] and file_digest(file) == info[DIGEST_KEY]:
                     journal.done[name] = info
                     journal.reused.append(name)
+            for leftover in staging.iterdir():  # partial shards, side files and configs of the last run
+                if leftover.name not in journal.done and leftover.name != cls.NAME:
+                    if leftover.is_dir() and not leftover.is_symlink():
+                        shutil.rmtree(leftover)
+                    else:
+                        leftover.unlink()
         else:
             shutil.rmtree(staging, ignore_errors=True)  # no journal yet: nothing finished there
             staging.mkdir(parents=True)
@@ -446,21 +474,36 @@ def _run_job(job, codec, path: Path, positions: dict[str, int]) -> tuple[list, d
     return counts, reader.fingerprints
 
 
-def _write_metadata(plan: Plan, staging: Path, files: dict[str, dict[str, Any]]) -> None:
-    source = plan.checkpoint
-    weight_map = {tensor.name: shard.file_name for shard in plan.shards for tensor in shard.tensors}
-    _dump(staging / INDEX_NAME, {"metadata": {"total_size": plan.output_bytes}, "weight_map": weight_map})
-    quantization = plan.quantization_config()
-    config = dict(source.config)
-    config["quantization_config"] = quantization
-    _dump(staging / "config.json", config)
-    _dump(staging / QUANTIZE_CONFIG_NAME, quantization)
-    copied = []
-    for path in sorted(source.root.iterdir()):
-        if path.is_file() and path.suffix != ".safetensors" and path.name not in _NOT_COPIED:
-            shutil.copy2(path, staging / path.name)
-            copied.append(path.name)
-    _dump(staging / MANIFEST_NAME, manifest.build(plan, files, copied))
+class SourceDigests:
+    """The block digest (writer.file_digest) of every source shard, taken on a thread while the
+    conversion runs, so the manifest records the source's data as this run read it."""
+
+    def __init__(self, files: list[Path]):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moeconv-source-hash")
+        self._digests = {path.name: self._pool.submit(_sized_digest, path) for path in files}
+
+    def result(self) -> dict[str, dict[str, Any]]:
+        return {name: future.result() for name, future in self._digests.items()}
+
+    def cancel(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _sized_digest(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, DIGEST_KEY: file_digest(path)}
+
+
+def _write_metadata(plan: Plan, staging: Path, files: dict[str, dict[str, Any]], sides: SideFiles,
+                    source_digests: dict[str, dict[str, Any]]) -> None:
+    """The index, configs and copied side files, then the manifest recording every one's digest."""
+    _dump(staging / INDEX_NAME, manifest.output_index(plan))
+    _dump(staging / "config.json", manifest.output_config(plan))
+    _dump(staging / QUANTIZE_CONFIG_NAME, plan.quantization_config())
+    written = {name: _sized_digest(staging / name) for name in (INDEX_NAME, "config.json", QUANTIZE_CONFIG_NAME)}
+    copied = {side.name: copy_side_file(side, staging) for side in sides.copied}
+    _dump(staging / MANIFEST_NAME, manifest.build(plan, files, written, copied, sides.skipped, source_digests))
 
 
 def _dump(path: Path, data: dict[str, Any]) -> None:

@@ -1,10 +1,15 @@
-"""Proof that a converted checkpoint is right (DESIGN.md §7).
+"""Proof that a converted checkpoint is right (DESIGN.md §7; what each level proves, and what no
+level proves, is the threat model in docs/FORMAT.md).
 
-1. structure: every tensor the layout needs is there with its shape and dtype; index, config,
-   quantize_config and manifest agree; each file's digest matches the manifest (its blocks hashed in parallel).
-2. lossless: every conversion job of the plan (each expert, each dense linear a backend converts)
-   decodes from the output back to the canonical form, and equals what the SOURCE format's decoder
-   gives for the source tensors, bit for bit; pass-through tensors are byte-identical to the source.
+1. structure: every file of the output folder is one the manifest lists, with its size and digest
+   (blocks hashed in parallel), and the manifest matches its own digest; every tensor the layout
+   needs is there with its shape and dtype; config.json is the source's, field by field, with
+   moeconv's quantization_config; index, quantize_config and manifest are what the plan writes; the
+   copied files are the source's files, and the source's other files are the ones recorded as skipped.
+2. lossless: every source shard hashes to the digest recorded as the conversion read it; every
+   conversion job of the plan (each expert, each dense linear a backend converts) decodes from the
+   output back to the canonical form, and equals what the SOURCE format's decoder gives for the
+   source tensors, bit for bit; pass-through tensors are byte-identical to the source.
 3. numerics: the reference kernel the backend names (moeconv.kernels.runners) runs on the converted
    tensors for random tokens and routing; the reference dequantizes the source independently and
    computes in float64.
@@ -12,6 +17,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,12 +32,12 @@ from moeconv.backends import get_backend
 from moeconv.checkpoint import manifest as manifests
 from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader, open_checkpoint, read_json, same_bytes
-from moeconv.checkpoint.schema import weight_map
+from moeconv.checkpoint.side_files import side_files
 from moeconv.checkpoint.writer import DIGEST_KEY, file_digest
 from moeconv.errors import MoeconvError
 from moeconv.kernels.runners import LAYER_KERNELS, NUMERICS_TOLERANCE
 from moeconv.executor import Executor, worker_reader
-from moeconv.plan import Codec, ConvertJob, CopyJob, ExpertJob, LinearJob, MoELayer, Plan, make_plan
+from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Codec, ConvertJob, CopyJob, ExpertJob, LinearJob, MoELayer, Plan, make_plan
 from moeconv.source import resolve_source
 
 
@@ -68,14 +76,18 @@ class VerifyReport:
     # The engine casts scales to the model dtype at load: how many of the checked ones change, how
     # many overflow to inf (a failure: the served model would compute with them), the largest change.
     engine_scale_cast: dict[str, Any] = field(default_factory=dict)
+    level: str = "numerics"  # the level asked for
+    source_files_checked: int = 0  # source shards hashed against the digests recorded at conversion
+    source_problems: list[str] = field(default_factory=list)
+    proven: dict[str, list[str]] = field(default_factory=dict)  # level -> what passing it proved (PROOFS)
 
     @property
     def ok(self) -> bool:
-        return (not self.structure_problems and not self.passthrough_problems and not self.dense_linear_problems
+        return (not self.structure_problems and not self.source_problems and not self.passthrough_problems and not self.dense_linear_problems
                 and all(l.ok for l in self.layers) and not self.engine_scale_cast.get("overflow"))
 
     def failures(self) -> list[str]:
-        found = self.structure_problems + self.passthrough_problems + self.dense_linear_problems
+        found = self.structure_problems + self.source_problems + self.passthrough_problems + self.dense_linear_problems
         cast = self.engine_scale_cast
         if cast.get("overflow"):
             found.append(f"{cast['overflow']} scales overflow to inf when the engine casts them from "
@@ -98,6 +110,29 @@ class VerifyReport:
 
 LEVELS = ("structure", "lossless", "numerics")  # each includes the ones before it
 
+# What passing each level proves, as the report states it (docs/FORMAT.md, "What verify proves").
+PROOFS = {
+    "structure": [
+        "every file in the output folder is listed in moeconv.json with its size and SHA-256 block digest, and "
+        "nothing else is there; moeconv.json matches its own digest (this proves the output is as recorded, "
+        "not who recorded it: the levels below compare it with the source)",
+        "config.json equals the source's config.json field by field, with moeconv's quantization_config; "
+        "quantize_config.json, the index and moeconv.json's derived sections are what this conversion writes",
+        "every tensor the layout needs is there with the planned shape and dtype, and no other tensor",
+        "each copied file equals the source's file of that name; every other file of the source folder is one "
+        "recorded as skipped",
+    ],
+    "lossless": [
+        "every source shard hashes to the digest recorded while the conversion read it",
+        "every expert and every converted dense linear decodes bit for bit to what the source format's decoder "
+        "gives for the source's tensors; every pass-through tensor is byte-identical to the source's",
+    ],
+    "numerics": [
+        "the backend's reference kernel, run on the output's bytes for random tokens, agrees with a float64 "
+        "reference computed from the source within the stated tolerance (on the layers it ran)",
+    ],
+}
+
 
 def verify(output: Path, source: str | Path | None = None, sample: int | None = None, level: str = "numerics",
            tokens: int = 8, numerics_layers: int | None = None, seed: int = 0,
@@ -117,12 +152,19 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     output = Path(output).expanduser().resolve()
     if not output.is_dir():
         raise MoeconvError(f"{output}: not a folder (give the folder `moeconv convert -o` wrote)")
-    manifest = manifests.read(output)
+    if not (output / MANIFEST_NAME).exists():
+        raise MoeconvError(f"{output}: no {MANIFEST_NAME}: not a folder written by `moeconv convert`")
+    try:  # a damaged output is a failed verification (exit 1), not a usage error
+        manifest = manifests.read(output)
+    except MoeconvError as error:
+        return VerifyReport(str(output), str(source or ""), structure_problems=[str(error)], level=level)
+    sealed = _check_seal(manifest)
     recorded, arguments = manifest["source"], manifest["arguments"]
     if source is None:
         source = recorded.get("path")
         if not isinstance(source, str):
-            raise MoeconvError(f"{output / MANIFEST_NAME}: source.path is missing; pass --source")
+            return VerifyReport(str(output), "", level=level, structure_problems=sealed + [
+                f"{output / MANIFEST_NAME}: source.path is missing; pass --source"])
     resolved = resolve_source(source)  # a folder, or a Hub id (from the cache or the Hub)
     checkpoint = open_checkpoint(resolved.path, origin=resolved.origin)
     if recorded.get("headers_sha256") not in (None, checkpoint.headers_sha256):
@@ -131,17 +173,28 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     backend = manifest["backend"]
     regroup_factor = arguments.get("regroup_factor", 1)
     plan = make_plan(checkpoint, backend=backend, trust=arguments.get("trust"), tp=arguments.get("tp", 1),
+                     max_shard_size=_recorded_shard_size(arguments),
                      regroup=isinstance(regroup_factor, int) and regroup_factor > 1)
     kernel = LAYER_KERNELS[plan.backend.numerics.kernel]
-    report = VerifyReport(str(output), str(checkpoint.root), targets=manifest["targets"],
+    report = VerifyReport(str(output), str(checkpoint.root), targets=manifest["targets"], level=level,
                           tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
-    converted = open_checkpoint(output)
     advance = progress or (lambda nbytes, total=None: None)
-    advance(0, sum(path.stat().st_size for path in converted.files) + plan.source_expert_bytes)
-    report.structure_problems = _check_reading(plan) + _check_structure(plan, output, manifest, converted.tensors,
-                                                                        advance)
-    if report.structure_problems or level == "structure":
+    source_bytes = 0 if level == "structure" else sum(path.stat().st_size for path in checkpoint.files)
+    advance(0, sum(path.stat().st_size for path in output.iterdir() if path.is_file())
+            + plan.source_expert_bytes + source_bytes)
+    report.structure_problems = sealed + _check_reading(plan) + _check_files(output, manifest, advance)
+    try:
+        converted = open_checkpoint(output)
+    except MoeconvError as error:  # a damaged shard or index
+        report.structure_problems.append(str(error))
         return report
+    report.structure_problems += _check_structure(plan, output, manifest, converted.tensors)
+    if report.structure_problems:
+        return report
+    report.proven["structure"] = PROOFS["structure"]
+    if level == "structure":
+        return report
+    report.source_problems, report.source_files_checked = _check_source_digests(checkpoint, manifest, advance)
     report.passthrough_problems, report.passthrough_checked = _check_passthrough(plan, converted.tensors)
     generator = torch.Generator().manual_seed(seed)
     audits = Audits()
@@ -180,7 +233,18 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     if cast is not None:
         report.engine_scale_cast = {"stored": str(cast[0]).removeprefix("torch."),
                                     "model": str(cast[1]).removeprefix("torch."), **audits.casts}
+    if report.ok:
+        report.proven["lossless"] = PROOFS["lossless"] + ([f"(only {sample} random experts per layer were "
+                                                            f"decoded: --sample)"] if sample else [])
+        if level == "numerics" and any(layer.relative_error is not None for layer in report.layers):
+            report.proven["numerics"] = PROOFS["numerics"]
     return report
+
+
+def _recorded_shard_size(arguments: dict[str, Any]) -> int:
+    """The --max-shard-size the output was converted with (the index's shards follow from it)."""
+    value = arguments.get("max_shard_size")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else DEFAULT_MAX_SHARD_SIZE
 
 
 def _checkers(executor: str, workers: int | None, ray_address: str | None) -> Any:
@@ -211,8 +275,146 @@ def _check_reading(plan: Plan) -> list[str]:
             for disagreement in plan.detection.disagreements]
 
 
-def _check_structure(plan: Plan, output: Path, manifest: dict[str, Any],
-                     tensors: dict[str, TensorEntry], advance: Callable[..., None]) -> list[str]:
+def _check_seal(manifest: dict[str, Any]) -> list[str]:
+    """The manifest against its own digest (manifests.self_digest)."""
+    recorded = manifest.get(manifests.SELF_DIGEST_KEY)
+    if recorded is None:
+        return [f"{MANIFEST_NAME}: records no digest of itself, of the configs or of the source's data (written by "
+                f"a moeconv before 2026-12-02); convert again"]
+    if recorded != manifests.self_digest(manifest):
+        return [f"{MANIFEST_NAME}: its content differs from its own recorded digest (changed after the conversion)"]
+    return []
+
+
+_SECTIONS = ("files", "metadata_files", "copied_files")  # the manifest's lists of the files the output holds
+
+
+def _check_files(output: Path, manifest: dict[str, Any], advance: Callable[..., None]) -> list[str]:
+    """Every file of the output folder against the manifest: each listed one a regular file (not a link)
+    of the recorded size and digest, and nothing else there."""
+    problems, listed = [], {MANIFEST_NAME}
+    for key in _SECTIONS:
+        files = manifests.recorded_files(manifest, key)
+        if files is None:
+            problems.append(f"{MANIFEST_NAME}: {key} must map plain file names to their bytes and {DIGEST_KEY}")
+            continue
+        for name, recorded in files.items():
+            listed.add(name)
+            path = output / name
+            try:
+                info = os.lstat(path)
+            except FileNotFoundError:
+                problems.append(f"{name}: listed in {MANIFEST_NAME} but missing")
+                continue
+            if not stat.S_ISREG(info.st_mode):
+                problems.append(f"{name}: not a regular file (a link or a folder), but {MANIFEST_NAME} lists a file")
+            elif info.st_size != recorded["bytes"] or file_digest(path) != recorded[DIGEST_KEY]:
+                problems.append(f"{name}: digest or size differs from {MANIFEST_NAME}")
+            advance(info.st_size)
+    for path in sorted(output.iterdir()):
+        if path.name not in listed:
+            problems.append(f"{path.name}: in the output folder but not written by the conversion (not in "
+                            f"{MANIFEST_NAME})")
+        if path.name not in listed or path.name == MANIFEST_NAME:
+            advance(path.stat().st_size if path.is_file() else 0)
+    return problems
+
+
+def _first_difference(have: Any, want: Any, where: str) -> str | None:
+    """The dotted path of the first place two JSON values differ (None when equal)."""
+    if isinstance(have, dict) and isinstance(want, dict):
+        for key in sorted(set(have) | set(want)):
+            if key not in have or key not in want:
+                return f"{where}.{key}".lstrip(".")
+            found = _first_difference(have[key], want[key], f"{where}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(have, list) and isinstance(want, list) and len(have) == len(want):
+        return next((found for i, (a, b) in enumerate(zip(have, want))
+                     if (found := _first_difference(a, b, f"{where}[{i}]"))), None)
+    return None if (type(have), have) == (type(want), want) else where.lstrip(".") or "(the whole file)"
+
+
+def _field_problems(name: str, have: Any, want: Any, what: str) -> list[str]:
+    """One problem naming the first differing field of a JSON file, if any."""
+    found = _first_difference(have, want, "")
+    return [] if found is None else [f"{name}: field {found} differs from {what}"]
+
+
+def _check_json_files(plan: Plan, output: Path, manifest: dict[str, Any]) -> list[str]:
+    """config.json field by field against the source's config (the quantization block aside, which must
+    describe this conversion); the index, quantize_config.json and the manifest's derived sections
+    against what this plan writes."""
+    problems = []
+    try:
+        config = read_json(output / "config.json")
+    except MoeconvError as error:
+        problems.append(str(error))
+    else:
+        quantization = plan.quantization_config()
+        if config.get("quantization_config") != quantization:
+            problems.append("config.json: quantization_config does not describe this conversion")
+        expected = manifests.output_config(plan)
+        problems += _field_problems("config.json", {**config, "quantization_config": quantization}, expected,
+                                    "what the source's config.json gives")
+    for name, want in ((QUANTIZE_CONFIG_NAME, plan.quantization_config()), (INDEX_NAME, manifests.output_index(plan))):
+        try:
+            have = read_json(output / name)
+        except MoeconvError as error:
+            problems.append(str(error))
+            continue
+        if name == QUANTIZE_CONFIG_NAME and have != want:
+            problems.append(f"{QUANTIZE_CONFIG_NAME}: does not match config.json's quantization_config")
+        elif name == INDEX_NAME:
+            problems += _field_problems(name, have, want, "the index of this conversion")
+    derived = json.loads(json.dumps(manifests.derived(plan)))
+    problems += _field_problems(MANIFEST_NAME, {key: manifest.get(key) for key in derived}, derived,
+                                "what this conversion records")
+    return problems
+
+
+def _check_side_files(plan: Plan, output: Path, manifest: dict[str, Any]) -> list[str]:
+    """The copied files against the source's files of those names, and the source folder's other files
+    against those recorded as skipped (convert's own selection, side_files.py)."""
+    expected = side_files(plan.checkpoint, skip_unsafe=True)
+    copied = manifests.recorded_files(manifest, "copied_files") or {}
+    skipped = manifest.get("skipped_files") if isinstance(manifest.get("skipped_files"), dict) else {}
+    problems = []
+    for side in expected.copied:
+        if side.name not in copied:
+            problems.append(f"{side.name}: a file of the source that the output lacks (not in {MANIFEST_NAME})")
+        elif file_digest(side.path) != copied[side.name][DIGEST_KEY]:
+            problems.append(f"{side.name}: differs from the source's {side.path}")
+    names = {side.name for side in expected.copied}
+    problems += [f"{name}: copied into the output, but the source has no such file to copy"
+                 for name in sorted(set(copied) - names)]
+    if set(skipped) != set(expected.skipped):
+        problems.append(f"{MANIFEST_NAME}: skipped_files {sorted(skipped)} != the source folder's "
+                        f"{sorted(expected.skipped)}")
+    return problems
+
+
+def _check_source_digests(checkpoint: Any, manifest: dict[str, Any],
+                          advance: Callable[..., None]) -> tuple[list[str], int]:
+    """Every source shard against the digest recorded while the conversion read it."""
+    recorded = manifests.recorded_files(manifest["source"], "file_digests")
+    if recorded is None:
+        return [f"{MANIFEST_NAME}: source.file_digests must map the source's shards to their bytes and "
+                f"{DIGEST_KEY}"], 0
+    problems = []
+    if set(recorded) != {path.name for path in checkpoint.files}:
+        problems.append(f"{MANIFEST_NAME}: source.file_digests {sorted(recorded)} != the source's shards")
+    for path in checkpoint.files:
+        if path.name in recorded and (path.stat().st_size != recorded[path.name]["bytes"]
+                                      or file_digest(path) != recorded[path.name][DIGEST_KEY]):
+            problems.append(f"{path}: the source shard's data differs from what the conversion read "
+                            f"(its digest in {MANIFEST_NAME})")
+        advance(path.stat().st_size)
+    return problems, len(checkpoint.files)
+
+
+def _check_structure(plan: Plan, output: Path, manifest: dict[str, Any], tensors: dict[str, TensorEntry]) -> list[str]:
     problems = []
     expected = {t.name: t for shard in plan.shards for t in shard.tensors}
     for name, want in expected.items():
@@ -223,30 +425,11 @@ def _check_structure(plan: Plan, output: Path, manifest: dict[str, Any],
             problems.append(f"{have.file.name}: tensor {name} is {have.dtype}{list(have.shape)}, "
                             f"expected {want.dtype}{list(want.shape)}")
     problems += [f"{tensors[name].file.name}: unexpected tensor {name}" for name in sorted(set(tensors) - set(expected))]
-    index = read_json(output / INDEX_NAME)
-    declared = sum(entry.nbytes for entry in tensors.values())
-    if index.get("metadata", {}).get("total_size") != declared:
-        problems.append(f"{INDEX_NAME}: total_size {index.get('metadata', {}).get('total_size')} != {declared}")
-    quantization = plan.quantization_config()
-    if read_json(output / "config.json").get("quantization_config") != quantization:
-        problems.append("config.json: quantization_config does not describe this conversion")
-    if read_json(output / QUANTIZE_CONFIG_NAME) != quantization:
-        problems.append(f"{QUANTIZE_CONFIG_NAME}: does not match config.json's quantization_config")
-    shard_files = set(weight_map(index, output / INDEX_NAME).values())
-    files = manifests.recorded_files(manifest)
-    if files is None:
-        return problems + [f"{MANIFEST_NAME}: files must map plain file names to their bytes and {DIGEST_KEY}"]
+    shard_files = {entry.file.name for entry in tensors.values()}
+    files = manifests.recorded_files(manifest) or {}
     if shard_files != set(files):
         problems.append(f"{MANIFEST_NAME}: files {sorted(files)} != index's {sorted(shard_files)}")
-    for name, recorded in files.items():
-        path = output / name
-        if not path.is_file():
-            problems.append(f"{name}: listed in {MANIFEST_NAME} but missing")
-        elif path.stat().st_size != recorded["bytes"] or file_digest(path) != recorded[DIGEST_KEY]:
-            problems.append(f"{name}: digest or size differs from {MANIFEST_NAME}")
-        if path.is_file():
-            advance(path.stat().st_size)
-    return problems
+    return problems + _check_json_files(plan, output, manifest) + _check_side_files(plan, output, manifest)
 
 
 def _check_passthrough(plan: Plan, tensors: dict[str, TensorEntry]) -> tuple[list[str], int]:

@@ -45,3 +45,20 @@ def blocks_sha256(data: bytes, block: int) -> str:
     concatenated sha256 digests of each block (one empty block for an empty file)."""
     pieces = [data[start:start + block] for start in range(0, max(len(data), 1), block)]
     return hashlib.sha256(b"".join(hashlib.sha256(piece).digest() for piece in pieces)).hexdigest()
+
+
+def reseal(folder: Path, *changed: Path) -> None:
+    """Record the changed shards' new digests in the folder's moeconv.json, and the manifest's own
+    digest, as a writer that is consistent but wrong would have: only the lossless or numerics level
+    can then notice."""
+    import json
+
+    from moeconv.checkpoint.manifest import SELF_DIGEST_KEY, self_digest
+    from moeconv.checkpoint.writer import DIGEST_KEY, file_digest
+
+    path = folder / "moeconv.json"
+    manifest = json.loads(path.read_text())
+    for shard in changed:
+        manifest["files"][shard.name][DIGEST_KEY] = file_digest(shard)
+    manifest[SELF_DIGEST_KEY] = self_digest(manifest)
+    path.write_text(json.dumps(manifest))

@@ -20,7 +20,6 @@ from moeconv.backends.base import ExpertWeights
 from moeconv.backends.cpu import block_int4, vnni_suffixes
 from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
-from moeconv.checkpoint.writer import DIGEST_KEY, file_digest
 from moeconv.errors import MoeconvError
 from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.kernels import random_routing, reference_fused_moe, relative_error
@@ -31,7 +30,7 @@ from moeconv.kernels.runners import W8A8_NUMERICS_TOLERANCE
 from moeconv.verify import verify
 
 
-from helpers import cli
+from helpers import cli, reseal
 
 backend = CpuBackend()
 
@@ -449,9 +448,7 @@ def _write_slice(folder, tensor: str, expert: int, data: torch.Tensor) -> None:
     with open(entry.file, "r+b") as handle:
         handle.seek(entry.begin + expert * (entry.nbytes // entry.shape[0]))
         handle.write(data.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    manifest = json.loads((folder / "moeconv.json").read_text())
-    manifest["files"][entry.file.name][DIGEST_KEY] = file_digest(entry.file)
-    (folder / "moeconv.json").write_text(json.dumps(manifest))
+    reseal(folder, entry.file)
 
 
 LAYER = "model.layers.1.mlp.experts"

@@ -580,3 +580,140 @@ def test_a_read_only_parent_is_one_line_exit_2(pristine, tmp_path, capsys, monke
     assert code == 2 and "cannot create files there (Read-only file system)" in err, err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------ the trust boundary: side files
+
+
+@pytest.mark.parametrize("name, target", [
+    ("notes.txt", "/proc/self/environ"),  # moeconv's environment: tokens, cloud keys
+    ("tokenizer_config.json", "outside"),  # a secret file elsewhere on the machine
+    ("chat_template.jinja", "/dev/zero"),  # a device: would stream forever
+])
+def test_a_side_file_linking_outside_the_source_is_refused(pristine, tmp_path, capsys, name, target):
+    """Nothing outside the source folder reaches an output: a link out is refused in one line naming
+    the file, before any work (no output, no staging, no lock left); --skip-unsafe-files leaves it out
+    and lists it, and the output verifies."""
+    source = _copy(pristine, tmp_path / "src")
+    if target == "outside":
+        (tmp_path / "id_rsa").write_text("-----BEGIN OPENSSH PRIVATE KEY----- secret")
+        target = tmp_path / "id_rsa"
+    (source / name).unlink(missing_ok=True)
+    (source / name).symlink_to(target)
+    code, out, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
+    assert code == 2, out + err
+    assert err.strip().splitlines() == [err.strip()] and f"{source / name}: a link that leaves the checkpoint folder" in err
+    assert "--skip-unsafe-files" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["src"] + (["id_rsa"] if "id_rsa" in str(target) else []))
+    code, out, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q", "--skip-unsafe-files", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert name in report["skipped_files"] and "a link that leaves the checkpoint folder" in report["skipped_files"][name]
+    assert not (tmp_path / "out" / name).exists()
+    manifest = json.loads((tmp_path / "out" / "moeconv.json").read_text())
+    assert name not in manifest["copied_files"] and name in manifest["skipped_files"]
+    assert b"secret" not in b"".join(p.read_bytes() for p in (tmp_path / "out").iterdir())
+    assert f"note: {name} not copied" in err
+    code, out, err = run_main(capsys, "verify", tmp_path / "out", "--level", "structure")
+    assert code == 0, out + err
+
+
+def test_side_files_are_copied_only_when_regular_and_of_a_model_folders_kinds(pristine, tmp_path, capsys):
+    """Regular files of a model folder's kinds (a link to one inside the folder too) are copied with
+    their digests; a folder, a FIFO, other kinds and stray safetensors are listed as skipped, with why."""
+    source = _copy(pristine, tmp_path / "src")
+    (source / "tokenizer.json").write_text('{"version": "1.0"}')
+    (source / "LICENSE").write_text("Apache-2.0")
+    (source / "extra").mkdir()
+    (source / "extra" / "vocab.txt").write_text("a\nb\n")
+    (source / "vocab.txt").symlink_to(Path("extra") / "vocab.txt")  # a link inside the folder: fine
+    os.mkfifo(source / "merges.txt")
+    (source / "pytorch_model.bin").write_bytes(b"\0" * 16)
+    (source / "consolidated.safetensors").write_bytes((source / next(iter(sorted(
+        p.name for p in source.glob("*.safetensors"))))).read_bytes())
+    code, out, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q", "--json")
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "out" / "moeconv.json").read_text())
+    from helpers import blocks_sha256
+
+    copied = manifest["copied_files"]
+    assert set(copied) == {"generation_config.json", "tokenizer_config.json", "tokenizer.json", "LICENSE", "vocab.txt"}
+    for name, recorded in copied.items():
+        data = (source / name).read_bytes()
+        assert (tmp_path / "out" / name).read_bytes() == data
+        assert recorded == {"bytes": len(data), "sha256_64mib_blocks": blocks_sha256(data, 64 << 20)}
+    skipped = manifest["skipped_files"]
+    assert skipped == json.loads(out)["skipped_files"]
+    assert "a folder" in skipped["extra"] and "not a regular file" in skipped["merges.txt"]
+    assert "not a kind of file" in skipped["pytorch_model.bin"]
+    assert "not one of the checkpoint's shards" in skipped["consolidated.safetensors"]
+
+
+def test_side_file_bytes_count_in_the_free_space_check(pristine, tmp_path, capsys, monkeypatch):
+    import shutil as shutil_module
+
+    from moeconv.plan import make_plan
+
+    source = _copy(pristine, tmp_path / "src")
+    (source / "tokenizer.json").write_bytes(b" " * 5_000_000)
+    needed = make_plan(source).output_bytes
+    convert_module = importlib.import_module("moeconv.convert")
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(convert_module.shutil, "disk_usage", lambda path: usage._replace(free=needed + 1_000_000))
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
+    assert code == 2 and "GB free, but the conversion needs" in err, err
+
+
+def test_a_failed_side_file_copy_never_survives(pristine, tmp_path, capsys, monkeypatch):
+    """A full disk while copying a side file: no partial copy under any name; the staging folder keeps
+    only finished shards; the rerun (after that file left the source) writes an output without it,
+    which verifies."""
+    from moeconv.checkpoint import side_files
+
+    source = _copy(pristine, tmp_path / "src")
+    (source / "tokenizer.json").write_bytes(b"{}" * 1000)
+    real = os.write
+
+    def full(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("tokenizer.json.partial"):
+            real(fd, bytes(data)[:100])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(side_files.os, "write", full)
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
+    assert code == 2 and "no space left on the device" in err, err
+    staging = tmp_path / ".out.moeconv-partial"
+    assert not [p.name for p in staging.iterdir() if "tokenizer" in p.name]
+    assert not (tmp_path / ".out.moeconv-lock").exists()
+    monkeypatch.setattr(side_files.os, "write", real)
+    (staging / "stale.json").write_text("{}")  # a leftover of some earlier run: never reaches the output
+    (source / "tokenizer.json").unlink()
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
+    assert code == 0, err
+    assert not (tmp_path / "out" / "tokenizer.json").exists() and not (tmp_path / "out" / "stale.json").exists()
+    code, out, err = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless")
+    assert code == 0, out + err
+
+
+@pytest.mark.parametrize("stop", ["refusal", "interrupt"])
+def test_the_lock_file_goes_away_on_every_exit(pristine, tmp_path, capsys, monkeypatch, stop):
+    convert_module = importlib.import_module("moeconv.convert")
+
+    def fail(*args):
+        if stop == "interrupt":
+            raise KeyboardInterrupt
+        raise MoeconvError("refused")
+
+    monkeypatch.setattr(convert_module, "_write_metadata", fail)
+    code, _, _ = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")
+    assert code == (3 if stop == "interrupt" else 2)
+    assert not (tmp_path / ".out.moeconv-lock").exists()
+
+
+def test_error_text_is_printed_literally(pristine, tmp_path, capsys):
+    """Rich would print `:thumbsup:` as an emoji and eat `[bold]`: a path is shown as it is."""
+    folder = tmp_path / ":thumbsup: [bold]x[/bold] :-1"
+    code, _, err = run_main(capsys, "inspect", folder)
+    assert code == 2
+    assert str(folder) in err, err

@@ -70,7 +70,7 @@ def test_a_verify_of_a_damaged_toy_output_fails(registered, tmp_path):
     """The generic lossless check reads the toy backend's slots: one flipped code byte is caught."""
     import moeconv
     from moeconv.checkpoint.reader import open_checkpoint
-    from moeconv.checkpoint.writer import DIGEST_KEY, file_digest
+    from helpers import reseal
 
     source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=registered(), hidden=64, intermediate=64))
     moeconv.convert(source, tmp_path / "out", backend="toy")
@@ -80,10 +80,7 @@ def test_a_verify_of_a_damaged_toy_output_fails(registered, tmp_path):
         byte = handle.read(1)
         handle.seek(-1, 1)
         handle.write(bytes([byte[0] ^ 1]))
-    manifest_path = tmp_path / "out" / "moeconv.json"  # as if the writer itself had put the wrong byte
-    manifest = json.loads(manifest_path.read_text())
-    manifest["files"][entry.file.name][DIGEST_KEY] = file_digest(entry.file)
-    manifest_path.write_text(json.dumps(manifest))
+    reseal(tmp_path / "out", entry.file)  # as if the writer itself had put the wrong byte
     verdict = moeconv.verify(tmp_path / "out", level="lossless")
     assert not verdict.ok
     assert any("expert 3 down" in failure for failure in verdict.failures()), verdict.failures()

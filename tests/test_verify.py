@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from moeconv.checkpoint.reader import open_checkpoint
-from moeconv.checkpoint.writer import DIGEST_KEY, file_digest
 from moeconv.convert import convert
 from moeconv.errors import MoeconvError
 from moeconv.plan import make_plan
@@ -16,7 +15,7 @@ from moeconv.synth import SynthSpec, make_checkpoint
 from moeconv.kernels.runners import NUMERICS_TOLERANCE
 from moeconv.verify import verify
 
-from helpers import cli
+from helpers import cli, reseal
 
 LAYER = "model.layers.1.mlp.experts"
 
@@ -53,9 +52,7 @@ def _flip_byte(folder: Path, tensor: str, expert: int, offset: int = 0, mask: in
         handle.seek(position)
         handle.write(bytes([value ^ mask]))
     if update_manifest:
-        manifest = json.loads((folder / "moeconv.json").read_text())
-        manifest["files"][entry.file.name][DIGEST_KEY] = file_digest(entry.file)
-        (folder / "moeconv.json").write_text(json.dumps(manifest))
+        reseal(folder, entry.file)
 
 
 def test_good_conversion_passes(converted):
@@ -99,9 +96,7 @@ def test_changed_weight_byte_also_fails_numerics(damaged):
         for offset in range(0, 64 * 64, 7):
             _flip_byte(out, f"{LAYER}.w13_qweight", expert, offset, 0x88, update_manifest=False)
     entry = open_checkpoint(out).tensors[f"{LAYER}.w13_qweight"]
-    manifest = json.loads((out / "moeconv.json").read_text())
-    manifest["files"][entry.file.name][DIGEST_KEY] = file_digest(entry.file)
-    (out / "moeconv.json").write_text(json.dumps(manifest))
+    reseal(out, entry.file)
     report = verify(out)
     layer = next(layer for layer in report.layers if layer.module == LAYER)
     assert layer.relative_error > NUMERICS_TOLERANCE
@@ -137,9 +132,7 @@ def test_changed_passthrough_tensor_fails(damaged):
     with open(entry.file, "r+b") as handle:
         handle.seek(entry.begin)
         handle.write(b"\x00\x00\x00\x00")
-    manifest = json.loads((out / "moeconv.json").read_text())
-    manifest["files"][entry.file.name][DIGEST_KEY] = file_digest(entry.file)
-    (out / "moeconv.json").write_text(json.dumps(manifest))
+    reseal(out, entry.file)
     report = verify(out, level="lossless")
     assert any("model.layers.0.self_attn.q_proj.qweight differs from the source" in f for f in report.failures())
 

@@ -1,11 +1,15 @@
 """`moeconv.json`: what an output folder is, written by `convert` from the plan's work list and read
 back by `verify`. It records the tool, the backend and its layout version, the engines the layout
-targets, the arguments and source that decide the bytes, each shard's size and digest, the files
-copied as they are, and for every output tensor the source tensors it derives from.
+targets, the arguments and source that decide the bytes, the size and digest of every file the
+output holds (shards, index, configs, the files copied as they are) and of every source shard as
+the conversion read it, the source files left out and why, for every output tensor the source
+tensors it derives from, and a digest of the manifest itself.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +20,54 @@ from moeconv.errors import MoeconvError
 
 MANIFEST_NAME = "moeconv.json"
 QUANTIZE_CONFIG_NAME = "quantize_config.json"
+SELF_DIGEST_KEY = "manifest_sha256"
 
 
-def build(plan: Any, files: dict[str, dict[str, Any]], copied: list[str]) -> dict[str, Any]:
-    """The manifest of `plan`'s output (a moeconv.plan.Plan): `files` maps each shard to its bytes and
-    digest (writer.combined_digest), `copied` lists the source's other files copied as they are."""
+def output_config(plan: Any) -> dict[str, Any]:
+    """The output's config.json: the source's, with moeconv's quantization_config."""
+    return {**plan.checkpoint.config, "quantization_config": plan.quantization_config()}
+
+
+def output_index(plan: Any) -> dict[str, Any]:
+    """The output's model.safetensors.index.json."""
+    weight_map = {tensor.name: shard.file_name for shard in plan.shards for tensor in shard.tensors}
+    return {"metadata": {"total_size": plan.output_bytes}, "weight_map": weight_map}
+
+
+def self_digest(manifest: dict[str, Any]) -> str:
+    """The sha256 of the manifest's content without this field, as sorted compact JSON: any change
+    to a value of the manifest changes it, a change of JSON whitespace does not."""
+    content = {key: value for key, value in manifest.items() if key != SELF_DIGEST_KEY}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def build(plan: Any, files: dict[str, dict[str, Any]], written: dict[str, dict[str, Any]],
+          copied: dict[str, dict[str, Any]], skipped: dict[str, str],
+          source_digests: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The manifest of `plan`'s output (a moeconv.plan.Plan). `files`: each shard's bytes and digest
+    (writer.combined_digest); `written`: the index's and configs'; `copied`: the source's side files
+    copied as they are; `skipped`: the source's files left out, with why; `source_digests`: each
+    source shard's bytes and digest, hashed as the conversion ran."""
     source = plan.checkpoint
+    built = {
+        "tool": "moeconv",
+        "tool_version": __version__,
+        **derived(plan),
+        "arguments": plan.identity(),
+        "source": {**source.identity(), "files": [path.name for path in source.files],
+                   "file_digests": source_digests},
+        "files": files,
+        "metadata_files": written,
+        "copied_files": copied,
+        "skipped_files": skipped,
+    }
+    built[SELF_DIGEST_KEY] = self_digest(built)
+    return built
+
+
+def derived(plan: Any) -> dict[str, Any]:
+    """The sections that follow from the plan alone (what verify, having planned from the source,
+    expects to find)."""
     transform = f"{plan.source_format.method}->{plan.backend.name}"
     tensors: dict[str, dict[str, Any]] = {}
     for job in plan.jobs:
@@ -30,17 +76,11 @@ def build(plan: Any, files: dict[str, dict[str, Any]], copied: list[str]) -> dic
                                                           "sources": []})
             entry["sources"] += slot.sources
     return {
-        "tool": "moeconv",
-        "tool_version": __version__,
         "backend": plan.backend.name,
         "layout_version": plan.backend.layout_version,
         "targets": plan.backend.targets,
-        "arguments": plan.identity(),
-        "source": {**source.identity(), "files": [path.name for path in source.files]},
         "format": plan.source_format.describe(),
         "file_digest": f"{DIGEST_KEY}: sha256 of the sha256 digests of each {BLOCK_BYTES >> 20} MiB block, in order",
-        "files": files,
-        "copied_files": copied,
         "tensors": tensors,
     }
 
@@ -58,9 +98,10 @@ def read(output: Path) -> dict[str, Any]:
     return manifest
 
 
-def recorded_files(manifest: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
-    """The shards the manifest lists (name -> bytes and digest), or None when that section is malformed."""
-    files = manifest.get("files")
+def recorded_files(manifest: dict[str, Any], key: str = "files") -> dict[str, dict[str, Any]] | None:
+    """The files a section lists (name -> bytes and digest): `files` the shards, `metadata_files` the
+    index and configs, `copied_files` the side files; None when that section is malformed."""
+    files = manifest.get(key)
     if not isinstance(files, dict) or not all(
             is_plain_file_name(name) and isinstance(recorded, dict) and isinstance(recorded.get("bytes"), int)
             and isinstance(recorded.get(DIGEST_KEY), str) for name, recorded in files.items()):

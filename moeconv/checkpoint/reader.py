@@ -123,9 +123,18 @@ def _check_shard_set(root: Path, files: list[Path], index_path: Path) -> None:
             raise MoeconvError(f"{path}: a shard of this checkpoint that {index_path.name} does not list")
 
 
-def _inside(path: Path, allowed: Path) -> bool:
+def inside(path: Path, boundary: Path) -> bool:
+    """Whether `path`, its links resolved, lies in the folder `boundary` (already resolved)."""
     resolved = path.resolve()
-    return resolved == allowed or allowed in resolved.parents
+    return resolved == boundary or boundary in resolved.parents
+
+
+def boundary(root: Path) -> Path:
+    """What a checkpoint's files may resolve into: its folder, or for a Hub snapshot its repository's
+    cache folder (a snapshot's files are links into the repository's blobs)."""
+    resolved = Path(root).resolve()
+    hub_snapshot = resolved.parent.name == "snapshots" and (resolved.parents[1] / "blobs").is_dir()
+    return resolved.parents[1] if hub_snapshot else resolved
 
 
 @contextmanager
@@ -154,9 +163,7 @@ def _open_checkpoint(root: Path, origin: dict[str, Any] | None) -> Checkpoint:
     root = Path(root)
     if not root.is_dir():
         raise MoeconvError(f"{root}: not a folder")
-    resolved = root.resolve()
-    hub_snapshot = resolved.parent.name == "snapshots" and (resolved.parents[1] / "blobs").is_dir()
-    allowed = resolved.parents[1] if hub_snapshot else resolved
+    allowed = boundary(root)
     config = read_json(root / "config.json")
     index_path = root / INDEX_NAME
     if index_path.exists():
@@ -169,7 +176,7 @@ def _open_checkpoint(root: Path, origin: dict[str, Any] | None) -> Checkpoint:
     if not files:
         raise MoeconvError(f"{root}: no *.safetensors files and no {INDEX_NAME}")
     for path in files:
-        if path.exists() and not _inside(path, allowed):
+        if path.exists() and not inside(path, allowed):
             raise MoeconvError(f"{path}: a link that leaves the checkpoint folder (to {path.resolve()})")
     tensors: dict[str, TensorEntry] = {}
     digest = hashlib.sha256()

@@ -1,0 +1,124 @@
+"""The source's files other than its shards and the configs moeconv rewrites: which are copied into
+an output, which are left out and why, and the copy itself.
+
+The trust boundary: an output may hold only what the source folder holds. A file is copied only when
+it is a regular file that resolves inside the checkpoint folder (a Hub snapshot's links into its
+repository's blobs are inside) and is of a kind a model folder holds; a link that leaves the folder
+(`notes.txt -> /proc/self/environ`, `tokenizer_config.json -> ~/.ssh/id_rsa`) is refused, because
+following it would copy moeconv's environment or a secret into a folder made to be uploaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
+from moeconv.checkpoint.reader import INDEX_NAME, boundary, inside
+from moeconv.checkpoint.writer import BLOCK_BYTES, DIGEST_KEY, combined_digest
+from moeconv.errors import MoeconvError
+
+# Configs, tokenizer and vocabulary files, chat templates, READMEs, and the remote code an auto_map names.
+_KINDS = {".json", ".txt", ".model", ".tiktoken", ".jinja", ".py", ".md"}
+_DOCUMENTS = re.compile(r"^(LICEN[CS]E|NOTICE|COPYING|README|USE_POLICY)([._-].*)?$", re.IGNORECASE)
+_KIND_WORDS = "configs, tokenizer files, chat templates, README, license, code"
+_READ_BYTES = 8 * 1024 * 1024
+# Source files that describe the source's quantization or weights: rewritten by convert, never copied.
+_REWRITTEN = {"config.json", INDEX_NAME, QUANTIZE_CONFIG_NAME, "quant_config.json", MANIFEST_NAME}
+
+
+@dataclass(frozen=True)
+class SideFile:
+    name: str
+    path: Path  # with every link resolved: what is opened and copied
+    nbytes: int
+
+
+@dataclass
+class SideFiles:
+    copied: list[SideFile] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> why it is not copied
+
+    @property
+    def nbytes(self) -> int:
+        return sum(side.nbytes for side in self.copied)
+
+
+def side_files(checkpoint: Any, skip_unsafe: bool = False) -> SideFiles:
+    """The top-level entries of a checkpoint's folder (a reader.Checkpoint) other than its shards and
+    the files convert rewrites, sorted into copied and skipped. A link that leaves the checkpoint's
+    boundary (reader.boundary) is refused in one line naming the file, or skipped when `skip_unsafe`."""
+    found = SideFiles()
+    root, allowed = checkpoint.root, boundary(checkpoint.root)
+    replaced = _REWRITTEN | {path.name for path in checkpoint.files}
+    for path in sorted(root.iterdir()):
+        name = path.name
+        if name in replaced:
+            continue
+        if path.is_symlink() and not inside(path, allowed):
+            where = f"a link that leaves the checkpoint folder (to {path.resolve()})"
+            if not skip_unsafe:
+                raise MoeconvError(f"{path}: {where}; nothing outside the source is copied: remove it, "
+                                   f"or pass --skip-unsafe-files to leave it out")
+            found.skipped[name] = where
+            continue
+        try:
+            info = path.stat()
+        except OSError as error:
+            found.skipped[name] = f"cannot be read ({error.strerror or 'broken link'})"
+            continue
+        if stat.S_ISDIR(info.st_mode):
+            found.skipped[name] = "a folder (only the checkpoint folder's own files are copied)"
+        elif not stat.S_ISREG(info.st_mode):
+            found.skipped[name] = "not a regular file (a device, FIFO or socket)"
+        elif path.suffix == ".safetensors":
+            found.skipped[name] = "a safetensors file that is not one of the checkpoint's shards"
+        elif path.suffix not in _KINDS and not _DOCUMENTS.match(name):
+            found.skipped[name] = f"not a kind of file a model folder holds ({_KIND_WORDS})"
+        else:
+            found.copied.append(SideFile(name, path.resolve(), info.st_size))
+    return found
+
+
+def copy_side_file(side: SideFile, folder: Path) -> dict[str, int | str]:
+    """Copies `side` into `folder` under a temporary name, flushes it and renames it, so a failed copy
+    never survives under the real name; returns its bytes and block digest (writer.combined_digest) as
+    read. The resolved path is opened without following a link, so a file swapped for one since it was
+    listed is refused rather than followed."""
+    try:
+        source = os.open(side.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as error:
+        raise MoeconvError(f"{side.path}: cannot be copied ({error.strerror})") from None
+    temporary = folder / f"{side.name}.partial"
+    try:
+        if not stat.S_ISREG(os.fstat(source).st_mode):
+            raise MoeconvError(f"{side.path}: is no longer a regular file")
+        blocks, digest, in_block, size = [], hashlib.sha256(), 0, 0
+        target = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            while data := os.read(source, min(_READ_BYTES, BLOCK_BYTES - in_block)):
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(target, view):]
+                digest.update(data)
+                in_block, size = in_block + len(data), size + len(data)
+                if in_block == BLOCK_BYTES:
+                    blocks.append(digest.digest())
+                    digest, in_block = hashlib.sha256(), 0
+            if in_block or not blocks:
+                blocks.append(digest.digest())
+            os.fsync(target)
+        finally:
+            os.close(target)
+        os.replace(temporary, folder / side.name)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(source)
+    return {"bytes": size, DIGEST_KEY: combined_digest(blocks)}
