@@ -356,6 +356,9 @@ def _print_verify(report) -> None:
     out.print(_key_values(f"verify {report.output}", [
         ("source", report.source),
         ("structure, index, configs, digests", structure),
+        ("source shards hashed as recorded", f"{report.source_files_checked - len(report.source_problems)}"
+                                             f"/{report.source_files_checked}"),
+        ("levels proven (docs/FORMAT.md)", ", ".join(report.proven) or "none"),
         ("pass-through tensors byte-identical", f"{report.passthrough_checked - len(report.passthrough_problems)}"
                                                 f"/{report.passthrough_checked}"),
         *([("dense linears bit-exact", f"{report.dense_linears_checked - len(report.dense_linear_problems)}"

@@ -471,6 +471,33 @@ def resolve_format(checkpoint: Checkpoint, architecture: Architecture, trust: st
     raise MoeconvError(f"{checkpoint.root / 'config.json'}: {detection.disagreements[0]}{more}; {hint}")
 
 
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _check_counts(checkpoint: Checkpoint, layers: list[MoELayer]) -> None:
+    """The config's layer count and experts per token, which the output's config.json hands to an
+    engine as they are: positive integers the tensors bear out (an engine told num_hidden_layers
+    1e9 would try to build them), not more layers than the tensors number, not more experts per
+    token than a layer has."""
+    where = checkpoint.root / "config.json"
+    text = checkpoint.config.get("text_config")
+    config = text if isinstance(text, dict) and "num_hidden_layers" in text else checkpoint.config
+    for key in ("num_hidden_layers", "num_experts_per_tok"):
+        value = config.get(key, checkpoint.config.get(key))
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise MoeconvError(f"{where}: {key} is {value!r}, not a positive integer")
+        if key == "num_hidden_layers":
+            numbered = {match[1] for name in checkpoint.tensors if (match := _LAYER_INDEX.search(name))}
+            if value > len(numbered):
+                raise MoeconvError(f"{where}: num_hidden_layers is {value}, but the tensors hold {len(numbered)} "
+                                   f"numbered layers")
+        elif layers and value > min(layer.shape.experts for layer in layers):
+            raise MoeconvError(f"{where}: num_experts_per_tok is {value}, more than the "
+                               f"{min(layer.shape.experts for layer in layers)} experts of a layer")
+
+
 def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_format: SourceFormat,
                     tensors: ExpertTensors | None = None) -> tuple[list[MoELayer], list[str]]:
     """Group the routed-expert tensors into layers and check them against the config. Experts held in
@@ -738,6 +765,7 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     experts = expert_tensors(checkpoint, architecture)
     source_format, detection = resolve_format(checkpoint, architecture, trust, experts)
     found, unquantized = find_moe_layers(checkpoint, architecture, source_format, experts)
+    _check_counts(checkpoint, found)
     group_index = getattr(source_format, "group_index_suffix", None)  # formats that may store a g_idx
     if group_index and act_order_suspected(checkpoint, source_format, detection):
         with TensorReader() as reader:

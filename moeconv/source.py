@@ -16,6 +16,7 @@ from moeconv.errors import MoeconvError
 # safetensors shards and index, configs, tokenizer and generation files.
 ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.py"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ def resolve_source(source: str | Path, revision: str | None = None, local_files_
     text = str(source)
     if not _REPO_ID.match(text):
         raise MoeconvError(f"{text}: not a folder, and not a Hugging Face id like org/model")
+    if revision is not None and not _is_revision_name(revision):
+        raise MoeconvError(f"--revision {revision}: not a branch, tag or commit name")
     from huggingface_hub import snapshot_download
     from huggingface_hub import errors as hub
 
@@ -51,8 +54,22 @@ def resolve_source(source: str | Path, revision: str | None = None, local_files_
         raise MoeconvError(f"{text}: not a valid Hugging Face id ({str(error).splitlines()[0]})") from None
     except hub.HfHubHTTPError as error:
         raise MoeconvError(f"{wanted}: the Hub refused the download ({error.__class__.__name__}: {error})") from None
+    except OSError as error:  # a damaged cache: a ref that is a folder, an unreadable file
+        raise MoeconvError(f"{wanted}: the Hugging Face cache could not be read ({error})") from None
     folder = Path(folder)
+    if not _COMMIT.match(folder.name) or folder.parent.name != "snapshots":
+        # a ref file naming `../../elsewhere` would make the snapshot a folder outside the cache
+        raise MoeconvError(f"{wanted}: the Hugging Face cache names {folder}, not a snapshot of a commit; "
+                           f"its refs are damaged (remove the repository from the cache to download it again)")
     return ResolvedSource(folder, {"repo": text, "revision": folder.name})
+
+
+def _is_revision_name(revision: str) -> bool:
+    """A git ref or commit: no empty, `.` or `..` component, not absolute, no backslash or NUL (it
+    becomes a path inside the cache)."""
+    parts = revision.split("/")
+    return bool(revision) and "\\" not in revision and "\0" not in revision and all(
+        part not in ("", ".", "..") for part in parts)
 
 
 def _not_cached(repo_id: str, revision: str | None) -> str:

@@ -159,11 +159,13 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     except MoeconvError as error:
         return VerifyReport(str(output), str(source or ""), structure_problems=[str(error)], level=level)
     sealed = _check_seal(manifest)
+    if sealed:  # nothing it says (backend, arguments, source) can be planned from
+        return VerifyReport(str(output), str(source or ""), structure_problems=sealed, level=level)
     recorded, arguments = manifest["source"], manifest["arguments"]
     if source is None:
         source = recorded.get("path")
         if not isinstance(source, str):
-            return VerifyReport(str(output), "", level=level, structure_problems=sealed + [
+            return VerifyReport(str(output), "", level=level, structure_problems=[
                 f"{output / MANIFEST_NAME}: source.path is missing; pass --source"])
     resolved = resolve_source(source)  # a folder, or a Hub id (from the cache or the Hub)
     checkpoint = open_checkpoint(resolved.path, origin=resolved.origin)
@@ -182,7 +184,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     source_bytes = 0 if level == "structure" else sum(path.stat().st_size for path in checkpoint.files)
     advance(0, sum(path.stat().st_size for path in output.iterdir() if path.is_file())
             + plan.source_expert_bytes + source_bytes)
-    report.structure_problems = sealed + _check_reading(plan) + _check_files(output, manifest, advance)
+    report.structure_problems = _check_reading(plan) + _check_files(output, manifest, advance)
     try:
         converted = open_checkpoint(output)
     except MoeconvError as error:  # a damaged shard or index

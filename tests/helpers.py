@@ -47,10 +47,10 @@ def blocks_sha256(data: bytes, block: int) -> str:
     return hashlib.sha256(b"".join(hashlib.sha256(piece).digest() for piece in pieces)).hexdigest()
 
 
-def reseal(folder: Path, *changed: Path) -> None:
-    """Record the changed shards' new digests in the folder's moeconv.json, and the manifest's own
-    digest, as a writer that is consistent but wrong would have: only the lossless or numerics level
-    can then notice."""
+def reseal(folder: Path, *changed: Path, edit=None) -> None:
+    """Record the changed files' new sizes and digests in the folder's moeconv.json (after `edit(manifest)`,
+    if given), and the manifest's own digest, as a writer that is consistent but wrong, or an attacker,
+    would: only a comparison with the source can then notice."""
     import json
 
     from moeconv.checkpoint.manifest import SELF_DIGEST_KEY, self_digest
@@ -58,7 +58,10 @@ def reseal(folder: Path, *changed: Path) -> None:
 
     path = folder / "moeconv.json"
     manifest = json.loads(path.read_text())
-    for shard in changed:
-        manifest["files"][shard.name][DIGEST_KEY] = file_digest(shard)
+    if edit is not None:
+        edit(manifest)
+    for file in changed:
+        section = next(key for key in ("files", "metadata_files", "copied_files") if file.name in manifest[key])
+        manifest[section][file.name] = {"bytes": file.stat().st_size, DIGEST_KEY: file_digest(file)}
     manifest[SELF_DIGEST_KEY] = self_digest(manifest)
     path.write_text(json.dumps(manifest))

@@ -296,6 +296,12 @@ CATALOGUE = {
                                    for n in ("config.json", "quantize_config.json")], "group_size must be an integer"),
     "experts 1e9": (lambda r: _edit_json(r, "config.json", lambda c: c.update(num_experts=10**9)),
                     "but config.json says 1000000000"),
+    "layers 1e9": (lambda r: _edit_json(r, "config.json", lambda c: c.update(num_hidden_layers=10**9)),
+                   "num_hidden_layers is 1000000000, but the tensors hold 2 numbered layers"),
+    "layers a float": (lambda r: _edit_json(r, "config.json", lambda c: c.update(num_hidden_layers=1e9)),
+                       "num_hidden_layers is 1000000000.0, not a positive integer"),
+    "experts per token past the experts": (lambda r: _edit_json(r, "config.json", lambda c: c.update(
+        num_experts_per_tok=10**9)), "num_experts_per_tok is 1000000000, more than the 4 experts of a layer"),
     "hidden_size a string": (lambda r: _edit_json(r, "config.json", lambda c: c.update(hidden_size="128")),
                              "hidden_size is '128', not a positive integer"),
     "model_type a number": (lambda r: _edit_json(r, "config.json", lambda c: c.update(model_type=5)),
@@ -502,6 +508,7 @@ def test_a_source_changed_after_an_interruption_refuses_to_resume(pristine, tmp_
     os.utime(entry.file, ns=(times.st_atime_ns, times.st_mtime_ns))
     code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
     assert code == 2 and "the source changed since the interrupted conversion" in err, err
+    assert "output shard" in err and "model-00001-of-00001.safetensors" in err, err  # the output shard named
     assert len(err.strip().splitlines()) == 1
 
 

@@ -51,6 +51,7 @@ def test_hub_id_resolved_offline_from_the_cache(tmp_path):
                            "--json"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     manifest = json.loads((tmp_path / "out" / "moeconv.json").read_text())
+    assert "generation_config.json" in manifest["copied_files"]  # a link into the repository's blobs: inside
     assert manifest["source"]["repo"] == "acme/tiny-moe"
     assert manifest["source"]["revision"] == COMMIT
     assert manifest["source"]["path"].endswith(f"snapshots/{COMMIT}")
@@ -69,6 +70,27 @@ def test_missing_repo_and_revision_are_clear(tmp_path, args, expected):
     done = subprocess.run([EXE, "inspect", *args], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2
     assert expected in done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("revision with ..", "--revision ../../x: not a branch, tag or commit name"),
+    ("ref leaving the cache", "acme/tiny-moe@main: the Hugging Face cache names"),
+])
+def test_hub_paths_stay_inside_the_cache(tmp_path, case, expected):
+    """A --revision with `..` (a path inside the cache's refs), or a refs/main naming `../../elsewhere`
+    (a folder outside the snapshots): one line, never a traceback or a folder outside the cache."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec())
+    cache = _hub_cache(tmp_path / "cache", source)
+    args = ["acme/tiny-moe"]
+    if case == "revision with ..":
+        args += ["--revision", "../../x"]
+    else:
+        repo = cache / "models--acme--tiny-moe"
+        shutil.copytree(source, repo / "elsewhere")
+        (repo / "refs" / "main").write_text("../elsewhere")
+    done = subprocess.run([EXE, "inspect", *args], capture_output=True, text=True, env=_offline_env(cache), timeout=120)
+    assert done.returncode == 2 and expected in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1
 
 

