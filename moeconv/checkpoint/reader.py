@@ -24,8 +24,8 @@ from typing import Any, Iterator
 
 import torch
 
-from moeconv.checkpoint.schema import (MAX_HEADER_BYTES, header_entries, open_regular, parse_header, read_json_object,
-                                       section, weight_map)
+from moeconv.checkpoint.schema import (MAX_HEADER_BYTES, MAX_TENSORS, check_tensor_count, header_entries, open_regular,
+                                       parse_header, read_json_object, section, weight_map)
 from moeconv.errors import MoeconvError
 from moeconv.spec import DTYPE_SIZES, TORCH_DTYPES
 
@@ -93,8 +93,10 @@ def read_header(path: Path, digest: Any = None) -> tuple[Any, int, int]:
 read_json = read_json_object  # the name the rest of the package reads JSON objects by
 
 
-def _entries(path: Path, digest: Any) -> dict[str, TensorEntry]:
+def _entries(path: Path, digest: Any, room: int = MAX_TENSORS) -> dict[str, TensorEntry]:
     header, data_start, file_size = read_header(path, digest)
+    if isinstance(header, dict) and len(header) - ("__metadata__" in header) > room:
+        check_tensor_count(MAX_TENSORS - room + len(header) - ("__metadata__" in header), f"{path}: with the shards before it")
     return {name: TensorEntry(name, path, dtype, shape, data_start + begin, data_start + end)
             for name, dtype, shape, begin, end in header_entries(header, path, file_size - data_start)}
 
@@ -185,7 +187,7 @@ def _open_checkpoint(root: Path, origin: dict[str, Any] | None) -> Checkpoint:
             digest.update((root / name).read_bytes())
     for path in files:
         digest.update(path.name.encode())
-        for name, entry in _entries(path, digest).items():
+        for name, entry in _entries(path, digest, MAX_TENSORS - len(tensors)).items():
             if name in tensors:
                 raise MoeconvError(f"{path}: tensor {name} also appears in {tensors[name].file.name}")
             tensors[name] = entry

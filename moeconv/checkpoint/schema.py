@@ -21,6 +21,16 @@ from moeconv.spec import DTYPE_SIZES
 
 MAX_JSON_BYTES = 64 * 1024**2  # configs and indexes; Kimi-K2's index is about 20 MB
 MAX_HEADER_BYTES = 100 * 1024**2
+# Planning costs memory per tensor (a 1e6-tensor header set took 4.5 GB and 400 s), so a checkpoint
+# may list at most this many: twice Kimi-K2's (61 layers x 384 experts x 3 linears x 4 tensors, ~280k).
+MAX_TENSORS = 600_000
+
+
+def check_tensor_count(count: int, where: str) -> None:
+    """Refuses, before anything is built per tensor, a checkpoint that lists more than MAX_TENSORS."""
+    if count > MAX_TENSORS:
+        raise MoeconvError(f"{where}: lists {count} tensors, more than the {MAX_TENSORS} moeconv plans "
+                           f"(twice the largest known checkpoint's)")
 
 
 def open_regular(path: Path) -> int:
@@ -134,6 +144,7 @@ def weight_map(index: dict[str, Any], path: Path) -> dict[str, str]:
     mapping = index.get("weight_map")
     if not isinstance(mapping, dict) or not mapping:
         raise MoeconvError(f"{path}: weight_map must be a non-empty object of tensor name -> file name")
+    check_tensor_count(len(mapping), str(path))
     for name, file_name in mapping.items():
         if not isinstance(file_name, str) or not is_plain_file_name(file_name):
             raise MoeconvError(f"{path}: tensor {name} maps to {file_name!r}, which is not a plain file name "
