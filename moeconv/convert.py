@@ -25,7 +25,7 @@ from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, sam
 from moeconv.checkpoint.schema import is_plain_file_name
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
 from moeconv.checkpoint.writer import DIGEST_KEY, BlockHasher, ShardWriter, copy_into, file_digest, write_at
-from moeconv.errors import MoeconvError
+from moeconv.errors import MoeconvError, Unfinished
 from moeconv.executor import Executor, peak_rss_mb, resolve_device, worker_descriptor, worker_reader
 from moeconv.plan import OutputShard, Plan, SourceSlice
 
@@ -218,8 +218,9 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
                 finished = journal.files()  # in the order the shards finished: listed in the plan's
                 _write_metadata(plan, staging, {shard.file_name: finished[shard.file_name] for shard in plan.shards},
                                 sides, hashing.result())
-            except MoeconvError:
-                shutil.rmtree(staging, ignore_errors=True)  # a refusal, not an interruption: nothing to resume
+            except MoeconvError as error:
+                if not isinstance(error, Unfinished):
+                    shutil.rmtree(staging, ignore_errors=True)  # a refusal, not an interruption: nothing to resume
                 raise
             finally:
                 hashing.cancel()

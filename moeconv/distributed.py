@@ -21,7 +21,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from moeconv.errors import MoeconvError
+from moeconv.errors import MoeconvError, Unfinished
 
 Progress = Callable[[int], None]
 _LOCAL_OBJECT_STORE = 256 * 1024 * 1024
@@ -33,6 +33,9 @@ def _check_reachable(address: str) -> None:
     import socket
 
     if "://" in address:
+        if not address.startswith("ray://"):
+            raise MoeconvError(f"--ray-address {address}: give the head node's HOST:PORT, or a Ray client address "
+                               f"ray://HOST:PORT")
         return
     host, _, port = address.rpartition(":")
     if not (host and port.isdigit()):
@@ -59,10 +62,18 @@ def connect(address: str | None) -> tuple[bool, str]:
             _check_reachable(address)
         try:
             ray.init(address=address or "auto", **quiet)
-        except ConnectionError as error:
+        except Exception as error:  # noqa: BLE001 (Ray's client raises whatever its transport does)
             if address:
-                raise MoeconvError(f"--ray-address {address}: no Ray cluster reachable there ({error})") from None
-            ray.init(object_store_memory=_LOCAL_OBJECT_STORE, **quiet)  # only the plan goes through it
+                raise MoeconvError(f"--ray-address {address}: no Ray cluster reachable there "
+                                   f"({_first_line(error)})") from None
+            if not isinstance(error, ConnectionError):
+                raise Unfinished(f"--executor ray: the Ray cluster found here did not answer "
+                                   f"({_first_line(error)})") from None
+            try:
+                ray.init(object_store_memory=_LOCAL_OBJECT_STORE, **quiet)  # only the plan goes through it
+            except Exception as error:  # noqa: BLE001 (e.g. its raylet timed out starting on a busy machine)
+                raise Unfinished(f"--executor ray: a local Ray could not start ({_first_line(error)}); run the "
+                                 f"same command again to resume, or use --executor local") from None
             started = True
     nodes = [node for node in ray.nodes() if node.get("Alive")]
     cpus = int(ray.cluster_resources().get("CPU", 0))
@@ -106,7 +117,8 @@ class RayShards:
 
 
 def _result(reference: Any) -> Any:
-    """A finished task's value; its input or filesystem error re-raised as itself (one line)."""
+    """A finished task's value; its input or filesystem error re-raised as itself, anything else (an
+    unexpected exception in the task, a worker or raylet dead past the retries) as one line."""
     import ray
 
     try:
@@ -114,7 +126,16 @@ def _result(reference: Any) -> Any:
     except ray.exceptions.RayTaskError as error:
         if isinstance(error.cause, (MoeconvError, OSError)):
             raise error.cause from None
-        raise
+        raise Unfinished(f"a Ray task failed: {_first_line(error.cause)}; run the same command again to "
+                         f"resume") from None
+    except ray.exceptions.RayError as error:
+        raise Unfinished(f"Ray could not finish a task: {_first_line(error)}; run the same command again to "
+                         f"resume") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
 
 
 class RayMap:

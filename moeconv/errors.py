@@ -17,6 +17,11 @@ class MoeconvError(Exception):
         super().__init__(_CONTROL.sub(lambda match: repr(match.group())[1:-1], str(message)))
 
 
+class Unfinished(MoeconvError):
+    """The work stopped for a reason outside the input (a Ray cluster that failed): unlike a refusal,
+    what is finished stays for a resume."""
+
+
 class VerificationFailed(MoeconvError):
     """A converted checkpoint did not pass `verify`."""
 

@@ -184,3 +184,41 @@ def test_ray_missing_is_one_line(tmp_path, source, capsys, monkeypatch):
 def test_an_unknown_executor_is_refused(source, tmp_path):
     with pytest.raises(MoeconvError, match="--executor threads: choose local or ray"):
         moeconv.convert(source, tmp_path / "out", executor="threads")
+
+
+def _breaks(plan, index, staging):
+    """A task body with a bug."""
+    raise ZeroDivisionError("division by zero")
+
+
+def _dies(plan, index, staging):
+    """A task body whose worker dies at every attempt (as when its raylet is gone)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("body, expected", [(_breaks, "a Ray task failed: ZeroDivisionError: division by zero"),
+                                            (_dies, "Ray could not finish a task: WorkerCrashedError")])
+def test_an_unexpected_failure_in_a_task_is_one_line(local_ray, source, tmp_path, body, expected):
+    from moeconv import distributed
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the task body lives in this file
+    plan = make_plan(source, max_shard_size=150_000)
+    with pytest.raises(MoeconvError) as refusal:
+        importlib.import_module("moeconv.convert").convert(
+            plan, tmp_path / "out", executor=distributed.RayShards(body, max_retries=0))
+    assert expected in str(refusal.value) and "\n" not in str(refusal.value), str(refusal.value)
+    assert not (tmp_path / "out").exists()
+    assert (tmp_path / ".out.moeconv-partial").is_dir()  # not a refusal: what was finished stays for a resume
+
+
+@pytest.mark.parametrize("address, expected", [
+    ("http://127.0.0.1:8265", "give the head node's HOST:PORT, or a Ray client address ray://HOST:PORT"),
+    ("ray://127.0.0.1:1", "--ray-address ray://127.0.0.1:1: no Ray cluster reachable there"),
+])
+def test_a_client_or_url_ray_address_is_one_line(tmp_path, source, capsys, address, expected):
+    if ray.is_initialized():
+        ray.shutdown()
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "--executor", "ray",
+                            "--ray-address", address, "-q")
+    assert code == 2 and expected in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
