@@ -37,17 +37,18 @@ def inspect(source: str | Path, *, revision: str | None = None, local_files_only
 
 def plan(source: str | Path, *, backend: str = "triton", revision: str | None = None,
          local_files_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, trust: str | None = None,
-         tp: int = 1, regroup: bool = False) -> Plan:
-    """backend: a backend name or "auto". trust: None (refuse when tensors and config disagree),
-    "config" or "data". tp: tensor-parallel size to check eligibility for. regroup: allow a lossless
-    halving of the group size when that makes the backend fit."""
+         tp: int = 1, regroup: bool = False, zero_format: str | None = None) -> Plan:
+    """backend: a backend name or "auto". trust: None (refuse when tensors and config disagree, or when
+    the data cannot decide), "config" or "data". tp: tensor-parallel size to check eligibility for.
+    regroup: allow a lossless halving of the group size when that makes the backend fit. zero_format:
+    "gptq" (v1) or "gptq_v2" for an asymmetric GPTQ source whose data cannot tell them apart."""
     return make_plan(open_source(source, revision, local_files_only), backend=backend,
-                     max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup)
+                     max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup, zero_format=zero_format)
 
 
 def convert(source: str | Path, output: str | Path, *, backend: str = "triton", revision: str | None = None,
             local_files_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-            trust: str | None = None, tp: int = 1, regroup: bool = False,
+            trust: str | None = None, tp: int = 1, regroup: bool = False, zero_format: str | None = None,
             progress: Callable[[int], None] | None = None, workers: int | None = None,
             device: str = "cpu", executor: str = "local", ray_address: str | None = None,
             skip_unsafe_files: bool = False) -> ConvertReport:
@@ -58,7 +59,7 @@ def convert(source: str | Path, output: str | Path, *, backend: str = "triton", 
     one Ray finds, or a local Ray; the same bytes). skip_unsafe_files: leave out source files that
     link outside the source folder (listed in the report) instead of refusing."""
     conversion = plan(source, backend=backend, revision=revision, local_files_only=local_files_only,
-                      max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup)
+                      max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup, zero_format=zero_format)
     return _execute(conversion, Path(output), progress=progress, workers=workers, device=device,
                     executor=executor, ray_address=ray_address, skip_unsafe_files=skip_unsafe_files)
 

@@ -130,7 +130,7 @@ def _print_inspect(report: dict[str, Any], title: str) -> None:
     for disagreement in detection["disagreements"]:
         rows.append(("[red]config disagrees[/]", disagreement))
     for undecided in detection.get("undecided", []):
-        rows.append(("[yellow]undecided[/]", f"{undecided}; the config's value is used"))
+        rows.append(("[yellow]undecided[/]", escape(undecided)))
     for module, case in report["act_order"].items():
         rows.append((f"{'[red]' if case.startswith('refused') else ''}act-order {module}", case))
     for name, verdict in report["backends"].items():
@@ -173,6 +173,9 @@ def convert(
     local_files_only: bool = LOCAL_ONLY,
     trust_config: bool = typer.Option(False, "--trust-config", help="When tensors and config disagree, follow the config."),
     trust_data: bool = typer.Option(False, "--trust-data", help="When tensors and config disagree, follow the tensors."),
+    zero_format: Optional[str] = typer.Option(
+        None, "--gptq-zero-format", metavar="v1|v2",
+        help="Asymmetric GPTQ whose data cannot tell v1 (stored zero - 1) from v2 (true zeros): which it is."),
     tp: int = TP,
     regroup: bool = typer.Option(False, "--regroup", help="Halve the group size (lossless) where that makes the backend fit."),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, max=64,
@@ -196,10 +199,12 @@ def convert(
     if trust_config and trust_data:
         raise typer.BadParameter("choose one of --trust-config and --trust-data", param_hint="'--trust-data'")
     trust = "config" if trust_config else "data" if trust_data else None
+    zero_format = _zero_format(zero_format)
     if not dry_run:
         check_output_folder(output)  # a link, a file or a full folder is refused before any work
     plan = make_plan(source, backend=backend, max_shard_size=max_shard_size, revision=revision,
-                     local_files_only=local_files_only, trust=trust, tp=tp, regroup=regroup)
+                     local_files_only=local_files_only, trust=trust, tp=tp, regroup=regroup,
+                     zero_format=zero_format)
     for name, reason in plan.skipped_backends:
         err.print(escape(f"backend {name} skipped: {reason}"), highlight=False, soft_wrap=True)
     for note in _detection_notes(plan):
@@ -296,12 +301,22 @@ def _print_serving_note(plan) -> None:
                   "--backend compressed-tensors", highlight=False, soft_wrap=True)
 
 
+def _zero_format(value: str | None) -> str | None:
+    """--gptq-zero-format v1|v2 as checkpoint_format spells it."""
+    if value is None:
+        return None
+    formats = {"v1": "gptq", "gptq": "gptq", "v2": "gptq_v2", "gptq_v2": "gptq_v2"}
+    if value.lower() not in formats:
+        raise typer.BadParameter(f"{value!r}: choose v1 or v2", param_hint="'--gptq-zero-format'")
+    return formats[value.lower()]
+
+
 def _detection_notes(plan) -> list[str]:
     """What the data could not decide, and which side a --trust flag followed."""
     detection = plan.detection
     if detection is None:
         return []
-    notes = [f"undecided: {what}; the config's value is used" for what in detection.undecided]
+    notes = [f"decided by you, not by the data: {what}" for what in detection.decided_by_user]
     notes += [f"note: {note}" for note in getattr(plan.backend, "notes", lambda layer: [])(plan.layers[0].shape)]
     cast = plan.engine_scale_cast()
     if cast:
@@ -355,6 +370,7 @@ def _print_verify(report) -> None:
     structure = "ok" if not report.structure_problems else f"{len(report.structure_problems)} problem(s)"
     out.print(_key_values(f"verify {report.output}", [
         ("source", report.source),
+        *[("decided by the user, not the data", escape(what)) for what in report.decided_by_user],
         ("structure, index, configs, digests", structure),
         ("source shards hashed as recorded", f"{report.source_files_checked - len(report.source_problems)}"
                                              f"/{report.source_files_checked}"),

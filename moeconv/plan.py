@@ -293,6 +293,7 @@ class Plan:
     tp: int = 1
     skipped_backends: tuple[tuple[str, str], ...] = ()  # --backend auto: (name, why not)
     unquantized_experts: tuple[str, ...] = ()  # experts modules held in float: passed through
+    zero_format: str | None = None  # --gptq-zero-format: the user's answer where the data cannot decide
 
     @property
     def codec(self) -> Codec:
@@ -373,6 +374,7 @@ class Plan:
             "layout_version": self.backend.layout_version,
             "max_shard_size": self.max_shard_size,
             "trust": self.trust,
+            "zero_format": self.zero_format,
             "tp": self.tp,
             "regroup_factor": self.regroup_factor,
             "format": self.source_format.describe(),
@@ -444,31 +446,50 @@ def expert_tensors(checkpoint: Checkpoint, architecture: Architecture) -> Expert
     return ExpertTensors(grouped, sorted((module for module, held in floats.items() if held), key=_natural_key))
 
 
-def detect_format(checkpoint: Checkpoint, architecture: Architecture,
-                  experts: ExpertTensors | None = None) -> tuple[SourceFormat, Detection]:
-    """The format the config declares, and what a sample of the expert tensors shows."""
+def detect_format(checkpoint: Checkpoint, architecture: Architecture, experts: ExpertTensors | None = None,
+                  zero_format: str | None = None) -> tuple[SourceFormat, Detection]:
+    """The format the config declares (its GPTQ `checkpoint_format` replaced by `zero_format` when the
+    user gives one), and what a sample of the expert tensors shows."""
     config_path = str(checkpoint.root / "config.json")
     if not checkpoint.quantization_config:
         raise MoeconvError(f"{config_path}: no quantization_config and no quantize_config.json: not a quantized checkpoint")
-    configured = format_from_config(checkpoint.quantization_config, config_path)
+    quantization = checkpoint.quantization_config
+    if zero_format is not None:
+        quantization = {**quantization, "checkpoint_format": zero_format}
+    configured = format_from_config(quantization, config_path)
+    if zero_format is not None and configured.method != "gptq":
+        raise MoeconvError(f"{config_path}: --gptq-zero-format is for GPTQ checkpoints; this one is {configured.method}")
     _, hidden, intermediate = architecture.expected_sizes(checkpoint.config, config_path)
     sizes = {"gate": (intermediate, hidden), "up": (intermediate, hidden), "down": (hidden, intermediate)}
     experts = experts or expert_tensors(checkpoint, architecture)
-    return configured, detect(sample_linears(experts.grouped, sizes), configured)
+    detection = detect(sample_linears(experts.grouped, sizes), configured)
+    if zero_format is not None:
+        detection.decided_by_user += [f"--gptq-zero-format {zero_format}: {what}" for what in detection.undecided]
+        detection.undecided = []
+    return configured, detection
 
 
 def resolve_format(checkpoint: Checkpoint, architecture: Architecture, trust: str | None = None,
-                   experts: ExpertTensors | None = None) -> tuple[SourceFormat, Detection]:
+                   experts: ExpertTensors | None = None, zero_format: str | None = None) -> tuple[SourceFormat, Detection]:
     """The source format to decode with: the config's, unless the tensors disagree. Then stop and
-    explain, or follow `trust` ("config" or "data"). Act-order is the plan's (scan_act_order)."""
-    configured, detection = detect_format(checkpoint, architecture, experts)
+    explain, or follow `trust` ("config" or "data"). What the data cannot decide stops the conversion
+    too (a guess converted silently is the wrong output this exists to prevent), unless the user decides
+    (`zero_format`, or `trust` "config"). Act-order is the plan's (scan_act_order)."""
+    configured, detection = detect_format(checkpoint, architecture, experts, zero_format)
+    where = checkpoint.root / "config.json"
+    if detection.undecided and trust == "config":
+        detection.decided_by_user += [f"--trust-config: {what}" for what in detection.undecided]
+        detection.undecided = []
+    if detection.undecided:
+        raise MoeconvError(f"{where}: {detection.undecided[0]}")
     if not detection.disagreements or trust == "config":
         return configured, detection
     if trust == "data" and detection.detected is not None:
         return detection.detected, detection
     more = f" (and {len(detection.disagreements) - 1} more)" if len(detection.disagreements) > 1 else ""
     hint = "pass --trust-config or --trust-data to choose" if detection.detected else "pass --trust-config to go on"
-    raise MoeconvError(f"{checkpoint.root / 'config.json'}: {detection.disagreements[0]}{more}; {hint}")
+    said = " (as --gptq-zero-format says)" if zero_format else ""
+    raise MoeconvError(f"{where}: {detection.disagreements[0]}{said}{more}; {hint}")
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -745,25 +766,27 @@ def choose_backend(name: str, layers: list[MoELayer], allow_regroup: bool) -> tu
 
 
 def make_plan(source: Path | Checkpoint, backend: str = "triton", max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-              trust: str | None = None, tp: int = 1, regroup: bool = False) -> Plan:
+              trust: str | None = None, tp: int = 1, regroup: bool = False, zero_format: str | None = None) -> Plan:
     """From headers and configs, plus a small sample of expert tensors to check the format (detect.py).
 
     backend: a registered backend or "auto". tp: the tensor-parallel size the output will be served
     with (eligibility only). regroup: allow halving the group size when that makes the backend fit.
+    zero_format: "gptq" (v1) or "gptq_v2", the user's answer where the data cannot tell a GPTQ
+    checkpoint's zero-point convention.
     """
     if tp < 1:
         raise MoeconvError(f"--tp must be at least 1, not {tp}")
     checkpoint = source if isinstance(source, Checkpoint) else open_checkpoint(Path(source))
     with collection_paused():
-        return _make_plan(checkpoint, backend, max_shard_size, trust, tp, regroup)
+        return _make_plan(checkpoint, backend, max_shard_size, trust, tp, regroup, zero_format)
 
 
 def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust: str | None, tp: int,
-               regroup: bool) -> Plan:
+               regroup: bool, zero_format: str | None) -> Plan:
     config_path = str(checkpoint.root / "config.json")
     architecture = architecture_from_config(checkpoint.config, config_path)
     experts = expert_tensors(checkpoint, architecture)
-    source_format, detection = resolve_format(checkpoint, architecture, trust, experts)
+    source_format, detection = resolve_format(checkpoint, architecture, trust, experts, zero_format)
     found, unquantized = find_moe_layers(checkpoint, architecture, source_format, experts)
     _check_counts(checkpoint, found)
     group_index = getattr(source_format, "group_index_suffix", None)  # formats that may store a g_idx
@@ -796,7 +819,7 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     units.sort(key=lambda item: _natural_key(item[0]))
     shards = _assign_shards([unit for _, unit in units], max_shard_size)
     return Plan(checkpoint, architecture, source_format, target, tuple(layers), shards, max_shard_size, trust,
-                detection, factor, tp, skipped, tuple(unquantized))
+                detection, factor, tp, skipped, tuple(unquantized), zero_format)
 
 
 def _refuse_fp8_beside(checkpoint: Checkpoint, backend: Backend, others: list[str]) -> None:

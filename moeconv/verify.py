@@ -80,6 +80,9 @@ class VerifyReport:
     source_files_checked: int = 0  # source shards hashed against the digests recorded at conversion
     source_problems: list[str] = field(default_factory=list)
     proven: dict[str, list[str]] = field(default_factory=dict)  # level -> what passing it proved (PROOFS)
+    # What the source's data could not decide and the user chose at conversion (--gptq-zero-format,
+    # --trust-config): lossless then means "exact under that choice", not "the data confirms it".
+    decided_by_user: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -176,10 +179,12 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     regroup_factor = arguments.get("regroup_factor", 1)
     plan = make_plan(checkpoint, backend=backend, trust=arguments.get("trust"), tp=arguments.get("tp", 1),
                      max_shard_size=_recorded_shard_size(arguments),
-                     regroup=isinstance(regroup_factor, int) and regroup_factor > 1)
+                     regroup=isinstance(regroup_factor, int) and regroup_factor > 1,
+                     zero_format=arguments.get("zero_format"))
     kernel = LAYER_KERNELS[plan.backend.numerics.kernel]
     report = VerifyReport(str(output), str(checkpoint.root), targets=manifest["targets"], level=level,
                           tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
+    report.decided_by_user = list(plan.detection.decided_by_user) if plan.detection else []
     advance = progress or (lambda nbytes, total=None: None)
     source_bytes = 0 if level == "structure" else sum(path.stat().st_size for path in checkpoint.files)
     advance(0, sum(path.stat().st_size for path in output.iterdir() if path.is_file())

@@ -101,10 +101,11 @@ def test_honest_configs_pass_detection(tmp_path, truth):
     assert detection.disagreements == [] and detection.detected == truth
 
 
-def test_data_that_cannot_decide_v1_from_v2_is_undecided_and_the_config_is_used(tmp_path, monkeypatch, capsys):
-    """Weights that do not average to zero (every group shifted by half its spread) put the codes off
+def test_data_that_cannot_decide_v1_from_v2_stops_the_conversion_until_the_user_decides(tmp_path, monkeypatch, capsys):
+    """Weights that do not average to zero (every group shifted by about half a code) put the codes off
     both readings' zero points: neither v1 nor v2 is near 0, so the detection says undecided, with the
-    numbers, and convert follows the config (and says so)."""
+    numbers, and convert refuses (exit 2, one line) rather than follow the label. --gptq-zero-format
+    (or --trust-config) decides; the manifest and verify say the user decided, not the data."""
     from moeconv import synth as synth_module
 
     plain = synth_module.random_weight
@@ -113,10 +114,36 @@ def test_data_that_cannot_decide_v1_from_v2_is_undecided_and_the_config_is_used(
     configured, detection = detect_format(open_checkpoint(source), architecture_from_config(
         json.loads((source / "config.json").read_text()), "config.json"))
     assert detection.disagreements == []
-    assert len(detection.undecided) == 1 and "cannot tell v1 from v2" in detection.undecided[0]
-    assert detection.detected == configured
+    assert len(detection.undecided) == 1 and "cannot tell GPTQ v1 zero points" in detection.undecided[0]
     from helpers import run_main
 
     code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
+    assert code == 2 and not (tmp_path / "out").exists()
+    assert len(err.strip().splitlines()) == 1 and "--gptq-zero-format v1 or v2" in err, err
+    assert "the config says gptq_v2" in err
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q", "--gptq-zero-format", "v2")
     assert code == 0, err
-    assert "undecided: checkpoint_format: the data cannot tell v1 from v2" in err
+    assert "decided by you, not by the data: --gptq-zero-format gptq_v2" in err
+    manifest = json.loads((tmp_path / "out" / "moeconv.json").read_text())
+    assert manifest["arguments"]["zero_format"] == "gptq_v2"
+    assert manifest["format_decision"]["decided_by_user"][0].startswith("--gptq-zero-format gptq_v2: ")
+    code, out, err = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "--json")
+    assert code == 0, err
+    assert json.loads(out)["decided_by_user"][0].startswith("--gptq-zero-format gptq_v2: ")
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out2", "-q", "--trust-config")
+    assert code == 0 and "decided by you, not by the data: --trust-config" in err
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out3", "-q", "--gptq-zero-format", "v3")
+    assert code == 2 and "choose v1 or v2" in err
+
+
+def test_gptq_zero_format_the_data_contradicts_is_refused(tmp_path, capsys):
+    """The flag answers what the data cannot decide; where the data does decide, a contrary flag is a
+    contradiction like a contrary label."""
+    from helpers import run_main
+
+    source = _make(tmp_path, GPTQ(4, 32, sym=False, checkpoint_format="gptq_v2"))
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q", "--gptq-zero-format", "v1")
+    assert code == 2 and "(as --gptq-zero-format says)" in err and "checkpoint_format=gptq_v2" in err, err
+    awq = make_checkpoint(tmp_path / "awq", SynthSpec(source_format=AWQ(), experts=4, hidden=256, intermediate=128))
+    code, _, err = run_main(capsys, "convert", awq, "-o", tmp_path / "out", "-q", "--gptq-zero-format", "v1")
+    assert code == 2 and "--gptq-zero-format is for GPTQ checkpoints; this one is awq" in err, err

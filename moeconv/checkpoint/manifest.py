@@ -80,6 +80,9 @@ def derived(plan: Any) -> dict[str, Any]:
         "layout_version": plan.backend.layout_version,
         "targets": plan.backend.targets,
         "format": plan.source_format.describe(),
+        # How the format was decided: the data's evidence, and what the user chose where it could not decide.
+        "format_decision": {"evidence": plan.detection.evidence if plan.detection else [],
+                            "decided_by_user": plan.detection.decided_by_user if plan.detection else []},
         "file_digest": f"{DIGEST_KEY}: sha256 of the sha256 digests of each {BLOCK_BYTES >> 20} MiB block, in order",
         "tensors": tensors,
     }

@@ -209,14 +209,16 @@ def _packed_bits(linear: Linear) -> int | None:
     return bits if columns == n and rows * 32 == bits * k and bits in (2, 4, 8) else None
 
 
-# The v1/v2 statistic (see detect.py's module doc): expert linears whose tensors may be read, reading
-# stops once the statistic is precise (STANDARD_ERROR) and never reads more than SAMPLE_BYTES of qweight.
+# The v1/v2 statistic (see detect.py's module doc and docs/GPTQ_ZERO_FORMAT.md for what it was measured
+# on): expert linears whose tensors may be read; reading stops once the statistic is precise
+# (STANDARD_ERROR) and never reads more than SAMPLE_BYTES of qweight.
 SAMPLE_LINEARS = 96
 SAMPLE_BYTES = 256 * 1024**2
 STANDARD_ERROR = 0.05
 TRIM = 0.1  # share of groups dropped at each end before averaging (all-positive or all-negative groups)
 CENTRED = 0.3  # |statistic| below this: the reading puts codes on the zero points
 MIDPOINT = 0.5  # half-way between the two readings: the decision must clear it by 3 standard errors
+CONTRADICTING = 0.1  # most share of the sampled linears that may, each on its own, clearly favour the other reading
 
 
 def _gptq_from_data(linears: list[Linear], bits: int, group_size: int, configured: SourceFormat,
@@ -239,7 +241,7 @@ def _gptq_from_data(linears: list[Linear], bits: int, group_size: int, configure
         detection.evidence.append(f"every qzeros word is 0x{v2_filler:08X}: symmetric, v2 filler")
         return GPTQ(bits, group_size, sym=True, checkpoint_format=V2)
     detection.evidence.append("qzeros words differ from one another: asymmetric zero points")
-    version = _gptq_version(with_zeros, bits, group_size, read, detection)
+    version = _gptq_version(with_zeros, bits, group_size, _configured_version(configured), read, detection)
     return GPTQ(bits, group_size, sym=False, checkpoint_format=version or _configured_version(configured))
 
 
@@ -247,11 +249,16 @@ def _configured_version(configured: SourceFormat) -> str:
     return configured.checkpoint_format if isinstance(configured, GPTQ) else V1
 
 
-def _gptq_version(linears: list[Linear], bits: int, group_size: int, read: Read,
+def _gptq_version(linears: list[Linear], bits: int, group_size: int, label: str, read: Read,
                   detection: Detection) -> str | None:
-    """"gptq" or "gptq_v2" from where the codes centre, or None (undecided, recorded) when unclear."""
+    """"gptq" or "gptq_v2" from where the codes centre, or None (undecided, recorded) when unclear.
+
+    Per group, (mean code − zero) · scale is the group's mean weight: near 0 under the right reading
+    for weights centred on zero, one code off under the wrong one. Nothing else in GPTQ's output tells
+    the two apart (both readings are valid min/max quantizations of weights one step apart), so a
+    checkpoint whose weights are not centred on zero, in every linear alike, is left undecided."""
     readings = [GPTQ(bits, group_size, sym=False, checkpoint_format=version) for version in (V1, V2)]
-    offsets, read_bytes = [], 0
+    offsets, per_linear, read_bytes = [], [], 0
     for tensors, _, _ in linears:
         values = {suffix: read(entry) for suffix, entry in tensors.items() if suffix != "g_idx"}
         v1, v2 = (reading.decode(values) for reading in readings)
@@ -262,21 +269,33 @@ def _gptq_version(linears: list[Linear], bits: int, group_size: int, read: Read,
         # those groups from one tail to the other and bias a trimmed statistic.
         interior = (v1.zeros.int() - v2.zeros.int() == 1) & (v2.zeros > 0) & (v1.zeros < (1 << bits) - 1)
         offsets.append((mean_codes - v2.zeros.float())[interior])
+        if len(offsets[-1]) > 1:
+            per_linear.append(_trimmed_mean(offsets[-1]))
         read_bytes += values["qweight"].numel() * 4
         if _trimmed_mean(torch.cat(offsets))[1] < STANDARD_ERROR or read_bytes > SAMPLE_BYTES:
             break
     v2, error = _trimmed_mean(torch.cat(offsets))
     v1 = v2 - 1.0  # on these groups the v1 reading's zero point is the stored one plus one
     groups = sum(len(o) for o in offsets)
-    numbers = (f"trimmed mean over {groups} interior groups of (mean code − zero): v1 reading {v1:+.2f}, "
-               f"v2 reading {v2:+.2f} (± {error:.2f})")
+    numbers = (f"trimmed mean over {groups} interior groups of {len(per_linear)} linears of (mean code − zero): "
+               f"v1 reading {v1:+.2f}, v2 reading {v2:+.2f} (± {error:.2f})")
     detection.evidence.append(numbers)
-    for version, centred in ((V1, v1), (V2, v2)):
-        if abs(centred) < CENTRED and abs(centred) + 3 * error < MIDPOINT:
+    for version, centred, shift in ((V1, v1, 1.0), (V2, v2, 0.0)):
+        # A linear contradicts this reading when, on its own, it sits past the midpoint by 3 of its errors.
+        against = sum(abs(m - shift) - MIDPOINT > 3 * e for m, e in per_linear) / max(1, len(per_linear))
+        if abs(centred) < CENTRED and abs(centred) + 3 * error < MIDPOINT and against <= CONTRADICTING:
+            detection.evidence.append(f"{against:.0%} of the linears, each on its own, contradict the {version} reading")
             return version
-    detection.undecided.append(f"checkpoint_format: the data cannot tell v1 from v2 ({numbers}; the right "
-                               f"reading is near 0 and the wrong one near ±1)")
+    detection.undecided.append(
+        f"the data cannot tell GPTQ v1 zero points (stored zero − 1) from v2 (true zeros): {numbers}; the right "
+        f"reading is near 0 in every linear and the wrong one near ±1, and neither is here; the config says "
+        f"{_show_version(label)}: pass --gptq-zero-format v1 or v2 if you know which the producer wrote (or "
+        f"--trust-config to follow the config)")
     return None
+
+
+def _show_version(version: str) -> str:
+    return "gptq (v1)" if version == V1 else "gptq_v2"
 
 
 def _trimmed_mean(values: torch.Tensor) -> tuple[float, float]:
