@@ -21,8 +21,11 @@ Evidence used:
   sits on its TRUE zero point. The two readings of the same words differ by one code per group
   (v1 adds one back; only the borrows of v1's word arithmetic differ), so the trimmed mean over groups of (mean code − zero) is near 0 for the
   right reading and near ±1 for the wrong one. Linears are read until the standard error of that
-  statistic is small; a reading is decided only when its statistic is near 0 and the midpoint
-  between the readings is three standard errors away, otherwise the detection says "undecided" with the numbers.
+  statistic is small; a reading is decided only when its statistic is near 0, the midpoint between
+  the readings is three standard errors away, and no more than a tenth of the linears on their own
+  clearly favour the other reading; otherwise the detection says "undecided" with the numbers, and
+  the plan refuses to convert until the user decides. docs/GPTQ_ZERO_FORMAT.md has the measurements
+  on real GPTQ output (error feedback and calibration included).
 - act-order from g_idx: anything but k // g is act-order.
 
 Each format module carries its own part (`claims` the packing from header shapes, `from_data` the
