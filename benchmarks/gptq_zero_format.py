@@ -95,15 +95,31 @@ def rows(set_dir: Path):
                     }
 
 
+def _outcome(row: dict) -> str:
+    """What convert does with this reading: the quantizer's zero points, a refusal, or wrong ones."""
+    if row["decided"] == "undecided":
+        return "refused"
+    return "exact" if row["zeros_right_if_converted"] and not row["wrong"] else "WRONG"
+
+
+def true_reading(row: dict) -> float:
+    """The statistic under the checkpoint's true reading, from the evidence line."""
+    v1, v2 = (float(part.split("reading ")[1].split()[0]) for part in row["statistic"].split(", ")[:2])
+    return v1 if row["truth"] == V1 else v2
+
+
 def main() -> None:
     set_dir = Path(sys.argv[1])
     table = list(rows(set_dir))
-    if "--markdown" in sys.argv:
-        print("| case | bits | g | weights | producer | truth | label | decided | statistic |")
+    if "--markdown" in sys.argv:  # one line per checkpoint: read as labelled, then relabelled
+        print("| case | bits | g | weights | producer | true reading | as labelled | relabelled | convert (labelled / relabelled) |")
         print("|---|---|---|---|---|---|---|---|---|")
-        for r in table:
-            print(f"| {r['case']} | {r['bits']} | {r['group']} | {r['dist']} | {r['producer']} | {r['truth']} | "
-                  f"{r['label']} | {r['decided']} | {r['statistic']} |")
+        for labelled, relabelled in zip(table[::2], table[1::2]):
+            zeros = " / ".join(_outcome(row) for row in (labelled, relabelled))
+            group = "channel" if labelled["group"] == -1 else labelled["group"]
+            print(f"| {labelled['case']} | {labelled['bits']} | {group} | {labelled['dist'].split('/')[0]} | "
+                  f"{labelled['producer']} | {true_reading(labelled):+.2f} | {labelled['decided']} | "
+                  f"{relabelled['decided']} | {zeros} |")
     else:
         for r in table:
             print(json.dumps(r))

@@ -131,6 +131,8 @@ def _print_inspect(report: dict[str, Any], title: str) -> None:
         rows.append(("[red]config disagrees[/]", disagreement))
     for undecided in detection.get("undecided", []):
         rows.append(("[yellow]undecided[/]", escape(undecided)))
+    for advice in detection.get("advice", []):
+        rows.append(("[yellow]what to do[/]", escape(advice)))
     for module, case in report["act_order"].items():
         rows.append((f"{'[red]' if case.startswith('refused') else ''}act-order {module}", case))
     for name, verdict in report["backends"].items():

@@ -465,7 +465,7 @@ def detect_format(checkpoint: Checkpoint, architecture: Architecture, experts: E
     detection = detect(sample_linears(experts.grouped, sizes), configured)
     if zero_format is not None:
         detection.decided_by_user += [f"--gptq-zero-format {zero_format}: {what}" for what in detection.undecided]
-        detection.undecided = []
+        detection.undecided, detection.advice = [], []
     return configured, detection
 
 
@@ -479,9 +479,10 @@ def resolve_format(checkpoint: Checkpoint, architecture: Architecture, trust: st
     where = checkpoint.root / "config.json"
     if detection.undecided and trust == "config":
         detection.decided_by_user += [f"--trust-config: {what}" for what in detection.undecided]
-        detection.undecided = []
+        detection.undecided, detection.advice = [], []
     if detection.undecided:
-        raise MoeconvError(f"{where}: {detection.undecided[0]}")
+        advice = f"; {detection.advice[0]}" if detection.advice else ""
+        raise MoeconvError(f"{where}: {detection.undecided[0]}{advice}")
     if not detection.disagreements or trust == "config":
         return configured, detection
     if trust == "data" and detection.detected is not None:

@@ -120,7 +120,7 @@ def test_data_that_cannot_decide_v1_from_v2_stops_the_conversion_until_the_user_
     code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
     assert code == 2 and not (tmp_path / "out").exists()
     assert len(err.strip().splitlines()) == 1 and "--gptq-zero-format v1 or v2" in err, err
-    assert "the config says gptq_v2" in err
+    assert "the config's gptq_v2" in err
     code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q", "--gptq-zero-format", "v2")
     assert code == 0, err
     assert "decided by you, not by the data: --gptq-zero-format gptq_v2" in err

@@ -34,13 +34,14 @@ class Detection:
     evidence: list[str] = field(default_factory=list)
     disagreements: list[str] = field(default_factory=list)
     undecided: list[str] = field(default_factory=list)  # each one stops a conversion until the user decides
+    advice: list[str] = field(default_factory=list)  # one line per undecided question: how to decide it
     decided_by_user: list[str] = field(default_factory=list)  # what the data could not decide, and who chose
     act_order: str | None = None  # why the checkpoint is act-order, if it is
 
     def to_json(self) -> dict[str, Any]:
         return {"detected": None if self.detected is None else self.detected.describe(),
                 "evidence": self.evidence, "disagreements": self.disagreements, "undecided": self.undecided,
-                "decided_by_user": self.decided_by_user, "act_order": self.act_order}
+                "advice": self.advice, "decided_by_user": self.decided_by_user, "act_order": self.act_order}
 
 
 class SourceFormat(Protocol):

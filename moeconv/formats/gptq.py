@@ -288,9 +288,9 @@ def _gptq_version(linears: list[Linear], bits: int, group_size: int, label: str,
             return version
     detection.undecided.append(
         f"the data cannot tell GPTQ v1 zero points (stored zero − 1) from v2 (true zeros): {numbers}; the right "
-        f"reading is near 0 in every linear and the wrong one near ±1, and neither is here; the config says "
-        f"{_show_version(label)}: pass --gptq-zero-format v1 or v2 if you know which the producer wrote (or "
-        f"--trust-config to follow the config)")
+        f"reading is near 0 in every linear and the wrong one near ±1, and neither is here (docs/GPTQ_ZERO_FORMAT.md)")
+    detection.advice.append(f"pass --gptq-zero-format v1 or v2 if you know which the producer wrote, or "
+                            f"--trust-config to follow the config's {_show_version(label)}")
     return None
 
 
