@@ -21,16 +21,17 @@ from moeconv.spec import DTYPE_SIZES
 
 MAX_JSON_BYTES = 64 * 1024**2  # configs and indexes; Kimi-K2's index is about 20 MB
 MAX_HEADER_BYTES = 100 * 1024**2
-# Planning costs memory per tensor (a 1e6-tensor header set took 4.5 GB and 400 s), so a checkpoint
-# may list at most this many: twice Kimi-K2's (61 layers x 384 experts x 3 linears x 4 tensors, ~280k).
-MAX_TENSORS = 600_000
+# Planning costs memory per tensor (about 1.4 kB each; a 1e6-tensor header set took 4.5 GB and 400 s),
+# so a checkpoint may list at most this many, which keeps planning under about 1 GB (docs/BENCHMARKS.md)
+# and above Kimi-K2 in GPTQ with g_idx (61 layers x 384 experts x 3 linears x 4 tensors, about 285k).
+MAX_TENSORS = 350_000
 
 
 def check_tensor_count(count: int, where: str) -> None:
     """Refuses, before anything is built per tensor, a checkpoint that lists more than MAX_TENSORS."""
     if count > MAX_TENSORS:
         raise MoeconvError(f"{where}: lists {count} tensors, more than the {MAX_TENSORS} moeconv plans "
-                           f"(twice the largest known checkpoint's)")
+                           f"(more than any known checkpoint has)")
 
 
 def open_regular(path: Path) -> int:
