@@ -133,8 +133,11 @@ def test_an_input_error_in_a_task_is_one_line(local_ray, source, tmp_path, capsy
     assert not (tmp_path / "out").exists()
 
 
-def test_a_killed_driver_resumes_on_ray(source, tmp_path):
-    """No shared Ray here: each driver starts its own local Ray, as a user's would."""
+@pytest.mark.parametrize("kill", ["group", "driver"])
+def test_a_killed_driver_resumes_on_ray(source, tmp_path, kill):
+    """No shared Ray here: each driver starts its own local Ray, as a user's would. `driver`: kill -9 of
+    the driver alone, its local Ray left to die (some of its processes outlive it): the rerun starts
+    its own Ray (a cluster started by ray.init is not one `address="auto"` finds) and resumes."""
     command = [sys.executable, "-m", "moeconv", "convert", str(source), "-o", str(tmp_path / "out"), "-q",
                "--executor", "ray", "--max-shard-size", "150KB", "--json"]
     journal = tmp_path / ".out.moeconv-partial" / "moeconv-progress.json"
@@ -149,9 +152,18 @@ def test_a_killed_driver_resumes_on_ray(source, tmp_path):
         time.sleep(0.05)
     if driver.poll() is not None:
         pytest.fail(f"the driver ended before it could be killed: {driver.communicate()[1].decode()[-500:]}")
-    os.killpg(driver.pid, signal.SIGKILL)
-    driver.wait()
-    resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    try:
+        if kill == "group":
+            os.killpg(driver.pid, signal.SIGKILL)
+        else:
+            os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+        resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    finally:
+        try:  # what the killed driver's Ray left running (it shares the driver's process group)
+            os.killpg(driver.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     assert resumed.returncode == 0, resumed.stderr
     report = json.loads(resumed.stdout)
     assert report["resumed_files"] and report["device"].startswith("ray:")
