@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 PACKERS_STAMP := .venv-packers/.packers-installed
 
-.PHONY: demo test env packers bench clean engines test-engines
+.PHONY: demo test env packers bench clean engines test-engines engines-sglang test-engines-sglang
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,22 @@ test-engines: $(STAMP) $(ENGINES_STAMP)
 	$(BIN)/python tests/engines/run_matrix.py
 	$(BIN)/python tests/engines/run_plugin.py
 	$(BIN)/python tests/engines/run_differential.py
+
+# SGLang 0.5.23 beside moeconv's outputs, on the CPU (tests/engines/sglang_load.py): its own venv, its
+# pinned torch (2.14.1, the CUDA build PyPI serves; it imports without a GPU), the packages its model
+# classes and loaders import (tests/engines/sglang-requirements.txt), then sglang without its GPU-kernel deps.
+SGLANG_STAMP := .venv-sglang/.sglang-installed
+
+$(SGLANG_STAMP): tests/engines/sglang-requirements.txt
+	test -x .venv-sglang/bin/python || $(PYTHON) -m venv .venv-sglang
+	.venv-sglang/bin/pip install -q -r tests/engines/sglang-requirements.txt
+	.venv-sglang/bin/pip install -q --no-deps sglang==0.5.23
+	touch $(SGLANG_STAMP)
+
+engines-sglang: $(SGLANG_STAMP)
+
+test-engines-sglang: $(STAMP) $(SGLANG_STAMP)
+	$(BIN)/python tests/engines/run_matrix_sglang.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_convert.py

@@ -60,13 +60,13 @@ def not_consumed(result: dict) -> list[str]:
     return [name for name in result["not_consumed"] if not name.endswith(".g_idx")]
 
 
-def command_line(doc: str) -> argparse.Namespace:
-    """The engine scripts' one option (`--keep DIR`), once .venv-engines is there."""
+def command_line(doc: str, engine_python: Path = ENGINE_PYTHON, make_target: str = "make engines") -> argparse.Namespace:
+    """The engine scripts' one option (`--keep DIR`), once the engine's venv is there."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--keep", type=Path, help="write the checkpoints here instead of a temporary folder")
     args = parser.parse_args()
-    if not ENGINE_PYTHON.exists():
-        sys.exit(f"{ENGINE_PYTHON} is missing: run `make engines` first")
+    if not engine_python.exists():
+        sys.exit(f"{engine_python} is missing: run `{make_target}` first")
     return args
 
 

@@ -1,0 +1,113 @@
+"""`make test-engines-sglang`: which moeconv outputs stock SGLang 0.5.23 loads, shown with SGLang's own loader.
+
+Runs in the main venv; tests/engines/sglang_load.py runs in .venv-sglang (sglang==0.5.23). For every
+family × source format, a synthetic source checkpoint is converted to every backend that takes it; the
+sources (as SGLang picks their method, and GPTQ / AWQ sources also with `--quantization moe_wna16`) and
+all outputs are then loaded by SGLang on the CPU in one process. Prints the matrix (markdown) and exits 1
+when a compressed-tensors output of a symmetric source does not load, or when any checkpoint SGLang
+takes leaves a checkpoint tensor unconsumed or a parameter unloaded. The compressed-tensors outputs of
+asymmetric sources are expected to be refused: SGLang 0.5.23 does not transpose the expert zero points
+of a standard compressed-tensors checkpoint (docs/BENCHMARKS.md, SGLang section).
+
+    .venv/bin/python tests/engines/run_matrix_sglang.py [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import moeconv  # noqa: E402
+from moeconv.backends import REGISTRY  # noqa: E402
+from moeconv.errors import MoeconvError  # noqa: E402
+from moeconv.formats import AWQ, GPTQ, CompressedTensors  # noqa: E402
+from moeconv.formats.gptq import V2  # noqa: E402
+from moeconv.synth import SynthSpec, make_checkpoint  # noqa: E402
+from run_matrix import ROOT, command_line, not_consumed  # noqa: E402
+
+ENGINE_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+SOURCES = {
+    "gptq-sym": GPTQ(4, 32, sym=True),
+    "gptq-asym": GPTQ(4, 32, sym=False),
+    "gptq-v2-sym": GPTQ(4, 32, sym=True, checkpoint_format=V2),
+    "gptq-v2-asym": GPTQ(4, 32, sym=False, checkpoint_format=V2),
+    "awq": AWQ(4, 32),
+    "ct-sym": CompressedTensors(bits=4, group_size=32, symmetric=True),
+    "ct-asym": CompressedTensors(bits=4, group_size=32, symmetric=False),
+    "ct-w8a8": CompressedTensors(format="int-quantized", bits=8, group_size=-1, activation_bits=8),
+}
+MOE_WNA16 = "moe_wna16"  # SGLang's Triton MoE method for GPTQ / AWQ checkpoints, chosen by the user
+
+
+def main() -> None:
+    args = command_line(__doc__, ENGINE_PYTHON, "make engines-sglang")
+    with tempfile.TemporaryDirectory(prefix="moeconv-sglang-") as scratch:
+        base = args.keep or Path(scratch)
+        cases, refusals = [], {}
+        for family in FAMILIES:
+            for source_name, fmt in SOURCES.items():
+                source = make_checkpoint(base / family / source_name / "src",
+                                         SynthSpec(architecture=family, source_format=fmt))
+                cases.append((family, source_name, "(source)", source, fmt, None))
+                if fmt.method in ("gptq", "awq"):
+                    cases.append((family, source_name, f"(source) --quantization {MOE_WNA16}", source, fmt, MOE_WNA16))
+                for backend in REGISTRY:
+                    out = base / family / source_name / backend
+                    try:
+                        moeconv.convert(source, out, backend=backend)
+                    except MoeconvError as refusal:
+                        refusals[(family, source_name, backend)] = str(refusal)
+                        continue
+                    cases.append((family, source_name, backend, out, fmt, None))
+        command = [str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "sglang_load.py")]
+        for case in cases:
+            command += [f"--quantization={case[5] or ''}", str(case[3])]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+        results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        if len(results) != len(cases):
+            sys.exit(f"sglang_load.py answered {len(results)} of {len(cases)} checkpoints:\n{done.stderr[-3000:]}")
+        failures = _report(cases, results, refusals)
+    sys.exit(1 if failures else 0)
+
+
+def _report(cases, results, refusals) -> list[str]:
+    print("| family | source | backend | SGLang 0.5.23 | detail |")
+    print("|---|---|---|---|---|")
+    failures = []
+    source_gaps: dict[str, set[str]] = {}
+    for (family, source_name, backend, _path, fmt, _quantization), result in zip(cases, results):
+        unloaded = result.get("unloaded_parameters", [])
+        if backend.startswith("(source)") and result["loaded"]:
+            source_gaps.setdefault(family, set()).update(unloaded)
+        own = [name for name in unloaded if name not in source_gaps.get(family, set())]
+        if not result["loaded"]:
+            verdict, detail = "refused", result["error"][:160]
+        elif not_consumed(result) or own:
+            verdict = "INCOMPLETE"
+            detail = f"tensors not consumed {not_consumed(result)[:2]}; unloaded {own[:2]}"
+        else:
+            verdict = "loads"
+            gaps = sorted(set(unloaded) & source_gaps.get(family, set()))
+            dropped = result["not_consumed_count"] - len(not_consumed(result))
+            detail = f"{result['tensors']} tensors, all consumed, as {result['quant_method']}" + (
+                f" (SGLang's mapper drops the {dropped} trivial g_idx)" if dropped else "") + (
+                f"; unloaded as in the synthetic sources, which lack them: {gaps[:2]}" if gaps else "")
+        print(f"| {family} | {source_name} | {backend} | {verdict} | {detail} |")
+        expected = backend == "compressed-tensors" and fmt.symmetric
+        if verdict == "INCOMPLETE" or (expected and verdict != "loads"):
+            failures.append(f"{family} {source_name} -> {backend}: {verdict}: {detail}")
+    for (family, source_name, backend), reason in sorted(refusals.items()):
+        print(f"| {family} | {source_name} | {backend} | (moeconv refuses) | {reason[:140]} |")
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return failures
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Load a checkpoint with SGLang's OWN model classes and weight loaders, on a CPU machine.
+
+Runs in .venv-sglang (`make engines-sglang`: sglang==0.5.23), never in the main venv:
+
+    .venv-sglang/bin/python tests/engines/sglang_load.py [--quantization=NAME] CHECKPOINT ...
+
+`--quantization=NAME` is SGLang's own option (`--quantization`) for the checkpoints after it, up to the
+next `--quantization=` (empty: SGLang picks the method from the checkpoint, as by default).
+
+For each checkpoint: SGLang's ModelConfig parses config.json and its quantization config (SGLang's
+`_get_quantization_config`, capability check included), SGLang's `_initialize_model` builds the model
+class on the CPU (FusedMoE `create_weights` included), and SGLang's own
+`DefaultModelLoader.load_weights_only` runs the model's `load_weights` over the loader's own weights
+iterator. As in vllm_load.py: every parameter is filled with a sentinel first, twice over with two
+sentinels, and every weight loader is wrapped to record which checkpoint tensors it consumed. Prints
+one JSON line per checkpoint: loaded (true/false), SGLang's error if it refused, the checkpoint
+tensors no loader consumed, the parameters left unloaded.
+
+What is chosen for the CPU, and why (none of it is a loader; the list is the whole of it):
+- The platform. SGLang has a CUDA platform (needs a driver: `sgl_kernel` opens libcuda.so.1) and a CPU
+  engine (needs sgl_kernel's CPU build, which is not on PyPI); with neither, some layers import vLLM's
+  kernels at construction. So the harness installs, before SGLang first asks, an out-of-tree platform
+  (`sglang.srt.platforms.interface.SRTPlatform`, the class SGLang's `sglang.srt.platforms` entry points
+  name) whose device is "cpu": layers take their native torch paths.
+- The GPU's compute capability answers 9.0 (an H200): `torch.cuda.get_device_capability`, which
+  compressed-tensors asks when it picks a scheme (`_check_scheme_supported`), and SGLang's own
+  `sglang.srt.utils.get_device_capability`, which decides whether GPTQ / AWQ checkpoints are Marlin
+  compatible (`gptq_marlin` / `awq_marlin`, the methods SGLang serves them with on a GPU) and checks the
+  method's minimum capability.
+`process_weights_after_loading` (the Marlin / Triton repack) is not run: it needs CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("SGLANG_LOGGING_LEVEL", "ERROR")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vllm_load import SENTINELS, one_line  # noqa: E402  (no vLLM import: plain helpers)
+
+H200_CAPABILITY = (9, 0)
+
+
+def select_device() -> None:
+    """The CPU as SGLang's device (an out-of-tree platform) and an H200's compute capability."""
+    import sglang.srt.platforms as platforms
+    from sglang.srt.platforms.device_mixin import PlatformEnum
+    from sglang.srt.platforms.interface import SRTPlatform
+
+    class CpuLoadCheckPlatform(SRTPlatform):
+        _enum = PlatformEnum.OOT
+        device_name = "cpu"
+        device_type = "cpu"
+
+    platforms._current_platform = CpuLoadCheckPlatform()
+    torch.cuda.get_device_capability = lambda device=None: H200_CAPABILITY
+    import sglang.srt.utils
+    import sglang.srt.utils.common
+
+    # SGLang's own probe, re-exported by sglang.srt.utils; bound by name at import in the modules that
+    # read it (marlin_utils, moe_wna16, the loader), so both names answer before those modules load.
+    for module in (sglang.srt.utils.common, sglang.srt.utils):
+        module.get_device_capability = lambda device_id=0: H200_CAPABILITY
+    early = sorted(name for name in sys.modules if name.startswith(("sglang.srt.layers", "sglang.srt.model_loader")))
+    assert not early, f"loaded before the device was chosen, so they kept the old answers: {early[:3]}"
+
+
+def _init_once(server_args) -> None:
+    """One gloo process group of one rank, as SGLang's weight-cache daemon sets it up."""
+    from sglang.srt.distributed.parallel_state import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
+
+    if model_parallel_is_initialized():
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                 local_rank=0, backend="gloo")
+    initialize_model_parallel()
+
+
+def build_and_load(checkpoint: Path, quantization: str | None = None) -> tuple[torch.nn.Module, dict]:
+    """The model SGLang builds for the checkpoint, after its own loader ran twice (two sentinels), and
+    what the loading showed; `load_seconds` is the faster of the two passes."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.dp_attention import init_dp_gathered_buffer, initialize_dp_attention
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.model_loader.loader import (
+        DefaultModelLoader,
+        _get_quantization_config,
+        _initialize_model,
+        set_default_torch_dtype,
+    )
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(model_path=str(checkpoint), device="cpu", dtype="float16", tp_size=1,
+                             quantization=quantization)
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    initialize_moe_config()
+    model_config = ModelConfig.from_server_args(server_args)
+    _init_once(server_args)
+    initialize_dp_attention(server_args)
+    init_dp_gathered_buffer(model_config)
+    load_config = LoadConfig()
+    loader = DefaultModelLoader(load_config)
+    quant_config = _get_quantization_config(model_config, load_config)
+    with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+        model = _initialize_model(model_config, load_config, quant_config)
+    consumed: set[str] = set()
+    unloaded_per_pass, seconds = [], []
+    checkpoint_names: set[str] = set()
+    for sentinel in SENTINELS:
+        for parameter in model.parameters():
+            with torch.no_grad():
+                parameter.data.fill_(sentinel if parameter.dtype.is_floating_point else int(sentinel))
+        yielded: dict[int, str] = {}
+        held = []
+        _wrap_loaders(model, yielded, consumed)
+
+        def weights():
+            for name, tensor in loader._get_all_weights(model_config, model):
+                held.append(tensor)  # keeps the storage alive, so its address names the tensor
+                yielded[tensor.untyped_storage().data_ptr()] = name
+                yield name, tensor
+
+        started = time.perf_counter()
+        DefaultModelLoader.load_weights_only(model, weights(), torch.device("cpu"))
+        seconds.append(time.perf_counter() - started)
+        unloaded_per_pass.append({name for name, parameter in model.named_parameters()
+                                  if parameter.numel() and bool((parameter.data == (
+                                      sentinel if parameter.dtype.is_floating_point else int(sentinel))).all())})
+        checkpoint_names = set(yielded.values())
+    unloaded = sorted(set.intersection(*unloaded_per_pass))
+    not_consumed = sorted(checkpoint_names - consumed)
+    return model, {"loaded": True, "tensors": len(checkpoint_names), "not_consumed": not_consumed[:20],
+                   "not_consumed_count": len(not_consumed), "unloaded_parameters": unloaded[:20],
+                   "unloaded_count": len(unloaded), "load_seconds": round(min(seconds), 4),
+                   "quant_method": type(quant_config).__name__ if quant_config is not None else None}
+
+
+def _wrap_loaders(model, yielded: dict[int, str], consumed: set[str]) -> None:
+    """Every parameter's weight loader records which checkpoint tensor it was handed (by storage)."""
+    from sglang.srt.layers.parameter import BasevLLMParameter
+    from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+    for parameter in model.parameters():
+        original = getattr(parameter, "_moeconv_original_loader", None) or getattr(parameter, "weight_loader",
+                                                                                     default_weight_loader)
+
+        def recording(*args, _original=original, **kwargs):
+            for value in list(args[1:2]) + list(kwargs.values()):
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in yielded:
+                    consumed.add(yielded[value.untyped_storage().data_ptr()])
+            return _original(*args, **kwargs)
+
+        parameter._moeconv_original_loader = original
+        if isinstance(parameter, BasevLLMParameter):  # its weight_loader is a read-only property
+            parameter._weight_loader = recording
+        else:
+            parameter.weight_loader = recording
+
+
+def main() -> None:
+    select_device()
+    quantization = None
+    for path in sys.argv[1:]:
+        if path.startswith("--quantization="):
+            quantization = path.partition("=")[2] or None
+            continue
+        try:
+            result = build_and_load(Path(path), quantization)[1]
+        except Exception as error:  # noqa: BLE001 (SGLang's refusal is the result being measured)
+            if os.environ.get("MOECONV_ENGINE_TRACE"):
+                traceback.print_exc()
+            result = {"loaded": False, "error": one_line(error),
+                      "where": traceback.format_exc().splitlines()[-3][:200]}
+        print(json.dumps({"checkpoint": path, "quantization": quantization, **result}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
