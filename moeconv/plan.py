@@ -311,7 +311,8 @@ class Plan:
 
     def unquantized_modules(self) -> list[str]:
         """Modules whose 2-D float `weight` passes through: the linears a whole-checkpoint scheme must
-        be told to leave in float (embeddings are listed too; a loader only asks about linears)."""
+        be told to leave in float (embeddings are listed too: a backend whose engines ask about every
+        module drops them, as compressed-tensors does)."""
         entries = [job.source.entry for job in self.jobs if isinstance(job, CopyJob)]
         return sorted((entry.name.removesuffix(".weight") for entry in entries if entry.name.endswith(".weight")
                        and len(entry.shape) == 2 and entry.dtype in FLOAT_DTYPES), key=_natural_key)

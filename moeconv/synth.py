@@ -232,8 +232,9 @@ def _config(spec: SynthSpec) -> dict[str, Any]:
                       first_k_dense_replace=spec.dense_layers)
         if arch in _ROUTER_BIAS:  # the router's e_score_correction_bias exists only with this routing
             config.update(topk_method="noaux_tc", n_group=1, topk_group=1)
-        if arch in _MLA_Q_LORA:
-            config.update(_MLA, q_lora_rank=_MLA_Q_LORA[arch], max_position_embeddings=4096)
+        if arch in _MLA_Q_LORA:  # moe_layer_freq, scoring_func: DeepSeek's config.json has them, SGLang reads them
+            config.update(_MLA, q_lora_rank=_MLA_Q_LORA[arch], max_position_embeddings=4096, moe_layer_freq=1,
+                          scoring_func="sigmoid" if arch in _ROUTER_BIAS else "softmax")
     if arch in ("glm4_moe", "minimax_m2"):  # attention sizes their configs have no usable default for
         config.update(num_attention_heads=2, num_key_value_heads=2, head_dim=spec.hidden // 2,
                       rotary_dim=spec.hidden // 2, partial_rotary_factor=1.0)

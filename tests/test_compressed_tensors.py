@@ -384,3 +384,18 @@ def test_fp16_scales_served_bf16_are_reported(tmp_path, capsys):
     cast = report.engine_scale_cast
     assert report.ok and (cast["stored"], cast["model"]) == ("float16", "bfloat16")
     assert 0 < cast["changed"] < cast["checked"] and 0 < cast["max_relative_change"] <= 2**-8
+
+
+def test_output_ignores_the_float_linears_and_not_the_embedding(tmp_path):
+    """`ignore` names the float linears (lm_head, routers) and not the token embedding, which is no
+    `Linear` target: SGLang 0.5.23's w8a8_int8 method gives an ignored embedding a linear method and
+    refuses to start ("UnquantizedLinearMethod must implement the 'embedding' method"; shown in
+    `make test-engines-sglang`)."""
+    source = synth(tmp_path / "src", architecture="qwen3_moe", source_format=W8A8, layers=2, hidden=128,
+                   intermediate=64)
+    converted = cli("convert", source, "-o", tmp_path / "out", "--backend", "compressed-tensors", "--quiet")
+    assert converted.exit_code == 0, converted.output
+    ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
+    with safe_open(str(next((tmp_path / "out").glob("*.safetensors"))), "pt") as handle:
+        assert handle.get_tensor("model.embed_tokens.weight").dtype == torch.float16  # passed through in float
+    assert ignore == ["lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]

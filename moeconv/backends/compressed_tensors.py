@@ -33,6 +33,10 @@ from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_ch
 # The compressed-tensors release vLLM 0.33 pins; the config below is what its QuantizationConfig reads.
 COMPRESSED_TENSORS_TARGET = "0.17.0"
 PACK_QUANTIZED, INT_QUANTIZED = "pack-quantized", "int-quantized"
+# The token embedding's module name in every family moeconv reads. An embedding is no `Linear` target, so
+# it is never in `ignore` (llm-compressor lists none); SGLang 0.5.23's w8a8_int8 method, which serves
+# compressed-tensors W8A8, answers an ignored embedding with a linear method and refuses to start.
+EMBEDDING = "embed_tokens"
 
 
 def _format(activation_bits: int) -> str:
@@ -95,7 +99,8 @@ class CompressedTensorsBackend(PerLinearBackend):
     def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,
                                        unquantized_modules: list[str]) -> dict[str, Any]:
         """What compressed-tensors' `QuantizationConfig` reads: one config group for every Linear
-        (experts and dense quantized linears share the source's scheme), the float linears ignored."""
+        (experts and dense quantized linears share the source's scheme), the float linears ignored
+        (the embedding is not a linear: EMBEDDING)."""
         fmt = _format(layer.activation_bits)
         channelwise = is_channelwise(layer.group_size) or fmt == INT_QUANTIZED
         weights = {"num_bits": layer.bits, "type": "int", "symmetric": layer.symmetric,
@@ -114,7 +119,7 @@ class CompressedTensorsBackend(PerLinearBackend):
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                           "input_activations": activations, "output_activations": None,
                                           "format": fmt}},
-            "ignore": list(unquantized_modules),
+            "ignore": [name for name in unquantized_modules if name.rpartition(".")[2] != EMBEDDING],
             "quantization_status": "compressed",
             "kv_cache_scheme": None,
             "sparsity_config": {},

@@ -27,6 +27,13 @@ What is chosen for the CPU, and why (none of it is a loader; the list is the who
   `sglang.srt.utils.get_device_capability`, which decides whether GPTQ / AWQ checkpoints are Marlin
   compatible (`gptq_marlin` / `awq_marlin`, the methods SGLang serves them with on a GPU) and checks the
   method's minimum capability.
+- AWQ's Marlin eligibility (`AWQMarlinConfig.is_awq_marlin_compatible`) also asks whether the machine is
+  CUDA, through its module's `_is_cuda` (set at import; after import, read by that check only): it
+  answers yes, so an AWQ checkpoint gets `awq_marlin` as on a GPU (plain `awq` has no MoE method: its
+  experts would be built unquantized).
+- The ServerArgs device is "cuda", as on the GPU (a "cpu" device sends layers to SGLang's CPU-engine
+  paths, e.g. DeepSeek's CPU rotary embedding); the model is still built under `torch.device("cpu")`,
+  and the platform's default attention backend is torch_native (no CUDA kernels).
 `process_weights_after_loading` (the Marlin / Triton repack) is not run: it needs CUDA kernels.
 """
 
@@ -62,6 +69,9 @@ def select_device() -> None:
         device_name = "cpu"
         device_type = "cpu"
 
+        def get_default_attention_backend(self) -> str:
+            return "torch_native"
+
     platforms._current_platform = CpuLoadCheckPlatform()
     torch.cuda.get_device_capability = lambda device=None: H200_CAPABILITY
     import sglang.srt.utils
@@ -73,6 +83,9 @@ def select_device() -> None:
         module.get_device_capability = lambda device_id=0: H200_CAPABILITY
     early = sorted(name for name in sys.modules if name.startswith(("sglang.srt.layers", "sglang.srt.model_loader")))
     assert not early, f"loaded before the device was chosen, so they kept the old answers: {early[:3]}"
+    import sglang.srt.layers.quantization.awq.awq as awq
+
+    awq._is_cuda = True  # read (after import) only by is_awq_marlin_compatible: AWQ goes to awq_marlin, as on a GPU
 
 
 def _init_once(server_args) -> None:
@@ -109,7 +122,7 @@ def build_and_load(checkpoint: Path, quantization: str | None = None) -> tuple[t
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
-    server_args = ServerArgs(model_path=str(checkpoint), device="cpu", dtype="float16", tp_size=1,
+    server_args = ServerArgs(model_path=str(checkpoint), device="cuda", dtype="float16", tp_size=1,
                              quantization=quantization)
     publish(server_args, role="test", ranks=SpawnRanks(world_rank=0, gpu_id=0))
     initialize_moe_config()
@@ -148,8 +161,8 @@ def build_and_load(checkpoint: Path, quantization: str | None = None) -> tuple[t
         checkpoint_names = set(yielded.values())
     unloaded = sorted(set.intersection(*unloaded_per_pass))
     not_consumed = sorted(checkpoint_names - consumed)
-    return model, {"loaded": True, "tensors": len(checkpoint_names), "not_consumed": not_consumed[:20],
-                   "not_consumed_count": len(not_consumed), "unloaded_parameters": unloaded[:20],
+    return model, {"loaded": True, "tensors": len(checkpoint_names), "not_consumed": not_consumed,
+                   "not_consumed_count": len(not_consumed), "unloaded_parameters": unloaded,
                    "unloaded_count": len(unloaded), "load_seconds": round(min(seconds), 4),
                    "quant_method": type(quant_config).__name__ if quant_config is not None else None}
 
