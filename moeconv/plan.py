@@ -690,6 +690,10 @@ def _check_linear(linear: dict[str, TensorEntry], prefix: str, projection: str, 
                 f"expert does not have (expected {', '.join(required + optional)})"
             )
     found = _linear_shape(source_format, linear)
+    partial = _partial_group(source_format, in_features)
+    if partial and found[1] >= in_features:  # stored as it is, or padded to whole groups (AutoRound's RTN)
+        padded = f" (stored padded to K = {found[1]})" if found[1] > in_features else ""
+        raise MoeconvError(f"{any_entry.file}: {any_entry.name.rsplit('.', 1)[0]}: {partial}{padded}")
     if found != (out_features, in_features):
         entry = any_entry
         raise MoeconvError(
@@ -706,6 +710,18 @@ def _check_linear(linear: dict[str, TensorEntry], prefix: str, projection: str, 
                 f"{want.dtype or 'a float dtype'}{list(want.shape)} for {source_format.method} "
                 f"{source_format.bits}-bit group {source_format.group_size}"
             )
+
+
+def _partial_group(source_format: SourceFormat, in_features: int) -> str | None:
+    """Why a linear whose K is not a multiple of the group size (a partial last group) is refused: the
+    canonical form and every layout moeconv writes hold whole groups, and engines that take such a
+    linear anyway drop or misread its tail (vLLM issue threads on AutoRound MoE checkpoints)."""
+    group_size = effective_group_size(in_features, source_format.group_size)
+    if in_features % group_size == 0:
+        return None
+    return (f"K = {in_features} is not a multiple of group size {group_size}: a partial last group of "
+            f"{in_features % group_size} columns, which no layout moeconv writes holds; refusing this linear "
+            f"rather than dropping or padding its tail")
 
 
 @lru_cache(maxsize=256)

@@ -10,13 +10,16 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from moeconv.errors import MoeconvError
+from moeconv.formats.autoround import AutoRound
 from moeconv.formats.awq import AWQ
 from moeconv.formats.base import SourceFormat
 from moeconv.formats.compressed_tensors import CompressedTensors
 from moeconv.formats.gptq import GPTQ
 
-# quant_method in the checkpoint's config -> the class that reads it.
-REGISTRY: dict[str, type] = {"awq": AWQ, "gptq": GPTQ, "compressed-tensors": CompressedTensors}
+# quant_method in the checkpoint's config -> the class that reads it (AutoRound's reads its config into
+# the GPTQ or AWQ format its packing names).
+REGISTRY: dict[str, type] = {"awq": AWQ, "gptq": GPTQ, "compressed-tensors": CompressedTensors,
+                             "auto-round": AutoRound, "intel/auto-round": AutoRound}
 
 
 def format_from_config(config: Mapping[str, Any], where: str) -> SourceFormat:
@@ -30,4 +33,4 @@ def format_from_config(config: Mapping[str, Any], where: str) -> SourceFormat:
     return REGISTRY[method].from_config(config, where)
 
 
-__all__ = ["AWQ", "CompressedTensors", "GPTQ", "REGISTRY", "SourceFormat", "format_from_config"]
+__all__ = ["AWQ", "AutoRound", "CompressedTensors", "GPTQ", "REGISTRY", "SourceFormat", "format_from_config"]

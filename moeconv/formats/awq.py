@@ -2,7 +2,9 @@
 
 qweight int32 (K, N/8) and qzeros int32 (K/g, N/8) are packed along N, and inside each word slot s
 holds column AWQ_ORDER[s] of its group of 8; scales (K/g, N). Zero points are stored as they are
-(true zeros). zero_point false means symmetric with the implicit zero 8.
+(true zeros). zero_point false means symmetric with the implicit zero 8; producers may still store
+qzeros then (AutoRound's AWQ export of a symmetric model writes every word 0x88888888, the zero 8
+itself), which are read only to check that they are that constant.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from moeconv.formats.base import (
     group_size_from_shapes,
     groups_of,
 )
+
+SYMMETRIC_WORD = packing.repeated_word(8, 4) - (1 << 32)  # 0x88888888 as the int32 it is stored as
+SAMPLE_LINEARS = 96  # linears whose qzeros detection reads at most (a few KB each)
 
 # Slot s of a packed word holds column AWQ_ORDER[s] of its 8 columns.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -95,7 +100,16 @@ class AWQ(FormatDefaults):
         detection.evidence.append(f"qweight {list(linears[0][0]['qweight'].shape)} is packed along N: AWQ, 4-bit")
         group_size = group_size_from_shapes([(tensors["scales"], 0, k) for tensors, _, k in linears],
                                             configured.group_size, detection)
-        return None if group_size is None else cls(bits=4, group_size=group_size, zero_point="qzeros" in linears[0][0])
+        if group_size is None:
+            return None
+        return cls(bits=4, group_size=group_size, zero_point=_zero_point_from_data(linears, configured, read, detection))
+
+    def check_symmetric_zeros(self, qzeros: torch.Tensor) -> None:
+        """zero_point false: stored qzeros must all be the zero 8, or dropping them changes the weight."""
+        if bool((qzeros != SYMMETRIC_WORD).any()):
+            raise MoeconvError(f"zero_point is false but qzeros hold zero points other than 8 "
+                               f"({int((qzeros != SYMMETRIC_WORD).sum())} of {qzeros.numel()} words are not "
+                               f"0x{SYMMETRIC_WORD & 0xFFFFFFFF:08X}); --trust-data reads them as asymmetric")
 
     def linear_shape(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
         in_features, _ = shapes["qweight"]
@@ -107,9 +121,8 @@ class AWQ(FormatDefaults):
         shapes = {
             "qweight": TensorSpec("qweight", (in_features, out_features // per_word), "I32"),
             "scales": TensorSpec("scales", (groups, out_features), None),
+            "qzeros": TensorSpec("qzeros", (groups, out_features // per_word), "I32"),  # optional when symmetric
         }
-        if self.zero_point:
-            shapes["qzeros"] = TensorSpec("qzeros", (groups, out_features // per_word), "I32")
         return shapes
 
     def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
@@ -117,6 +130,8 @@ class AWQ(FormatDefaults):
         zeros = None
         if self.zero_point:
             zeros = _natural_columns(tensors["qzeros"])
+        elif "qzeros" in tensors:
+            self.check_symmetric_zeros(tensors["qzeros"])
         in_features = codes.shape[1]
         return QuantizedWeight(
             codes=codes,
@@ -148,3 +163,21 @@ class AWQ(FormatDefaults):
             "zero_point": self.zero_point,
             "modules_to_not_convert": None,
         }
+
+
+def _zero_point_from_data(linears: list[Linear], configured: SourceFormat, read: Read, detection: Detection) -> bool:
+    """No qzeros: symmetric. qzeros that are all 0x88888888 (the zero 8) fit both readings: the config's
+    stands, and under zero_point false they are the symmetric zero written out. Any other word: zero points."""
+    with_zeros = [tensors["qzeros"] for tensors, _, _ in linears[:SAMPLE_LINEARS] if "qzeros" in tensors]
+    if not with_zeros:
+        detection.evidence.append("no qzeros: symmetric (zero_point false)")
+        return False
+    constant = all(bool((read(entry) == SYMMETRIC_WORD).all()) for entry in with_zeros)
+    if not constant:
+        detection.evidence.append("qzeros words differ from 0x88888888: zero points (zero_point true)")
+        return True
+    said = configured.zero_point if isinstance(configured, AWQ) else True
+    detection.evidence.append(f"every qzeros word of {len(with_zeros)} sampled linears is 0x88888888, the symmetric "
+                              f"zero 8: " + ("asymmetric with every zero 8, as configured" if said else
+                                             "symmetric (zero_point false) with the zero written out"))
+    return said
