@@ -93,6 +93,8 @@ def awq_to_triton(fmt: AWQ, linears: Mapping[str, Linear], layer: MoELayerShape,
             zeros_words = linear["qzeros"]
             natural = torch.stack(_awq_columns(zeros_words), dim=2).reshape(zeros_words.shape[0], -1)
             zeros = _pairs(natural.T.contiguous())  # (N, G) -> (N/2, G)
+        elif "qzeros" in linear:  # stored under zero_point false: the zero 8, or refused (as AWQ.decode)
+            fmt.check_symmetric_zeros(linear["qzeros"])
         return codes, linear["scales"].T.contiguous(), zeros
 
     return _stacked_gemms(linears, one, factor)

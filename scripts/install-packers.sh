@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv-packers with the REAL quantization packers (AutoAWQ 0.2.9, auto-gptq 0.7.1,
-# GPTQModel 7.7.0, compressed-tensors 0.20.1; CPU only) that tests/test_real_packers.py and
-# tests/test_compressed_tensors.py cross-check moeconv against.
+# GPTQModel 7.7.0, compressed-tensors 0.20.1, AutoRound 0.16.1; CPU only) that tests/test_real_packers.py,
+# tests/test_compressed_tensors.py and tests/test_autoround.py cross-check moeconv against.
 #
 #   scripts/install-packers.sh               # idempotent: a no-op when the stamp is current
 #   PYTHON=python3.11 scripts/install-packers.sh
@@ -40,5 +40,7 @@ test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 # Smoke test: every packer imports and packs every case (a few seconds).
 "$VENV/bin/python" tests/packers/pack_real.py --self-check 2>"$VENV/self-check.log" \
   || { cat "$VENV/self-check.log" >&2; exit 1; }
+"$VENV/bin/python" -c "from auto_round import AutoRound; from auto_round.data_type.int import quant_tensor_sym" \
+  2>>"$VENV/self-check.log" || { cat "$VENV/self-check.log" >&2; exit 1; }
 echo "$want" > "$STAMP"
 echo "install-packers: $VENV ready in $((SECONDS - start)) s"
