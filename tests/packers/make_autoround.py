@@ -74,6 +74,8 @@ VARIANTS = {
     "ar-awq-asym-g128": Variant("auto_round:auto_awq", False, 128, WIDE),  # (its AWQ packer needs K >= g)
     "ar-gptq-sym-g32-partial": Variant("auto_round", True, 32, PARTIAL),  # down K = 48: 1.5 groups
 }
+# No quantized-router variant: asked for {"model.layers.0.mlp.gate": {"bits": 4}} (8 experts), AutoRound
+# 0.16.1's RTN still keeps the router 16-bit and says so in extra_config.
 
 
 def build_float_model(folder: Path, model: Float) -> None:
