@@ -21,7 +21,7 @@ env: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/moeconv demo
 
-# The real AutoAWQ / auto-gptq / GPTQModel packers live in their own venv (.venv-packers);
+# The real AutoAWQ / auto-gptq / GPTQModel / AutoRound packers live in their own venv (.venv-packers);
 # tests/test_real_packers.py cross-checks moeconv's codecs against them.
 packers:
 	PYTHON=$(PYTHON) scripts/install-packers.sh
