@@ -239,6 +239,9 @@ def test_sixteen_bit_overrides_pass_through(tmp_path):
     ({"extra_config": {"model.layers.0.mlp.experts.0.down_proj": {"bits": 8}}},
      "layer model.layers.0.mlp.experts.0.down_proj is quantized with bits 8"),
     ({"packing_format": "auto_round:auto_awq", "bits": 8}, "AWQ with 8 bits"),
+    ({"extra_config": ["lm_head"]}, "extra_config must be an object"),
+    ({"extra_config": {"lm_head": 16}}, "extra_config\\['lm_head'\\] must be an object"),
+    ({"bits": "4"}, "bits must be an integer"),
 ])
 def test_what_is_not_an_integer_scheme_moeconv_reads_is_refused_by_name(change, message):
     with pytest.raises(MoeconvError, match="config.json: .*" + message.replace("(", r"\(")):

@@ -57,7 +57,10 @@ class AutoRound:
         group_size = checked_group_size(config_int(config, "group_size", 128, where), where)
         sym = config_bool(config, "sym", True, where)
         _check_integer(config, where, "the checkpoint")
-        for layer, override in (config.get("extra_config") or {}).items():
+        extra = config.get("extra_config") or {}
+        if not isinstance(extra, Mapping):
+            raise MoeconvError(f"{where}: extra_config must be an object of per-layer overrides, not {extra!r}")
+        for layer, override in extra.items():
             _check_override(layer, override, config, where)
         if words == "awq":
             return AWQ.from_config({"bits": bits, "group_size": group_size, "zero_point": not sym}, where)
