@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import re
-import sys
+import shlex
 import shutil
+import sys
 import tempfile
 import time
 from contextlib import ExitStack, contextmanager
@@ -207,17 +208,17 @@ def convert(
     plan = make_plan(source, backend=backend, max_shard_size=max_shard_size, revision=revision,
                      local_files_only=local_files_only, trust=trust, tp=tp, regroup=regroup,
                      zero_format=zero_format)
-    for name, reason in plan.skipped_backends:
-        err.print(escape(f"backend {name} skipped: {reason}"), highlight=False, soft_wrap=True)
+    if plan.choice:
+        err.print(escape(plan.choice), highlight=False, soft_wrap=True)
     for note in _detection_notes(plan):
         err.print(escape(note), highlight=False, soft_wrap=True)
     if dry_run:
-        _print_serving_note(plan)
         summary = plan.summary()
         if as_json:
             _print_json(summary)
         else:
             _print_plan(summary)
+            _print_next_steps(plan, output or Path("OUT"), converted=False)
         return
     with _progress("converting", plan.checkpoint.total_bytes, quiet) as advance:
         try:
@@ -226,7 +227,6 @@ def convert(
         except KeyboardInterrupt:  # in-process callers (main() turns signals into exit 3 itself)
             err.print("[bold red]interrupted[/]: run the same command again to resume")
             raise typer.Exit(3) from None
-    _print_serving_note(plan)
     for name, reason in report.skipped_files.items():
         err.print(escape(f"note: {name} not copied: {reason}"), highlight=False, soft_wrap=True)
     if as_json:
@@ -246,6 +246,7 @@ def convert(
     ]
     rows += _audit_rows(report.to_json())
     out.print(_key_values("converted", rows))
+    _print_next_steps(plan, report.output)
 
 
 @contextmanager
@@ -295,12 +296,15 @@ def _progress(description: str, total: int, quiet: bool):
 LINE_SECONDS = 5.0
 
 
-def _print_serving_note(plan) -> None:
-    """After the work (an error stays one line): what serving this output with vLLM will meet."""
-    if plan.dense_layers_unservable():
-        err.print("note: the dense layers keep the source's asymmetric GPTQ, which vLLM 0.33 does not load "
-                  "(moeconv's vLLM plugin refuses this output at start-up); to serve it with vLLM use "
-                  "--backend compressed-tensors", highlight=False, soft_wrap=True)
+def _print_next_steps(plan, output: Path, converted: bool = True) -> None:
+    """The report's last lines: how to check the output, and which engine serves it (or that none does)."""
+    serving = plan.serving()
+    quoted = shlex.quote(str(output))
+    if converted:
+        out.print(f"next: moeconv verify {quoted}", highlight=False, soft_wrap=True, markup=False)
+    line = (f"serve: {serving.engine}: {serving.how.format(output=quoted)}" if serving.engine
+            else f"serve: not served as it is: {serving.how}")
+    out.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 def _zero_format(value: str | None) -> str | None:
@@ -319,7 +323,6 @@ def _detection_notes(plan) -> list[str]:
     if detection is None:
         return []
     notes = [f"decided by you, not by the data: {what}" for what in detection.decided_by_user]
-    notes += [f"note: {note}" for note in getattr(plan.backend, "notes", lambda layer: [])(plan.layers[0].shape)]
     cast = plan.engine_scale_cast()
     if cast:
         stored, model = (str(dtype).removeprefix("torch.") for dtype in cast)

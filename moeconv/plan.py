@@ -24,8 +24,7 @@ from moeconv import act_order, transcoders
 from moeconv._version import __version__
 from moeconv.audit import count as audit_counts
 from moeconv.backends import all_backends, auto_order, get_backend
-from moeconv.backends.base import Backend
-from moeconv.backends.base import ExpertWeights, converts_dense_linears
+from moeconv.backends.base import Backend, ExpertWeights, Serving, converts_dense_linears
 from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight, effective_group_size, regroup
 from moeconv.checkpoint.reader import Checkpoint, TensorEntry, TensorReader, collection_paused, open_checkpoint
 from moeconv.detect import Detection, detect, sample_linears
@@ -294,6 +293,7 @@ class Plan:
     skipped_backends: tuple[tuple[str, str], ...] = ()  # --backend auto: (name, why not)
     unquantized_experts: tuple[str, ...] = ()  # experts modules held in float: passed through
     zero_format: str | None = None  # --gptq-zero-format: the user's answer where the data cannot decide
+    choice: str | None = None  # --backend auto: what it chose and why, one line
 
     @property
     def codec(self) -> Codec:
@@ -334,10 +334,11 @@ class Plan:
         return stored, model
 
     def dense_layers_unservable(self) -> bool:
-        """The output copies the source's dense linears, and they are asymmetric GPTQ, which vLLM 0.33
-        refuses (its GPTQ is symmetric only; measured with `make test-engines`)."""
-        fmt = self.source_format
-        return not converts_dense_linears(self.backend) and fmt.method == "gptq" and not fmt.symmetric
+        return dense_layers_unservable(self.backend, self.source_format)
+
+    def serving(self) -> Serving:
+        """Which engine serves the output, and how (the command names `{output}`), or why none does."""
+        return serving(self.backend, self.source_format, self.layers[0].shape)
 
     @property
     def output_bytes(self) -> int:
@@ -393,6 +394,8 @@ class Plan:
             "transcoder": getattr(self.codec.transcoder, "__name__", None),  # None: the canonical route
             "tp": self.tp,
             "skipped_backends": [{"backend": name, "reason": reason} for name, reason in self.skipped_backends],
+            "auto_choice": self.choice,
+            "serving": self.serving()._asdict(),
             "detection": self.detection.to_json() if self.detection else None,
             "moe_layers": len(self.layers),
             "act_order": {layer.module: layer.act_order for layer in self.layers if layer.act_order != act_order.STATIC},
@@ -763,8 +766,10 @@ def eligibility(backend: Backend, layers: list[MoELayer], allow_regroup: bool) -
     return 1, reason
 
 
-def choose_backend(name: str, layers: list[MoELayer], allow_regroup: bool) -> tuple[Backend, int, tuple]:
-    """The backend, its regroup factor, and (for "auto") each skipped backend with its reason."""
+def choose_backend(name: str, layers: list[MoELayer], allow_regroup: bool,
+                   source_format: SourceFormat) -> tuple[Backend, int, tuple, str | None]:
+    """The backend, its regroup factor, and (for "auto") each skipped backend with its reason and one line
+    saying what was chosen and why."""
     if name != "auto":
         backend = get_backend(name)
         factor, reason = eligibility(backend, layers, allow_regroup)
@@ -773,14 +778,60 @@ def choose_backend(name: str, layers: list[MoELayer], allow_regroup: bool) -> tu
                         if eligibility(candidate, layers, allow_regroup)[1] is None]
             others = f"; backends that take it: {', '.join(eligible)}" if eligible else ""
             raise MoeconvError(f"backend {name!r} does not support this checkpoint: {reason}{others}")
-        return backend, factor, ()
-    skipped = []
+        return backend, factor, (), None
+    return _choose_auto(layers, source_format)
+
+
+def _choose_auto(layers: list[MoELayer], source_format: SourceFormat) -> tuple[Backend, int, tuple, str]:
+    """`--backend auto` means "what I can serve": the first backend, in the registry's order, that takes
+    every layer (regrouping losslessly when that is what makes it fit) and whose output an engine loads;
+    failing that, the first that takes it, said to be unserved."""
+    skipped, unserved = [], []
     for candidate in auto_order():
-        factor, reason = eligibility(candidate, layers, allow_regroup)
-        if reason is None:
-            return candidate, factor, tuple(skipped)
-        skipped.append((candidate.name, reason))
+        factor, reason = eligibility(candidate, layers, allow_regroup=True)
+        if reason is not None:
+            skipped.append((candidate.name, reason))
+            continue
+        first = layers[0].shape
+        shape = replace(first, group_size=first.group_size // factor)
+        served = serving(candidate, source_format, shape)
+        if served.engine is None:
+            unserved.append((candidate, factor, served))
+            skipped.append((candidate.name, f"no engine serves its output: {served.how}"))
+            continue
+        return candidate, factor, tuple(skipped), _choice_line(candidate, factor, first, f"served by {served.engine}",
+                                                               skipped)
+    if unserved:
+        candidate, factor, served = unserved[0]
+        skipped = [(name, reason) for name, reason in skipped if name != candidate.name]
+        return candidate, factor, tuple(skipped), _choice_line(
+            candidate, factor, layers[0].shape, f"the only backend that takes it, though {served.how}", skipped)
     raise MoeconvError("no backend takes this checkpoint: " + "; ".join(f"{n}: {r}" for n, r in skipped))
+
+
+def _choice_line(backend: Backend, factor: int, layer: MoELayerShape, why: str,
+                 skipped: list[tuple[str, str]]) -> str:
+    regrouped = (f", group size {layer.group_size} regrouped to {layer.group_size // factor} (lossless) to fit "
+                 f"tp={layer.tp}" if factor > 1 else "")
+    passed = f"; skipped {', '.join(name for name, _ in skipped)} (reasons: --dry-run --json)" if skipped else ""
+    return f"--backend auto chose {backend.name}: {why}{regrouped}{passed}"
+
+
+def dense_layers_unservable(backend: Backend, source_format: SourceFormat) -> bool:
+    """The output copies the source's dense linears, and they are asymmetric GPTQ, which vLLM 0.33
+    refuses (its GPTQ is symmetric only; measured with `make test-engines`)."""
+    fmt = source_format
+    return not converts_dense_linears(backend) and fmt.method == "gptq" and not fmt.symmetric
+
+
+def serving(backend: Backend, source_format: SourceFormat, layer: MoELayerShape) -> Serving:
+    """The backend's own answer, unless the dense layers it copies are what no engine loads."""
+    served = backend.serving(layer)
+    if served.engine and dense_layers_unservable(backend, source_format):
+        return Serving(None, "the dense layers keep the source's asymmetric GPTQ, which vLLM 0.33 does not load "
+                             "(moeconv's vLLM plugin refuses this output at start-up); for vLLM use "
+                             "--backend compressed-tensors")
+    return served
 
 
 def make_plan(source: Path | Checkpoint, backend: str = "triton", max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
@@ -815,7 +866,7 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
             raise MoeconvError(f"{checkpoint.root}: {next(iter(refusals.values()))}; {len(refusals)} of "
                                f"{len(refusals) + len(found)} MoE layers use act-order that cannot be folded")
     layers = [replace(layer, shape=replace(layer.shape, tp=tp)) for layer in found]
-    target, factor, skipped = choose_backend(backend, layers, regroup)
+    target, factor, skipped, choice = choose_backend(backend, layers, regroup, source_format)
     if factor > 1:
         layers = [replace(layer, shape=replace(layer.shape, group_size=layer.shape.group_size // factor))
                   for layer in layers]
@@ -837,7 +888,7 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     units.sort(key=lambda item: _natural_key(item[0]))
     shards = _assign_shards([unit for _, unit in units], max_shard_size)
     return Plan(checkpoint, architecture, source_format, target, tuple(layers), shards, max_shard_size, trust,
-                detection, factor, tp, skipped, tuple(unquantized), zero_format)
+                detection, factor, tp, skipped, tuple(unquantized), zero_format, choice)
 
 
 def _refuse_fp8_beside(checkpoint: Checkpoint, backend: Backend, others: list[str]) -> None:

@@ -162,8 +162,10 @@ def test_convert_says_when_the_copied_dense_layers_are_not_servable(monkeypatch,
     from moeconv.formats import GPTQ
 
     source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(4, 32, sym=False), hidden=64, intermediate=64))
-    code, _, err = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "out", "--backend", "triton", "-q")
-    assert code == 0 and "dense layers keep the source's asymmetric GPTQ" in err and "--backend compressed-tensors" in err
-    code, _, err = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "ct", "--backend", "compressed-tensors",
+    code, out, _ = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "out", "--backend", "triton", "-q")
+    serve = out.splitlines()[-1]
+    assert code == 0 and serve.startswith("serve: not served as it is: the dense layers keep the source's asymmetric "
+                                          "GPTQ") and serve.endswith("for vLLM use --backend compressed-tensors")
+    code, out, _ = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "ct", "--backend", "compressed-tensors",
                             "-q")
-    assert code == 0 and "dense layers keep" not in err
+    assert code == 0 and out.splitlines()[-1] == f"serve: stock vLLM 0.33: vllm serve {tmp_path / 'ct'}"

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from moeconv.errors import MoeconvError
-from moeconv.formats import GPTQ
+from moeconv.formats import GPTQ, CompressedTensors
 from moeconv.plan import make_plan
 from moeconv.synth import SynthSpec, make_checkpoint
 
-from helpers import cli
+from helpers import cli, run_main
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +54,46 @@ def test_inspect_shows_per_backend_per_layer_verdicts(lite):
 
 
 def test_auto_takes_the_first_eligible_backend_and_says_why(tmp_path):
-    source = make_checkpoint(tmp_path / "src", SynthSpec())
+    source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(4, 32, sym=True)))
     plan = make_plan(source, backend="auto")
     assert plan.backend.name == "triton" and plan.skipped_backends == ()
+    assert plan.choice == "--backend auto chose triton: served by vLLM 0.33 through moeconv's plugin"
+
+
+def test_auto_chooses_what_an_engine_serves_regrouping_to_fit(tmp_path, capsys):
+    """The newcomer's case: compressed-tensors W4A16 g128 at --tp 2 (64 intermediate channels per rank).
+    Without regrouping only cpu fits, and no engine loads a cpu output; auto regroups to g = 64 for triton,
+    says so in one line, and the report ends with how to verify and how to serve it."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=CompressedTensors(bits=4, group_size=128),
+                                                         hidden=256, intermediate=128))
+    plan = make_plan(source, backend="auto", tp=2)
+    assert plan.backend.name == "triton" and plan.regroup_factor == 2
+    code, out, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "--backend", "auto", "--tp", "2", "-q")
+    assert code == 0, err
+    assert err == ("--backend auto chose triton: served by vLLM 0.33 through moeconv's plugin, group size 128 "
+                   "regrouped to 64 (lossless) to fit tp=2\n")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["group_size"] == 64
+    assert out.splitlines()[-2:] == [
+        f"next: moeconv verify {tmp_path / 'out'}",
+        f"serve: vLLM 0.33 through moeconv's plugin: pip install moeconv in vLLM's environment (it registers the "
+        f"plugin), then vllm serve {tmp_path / 'out'} --tensor-parallel-size 2"]
+
+
+def test_auto_prefers_a_served_layout_over_an_unserved_one(tmp_path, capsys):
+    """Asymmetric GPTQ: a triton output keeps the dense layers in asymmetric GPTQ, which vLLM refuses, so
+    auto takes compressed-tensors; a cpu output is said to be unserved."""
+    source = make_checkpoint(tmp_path / "asym", SynthSpec(source_format=GPTQ(4, 32, sym=False)))
+    plan = make_plan(source, backend="auto")
+    assert plan.backend.name == "compressed-tensors"
+    assert [name for name, _ in plan.skipped_backends] == ["triton"]
+    assert "no engine serves its output: the dense layers keep the source's asymmetric GPTQ" in plan.skipped_backends[0][1]
+    assert plan.choice == "--backend auto chose compressed-tensors: served by stock vLLM 0.33; skipped triton " \
+                          "(reasons: --dry-run --json)"
+    dry = json.loads(cli("convert", source, "--backend", "auto", "--dry-run", "--json").stdout)
+    assert dry["auto_choice"] == plan.choice and dry["skipped_backends"][0]["backend"] == "triton"
+    assert dry["serving"] == {"engine": "stock vLLM 0.33", "how": "vllm serve {output}"}
+    code, out, _ = run_main(capsys, "convert", source, "-o", tmp_path / "cpu", "--backend", "cpu", "-q")
+    assert code == 0 and out.splitlines()[-1].startswith("serve: not served as it is: no engine loads this layout")
 
 
 def test_auto_with_nothing_eligible_lists_every_reason(tmp_path):

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 @dataclass
 class BackendEntry:
     """A registered backend: where its class lives ("module:Class"), its help line, and its place in
-    `--backend auto` (the order the engines' MoE oracles try their kernels; None: only when named)."""
+    `--backend auto`'s order (the engines' kernel layout first, then stock vLLM's checkpoint format; auto
+    also skips a backend whose output no engine serves while a later one is served; None: only when named)."""
 
     target: str
     summary: str
@@ -39,11 +40,11 @@ REGISTRY: dict[str, BackendEntry] = {
     "triton": BackendEntry("moeconv.backends.triton:TritonBackend",
                            "stacked tensors of vLLM's Triton fused-MoE kernels (moe_wna16, W8A8)", 0),
     "humming": BackendEntry("moeconv.backends.humming:HummingBackend",
-                            "per-expert Humming schema (quant_method humming; symmetric sources)", 1),
+                            "per-expert Humming schema (quant_method humming; symmetric sources)", 2),
     "cpu": BackendEntry("moeconv.backends.cpu:CpuBackend",
-                        "x86 CPU kernels' blocked INT4 (W4A8) and VNNI INT8 layouts", 2),
+                        "x86 CPU kernels' blocked INT4 (W4A8) and VNNI INT8 layouts", 3),
     "compressed-tensors": BackendEntry("moeconv.backends.compressed_tensors:CompressedTensorsBackend",
-                                       "a normalised compressed-tensors checkpoint stock vLLM serves"),
+                                       "a normalised compressed-tensors checkpoint stock vLLM serves", 1),
 }
 
 
@@ -68,7 +69,8 @@ def backend_help() -> str:
     auto = [name for _, name in sorted((entry.auto_priority, name) for name, entry in REGISTRY.items()
                                        if entry.auto_priority is not None)]
     choices = "; ".join(f"{name}: {entry.summary}" for name, entry in REGISTRY.items())
-    return f"Target layout. {choices}; auto: the first of {', '.join(auto)} that fits."
+    return (f"Target layout. {choices}; auto: the first of {', '.join(auto)} that fits (regrouping losslessly "
+            f"if that makes it fit) and that an engine serves.")
 
 
 __all__ = ["BackendEntry", "REGISTRY", "all_backends", "auto_order", "backend_help", "get_backend"]

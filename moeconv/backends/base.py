@@ -29,6 +29,19 @@ class Numerics(NamedTuple):
     layout: str | None = None
 
 
+class Serving(NamedTuple):
+    """Which engine loads a backend's output as it is on disk, and how (`how` may name `{output}`); engine
+    None: none does yet, and `how` says why and the way out. What the docs measured with `make test-engines`."""
+
+    engine: str | None
+    how: str
+
+
+def vllm_serve(layer: MoELayerShape) -> str:
+    """The `vllm serve` line for an output folder, at the tensor-parallel size it was checked for."""
+    return "vllm serve {output}" + (f" --tensor-parallel-size {layer.tp}" if layer.tp > 1 else "")
+
+
 class Backend(Protocol):
     name: str
     layout_version: int
@@ -51,6 +64,9 @@ class Backend(Protocol):
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         """Backend fields of the output's quantization config."""
+
+    def serving(self, layer: MoELayerShape) -> Serving:
+        """Which engine serves this layout for the layer (layer.tp: the size it is served with)."""
 
 
 class DenseLinearBackend(Backend, Protocol):

@@ -27,6 +27,7 @@ import torch
 
 from moeconv import packing
 from moeconv.spec import TensorSpec
+from moeconv.backends.base import Serving, vllm_serve
 from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words, per_rank_refusal
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
@@ -48,6 +49,9 @@ class CompressedTensorsBackend(PerLinearBackend):
     layout_version = 1
     # What the output is for, recorded in moeconv.json (kernel layouts and loaders age).
     targets = {"engine": "vllm==0.33.0", "compressed-tensors": "0.17.0 (QuantizationConfig)"}
+
+    def serving(self, layer: MoELayerShape) -> Serving:
+        return Serving("stock vLLM 0.33", vllm_serve(layer))
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         return per_rank_refusal(layer, lambda what, size: _refusal(what, size, layer.bits, layer.group_size,

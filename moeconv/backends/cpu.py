@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 
 from moeconv import packing
-from moeconv.backends.base import FUSED_GEMMS, ExpertWeights, Numerics
+from moeconv.backends.base import FUSED_GEMMS, ExpertWeights, Numerics, Serving
 from moeconv.spec import TensorSpec
 from moeconv.canonical import MoELayerShape, QuantizedWeight, coarsen, is_channelwise, regroup
 from moeconv.spec import TORCH_DTYPES
@@ -107,6 +107,10 @@ class CpuBackend:
     numerics = Numerics("cpu")
     targets = {"kernel": "vLLM 0.33.0 CPUExpertsInt4 / CPUExpertsInt8 (sgl-kernel x86 layouts)",
                "engine": "none yet: stock vLLM 0.33 repacks at load and has no loader for these (plugin planned)"}
+
+    def serving(self, layer: MoELayerShape) -> Serving:
+        return Serving(None, "no engine loads this layout from disk yet (vLLM 0.33's CPU experts build it at load "
+                             "time from the source); for vLLM use --backend compressed-tensors")
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.intermediate % layer.tp:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from moeconv.spec import TensorSpec
+from moeconv.backends.base import Serving, vllm_serve
 from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words, per_rank_refusal
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
@@ -36,12 +37,12 @@ class HummingBackend(PerLinearBackend):
     layout_version = 1
     targets = {"engine": "vllm==0.33.0 (quant_method humming)", "humming-kernels": "0.1.19"}
 
-    def notes(self, layer: MoELayerShape) -> list[str]:
-        """What a user deploying this output should know (measured with `make test-engines`, 2026-12-01)."""
+    def serving(self, layer: MoELayerShape) -> Serving:
+        """Measured with `make test-engines` (docs/FORMAT.md, backend humming)."""
         if layer.symmetric:
-            return []
-        return ["vLLM 0.33's loader refuses the expert zero_point of an asymmetric Humming checkpoint (Humming's "
-                "own loader reads it); to serve this source with stock vLLM use --backend compressed-tensors"]
+            return Serving("vLLM 0.33 (quant_method humming)", vllm_serve(layer))
+        return Serving(None, "vLLM 0.33's loader refuses the expert zero_point of an asymmetric Humming checkpoint "
+                             "(Humming's own loader reads it); for vLLM use --backend compressed-tensors")
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         return per_rank_refusal(layer, lambda what, size: _pack_refusal(what, size)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from moeconv import packing
-from moeconv.backends.base import FUSED_GEMMS, ExpertWeights, Numerics
+from moeconv.backends.base import FUSED_GEMMS, ExpertWeights, Numerics, Serving, vllm_serve
 from moeconv.spec import TensorSpec
 from moeconv.canonical import MoELayerShape, QuantizedWeight, is_channelwise
 from moeconv.spec import TORCH_DTYPES
@@ -32,6 +32,13 @@ class TritonBackend:
     numerics = Numerics("triton")
     targets = {"kernel": "vLLM 0.33.0 TritonWNA16Experts / TritonExperts layouts",
                "engine": "vLLM 0.33 with moeconv's plugin (moeconv/vllm_plugin): stock vLLM has no loader for stacked experts"}
+
+    def serving(self, layer: MoELayerShape) -> Serving:
+        if layer.activation_bits != 8 and is_channelwise(layer.group_size):
+            return Serving(None, "moeconv's vLLM plugin does not serve channel-wise moe_wna16 scales yet; "
+                                 "for vLLM use --backend compressed-tensors")
+        return Serving("vLLM 0.33 through moeconv's plugin",
+                       f"pip install moeconv in vLLM's environment (it registers the plugin), then {vllm_serve(layer)}")
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.activation_bits == 8:
