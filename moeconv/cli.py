@@ -20,18 +20,61 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn, TransferSpeedColumn)
 from rich.table import Table
 
 from moeconv.backends import backend_help
 from moeconv.errors import MoeconvError
 
+class _Commands(typer.core.TyperGroup):
+    """Click's usage errors (a bad or missing option) as one line on stderr and exit code 2, like every
+    other error, instead of a usage block and a box."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        args = list(sys.argv[1:] if args is None else args) or ["--help"]  # `moeconv` alone: the help
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except typer.Abort:
+            err.print("aborted", highlight=False, markup=False)
+            sys.exit(1)
+        except typer.TyperException as error:  # Click's usage errors (a ClickException: message, exit_code)
+            context = getattr(error, "ctx", None)
+            where = f" (see '{context.command_path} --help')" if context is not None else ""
+            err.print(f"error: {error.format_message()}{where}", highlight=False, soft_wrap=True, markup=False)
+            sys.exit(error.exit_code)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+class _Command(typer.core.TyperCommand):
+    """Help that names each argument by its metavar (SRC, OUT), as the README does, without Typer's type
+    label beside it or braces around it."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [self.options_metavar, *(param.metavar or param.name for param in self.get_params(ctx)
+                                        if param.param_type_name == "argument")]
+
+    def format_options(self, ctx, formatter) -> None:
+        params = self.get_params(ctx)
+        arguments = [(param.metavar or param.name, param.help or "") for param in params
+                     if param.param_type_name == "argument"]
+        options = [record for param in params if param.param_type_name == "option"
+                   if (record := param.get_help_record(ctx)) is not None]
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
 app = typer.Typer(
+    cls=_Commands,
     name="moeconv",
     help="Convert quantized MoE checkpoints into the layouts serving kernels read, once, offline, verified.",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 out = Console(emoji=False)  # a path's `:thumbsup:` is printed as it is, never as an emoji
 err = Console(stderr=True, emoji=False)
@@ -82,20 +125,20 @@ def _key_values(title: str, rows: list[tuple[str, Any]]) -> Table:
     return table
 
 
-SOURCE_HELP = "Checkpoint folder, or a Hugging Face id (org/model)."
-REVISION = typer.Option(None, "--revision", help="Hub branch, tag or commit (Hub ids only).")
+SOURCE = typer.Argument(..., metavar="SRC", help="Checkpoint folder, or a Hugging Face id (org/model).", show_default=False)
+REVISION = typer.Option(None, "--revision", metavar="REV", help="Hub branch, tag or commit (Hub ids only).")
 LOCAL_ONLY = typer.Option(False, "--local-files-only", help="Use the Hugging Face cache only, never download.")
 EXECUTOR = typer.Option("local", "--executor", metavar="local|ray",
                         help="local: this machine's processes; ray: Ray tasks, one per output shard for convert "
                              "(pip install 'moeconv[ray]'; source and output on storage every node sees).")
 RAY_ADDRESS = typer.Option(None, "--ray-address", metavar="HOST:PORT",
                            help="The Ray cluster to join (default: the one Ray finds, else a local Ray, said so).")
-TP = typer.Option(1, "--tp", min=1, help="Tensor-parallel size the output will be served with (eligibility checks).")
+TP = typer.Option(1, "--tp", min=1, metavar="N", help="Tensor-parallel size the output will be served with (eligibility checks).")
 
 
-@app.command()
+@app.command(cls=_Command, short_help="Say what a checkpoint is and which backends can take it.")
 def inspect(
-    source: str = typer.Argument(..., help=SOURCE_HELP),
+    source: str = SOURCE,
     revision: Optional[str] = REVISION,
     local_files_only: bool = LOCAL_ONLY,
     tp: int = TP,
@@ -162,11 +205,11 @@ def _audit_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-@app.command()
+@app.command(cls=_Command, short_help="Convert a checkpoint into a backend's layout.")
 def convert(
-    source: str = typer.Argument(..., help=SOURCE_HELP),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder (must not exist, or be empty)."),
-    backend: str = typer.Option("triton", "--backend", "-b", help=backend_help()),
+    source: str = SOURCE,
+    output: Optional[Path] = typer.Option(None, "-o", "--output", metavar="OUT", help="Output folder (must not exist, or be empty)."),
+    backend: str = typer.Option("triton", "--backend", "-b", metavar="NAME", help=backend_help()),
     max_shard_size: int = typer.Option("5GB", "--max-shard-size", parser=parse_size, metavar="SIZE",
                                        help="Most tensor bytes per output shard (as transformers counts), e.g. 5GB, 500MB."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and write nothing."),
@@ -181,7 +224,7 @@ def convert(
         help="Asymmetric GPTQ whose data cannot tell v1 (stored zero - 1) from v2 (true zeros): which it is."),
     tp: int = TP,
     regroup: bool = typer.Option(False, "--regroup", help="Halve the group size (lossless) where that makes the backend fit."),
-    workers: Optional[int] = typer.Option(None, "--workers", min=1, max=64,
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, max=64, metavar="N",
                                           help="Processes that transform experts (default: one per core, at most 16)."),
     device: str = typer.Option("cpu", "--device", metavar="cpu|cuda[:N]",
                                help="Where the workers transform experts (the same bytes; on an H200 host the GPU "
@@ -240,7 +283,7 @@ def convert(
         ("shards", len(report.files)),
         ("bytes in / out", f"{_human(plan.checkpoint.total_bytes)} / {_human(plan.output_bytes)}"),
         ("ran on", report.device),
-        ("time", f"{report.seconds:.2f} s ({plan.checkpoint.total_bytes / max(report.seconds, 1e-9) / 1e9:.2f} GB/s)"),
+        ("time", f"{report.seconds:.2f} s ({_human(plan.checkpoint.total_bytes / max(report.seconds, 1e-9))}/s)"),
         ("peak memory", "-" if report.peak_rss_mb is None else f"{report.peak_rss_mb:.0f} MB" + (
             f" (largest worker process {report.worker_peak_rss_mb:.0f} MB)" if report.worker_peak_rss_mb else "")),
     ]
@@ -249,46 +292,66 @@ def convert(
     _print_next_steps(plan, report.output)
 
 
+# What each verify phase's bar says it counts (moeconv.verify.PHASE_UNITS has the units).
+VERIFY_PHASES = {"digests": "verify: digests of the output's files",
+                 "source-digests": "verify: digests of the source's shards",
+                 "source": "verify: bit-exact, source bytes compared",
+                 "kernel": "verify: kernel check, MoE layers"}
+
+
 @contextmanager
 def _progress_for_verify(quiet: bool):
-    """verify learns its total only once it has planned: it calls `progress(nbytes, total)` first with
-    the total, then with each advance."""
+    """verify learns each phase's total only when it starts it: `progress(0, total, phase)`, then
+    `progress(n)` for each advance. One bar per phase, each counting what its label says."""
+    from moeconv.verify import PHASE_UNITS
+
     state: dict[str, Any] = {}
     with ExitStack() as stack:
-        def progress(nbytes: int, total: int | None = None) -> None:
+        def progress(amount: int, total: int | None = None, phase: str | None = None) -> None:
             if total is not None:
-                state["advance"] = stack.enter_context(_progress("verifying", total, quiet))
+                if "phase" in state:
+                    state.pop("phase").close()
+                state["phase"] = ExitStack()
+                stack.callback(state["phase"].close)
+                state["advance"] = state["phase"].enter_context(
+                    _progress(VERIFY_PHASES[phase], total, quiet, PHASE_UNITS[phase]))
             elif "advance" in state:
-                state["advance"](nbytes)
+                state["advance"](amount)
 
         yield progress
 
 
 @contextmanager
-def _progress(description: str, total: int, quiet: bool):
-    """An `advance(nbytes)` callback: a Rich bar (bytes, rate, ETA) on a terminal; on a pipe or a log,
-    one line every LINE_SECONDS with the same numbers."""
+def _progress(description: str, total: int, quiet: bool, unit: str = "bytes"):
+    """An `advance(n)` callback (n bytes, or n items of `unit`): a Rich bar (amount, rate, ETA) on a
+    terminal; on a pipe or a log, one line every LINE_SECONDS with the same numbers."""
     if quiet:
-        yield lambda nbytes: None
+        yield lambda amount: None
         return
+    counted = unit == "bytes"
     if err.is_terminal:
-        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                      TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True) as bar:
+        columns = (DownloadColumn(), TransferSpeedColumn()) if counted else (MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), *columns, TimeRemainingColumn(),
+                      console=err, transient=True) as bar:
             task = bar.add_task(description, total=total)
-            yield lambda nbytes: bar.advance(task, nbytes)
+            yield lambda amount: bar.advance(task, amount)
         return
     started, done, last = time.monotonic(), 0, [time.monotonic()]
 
-    def advance(nbytes: int) -> None:
+    def amounts(value: float) -> str:
+        return _human(value) if counted else f"{value:.0f}"
+
+    def advance(amount: int) -> None:
         nonlocal done
-        done += nbytes
+        done += amount
         now = time.monotonic()
         if now - last[0] >= LINE_SECONDS or done >= total:
             last[0] = now
             rate = done / max(now - started, 1e-9)
             eta = (total - done) / rate if rate else float("inf")
-            err.print(f"{description} {_human(done)} / {_human(total)} ({100 * done / max(total, 1):.0f}%), "
-                      f"{_human(rate)}/s, ETA {eta:.0f} s", highlight=False, soft_wrap=True)
+            speed = f"{_human(rate)}/s" if counted else f"{now - started:.0f} s so far"
+            err.print(f"{description} {amounts(done)} / {amounts(total)} ({100 * done / max(total, 1):.0f}%), "
+                      f"{speed}, ETA {eta:.0f} s", highlight=False, soft_wrap=True, markup=False)
 
     yield advance
 
@@ -335,20 +398,20 @@ def _detection_notes(plan) -> list[str]:
     return notes
 
 
-@app.command()
+@app.command(cls=_Command, short_help="Check a converted checkpoint against its source.")
 def verify(
-    output: Path = typer.Argument(..., help="A folder written by `moeconv convert`."),
-    source: Optional[Path] = typer.Option(None, "--source", help="Source checkpoint (default: the one in moeconv.json)."),
-    sample: Optional[int] = typer.Option(None, "--sample", min=1, help="Check N random experts per layer, not all."),
-    level: str = typer.Option("numerics", "--level",
+    output: Path = typer.Argument(..., metavar="OUT", help="A folder written by `moeconv convert`."),
+    source: Optional[Path] = typer.Option(None, "--source", metavar="SRC", help="Source checkpoint (default: the one in moeconv.json)."),
+    sample: Optional[int] = typer.Option(None, "--sample", min=1, metavar="N", help="Check N random experts per layer, not all."),
+    level: str = typer.Option("numerics", "--level", metavar="structure|lossless|numerics",
                               help="How far to check: structure (files, checksums), lossless (and bit-exact decode "
                                    "against the source), numerics (and the kernel against a float64 reference)."),
-    tokens: int = typer.Option(8, "--tokens", min=1, help="Random tokens per layer for the kernel check."),
-    numerics_layers: Optional[int] = typer.Option(None, "--numerics-layers", min=0,
+    tokens: int = typer.Option(8, "--tokens", min=1, metavar="N", help="Random tokens per layer for the kernel check."),
+    numerics_layers: Optional[int] = typer.Option(None, "--numerics-layers", min=0, metavar="N",
                                                   help="Kernel check on the first N MoE layers only."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
-    workers: Optional[int] = typer.Option(None, "--workers", min=1, max=64,
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, max=64, metavar="N",
                                           help="Processes that run the bit-exact checks (default: one per core, at most 16)."),
     executor: str = EXECUTOR,
     ray_address: Optional[str] = RAY_ADDRESS,
@@ -365,14 +428,18 @@ def verify(
     if as_json:
         _print_json(report.to_json())
     else:
-        _print_verify(report)
+        _print_verify(report, level)
     if not report.ok:
         failures = report.failures()
         raise VerificationFailed(f"{output}: {len(failures)} check(s) failed; first: {failures[0]}")
 
 
-def _print_verify(report) -> None:
+def _print_verify(report, level: str = "numerics") -> None:
+    """The report's rows, the per-layer table, the failures, and a last line with the verdict."""
     structure = "ok" if not report.structure_problems else f"{len(report.structure_problems)} problem(s)"
+    lossless = level != "structure" and not report.structure_problems
+    numerics = report.numerics_device is not None
+    not_run = f"not run (--level {level})" if level != "numerics" else "not run"
     out.print(_key_values(f"verify {report.output}", [
         ("source", report.source),
         *[("decided by the user, not the data", escape(what)) for what in report.decided_by_user],
@@ -381,31 +448,53 @@ def _print_verify(report) -> None:
                                              f"/{report.source_files_checked}"),
         ("levels proven (docs/FORMAT.md)", ", ".join(report.proven) or "none"),
         ("pass-through tensors byte-identical", f"{report.passthrough_checked - len(report.passthrough_problems)}"
-                                                f"/{report.passthrough_checked}"),
+                                                f"/{report.passthrough_checked}" if lossless else not_run),
         *([("dense linears bit-exact", f"{report.dense_linears_checked - len(report.dense_linear_problems)}"
                                        f"/{report.dense_linears_checked}")] if report.dense_linears_checked else []),
-        ("kernel device", report.numerics_device or "not run"),
-        ("tolerance (relative)", f"{report.tolerance:g}"),
+        ("kernel device", report.numerics_device or not_run),
+        *([("tolerance (relative error)", f"{report.tolerance:g}")] if numerics else []),
         *_audit_rows({"nonfinite_scales": report.nonfinite_scales}),
     ]))
-    table = Table(title_justify="left")
+    table = Table(title_justify="left", caption_justify="left")
     table.add_column("MoE layer", overflow="fold")  # long module names wrap; the numbers never do
-    for header in ("bit-exact", "rel err", "max abs", "time", "result"):
+    for header in ("bit-exact", "rel err", "max abs", "time", "result") if numerics else ("bit-exact", "time", "result"):
         table.add_column(header, no_wrap=True)
     for layer in report.layers:
+        errors = ["-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
+                  "-" if layer.max_abs_error is None else f"{layer.max_abs_error:.1e}"]
         table.add_row(escape(layer.module), f"{layer.experts_exact}/{layer.experts_checked}",
-                      "-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
-                      "-" if layer.max_abs_error is None else f"{layer.max_abs_error:.1e}",
-                      f"{layer.seconds:.2f} s", "[green]ok[/]" if layer.ok else "[red]FAIL[/]")
+                      *(errors if numerics else []), f"{layer.seconds:.2f} s",
+                      "[green]ok[/]" if layer.ok else "[red]FAIL[/]")
+    if numerics:
+        scale = max((layer.max_abs_reference for layer in report.layers if layer.max_abs_reference is not None),
+                    default=0.0)
+        table.caption = escape(f"rel err = ||out - ref|| / ||ref||, against a float64 reference of the source, is what "
+                               f"is checked (<= {report.tolerance:g}); max abs is the largest single difference, for "
+                               f"scale: the reference's outputs reach |ref| = {scale:.2g}")
     if report.layers:
         out.print(table)
     for problem in report.failures()[:20]:
         err.print(f"[red]x[/] {escape(problem)}", highlight=False, soft_wrap=True)
+    out.print(_verdict(report, level), highlight=False, soft_wrap=True, markup=False)
 
 
-@app.command()
+def _verdict(report, level: str) -> str:
+    """One line: passed or failed, and what was checked."""
+    if not report.ok:
+        return f"verdict: FAILED, {len(report.failures())} check(s) failed (listed above)"
+    checked = ["structure and digests"]
+    if report.layers:
+        experts = sum(layer.experts_checked for layer in report.layers)
+        checked.append(f"{experts} expert(s) in {len(report.layers)} MoE layer(s) bit-exact against the source")
+    kernels = sum(layer.relative_error is not None for layer in report.layers)
+    if kernels:
+        checked.append(f"kernel within {report.tolerance:g} on {kernels} layer(s)")
+    return f"verdict: ok ({', '.join(checked)}; --level {level})"
+
+
+@app.command(cls=_Command, short_help="Make, convert and verify a small synthetic checkpoint.")
 def demo(
-    workdir: Optional[Path] = typer.Option(None, "--workdir", help="Keep the files here (default: a temporary folder)."),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", metavar="DIR", help="Keep the files here (default: a temporary folder)."),
 ) -> None:
     """Build a small synthetic GPTQ MoE checkpoint, convert it to the Triton layout and verify it."""
     from moeconv.api import inspect as inspect_source
@@ -461,7 +550,7 @@ def main() -> None:
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        app()
+        app(prog_name="moeconv")
     except MoeconvError as error:
         err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
         sys.exit(error.exit_code)

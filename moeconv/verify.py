@@ -50,6 +50,7 @@ class LayerResult:
     numerics_failure: str | None = None  # the kernel cannot read the tensors (it would misread them)
     relative_error: float | None = None
     max_abs_error: float | None = None
+    max_abs_reference: float | None = None  # the reference's largest output: the scale max_abs_error is on
     seconds: float = 0.0
     tolerance: float = NUMERICS_TOLERANCE
 
@@ -112,6 +113,11 @@ class VerifyReport:
 
 
 LEVELS = ("structure", "lossless", "numerics")  # each includes the ones before it
+# verify's progress, phase by phase: `progress(0, total, phase)` starts a phase, `progress(n)` advances it.
+# digests: the output's file bytes, hashed; source-digests: the source's shard bytes, hashed; source: the
+# source bytes read and compared (pass-through tensors, dense linears, the checked experts); kernel: MoE
+# layers run through the reference kernel.
+PHASE_UNITS = {"digests": "bytes", "source-digests": "bytes", "source": "bytes", "kernel": "layers"}
 
 # What passing each level proves, as the report states it (docs/FORMAT.md, "What verify proves").
 PROOFS = {
@@ -185,10 +191,8 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     report = VerifyReport(str(output), str(checkpoint.root), targets=manifest["targets"], level=level,
                           tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
     report.decided_by_user = list(plan.detection.decided_by_user) if plan.detection else []
-    advance = progress or (lambda nbytes, total=None: None)
-    source_bytes = 0 if level == "structure" else sum(path.stat().st_size for path in checkpoint.files)
-    advance(0, sum(path.stat().st_size for path in output.iterdir() if path.is_file())
-            + plan.source_expert_bytes + source_bytes)
+    advance = progress or (lambda amount, total=None, phase=None: None)
+    advance(0, sum(path.stat().st_size for path in output.iterdir() if path.is_file()), "digests")
     report.structure_problems = _check_reading(plan) + _check_files(output, manifest, advance)
     try:
         converted = open_checkpoint(output)
@@ -201,24 +205,29 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     report.proven["structure"] = PROOFS["structure"]
     if level == "structure":
         return report
+    advance(0, sum(path.stat().st_size for path in checkpoint.files), "source-digests")
     report.source_problems, report.source_files_checked = _check_source_digests(checkpoint, manifest, advance)
-    report.passthrough_problems, report.passthrough_checked = _check_passthrough(plan, converted.tensors)
     generator = torch.Generator().manual_seed(seed)
+    layer_experts = [_sampled(layer.shape.experts, sample, generator) for layer in plan.layers]
+    layer_jobs = [plan.expert_jobs(layer) for layer in plan.layers]
+    copies = [job for job in plan.jobs if isinstance(job, CopyJob)]
+    linears = [job for job in plan.jobs if isinstance(job, LinearJob)]
+    advance(0, _input_bytes(copies + linears + [jobs[e] for jobs, experts in zip(layer_jobs, layer_experts)
+                                                for e in experts]), "source")
+    report.passthrough_problems, report.passthrough_checked = _check_passthrough(copies, converted.tensors, advance)
     audits = Audits()
     cast = plan.engine_scale_cast(_served_dtype(output))
     codec = plan.codec
     with TensorReader() as reader, _checkers(executor, workers, ray_address) as executor:
-        linears = [job for job in plan.jobs if isinstance(job, LinearJob)]
         tasks = [(codec, job, _outputs_of(job, converted.tensors), cast) for job in linears]
         for job, (problems, found) in zip(linears, executor.map(_check_task, tasks)):
             audits.merge(found)
             report.dense_linear_problems += [f"{job.prefix}: {problem}" for _, problem in problems]
+            advance(_input_bytes([job]))
         report.dense_linears_checked = len(linears)
-        for index, layer in enumerate(plan.layers):
+        for layer, jobs, experts in zip(plan.layers, layer_jobs, layer_experts):
             started = time.perf_counter()
             result = LayerResult(layer.module, tolerance=kernel.tolerance(layer.shape))
-            jobs = plan.expert_jobs(layer)
-            experts = _sampled(layer.shape.experts, sample, generator)
             tasks = [(codec, jobs[e], _outputs_of(jobs[e], converted.tensors), cast) for e in experts]
             for e, (problems, found) in zip(experts, executor.map(_check_task, tasks)):
                 audits.merge(found)
@@ -226,16 +235,23 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
                                              for key, problem in problems]
                 result.experts_exact += not problems
                 result.experts_checked += 1
-            advance(layer.source_bytes)
-            if level == "numerics" and (numerics_layers is None or index < numerics_layers):
-                report.numerics_device = kernel.device()
-                try:
-                    result.relative_error, result.max_abs_error = _check_numerics(
-                        plan, layer, jobs, converted.tensors, reader, tokens, generator)
-                except ValueError as error:  # the serving kernel's own reading of the bytes fails
-                    result.numerics_failure = str(error)
+                advance(_input_bytes([jobs[e]]))
             result.seconds = time.perf_counter() - started
             report.layers.append(result)
+        # The kernel check last, in its own phase: on a CPU the Triton interpreter takes seconds a layer.
+        checked = [] if level != "numerics" else report.layers[:numerics_layers]
+        if checked:
+            report.numerics_device = kernel.device()
+            advance(0, len(checked), "kernel")
+        for layer, jobs, result in zip(plan.layers, layer_jobs, checked):
+            started = time.perf_counter()
+            try:
+                result.relative_error, result.max_abs_error, result.max_abs_reference = _check_numerics(
+                    plan, layer, jobs, converted.tensors, reader, tokens, generator)
+            except ValueError as error:  # the serving kernel's own reading of the bytes fails
+                result.numerics_failure = str(error)
+            result.seconds += time.perf_counter() - started
+            advance(1)
     report.nonfinite_scales = audits.report("nonfinite_scales")
     if cast is not None:
         report.engine_scale_cast = {"stored": str(cast[0]).removeprefix("torch."),
@@ -439,13 +455,20 @@ def _check_structure(plan: Plan, output: Path, manifest: dict[str, Any], tensors
     return problems + _check_json_files(plan, output, manifest) + _check_side_files(plan, output, manifest)
 
 
-def _check_passthrough(plan: Plan, tensors: dict[str, TensorEntry]) -> tuple[list[str], int]:
-    problems, copies = [], [job for job in plan.jobs if isinstance(job, CopyJob)]
+def _check_passthrough(copies: list[CopyJob], tensors: dict[str, TensorEntry],
+                       advance: Callable[..., None]) -> tuple[list[str], int]:
+    problems = []
     for job in copies:
         name = job.slot.tensor.name
         if not _same_bytes(job.source.entry, tensors[name]):
             problems.append(f"{tensors[name].file.name}: tensor {name} differs from the source's bytes")
+        advance(job.source.nbytes)
     return problems, len(copies)
+
+
+def _input_bytes(jobs: list) -> int:
+    """The source bytes the jobs read."""
+    return sum(piece.nbytes for job in jobs for piece in job.inputs)
 
 
 def _same_bytes(a: TensorEntry, b: TensorEntry) -> bool:
@@ -509,9 +532,10 @@ def _kernel_tensors(plan: Plan, jobs: list[ExpertJob], tensors: dict[str, Tensor
 
 
 def _check_numerics(plan: Plan, layer: MoELayer, jobs: list[ExpertJob], tensors: dict[str, TensorEntry],
-                    reader: TensorReader, tokens: int, generator: torch.Generator) -> tuple[float, float]:
+                    reader: TensorReader, tokens: int, generator: torch.Generator) -> tuple[float, float, float]:
     """The backend's kernel on the converted tensors against a float64 reference that dequantizes
-    the SOURCE through the source format's decoder. Only the experts the routing picks are read."""
+    the SOURCE through the source format's decoder: (relative error, max abs error, max abs of the
+    reference). Only the experts the routing picks are read."""
     from moeconv.kernels import random_routing, reference_fused_moe, relative_error
 
     shape = layer.shape
@@ -530,4 +554,5 @@ def _check_numerics(plan: Plan, layer: MoELayer, jobs: list[ExpertJob], tensors:
                        for s in sources])
     w2 = torch.stack([s["down"].dequantize(torch.float64) for s in sources])
     ref = reference_fused_moe(x.double(), w13, w2, weights.double(), local_ids, dtype=torch.float64)
-    return float(relative_error(out.double(), ref)), float((out.double() - ref).abs().max())
+    return (float(relative_error(out.double(), ref)), float((out.double() - ref).abs().max()),
+            float(ref.abs().max()))

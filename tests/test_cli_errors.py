@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -169,3 +170,30 @@ def test_convert_says_when_the_copied_dense_layers_are_not_servable(monkeypatch,
     code, out, _ = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "ct", "--backend", "compressed-tensors",
                             "-q")
     assert code == 0 and out.splitlines()[-1] == f"serve: stock vLLM 0.33: vllm serve {tmp_path / 'ct'}"
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["convert", "SRC", "--tp", "0"],
+     "error: Invalid value for '--tp': Input should be greater than or equal to 1 (see 'moeconv convert --help')"),
+    (["convert", "SRC"], "error: Invalid value for '-o' / '--output': an output folder is required (or --dry-run) "
+                         "(see 'moeconv convert --help')"),
+    (["verify"], "error: Missing argument 'OUT'. (see 'moeconv verify --help')"),
+    (["nonsense"], "error: No such command 'nonsense'. (see 'moeconv --help')"),
+], ids=["tp-0", "no-output", "no-argument", "no-command"])
+def test_usage_errors_are_one_line(monkeypatch, capsys, tmp_path, args, expected):
+    code, out, err = run_main(monkeypatch, capsys, *[str(tmp_path) if a == "SRC" else a for a in args])
+    assert (code, out, err) == (2, "", expected + "\n")
+
+
+def test_help_is_plain_text_with_the_readme_names(monkeypatch, capsys):
+    """No Rich markup (it ate "[ray]"), no Typer type labels (<bool>, <str>), no sentence cut short."""
+    code, out, _ = run_main(monkeypatch, capsys, "convert", "--help")
+    assert code == 0 and out.startswith("Usage: moeconv convert [OPTIONS] SRC\n")
+    assert "pip install 'moeconv[ray]'" in " ".join(out.split())
+    assert not re.search(r"<[a-z]", out) and "{" not in out and "│" not in out
+    assert "--backend NAME" in out and "-o, --output OUT" in out and "--tp N" in out
+    code, out, _ = run_main(monkeypatch, capsys)  # `moeconv` alone: the help, exit 0
+    assert code == 0 and out.startswith("Usage: moeconv [OPTIONS] COMMAND")
+    commands = out.split("Commands:\n")[1].splitlines()
+    assert [line.split()[0] for line in commands] == ["inspect", "convert", "verify", "demo"]
+    assert not [line for line in commands if line.endswith("...")]
