@@ -47,11 +47,13 @@ def resolve_source(source: str | Path, revision: str | None = None, local_files_
     except hub.RevisionNotFoundError:
         raise MoeconvError(f"{wanted}: revision {revision!r} does not exist in {text}") from None
     except hub.RepositoryNotFoundError:
-        raise MoeconvError(f"{text}: no such model repository on the Hub (or it is private: log in with `hf auth login`)") from None
+        raise MoeconvError(f"{text}: {_no_folder(path)}, and no such model repository on the Hub (or it is private: "
+                           f"log in with `hf auth login`)") from None
     except hub.LocalEntryNotFoundError:
-        raise MoeconvError(_not_cached(text, revision)) from None
+        raise MoeconvError(_not_cached(text, revision, path)) from None
     except hub.HFValidationError as error:
-        raise MoeconvError(f"{text}: not a valid Hugging Face id ({str(error).splitlines()[0]})") from None
+        raise MoeconvError(f"{text}: {_no_folder(path)}, and not a valid Hugging Face id "
+                           f"({str(error).splitlines()[0]})") from None
     except hub.HfHubHTTPError as error:
         raise MoeconvError(f"{wanted}: the Hub refused the download ({error.__class__.__name__}: {error})") from None
     except OSError as error:  # a damaged cache: a ref that is a folder, an unreadable file
@@ -72,7 +74,12 @@ def _is_revision_name(revision: str) -> bool:
         part not in ("", ".", "..") for part in parts)
 
 
-def _not_cached(repo_id: str, revision: str | None) -> str:
+def _no_folder(path: Path) -> str:
+    """`org/name` is also a relative path: a mistyped local folder must read as one."""
+    return f"no such folder in {path.parent}/" if path.parent.is_dir() else "no such folder"
+
+
+def _not_cached(repo_id: str, revision: str | None, path: Path) -> str:
     """Downloads are off: say whether the repository or only the revision is missing from the cache."""
     from huggingface_hub import CacheNotFound, constants, scan_cache_dir
 
@@ -83,7 +90,8 @@ def _not_cached(repo_id: str, revision: str | None) -> str:
     except CacheNotFound:
         cached = None
     if cached is None:
-        return f"{repo_id}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and {off}"
+        return (f"{repo_id}: {_no_folder(path)}, and not a model in the local Hugging Face cache "
+                f"({constants.HF_HUB_CACHE}), and {off}")
     known = sorted({ref for rev in cached.revisions for ref in rev.refs} | {rev.commit_hash[:12] for rev in cached.revisions})
     return (f"{repo_id}@{revision or 'main'}: revision not in the local cache (cached: {', '.join(known)}) "
             f"and {off}")

@@ -197,3 +197,13 @@ def test_help_is_plain_text_with_the_readme_names(monkeypatch, capsys):
     commands = out.split("Commands:\n")[1].splitlines()
     assert [line.split()[0] for line in commands] == ["inspect", "convert", "verify", "demo"]
     assert not [line for line in commands if line.endswith("...")]
+
+
+def test_a_mistyped_two_part_folder_says_no_such_folder(monkeypatch, capsys, tmp_path):
+    """`err/nope` is a relative path as much as a Hub id: the message names both readings."""
+    (tmp_path / "err").mkdir()
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main(monkeypatch, capsys, "inspect", "err/nope", "--local-files-only")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: err/nope: no such folder in err/, and not a model in the local Hugging Face cache (")
+    assert err.rstrip().endswith("and it could not be downloaded (no network, HF_HUB_OFFLINE=1 or --local-files-only)")

@@ -61,7 +61,7 @@ def test_hub_id_resolved_offline_from_the_cache(tmp_path):
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["acme/missing"], "acme/missing: not in the local Hugging Face cache"),
+    (["acme/missing"], "acme/missing: no such folder, and not a model in the local Hugging Face cache"),
     (["acme/tiny-moe", "--revision", "v9"], "acme/tiny-moe@v9: revision not in the local cache (cached: 4f3c2b1a0e9d, main)"),
 ])
 def test_missing_repo_and_revision_are_clear(tmp_path, args, expected):
