@@ -25,7 +25,7 @@ from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progre
 from rich.table import Table
 
 from moeconv.backends import backend_help
-from moeconv.errors import MoeconvError
+from moeconv.errors import MoeconvError, human_bytes
 
 class _Commands(typer.core.TyperGroup):
     """Click's usage errors (a bad or missing option) as one line on stderr and exit code 2, like every
@@ -104,14 +104,6 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * _SIZE_UNITS[match[2].upper()])
 
 
-def _human(nbytes: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if nbytes < 1000 or unit == "TB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
-        nbytes /= 1000
-    raise AssertionError
-
-
 def _print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
@@ -166,7 +158,7 @@ def _print_inspect(report: dict[str, Any], title: str) -> None:
         ("expert shapes (out x in)", f"gate/up {shapes['gate'][0]}x{shapes['gate'][1]}, "
                                      f"down {shapes['down'][0]}x{shapes['down'][1]}"),
         ("scale dtype", report["scale_dtype"]),
-        ("total / expert bytes", f"{_human(report['total_bytes'])} / {_human(report['expert_bytes'])}"),
+        ("total / expert bytes", f"{human_bytes(report['total_bytes'])} / {human_bytes(report['expert_bytes'])}"),
         ("tensors / shards", f"{report['tensors']} / {len(report['shards'])}"),
     ]
     detection = report["detection"]
@@ -281,9 +273,9 @@ def convert(
         ("resumed", f"{len(report.resumed_files)} finished shard(s) kept" if report.resumed_files else "no"),
         ("MoE layers", len(plan.layers)),
         ("shards", len(report.files)),
-        ("bytes in / out", f"{_human(plan.checkpoint.total_bytes)} / {_human(plan.output_bytes)}"),
+        ("bytes in / out", f"{human_bytes(plan.checkpoint.total_bytes)} / {human_bytes(plan.output_bytes)}"),
         ("ran on", report.device),
-        ("time", f"{report.seconds:.2f} s ({_human(plan.checkpoint.total_bytes / max(report.seconds, 1e-9))}/s)"),
+        ("time", f"{report.seconds:.2f} s ({human_bytes(plan.checkpoint.total_bytes / max(report.seconds, 1e-9))}/s)"),
         ("peak memory", "-" if report.peak_rss_mb is None else f"{report.peak_rss_mb:.0f} MB" + (
             f" (largest worker process {report.worker_peak_rss_mb:.0f} MB)" if report.worker_peak_rss_mb else "")),
     ]
@@ -339,7 +331,7 @@ def _progress(description: str, total: int, quiet: bool, unit: str = "bytes"):
     started, done, last = time.monotonic(), 0, [time.monotonic()]
 
     def amounts(value: float) -> str:
-        return _human(value) if counted else f"{value:.0f}"
+        return human_bytes(value) if counted else f"{value:.0f}"
 
     def advance(amount: int) -> None:
         nonlocal done
@@ -349,7 +341,7 @@ def _progress(description: str, total: int, quiet: bool, unit: str = "bytes"):
             last[0] = now
             rate = done / max(now - started, 1e-9)
             eta = (total - done) / rate if rate else float("inf")
-            speed = f"{_human(rate)}/s" if counted else f"{now - started:.0f} s so far"
+            speed = f"{human_bytes(rate)}/s" if counted else f"{now - started:.0f} s so far"
             err.print(f"{description} {amounts(done)} / {amounts(total)} ({100 * done / max(total, 1):.0f}%), "
                       f"{speed}, ETA {eta:.0f} s", highlight=False, soft_wrap=True, markup=False)
 
@@ -529,11 +521,11 @@ def demo(
 def _print_plan(summary: dict[str, Any]) -> None:
     rows = [(key, summary[key]) for key in ("source", "backend", "layout_version", "architecture", "moe_layers")]
     rows.append(("format", ", ".join(f"{k}={v}" for k, v in summary["format"].items())))
-    rows.append(("bytes in / out", f"{_human(summary['source_bytes'])} / {_human(summary['output_bytes'])}"))
+    rows.append(("bytes in / out", f"{human_bytes(summary['source_bytes'])} / {human_bytes(summary['output_bytes'])}"))
     out.print(_key_values("plan (nothing written)", rows))
     table = Table("shard", "bytes", "tensors", title_justify="left")
     for shard in summary["shards"]:
-        table.add_row(escape(shard["file"]), _human(shard["bytes"]), str(shard["tensors"]))
+        table.add_row(escape(shard["file"]), human_bytes(shard["bytes"]), str(shard["tensors"]))
     out.print(table)
 
 

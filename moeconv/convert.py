@@ -25,7 +25,7 @@ from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, sam
 from moeconv.checkpoint.schema import is_plain_file_name
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
 from moeconv.checkpoint.writer import DIGEST_KEY, BlockHasher, ShardWriter, copy_into, file_digest, write_at
-from moeconv.errors import MoeconvError, Unfinished
+from moeconv.errors import MoeconvError, Unfinished, human_bytes
 from moeconv.executor import Executor, peak_rss_mb, resolve_device, worker_descriptor, worker_reader
 from moeconv.plan import OutputShard, Plan, SourceSlice
 
@@ -130,10 +130,10 @@ def _space_error(error: OSError, output: Path, needed: int) -> MoeconvError:
 
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         return MoeconvError(f"{output}: no space left on the device; the conversion needs "
-                            f"{needed / 1e9:.2f} GB there (free some and rerun to resume)")
+                            f"{human_bytes(needed)} there (free some and rerun to resume)")
     if error.errno == errno.EFBIG:
         return MoeconvError(f"{output}: the filesystem refuses a file that large (shards up to "
-                            f"{needed / 1e9:.2f} GB); choose a smaller --max-shard-size")
+                            f"{human_bytes(needed)}); choose a smaller --max-shard-size")
     return MoeconvError(f"{error.filename or output}: {error.strerror}")
 
 
@@ -325,8 +325,8 @@ def _check_free_space(plan: Plan, staging: Path, journal: _Journal, side_bytes: 
     if needed > free:
         if not journal.done:
             shutil.rmtree(staging, ignore_errors=True)
-        raise MoeconvError(f"{staging.parent}: {free / 1e9:.2f} GB free, but the conversion needs "
-                           f"{needed / 1e9:.2f} GB more there; free some space or choose another -o")
+        raise MoeconvError(f"{staging.parent}: {human_bytes(free)} free, but the conversion needs "
+                           f"{human_bytes(needed)} more there; free some space or choose another -o")
 
 
 def _read_journal(path: Path) -> dict[str, Any] | None:

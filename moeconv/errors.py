@@ -8,6 +8,16 @@ import re
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
+def human_bytes(nbytes: float) -> str:
+    """A size for people, in decimal units (1.50 MB, 820 B): a message about a small output must not
+    read "0.00 GB"."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if nbytes < 1000 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1000
+    raise AssertionError
+
+
 class MoeconvError(Exception):
     """A user-facing problem (bad input, unsupported checkpoint, refused operation)."""
 
