@@ -57,14 +57,32 @@ def detect(linears: Iterable[Linear], configured: SourceFormat) -> Detection:
     if not claimed:
         if linears:
             tensors, n, k = linears[0]
-            shapes = ", ".join(f"{entry.name.rsplit('.', 1)[-1]} {list(entry.shape)}" for entry in tensors.values())
-            detection.evidence.append(f"the expert linears (e.g. {shapes} for a {n}x{k} linear) are not all packed "
-                                      f"one way moeconv reads from data ({', '.join(REGISTRY)})")
+            shapes = ", ".join(f"{entry.name.rsplit('.', 1)[-1]} {entry.dtype}{list(entry.shape)}"
+                               for entry in tensors.values())
+            if _headers_fit(configured, linears):  # e.g. int-quantized W8A8: int8 weights, one scale a channel
+                described = configured.describe()
+                scheme = " ".join(str(described[key]) for key in ("method", "format", "scheme") if key in described)
+                detection.evidence.append(f"{shapes} for a {n}x{k} linear: the headers are what the config's {scheme} "
+                                          f"says (unpacked weights: no packing or zero points in the data to cross-check)")
+            else:
+                detection.evidence.append(f"the expert linears (e.g. {shapes} for a {n}x{k} linear) are not all packed "
+                                          f"one way moeconv reads from data ({', '.join(REGISTRY)})")
         return detection
     with TensorReader() as reader:
         detection.detected = claimed[0].from_data(linears, configured, reader.read, detection)
     _compare(configured, detection)
     return detection
+
+
+def _headers_fit(configured: SourceFormat, linears: list) -> bool:
+    """Every sampled linear's tensors have the shapes and dtypes the configured format expects."""
+    for tensors, n, k in linears:
+        expected = configured.expected(n, k)
+        for suffix, entry in tensors.items():
+            want = expected.get(suffix)
+            if want is None or tuple(entry.shape) != tuple(want.shape) or (want.dtype and entry.dtype != want.dtype):
+                return False
+    return True
 
 
 def _compare(configured: SourceFormat, detection: Detection) -> None:
