@@ -16,16 +16,17 @@ import moeconv
 from moeconv.formats import AWQ
 from moeconv.synth import SynthSpec, make_checkpoint
 
+SPEC = SynthSpec(architecture="mixtral", source_format=AWQ(bits=4, group_size=64, zero_point=True),
+                 layers=2, experts=8, hidden=256, intermediate=128)
 
-def main(workdir: Path) -> None:
-    source = make_checkpoint(workdir / "mixtral-awq", SynthSpec(
-        architecture="mixtral", source_format=AWQ(bits=4, group_size=64, zero_point=True),
-        layers=2, experts=8, hidden=256, intermediate=128))
+
+def main(workdir: Path, spec: SynthSpec = SPEC) -> None:
+    source = make_checkpoint(workdir / "mixtral-awq", spec)
     report = moeconv.inspect(source)
     print(f"{report['architecture']}: {report['format']}, {len(report['moe_layers'])} MoE layers")
     for backend, verdict in report["backends"].items():
         print(f"  {backend}: {'eligible' if verdict['eligible'] else verdict['reason']}")
-    for backend in ("triton", "humming", "cpu"):
+    for backend in report["backends"]:  # every registered backend: triton, humming, cpu, compressed-tensors
         result = moeconv.convert(source, workdir / backend, backend=backend)
         check = moeconv.verify(result.output)
         errors = ", ".join(f"{layer.relative_error:.1e}" for layer in check.layers)

@@ -23,3 +23,21 @@ def test_w8a8_format_evidence_reads_as_evidence_not_a_failure(tmp_path, capsys):
         "compressed-tensors int-quantized W8A8 says (unpacked weights: no packing or zero points in the data to "
         "cross-check)"]
     assert all(verdict["eligible"] for verdict in report["backends"].values()), report["backends"]
+
+
+def test_the_python_api_example_runs_every_backend(tmp_path, capsys):
+    """examples/python_api.py, as the README describes it, on a smaller model of the same kind."""
+    import dataclasses
+    import importlib.util
+    from pathlib import Path
+
+    from moeconv.backends import REGISTRY
+
+    path = Path(__file__).parents[1] / "examples" / "python_api.py"
+    spec = importlib.util.spec_from_file_location("python_api", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(tmp_path, dataclasses.replace(example.SPEC, layers=1, experts=4, hidden=128, intermediate=64))
+    lines = capsys.readouterr().out.splitlines()
+    ran = [line.split(":")[0] for line in lines if "verify ok" in line]
+    assert ran == list(REGISTRY) and "compressed-tensors" in ran, lines
