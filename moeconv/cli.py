@@ -172,13 +172,16 @@ def _print_inspect(report: dict[str, Any], title: str) -> None:
     for module, case in report["act_order"].items():
         rows.append((f"{'[red]' if case.startswith('refused') else ''}act-order {module}", case))
     for name, verdict in report["backends"].items():
+        served = verdict["serving"]
+        serve = f"served by {served['engine']}" if served["engine"] else f"not served as it is: {served['how']}"
         if verdict["eligible"]:
-            text = "eligible"
+            text = f"eligible; {serve}"
         elif verdict["eligible_with_regroup"]:
-            text = f"eligible with --regroup (group size / {verdict['regroup_factor']}): {verdict['reason']}"
+            text = f"eligible with --regroup (group size / {verdict['regroup_factor']}): {verdict['reason']}; {serve}"
         else:
             text = f"NOT eligible: {verdict['reason']}"
         rows.append((f"backend {name} (tp={report['tp']})", text))
+    rows.append((f"backend auto (tp={report['tp']})", report["auto"]))
     rows += _audit_rows(report)
     out.print(_key_values(title, rows))
 

@@ -11,8 +11,9 @@ from moeconv.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
 from moeconv.audit import Audits, count as audit_counts
 from moeconv.spec import FLOAT_DTYPES
 from moeconv.models import architecture_from_config
-from moeconv.plan import (act_order_suspected, detect_format, eligibility, expert_tensors, find_moe_layers,
-                          scan_act_order)
+from moeconv.errors import MoeconvError
+from moeconv.plan import (act_order_suspected, choose_backend, detect_format, eligibility, expert_tensors,
+                          find_moe_layers, scan_act_order, serving)
 
 
 def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]:
@@ -56,7 +57,8 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
         "tensors": len(checkpoint.tensors),
         "shards": [{"file": path.name, "bytes": path.stat().st_size} for path in checkpoint.files],
         "tp": tp,
-        "backends": {name: _verdict(backend, layers) for name, backend in all_backends().items()},
+        "backends": {name: _verdict(backend, layers, source_format) for name, backend in all_backends().items()},
+        "auto": _auto(layers, source_format),
     }
     audits = _audit(source_format, layers)
     for kind in audits.totals:
@@ -64,17 +66,28 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
     return report
 
 
-def _verdict(backend, layers) -> dict[str, Any]:
-    """Whether the backend takes the checkpoint (as it is, or after --regroup), with each layer's reason."""
+def _verdict(backend, layers, source_format) -> dict[str, Any]:
+    """Whether the backend takes the checkpoint (as it is, or after --regroup), with each layer's reason,
+    and which engine would serve its output."""
     factor, reason = eligibility(backend, layers, allow_regroup=True)
     refusals = {layer.module: backend.refusal(layer.shape) for layer in layers}
+    first = layers[0].shape
     return {
         "eligible": reason is None and factor == 1,
         "eligible_with_regroup": reason is None,
         "regroup_factor": factor,
         "reason": reason or next((f"{m}: {r}" for m, r in refusals.items() if r), None),
         "layers": {module: refusal or "ok" for module, refusal in refusals.items()},
+        "serving": serving(backend, source_format, replace(first, group_size=first.group_size // factor))._asdict(),
     }
+
+
+def _auto(layers, source_format) -> str:
+    """What `convert --backend auto` would choose, and why (or why nothing fits)."""
+    try:
+        return choose_backend("auto", layers, True, source_format)[3]
+    except MoeconvError as refusal:
+        return str(refusal)
 
 
 def _audit(source_format, layers) -> Audits:

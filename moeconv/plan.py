@@ -814,7 +814,7 @@ def _choice_line(backend: Backend, factor: int, layer: MoELayerShape, why: str,
     regrouped = (f", group size {layer.group_size} regrouped to {layer.group_size // factor} (lossless) to fit "
                  f"tp={layer.tp}" if factor > 1 else "")
     passed = f"; skipped {', '.join(name for name, _ in skipped)} (reasons: --dry-run --json)" if skipped else ""
-    return f"--backend auto chose {backend.name}: {why}{regrouped}{passed}"
+    return f"--backend auto takes {backend.name}: {why}{regrouped}{passed}"
 
 
 def dense_layers_unservable(backend: Backend, source_format: SourceFormat) -> bool:

@@ -57,7 +57,7 @@ def test_auto_takes_the_first_eligible_backend_and_says_why(tmp_path):
     source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(4, 32, sym=True)))
     plan = make_plan(source, backend="auto")
     assert plan.backend.name == "triton" and plan.skipped_backends == ()
-    assert plan.choice == "--backend auto chose triton: served by vLLM 0.33 through moeconv's plugin"
+    assert plan.choice == "--backend auto takes triton: served by vLLM 0.33 through moeconv's plugin"
 
 
 def test_auto_chooses_what_an_engine_serves_regrouping_to_fit(tmp_path, capsys):
@@ -68,9 +68,12 @@ def test_auto_chooses_what_an_engine_serves_regrouping_to_fit(tmp_path, capsys):
                                                          hidden=256, intermediate=128))
     plan = make_plan(source, backend="auto", tp=2)
     assert plan.backend.name == "triton" and plan.regroup_factor == 2
+    report = json.loads(cli("inspect", source, "--tp", "2", "--json").stdout)
+    assert report["auto"] == plan.choice and report["backends"]["cpu"]["eligible"]
+    assert report["backends"]["cpu"]["serving"]["engine"] is None
     code, out, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "--backend", "auto", "--tp", "2", "-q")
     assert code == 0, err
-    assert err == ("--backend auto chose triton: served by vLLM 0.33 through moeconv's plugin, group size 128 "
+    assert err == ("--backend auto takes triton: served by vLLM 0.33 through moeconv's plugin, group size 128 "
                    "regrouped to 64 (lossless) to fit tp=2\n")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["group_size"] == 64
     assert out.splitlines()[-2:] == [
@@ -87,7 +90,7 @@ def test_auto_prefers_a_served_layout_over_an_unserved_one(tmp_path, capsys):
     assert plan.backend.name == "compressed-tensors"
     assert [name for name, _ in plan.skipped_backends] == ["triton"]
     assert "no engine serves its output: the dense layers keep the source's asymmetric GPTQ" in plan.skipped_backends[0][1]
-    assert plan.choice == "--backend auto chose compressed-tensors: served by stock vLLM 0.33; skipped triton " \
+    assert plan.choice == "--backend auto takes compressed-tensors: served by stock vLLM 0.33; skipped triton " \
                           "(reasons: --dry-run --json)"
     dry = json.loads(cli("convert", source, "--backend", "auto", "--dry-run", "--json").stdout)
     assert dry["auto_choice"] == plan.choice and dry["skipped_backends"][0]["backend"] == "triton"
