@@ -27,6 +27,7 @@ from rich.table import Table
 from moeconv.backends import backend_help
 from moeconv.errors import MoeconvError, human_bytes
 
+
 class _Commands(typer.core.TyperGroup):
     """Click's usage errors (a bad or missing option) as one line on stderr and exit code 2, like every
     other error, instead of a usage block and a box."""
@@ -117,7 +118,7 @@ def _key_values(title: str, rows: list[tuple[str, Any]]) -> Table:
     return table
 
 
-SOURCE = typer.Argument(..., metavar="SRC", help="Checkpoint folder, or a Hugging Face id (org/model).", show_default=False)
+SOURCE = typer.Argument(..., metavar="SRC", help="Checkpoint folder, or a Hugging Face id (org/model).")
 REVISION = typer.Option(None, "--revision", metavar="REV", help="Hub branch, tag or commit (Hub ids only).")
 LOCAL_ONLY = typer.Option(False, "--local-files-only", help="Use the Hugging Face cache only, never download.")
 EXECUTOR = typer.Option("local", "--executor", metavar="local|ray",
@@ -125,7 +126,8 @@ EXECUTOR = typer.Option("local", "--executor", metavar="local|ray",
                              "(pip install 'moeconv[ray]'; source and output on storage every node sees).")
 RAY_ADDRESS = typer.Option(None, "--ray-address", metavar="HOST:PORT",
                            help="The Ray cluster to join (default: the one Ray finds, else a local Ray, said so).")
-TP = typer.Option(1, "--tp", min=1, metavar="N", help="Tensor-parallel size the output will be served with (eligibility checks).")
+TP = typer.Option(1, "--tp", min=1, metavar="N",
+                  help="Tensor-parallel size the output will be served with (eligibility checks).")
 
 
 @app.command(cls=_Command, short_help="Say what a checkpoint is and which backends can take it.")
@@ -203,7 +205,8 @@ def _audit_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
 @app.command(cls=_Command, short_help="Convert a checkpoint into a backend's layout.")
 def convert(
     source: str = SOURCE,
-    output: Optional[Path] = typer.Option(None, "-o", "--output", metavar="OUT", help="Output folder (must not exist, or be empty)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", metavar="OUT",
+                                          help="Output folder (must not exist, or be empty)."),
     backend: str = typer.Option("triton", "--backend", "-b", metavar="NAME", help=backend_help()),
     max_shard_size: int = typer.Option("5GB", "--max-shard-size", parser=parse_size, metavar="SIZE",
                                        help="Most tensor bytes per output shard (as transformers counts), e.g. 5GB, 500MB."),
@@ -396,8 +399,10 @@ def _detection_notes(plan) -> list[str]:
 @app.command(cls=_Command, short_help="Check a converted checkpoint against its source.")
 def verify(
     output: Path = typer.Argument(..., metavar="OUT", help="A folder written by `moeconv convert`."),
-    source: Optional[Path] = typer.Option(None, "--source", metavar="SRC", help="Source checkpoint (default: the one in moeconv.json)."),
-    sample: Optional[int] = typer.Option(None, "--sample", min=1, metavar="N", help="Check N random experts per layer, not all."),
+    source: Optional[Path] = typer.Option(None, "--source", metavar="SRC",
+                                          help="Source checkpoint (default: the one in moeconv.json)."),
+    sample: Optional[int] = typer.Option(None, "--sample", min=1, metavar="N",
+                                         help="Check N random experts per layer, not all."),
     level: str = typer.Option("numerics", "--level", metavar="structure|lossless|numerics",
                               help="How far to check: structure (files, checksums), lossless (and bit-exact decode "
                                    "against the source), numerics (and the kernel against a float64 reference)."),
@@ -434,7 +439,8 @@ def _print_verify(report, level: str = "numerics") -> None:
     structure = "ok" if not report.structure_problems else f"{len(report.structure_problems)} problem(s)"
     lossless = level != "structure" and not report.structure_problems
     numerics = report.numerics_device is not None
-    not_run = f"not run (--level {level})" if level != "numerics" else "not run"
+    not_run = ("not run (the structure check failed)" if report.structure_problems
+               else f"not run (--level {level})" if level != "numerics" else "not run")
     out.print(_key_values(f"verify {report.output}", [
         ("source", report.source),
         *[("decided by the user, not the data", escape(what)) for what in report.decided_by_user],
@@ -452,7 +458,8 @@ def _print_verify(report, level: str = "numerics") -> None:
     ]))
     table = Table(title_justify="left", caption_justify="left")
     table.add_column("MoE layer", overflow="fold")  # long module names wrap; the numbers never do
-    for header in ("bit-exact", "rel err", "max abs", "time", "result") if numerics else ("bit-exact", "time", "result"):
+    headers = ("bit-exact", "rel err", "max abs", "time", "result") if numerics else ("bit-exact", "time", "result")
+    for header in headers:
         table.add_column(header, no_wrap=True)
     for layer in report.layers:
         errors = ["-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
@@ -489,7 +496,8 @@ def _verdict(report, level: str) -> str:
 
 @app.command(cls=_Command, short_help="Make, convert and verify a small synthetic checkpoint.")
 def demo(
-    workdir: Optional[Path] = typer.Option(None, "--workdir", metavar="DIR", help="Keep the files here (default: a temporary folder)."),
+    workdir: Optional[Path] = typer.Option(None, "--workdir", metavar="DIR",
+                                           help="Keep the files here (default: a temporary folder)."),
 ) -> None:
     """Build a small synthetic GPTQ MoE checkpoint, convert it to the Triton layout and verify it."""
     from moeconv.api import inspect as inspect_source

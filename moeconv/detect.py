@@ -62,8 +62,9 @@ def detect(linears: Iterable[Linear], configured: SourceFormat) -> Detection:
             if _headers_fit(configured, linears):  # e.g. int-quantized W8A8: int8 weights, one scale a channel
                 described = configured.describe()
                 scheme = " ".join(str(described[key]) for key in ("method", "format", "scheme") if key in described)
-                detection.evidence.append(f"{shapes} for a {n}x{k} linear: the headers are what the config's {scheme} "
-                                          f"says (unpacked weights: no packing or zero points in the data to cross-check)")
+                detection.evidence.append(f"{shapes} for a {n}x{k} linear: the headers are what the config's "
+                                          f"{scheme} says (unpacked weights: no packing or zero points in the data "
+                                          f"to cross-check)")
             else:
                 detection.evidence.append(f"the expert linears (e.g. {shapes} for a {n}x{k} linear) are not all packed "
                                           f"one way moeconv reads from data ({', '.join(REGISTRY)})")
