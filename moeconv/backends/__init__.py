@@ -70,7 +70,7 @@ def backend_help() -> str:
                                        if entry.auto_priority is not None)]
     choices = "; ".join(f"{name}: {entry.summary}" for name, entry in REGISTRY.items())
     return (f"Target layout. {choices}; auto: the first of {', '.join(auto)} that fits (regrouping losslessly "
-            f"if that makes it fit) and that an engine serves.")
+            f"if that makes it fit) and whose output an engine serves, else the first that fits.")
 
 
 __all__ = ["BackendEntry", "REGISTRY", "all_backends", "auto_order", "backend_help", "get_backend"]
