@@ -428,14 +428,15 @@ def verify(
     if as_json:
         _print_json(report.to_json())
     else:
-        _print_verify(report, level)
+        _print_verify(report)
     if not report.ok:
         failures = report.failures()
         raise VerificationFailed(f"{output}: {len(failures)} check(s) failed; first: {failures[0]}")
 
 
-def _print_verify(report, level: str = "numerics") -> None:
+def _print_verify(report) -> None:
     """The report's rows, the per-layer table, the failures, and a last line with the verdict."""
+    level = report.level
     structure = "ok" if not report.structure_problems else f"{len(report.structure_problems)} problem(s)"
     lossless = level != "structure" and not report.structure_problems
     numerics = report.numerics_device is not None
@@ -446,7 +447,7 @@ def _print_verify(report, level: str = "numerics") -> None:
         *[("decided by the user, not the data", escape(what)) for what in report.decided_by_user],
         ("structure, index, configs, digests", structure),
         ("source shards hashed as recorded", f"{report.source_files_checked - len(report.source_problems)}"
-                                             f"/{report.source_files_checked}"),
+                                             f"/{report.source_files_checked}" if lossless else not_run),
         ("levels proven (docs/FORMAT.md)", ", ".join(report.proven) or "none"),
         ("pass-through tensors byte-identical", f"{report.passthrough_checked - len(report.passthrough_problems)}"
                                                 f"/{report.passthrough_checked}" if lossless else not_run),
@@ -477,21 +478,23 @@ def _print_verify(report, level: str = "numerics") -> None:
         out.print(table)
     for problem in report.failures()[:20]:
         err.print(f"[red]x[/] {escape(problem)}", highlight=False, soft_wrap=True)
-    out.print(_verdict(report, level), highlight=False, soft_wrap=True, markup=False)
+    out.print(_verdict(report), highlight=False, soft_wrap=True, markup=False)
 
 
-def _verdict(report, level: str) -> str:
+def _verdict(report) -> str:
     """One line: passed or failed, and what was checked."""
     if not report.ok:
         return f"verdict: FAILED, {len(report.failures())} check(s) failed (listed above)"
     checked = ["structure and digests"]
+    if report.source_files_checked:
+        checked.append(f"{report.source_files_checked} source shard(s) as recorded")
     if report.layers:
         experts = sum(layer.experts_checked for layer in report.layers)
         checked.append(f"{experts} expert(s) in {len(report.layers)} MoE layer(s) bit-exact against the source")
     kernels = sum(layer.relative_error is not None for layer in report.layers)
     if kernels:
         checked.append(f"kernel within {report.tolerance:g} on {kernels} layer(s)")
-    return f"verdict: ok ({', '.join(checked)}; --level {level})"
+    return f"verdict: ok ({', '.join(checked)}; --level {report.level})"
 
 
 @app.command(cls=_Command, short_help="Make, convert and verify a small synthetic checkpoint.")

@@ -56,9 +56,9 @@ def _tensor_bytes(folder) -> int:
 
 
 def test_verify_progress_counts_what_each_phase_says(tmp_path, capsys):
-    """digests: the output's file bytes; source: the source bytes compared (for triton, every source tensor:
-    experts decoded, the rest byte-compared); kernel: one per MoE layer checked. Each phase advances to its
-    total."""
+    """digests: the output's file bytes; source-digests: the source's shard bytes; source: the source tensor
+    bytes compared (for triton, every source tensor: experts decoded, the rest byte-compared); kernel: one per
+    MoE layer checked. Each phase advances to its total."""
     from moeconv.verify import verify
 
     source = make_checkpoint(tmp_path / "src", SynthSpec())
@@ -73,8 +73,10 @@ def test_verify_progress_counts_what_each_phase_says(tmp_path, capsys):
             done[phases[-1][0]] += amount
 
     assert verify(tmp_path / "out", progress=progress, numerics_layers=1).ok
-    output_files = sum(path.stat().st_size for path in (tmp_path / "out").glob("*.safetensors"))
-    assert phases == [("digests", output_files), ("source", _tensor_bytes(source)), ("kernel", 1)]
+    output_files = sum(path.stat().st_size for path in (tmp_path / "out").iterdir())
+    source_shards = sum(path.stat().st_size for path in source.glob("*.safetensors"))
+    assert phases == [("digests", output_files), ("source-digests", source_shards), ("source", _tensor_bytes(source)),
+                      ("kernel", 1)]
     assert done == dict(phases)
 
 
@@ -89,5 +91,7 @@ def test_verify_report_says_what_ran_and_ends_with_the_verdict(tmp_path, capsys)
     assert code == 0 and "rel err = ||out - ref|| / ||ref||, against a float64 reference of the source, is what is " \
                          "checked (<= 0.06); max abs is the largest single difference, for scale: the reference's " \
                          "outputs reach |ref| =" in flat, out
-    assert out.splitlines()[-1] == ("verdict: ok (structure and digests, 8 expert(s) in 2 MoE layer(s) bit-exact "
-                                    "against the source, kernel within 0.06 on 2 layer(s); --level numerics)")
+    shards = len(list(source.glob("*.safetensors")))
+    assert out.splitlines()[-1] == (f"verdict: ok (structure and digests, {shards} source shard(s) as recorded, "
+                                    f"8 expert(s) in 2 MoE layer(s) bit-exact against the source, kernel within 0.06 "
+                                    f"on 2 layer(s); --level numerics)")
