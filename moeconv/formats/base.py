@@ -27,9 +27,8 @@ Read = Callable[[HeaderEntry], torch.Tensor]  # a stored tensor's values, for th
 
 @dataclass
 class Detection:
-    """The format the data shows (None: could not tell), every disagreement with the config, what the
-    data could not decide (then the config's value stands), and what the user can do about that (the
-    format that leaves a question undecided says how to answer it; reports print it as it is)."""
+    """The format the data shows (None: could not tell), every disagreement with the config, and what
+    the data could not decide (then the config's value stands)."""
 
     detected: SourceFormat | None
     evidence: list[str] = field(default_factory=list)
@@ -38,7 +37,6 @@ class Detection:
     advice: list[str] = field(default_factory=list)  # one line per undecided question: how to decide it
     decided_by_user: list[str] = field(default_factory=list)  # what the data could not decide, and who chose
     act_order: str | None = None  # why the checkpoint is act-order, if it is
-    advice: list[str] = field(default_factory=list)  # one line per undecided question: how to decide it
 
     def to_json(self) -> dict[str, Any]:
         return {"detected": None if self.detected is None else self.detected.describe(),
