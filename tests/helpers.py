@@ -3,14 +3,32 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from moeconv.cli import app
 from moeconv.synth import SynthSpec, make_checkpoint
 
 runner = CliRunner()
+
+ROOT = Path(__file__).resolve().parents[1]
+# The real quantizers' environment (scripts/install-packers.sh); its stamp is written last.
+PACKERS_VENV = Path(os.environ.get("MOECONV_PACKERS_VENV", ROOT / ".venv-packers"))
+
+
+def packers_python() -> Path:
+    """The real packers' interpreter. Without it the calling test fails (CI must have it), unless
+    MOECONV_SKIP_PACKERS=1 asks to skip."""
+    if os.environ.get("MOECONV_SKIP_PACKERS") == "1":
+        pytest.skip("MOECONV_SKIP_PACKERS=1")
+    python = PACKERS_VENV / "bin" / "python"
+    if not (python.exists() and (PACKERS_VENV / ".packers-installed").exists()):
+        pytest.fail(f"the real packers' environment {PACKERS_VENV} is missing or incomplete: run "
+                    "scripts/install-packers.sh (or set MOECONV_SKIP_PACKERS=1 to skip these tests)", pytrace=False)
+    return python
 
 
 def synth(path: Path, **fields) -> Path:

@@ -12,14 +12,12 @@ skips them.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import moeconv
@@ -29,12 +27,10 @@ from moeconv.errors import MoeconvError
 from moeconv.formats import AWQ, GPTQ, format_from_config
 from moeconv.plan import CopyJob, ExpertJob, LinearJob, make_plan
 
-from helpers import run_main
+from helpers import PACKERS_VENV, packers_python, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "autoround"
-PACKERS_VENV = Path(os.environ.get("MOECONV_PACKERS_VENV", ROOT / ".venv-packers"))
-STAMP = PACKERS_VENV / ".packers-installed"
 
 pytestmark = pytest.mark.packers
 
@@ -56,12 +52,7 @@ PAIRS = [(name, backend) for name in list(CONVERTIBLE)[:4] for backend in ALL] +
 
 @pytest.fixture(scope="module")
 def truths(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
-    if os.environ.get("MOECONV_SKIP_PACKERS") == "1":
-        pytest.skip("MOECONV_SKIP_PACKERS=1")
-    python = PACKERS_VENV / "bin" / "python"
-    if not (python.exists() and STAMP.exists()):
-        pytest.fail(f"the real packers' environment {PACKERS_VENV} is missing: run scripts/install-packers.sh "
-                    "(or set MOECONV_SKIP_PACKERS=1 to skip these tests)", pytrace=False)
+    python = packers_python()
     out = tmp_path_factory.mktemp("autoround-truth")
     proc = subprocess.run([str(python), str(ROOT / "tests" / "packers" / "make_autoround.py"), "--truth", str(DATA),
                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)

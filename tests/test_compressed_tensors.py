@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from moeconv.kernels import (GemmConfig, align_tokens_to_experts, int8_fused_moe
                              random_routing, reference_fused_moe, relative_error)
 from moeconv.kernels.runners import W8A8_NUMERICS_TOLERANCE
 
-from helpers import cli, synth
+from helpers import cli, packers_python, synth
 from strategies import quantized_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -311,14 +310,9 @@ C = _load_cases_module()
 
 @pytest.fixture(scope="module")
 def ct_packed(tmp_path_factory) -> dict[str, torch.Tensor]:
-    if os.environ.get("MOECONV_SKIP_PACKERS") == "1":
-        pytest.skip("MOECONV_SKIP_PACKERS=1")
-    venv = Path(os.environ.get("MOECONV_PACKERS_VENV", ROOT / ".venv-packers"))
-    if not (venv / ".packers-installed").exists():
-        pytest.fail(f"{venv} is missing or incomplete: run scripts/install-packers.sh "
-                    "(or set MOECONV_SKIP_PACKERS=1)", pytrace=False)
+    python = packers_python()
     out = tmp_path_factory.mktemp("ct") / "ct.safetensors"
-    done = subprocess.run([str(venv / "bin" / "python"), "tests/packers/pack_real.py", "--compressed-tensors", str(out)],
+    done = subprocess.run([str(python), "tests/packers/pack_real.py", "--compressed-tensors", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     with safe_open(str(out), "pt") as handle:

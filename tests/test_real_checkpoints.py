@@ -16,7 +16,6 @@ skips them.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -32,11 +31,9 @@ from moeconv.plan import make_plan
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.synth import SynthSpec, make_checkpoint
 
-from helpers import run_main
+from helpers import PACKERS_VENV, packers_python, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKERS_VENV = Path(os.environ.get("MOECONV_PACKERS_VENV", ROOT / ".venv-packers"))
-STAMP = PACKERS_VENV / ".packers-installed"
 
 pytestmark = pytest.mark.packers
 
@@ -91,12 +88,7 @@ ASYM_GPTQ = [m.name for m in MADE if m.packer in ("gptqmodel", "autogptq") and n
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict[str, Path]:
-    if os.environ.get("MOECONV_SKIP_PACKERS") == "1":
-        pytest.skip("MOECONV_SKIP_PACKERS=1")
-    python = PACKERS_VENV / "bin" / "python"
-    if not (python.exists() and STAMP.exists()):
-        pytest.fail(f"the real packers' environment {PACKERS_VENV} is missing: run scripts/install-packers.sh "
-                    "(or set MOECONV_SKIP_PACKERS=1 to skip these tests)", pytrace=False)
+    python = packers_python()
     base = tmp_path_factory.mktemp("real-moe")
     jobs = []
     for made in MADE:

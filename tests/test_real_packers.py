@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -31,10 +30,10 @@ from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
 from moeconv.formats import AWQ, GPTQ
 
+from helpers import PACKERS_VENV, packers_python
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKERS_DIR = Path(__file__).resolve().parent / "packers"
-PACKERS_VENV = Path(os.environ.get("MOECONV_PACKERS_VENV", ROOT / ".venv-packers"))
-STAMP = PACKERS_VENV / ".packers-installed"  # written last by scripts/install-packers.sh
 EXPECTED_VERSIONS = {"autoawq": "0.2.9", "auto-gptq": "0.7.1", "gptqmodel": "7.7.0"}
 
 
@@ -71,15 +70,7 @@ class Packed:
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Packed:
-    if os.environ.get("MOECONV_SKIP_PACKERS") == "1":
-        pytest.skip("MOECONV_SKIP_PACKERS=1")
-    python = PACKERS_VENV / "bin" / "python"
-    if not (python.exists() and STAMP.exists()):
-        pytest.fail(
-            f"the real packers' environment {PACKERS_VENV} is missing or incomplete: run "
-            "scripts/install-packers.sh (or set MOECONV_SKIP_PACKERS=1 to skip these tests)",
-            pytrace=False,
-        )
+    python = packers_python()
     out = tmp_path_factory.mktemp("real-packers") / "packed.safetensors"
     proc = subprocess.run(
         [str(python), str(PACKERS_DIR / "pack_real.py"), str(out)],
