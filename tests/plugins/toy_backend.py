@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from moeconv.backends.base import FUSED_GEMMS, ExpertWeights, Numerics
+from moeconv.backends.base import FUSED_GEMMS, ExpertWeights, Numerics, Serving
 from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.spec import TensorSpec
 
@@ -58,3 +58,6 @@ class ToyBackend:
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         return {"bits": layer.bits, "group_size": layer.group_size, "layout": "toy-stacked-bytes"}
+
+    def serving(self, layer: MoELayerShape) -> Serving:
+        return Serving(None, "no engine reads the toy layout (it tests the registry)")
