@@ -282,12 +282,23 @@ def convert(
         ("bytes in / out", f"{human_bytes(plan.checkpoint.total_bytes)} / {human_bytes(plan.output_bytes)}"),
         ("ran on", report.device),
         ("time", f"{report.seconds:.2f} s ({human_bytes(plan.checkpoint.total_bytes / max(report.seconds, 1e-9))}/s)"),
-        ("peak memory", "-" if report.peak_rss_mb is None else f"{report.peak_rss_mb:.0f} MB" + (
-            f" (largest worker process {report.worker_peak_rss_mb:.0f} MB)" if report.worker_peak_rss_mb else "")),
+        ("peak memory", _memory_line(report)),
     ]
     rows += _audit_rows(report.to_json())
     out.print(_key_values("converted", rows))
     _print_next_steps(plan, report.output)
+
+
+def _memory_line(report) -> str:
+    """The whole process tree's peak (PSS: shared pages counted once), its largest worker, this process's."""
+    parts = []
+    if report.tree_peak_pss_mb is not None:
+        worker = (f", largest worker {report.largest_worker_pss_mb:.0f} MB"
+                  if report.largest_worker_pss_mb is not None else "")
+        parts.append(f"{report.tree_peak_pss_mb:.0f} MB, the whole process tree (PSS{worker})")
+    if report.peak_rss_mb is not None:
+        parts.append(f"this process {report.peak_rss_mb:.0f} MB (RSS)")
+    return "; ".join(parts) or "-"
 
 
 # What each verify phase's bar says it counts (moeconv.verify.PHASE_UNITS has the units).

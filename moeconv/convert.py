@@ -44,6 +44,11 @@ class ConvertReport:
     peak_rss_mb: float | None = None
     worker_peak_rss_mb: float | None = None  # the largest worker process's (pages shared with this one included)
     device: str = "cpu"  # where the experts were transformed, in words
+    # The whole process tree (this process and its workers) while the workers ran, sampled
+    # (executor.TreeMemory): the peak of the summed PSS, each shared page counted once, and the largest
+    # PSS a single worker reached (None for Ray tasks: not this machine's tree).
+    tree_peak_pss_mb: float | None = None
+    largest_worker_pss_mb: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -57,9 +62,15 @@ class ConvertReport:
             "resumed_files": self.resumed_files,
             "peak_rss_mb": self.peak_rss_mb,
             "worker_peak_rss_mb": self.worker_peak_rss_mb,
+            "tree_peak_pss_mb": _rounded(self.tree_peak_pss_mb),
+            "largest_worker_pss_mb": _rounded(self.largest_worker_pss_mb),
             "suspicious_zero_slots": self.suspicious_zero_slots,
             "nonfinite_scales": self.nonfinite_scales,
         }
+
+
+def _rounded(megabytes: float | None) -> float | None:
+    return None if megabytes is None else round(megabytes, 1)
 
 
 def resolved_output(output: Path) -> Path:
@@ -233,7 +244,8 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
     return ConvertReport(output, plan.summary(), time.perf_counter() - started, journal.files(),
                          [side.name for side in sides.copied], sides.skipped,
                          audits.report("suspicious_zero_slots"), audits.report("nonfinite_scales"), journal.reused,
-                         peak_rss_mb(), runner.worker_peak_rss_mb, runner.device)
+                         peak_rss_mb(), runner.worker_peak_rss_mb, runner.device,
+                         getattr(runner, "tree_peak_pss_mb", None), getattr(runner, "largest_worker_pss_mb", None))
 
 
 def _runner(executor: str | Any, workers: int | None, device: str, ray_address: str | None) -> Any:
@@ -267,6 +279,8 @@ class LocalShards:
         self.workers, self.on_device = workers, resolve_device(device)
         self.device = "cpu"  # in words, once running
         self.worker_peak_rss_mb: float | None = None
+        self.tree_peak_pss_mb: float | None = None  # this process and its workers (executor.TreeMemory)
+        self.largest_worker_pss_mb: float | None = None
 
     def run(self, plan: Plan, shards: list[OutputShard], staging: Path, advance: Progress) -> Iterator[ShardDone]:
         """Each shard is finished (its last blocks hashed, fsync, rename) on a thread while the workers
@@ -294,6 +308,8 @@ class LocalShards:
                     yield _finished(*finishing)
             finally:
                 self.worker_peak_rss_mb = executor.worker_peak_rss_mb
+        # After close: the sampler's last look was taken while the workers still lived.
+        self.tree_peak_pss_mb, self.largest_worker_pss_mb = executor.memory.peak_mb, executor.memory.largest_worker_mb
 
 
 def _finished(digest: Any, shard: OutputShard, fingerprints: dict[str, bytes], audits: Audits) -> ShardDone:

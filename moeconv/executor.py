@@ -88,6 +88,77 @@ def peak_rss_mb() -> float | None:
         return None
 
 
+def pss_mb(pid: int | str = "self") -> float | None:
+    """A process's proportional set size now (Linux `smaps_rollup`): its private pages plus its share
+    of each page it shares, so summed over processes each page counts once. None where not readable."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            return next(int(line.split()[1]) for line in rollup if line.startswith("Pss:")) / 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def descendants(pid: int | str = "self") -> list[int]:
+    """Every process below `pid` (its workers, theirs, ...), from the kernel's children lists."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as children:
+                below = [int(child) for child in children.read().split()]
+        except (OSError, ValueError):
+            continue
+        for child in below:
+            found += [child, *descendants(child)]
+    return found
+
+
+class TreeMemory:
+    """The memory of this process and every process below it (the workers), sampled on a thread every
+    `interval` seconds and once more at `stop`: the peak of their summed PSS, and the largest PSS a
+    single one of them had. A peak shorter than the interval can be missed: a lower bound of the peak."""
+
+    INTERVAL = 0.1
+
+    def __init__(self, interval: float = INTERVAL):
+        import threading
+
+        self.interval = interval
+        self.peak_mb: float | None = None  # the whole tree's
+        self.largest_worker_mb: float | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="moeconv-memory", daemon=True)
+        self._thread.start()
+
+    def sample(self) -> None:
+        parent = pss_mb()
+        if parent is None:  # no smaps_rollup (not Linux, or before 4.14): nothing to report
+            return
+        workers = [found for found in map(pss_mb, descendants()) if found is not None]
+        self.peak_mb = max(self.peak_mb or 0.0, parent + sum(workers))
+        if workers:
+            self.largest_worker_mb = max(self.largest_worker_mb or 0.0, *workers)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval):
+            self.sample()
+
+    def stop(self) -> None:
+        if not self._stopped.is_set():
+            self._stopped.set()
+            self._thread.join()
+            self.sample()
+
+    def __enter__(self) -> TreeMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def _in_worker(function: Callable, task: tuple) -> tuple[Any, float | None]:
     return function(*task), peak_rss_mb()
 
@@ -95,6 +166,10 @@ def _in_worker(function: Callable, task: tuple) -> tuple[Any, float | None]:
 def _start_worker(device: str | None) -> None:
     import signal
 
+    # One intra-op thread (OpenMP / MKL read these when torch first starts them) for every --workers
+    # value: the workers together keep at most one thread per worker busy.
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[variable] = "1"
     import torch
 
     torch.set_num_threads(1)
@@ -131,6 +206,7 @@ class Executor:
         self.workers = workers or default_workers()
         self.device = device
         self.worker_peak_rss_mb: float | None = None  # the largest worker's (pages shared with the parent included)
+        self.memory: TreeMemory | None = None
         self._pool = None
         self._default_device = torch.get_default_device()
         # One intra-op thread per worker, the in-process one too: with torch's default (every core) a
@@ -148,6 +224,7 @@ class Executor:
         else:
             torch.set_num_threads(1)
             _use_device(device)
+        self.memory = TreeMemory()  # this process and the workers, while they live
 
     def map(self, function: Callable, tasks: Iterable[tuple]) -> Iterator[Any]:
         if self._pool is None:
@@ -177,6 +254,8 @@ class Executor:
     def close(self) -> None:
         import torch
 
+        if self.memory is not None:
+            self.memory.stop()  # its last sample while the workers still live
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         _close_descriptor()
