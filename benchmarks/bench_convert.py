@@ -1,13 +1,14 @@
 """Conversion throughput and peak memory against a plain copy of the same files, in the same run.
 
     python benchmarks/bench_convert.py [--size-gb 3] [--workdir bench-data] [--json out.json]
-        [--format gptq|awq] [--backends triton,humming] [--workers 1,2,4] [--devices cpu,cuda]
+        [--format gptq|awq] [--backends triton,humming] [--workers 1,2,4]
 
 Builds (or reuses) a synthetic GPTQ checkpoint with realistic expert sizes (Qwen3-30B-A3B-like:
 H = 2048, I = 768, 128 experts per layer, 4-bit, g = 128, asymmetric v1), then alternates
 `cp -r` + `sync` and `moeconv convert` several times, each a separate process, and reports the median
-time, GB/s, the ratio convert/copy, and moeconv's peak RSS (VmHWM, which it reports itself), for each
-backend, worker count and device asked for. `convert_seconds` is the whole process (Python and torch
+time, GB/s, the ratio convert/copy, moeconv's peak RSS (VmHWM, which it reports itself) and the peak
+PSS of its whole process tree (the parent and its workers, as it reports it), for each backend and
+worker count asked for. `convert_seconds` is the whole process (Python and torch
 start-up, planning, conversion); `conversion_seconds` is what moeconv reports for the conversion
 itself (from the output folder's creation to its rename). Both read the
 source from the page cache after the first warm-up pass, so the ratio compares the work, not the
@@ -56,7 +57,6 @@ def main() -> None:
     parser.add_argument("--format", choices=("gptq", "awq"), default="gptq")
     parser.add_argument("--backends", default="triton", help="comma-separated")
     parser.add_argument("--workers", default="", help="comma-separated worker counts (default: moeconv's own)")
-    parser.add_argument("--devices", default="cpu", help="comma-separated --device values")
     args = parser.parse_args()
 
     hidden, intermediate, experts = (256, 128, 8) if args.smoke else (2048, 768, 128)
@@ -79,10 +79,9 @@ def main() -> None:
     copy = ["sh", "-c", f'cp -r "{source}" "{args.workdir / "copy"}" && sync "{args.workdir / "copy"}"/*']
     results = []
     for backend in args.backends.split(","):
-        for workers, device in [(w, d) for w in ([int(w) for w in args.workers.split(",") if w] or [None])
-                                for d in args.devices.split(",")]:
+        for workers in [int(w) for w in args.workers.split(",") if w] or [None]:
             command = [*moeconv, "convert", str(source), "-o", str(args.workdir / "converted"), "-q", "--json",
-                       "--backend", backend, "--device", device, *(["--workers", str(workers)] if workers else [])]
+                       "--backend", backend, *(["--workers", str(workers)] if workers else [])]
             copies, converts = [], []
             for _ in range(args.repeats):
                 # moeconv fsyncs what it writes (a finished shard must survive a power loss, for resume),
@@ -106,6 +105,8 @@ def main() -> None:
                 "copy_gb_per_s": round(size / copy_s / 1e9, 3), "convert_gb_per_s": round(size / convert_s / 1e9, 3),
                 "ratio_convert_to_copy": round(convert_s / copy_s, 2),
                 "convert_peak_rss_mb": round(max(report["peak_rss_mb"] for _, report in converts)),
+                "tree_peak_pss_mb": max((report["tree_peak_pss_mb"] for _, report in converts
+                                         if report["tree_peak_pss_mb"] is not None), default=None),
                 "runs": {"copy": [t for t, _ in copies], "convert": [t for t, _ in converts],
                          "conversion": [report["seconds"] for _, report in converts]},
             }
@@ -114,7 +115,8 @@ def main() -> None:
                   f"{backend} | {workers or 'default'} | {result['device']} | copy {copy_s:.2f} s "
                   f"({result['copy_gb_per_s']} GB/s) | convert {convert_s:.2f} s ({result['convert_gb_per_s']} GB/s) | "
                   f"{result['ratio_convert_to_copy']}x | conversion {conversion_s:.2f} s "
-                  f"({result['conversion_ratio_to_copy']}x) | {result['convert_peak_rss_mb']} MB |", flush=True)
+                  f"({result['conversion_ratio_to_copy']}x) | {result['convert_peak_rss_mb']} MB | "
+                  f"tree {result['tree_peak_pss_mb']} MB |", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

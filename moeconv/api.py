@@ -50,18 +50,17 @@ def convert(source: str | Path, output: str | Path, *, backend: str = "triton", 
             local_files_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
             trust: str | None = None, tp: int = 1, regroup: bool = False, zero_format: str | None = None,
             progress: Callable[[int], None] | None = None, workers: int | None = None,
-            device: str = "cpu", executor: str = "local", ray_address: str | None = None,
+            executor: str = "local", ray_address: str | None = None,
             skip_unsafe_files: bool = False) -> ConvertReport:
     """Convert (resuming an interrupted run with the same arguments) and return the report.
-    workers: processes that transform experts (default: one per core, at most 16). device: where
-    they transform: "cpu", "cuda" or "cuda:N" (the same bytes; the GPU measured slower).
-    executor: "local", or "ray" (one Ray task per output shard, on the cluster at `ray_address`, the
+    workers: processes that transform experts (default: one per core, at most 16; on the CPU: a GPU
+    path measured slower and was removed, docs/BENCHMARKS.md). executor: "local", or "ray" (one Ray task per output shard, on the cluster at `ray_address`, the
     one Ray finds, or a local Ray; the same bytes). skip_unsafe_files: leave out source files that
     link outside the source folder (listed in the report) instead of refusing."""
     conversion = plan(source, backend=backend, revision=revision, local_files_only=local_files_only,
                       max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup, zero_format=zero_format)
-    return _execute(conversion, Path(output), progress=progress, workers=workers, device=device,
-                    executor=executor, ray_address=ray_address, skip_unsafe_files=skip_unsafe_files)
+    return _execute(conversion, Path(output), progress=progress, workers=workers, executor=executor,
+                    ray_address=ray_address, skip_unsafe_files=skip_unsafe_files)
 
 
 def verify(output: str | Path, *, source: str | Path | None = None, sample: int | None = None,

@@ -224,9 +224,7 @@ def convert(
     regroup: bool = typer.Option(False, "--regroup", help="Halve the group size (lossless) where that makes the backend fit."),
     workers: Optional[int] = typer.Option(None, "--workers", min=1, max=64, metavar="N",
                                           help="Processes that transform experts (default: one per core, at most 16)."),
-    device: str = typer.Option("cpu", "--device", metavar="cpu|cuda[:N]",
-                               help="Where the workers transform experts (the same bytes; on an H200 host the GPU "
-                                    "measured slower than 16 CPU workers)."),
+    device: Optional[str] = typer.Option(None, "--device", hidden=True),  # removed: only refused (_removed_device)
     executor: str = EXECUTOR,
     ray_address: Optional[str] = RAY_ADDRESS,
     skip_unsafe_files: bool = typer.Option(False, "--skip-unsafe-files",
@@ -238,6 +236,7 @@ def convert(
     from moeconv.api import plan as make_plan
     from moeconv.convert import check_output_folder, convert as run_conversion
 
+    _removed_device(device)
     if output is None and not dry_run:
         raise typer.BadParameter("an output folder is required (or --dry-run)", param_hint="'-o' / '--output'")
     if trust_config and trust_data:
@@ -263,8 +262,8 @@ def convert(
         return
     with _progress("converting", plan.checkpoint.total_bytes, quiet) as advance:
         try:
-            report = run_conversion(plan, output, progress=advance, workers=workers, device=device,
-                                    executor=executor, ray_address=ray_address, skip_unsafe_files=skip_unsafe_files)
+            report = run_conversion(plan, output, progress=advance, workers=workers, executor=executor,
+                                    ray_address=ray_address, skip_unsafe_files=skip_unsafe_files)
         except KeyboardInterrupt:  # in-process callers (main() turns signals into exit 3 itself)
             err.print("[bold red]interrupted[/]: run the same command again to resume")
             raise typer.Exit(3) from None
@@ -377,6 +376,14 @@ def _print_next_steps(plan, output: Path, converted: bool = True) -> None:
     line = (f"serve: {serving.engine}: {serving.how.format(output=quoted)}" if serving.engine
             else f"serve: not served as it is: {serving.how}")
     out.print(line, highlight=False, soft_wrap=True, markup=False)
+
+
+def _removed_device(value: str | None) -> None:
+    """`--device cuda` was removed (docs/BENCHMARKS.md says why); `--device cpu`, what always runs, is accepted."""
+    if value is not None and value != "cpu":
+        raise MoeconvError(f"--device {value}: removed: transforming on the GPU measured 3.4x to 3.7x slower than "
+                           f"the CPU workers on a 16-core H200 host and held 10.5 GB of host memory "
+                           f"(docs/BENCHMARKS.md); convert runs on the CPU, leave the option out")
 
 
 def _zero_format(value: str | None) -> str | None:

@@ -26,7 +26,7 @@ from moeconv.checkpoint.schema import is_plain_file_name
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
 from moeconv.checkpoint.writer import DIGEST_KEY, BlockHasher, ShardWriter, copy_into, file_digest, write_at
 from moeconv.errors import MoeconvError, Unfinished, human_bytes
-from moeconv.executor import Executor, peak_rss_mb, resolve_device, worker_descriptor, worker_reader
+from moeconv.executor import Executor, peak_rss_mb, worker_descriptor, worker_reader
 from moeconv.plan import OutputShard, Plan, SourceSlice
 
 Progress = Callable[[int], None]
@@ -189,14 +189,13 @@ def _check_unchanged_source(plan: Plan, shard: OutputShard, staging: Path, journ
 
 
 def convert(plan: Plan, output: Path, progress: Progress | None = None, workers: int | None = None,
-            device: str = "cpu", executor: str | Any = "local", ray_address: str | None = None,
+            executor: str | Any = "local", ray_address: str | None = None,
             skip_unsafe_files: bool = False) -> ConvertReport:
     """Writes the plan's output at `output`. Resumable: an interrupted run (Ctrl-C, kill -9, power
     loss) leaves its finished shards and a journal in the staging folder; running again with the
     same plan re-hashes them, keeps those that match, and writes the rest, so the result is
     byte-identical to an uninterrupted run. A different source or different arguments refuse.
-    device: where the workers transform (`cpu`, `cuda`, `cuda:N`); the bytes are the same on every
-    device (the GPU measured slower: docs/BENCHMARKS.md). executor: "local" (this machine's worker processes),
+    executor: "local" (this machine's worker processes),
     "ray" (one Ray task per shard, moeconv.distributed; `ray_address` or the cluster Ray finds, else
     a local Ray), or an object with the same `run` as those two. skip_unsafe_files: leave out (and
     list) a source file that links outside the source folder, instead of refusing (side_files.py)."""
@@ -205,7 +204,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
     sides = side_files(source, skip_unsafe_files)
     output = resolved_output(output)
     advance = progress or (lambda nbytes: None)
-    runner = _runner(executor, workers, device, ray_address)
+    runner = _runner(executor, workers, ray_address)
     started = time.perf_counter()
     staging = staging_folder(output)
     with _exclusive(output):
@@ -248,12 +247,12 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
                          getattr(runner, "tree_peak_pss_mb", None), getattr(runner, "largest_worker_pss_mb", None))
 
 
-def _runner(executor: str | Any, workers: int | None, device: str, ray_address: str | None) -> Any:
+def _runner(executor: str | Any, workers: int | None, ray_address: str | None) -> Any:
     """What runs the shards: LocalShards, distributed.RayShards, or the caller's own."""
     if not isinstance(executor, str):
         return executor
     if executor == "local":
-        return LocalShards(workers, device)
+        return LocalShards(workers)
     if executor == "ray":
         from moeconv.distributed import RayShards
 
@@ -273,11 +272,11 @@ class ShardDone:
 
 class LocalShards:
     """The shards one after another, each one's jobs spread over this machine's worker processes
-    (moeconv.executor) on `device`."""
+    (moeconv.executor)."""
 
-    def __init__(self, workers: int | None = None, device: str = "cpu"):
-        self.workers, self.on_device = workers, resolve_device(device)
-        self.device = "cpu"  # in words, once running
+    def __init__(self, workers: int | None = None):
+        self.workers = workers
+        self.device = "cpu"  # where the experts are transformed, in words
         self.worker_peak_rss_mb: float | None = None
         self.tree_peak_pss_mb: float | None = None  # this process and its workers (executor.TreeMemory)
         self.largest_worker_pss_mb: float | None = None
@@ -288,9 +287,8 @@ class LocalShards:
         shard is yielded (and so journaled) only once finished."""
         from concurrent.futures import ThreadPoolExecutor
 
-        with Executor(self.workers, self.on_device) as executor, \
+        with Executor(self.workers) as executor, \
                 ThreadPoolExecutor(1, thread_name_prefix="moeconv-finish") as finisher:
-            self.device = executor.device_in_use()
             finishing = None
             try:
                 for shard in shards:

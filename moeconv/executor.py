@@ -5,13 +5,8 @@ Processes, not threads: on a 16-core host, threads stopped scaling at 2 to 4 wor
 which every worker opens itself (`worker_reader`, `worker_descriptor`). Workers are forked, so the
 task functions and the plan objects need no import in the child; each runs one torch thread, ignores
 SIGINT (the parent stops the pool) and dies with the parent (no orphan writes on after a kill -9).
-One worker runs the tasks in this process.
-
-With a device (`cuda`), each worker moves what it reads there, transforms it there (the device is the
-worker's default, so the codecs' own tensors are made there too) and brings the result back before
-writing: the same operations on integers and copies of floats, so the same bytes. Those workers are
-spawned, not forked: a forked child cannot use CUDA once the parent has asked the CUDA runtime
-anything (even `torch.cuda.is_available()`), and a fresh interpreter costs only its imports, once.
+One worker runs the tasks in this process. Everything runs on the CPU: a GPU path was measured slower
+than these workers and removed (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -24,44 +19,15 @@ from typing import Any, Callable, Iterable, Iterator
 
 from moeconv.checkpoint.reader import TensorReader
 from moeconv.checkpoint.writer import usable_cores
-from moeconv.errors import MoeconvError
 
 _STATE: dict[str, Any] = {}  # this process's reader and write descriptor
 
 
 def worker_reader() -> TensorReader:
-    """This process's reader of source and output tensors (one descriptor per file, kept open), which
-    hands them over on this worker's device."""
+    """This process's reader of source and output tensors (one descriptor per file, kept open)."""
     if "reader" not in _STATE:
-        _STATE["reader"] = TensorReader(device=_STATE.get("device"))
+        _STATE["reader"] = TensorReader()
     return _STATE["reader"]
-
-
-def resolve_device(requested: str) -> str | None:
-    """None (the CPU) or a torch device name for `--device cpu|cuda|cuda:N`; asking for cuda without
-    a GPU this torch can use is a user error."""
-    import torch
-
-    if requested == "cpu":
-        return None
-    if requested != "cuda" and not (requested.startswith("cuda:") and requested[5:].isdigit()):
-        raise MoeconvError(f"--device {requested}: choose cpu, cuda or cuda:N")
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # asks NVML: no CUDA in this process yet
-    available = torch.cuda.is_available()
-    if not available:
-        raise MoeconvError(f"--device {requested}: no CUDA GPU is visible to this torch "
-                           f"({torch.__version__}); use --device cpu")
-    return requested
-
-
-def device_name(device: str | None) -> str:
-    """What a worker on `device` computes on, in words (initialises CUDA in the calling process)."""
-    if device is None:
-        return "cpu"
-    import torch
-
-    named = torch.device(device)
-    return f"{device} ({torch.cuda.get_device_name(named) if named.type == 'cuda' else named.type})"
 
 
 def worker_descriptor(path: Path) -> int:
@@ -163,7 +129,7 @@ def _in_worker(function: Callable, task: tuple) -> tuple[Any, float | None]:
     return function(*task), peak_rss_mb()
 
 
-def _start_worker(device: str | None) -> None:
+def _start_worker() -> None:
     import signal
 
     # One intra-op thread (OpenMP / MKL read these when torch first starts them) for every --workers
@@ -173,7 +139,6 @@ def _start_worker(device: str | None) -> None:
     import torch
 
     torch.set_num_threads(1)
-    _use_device(device)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
@@ -183,47 +148,34 @@ def _start_worker(device: str | None) -> None:
         pass
 
 
-def _use_device(device: str | None) -> None:
-    import torch
-
-    _STATE["device"] = device
-    if device is not None:
-        torch.set_default_device(device)
-
-
 def default_workers() -> int:
     """One worker per core this process may use, at most 16."""
     return max(1, min(16, usable_cores()))
 
 
 class Executor:
-    """`map(function, tasks)`: function(*task) for each task, in order, at most 2 x workers in flight,
-    on `device` (None: the CPU; see resolve_device)."""
+    """`map(function, tasks)`: function(*task) for each task, in order, at most 2 x workers in flight."""
 
-    def __init__(self, workers: int | None = None, device: str | None = None):
+    def __init__(self, workers: int | None = None):
         import torch
 
         self.workers = workers or default_workers()
-        self.device = device
         self.worker_peak_rss_mb: float | None = None  # the largest worker's (pages shared with the parent included)
         self.memory: TreeMemory | None = None
         self._pool = None
-        self._default_device = torch.get_default_device()
         # One intra-op thread per worker, the in-process one too: with torch's default (every core) a
         # single worker kept about 13 cores busy on a 16-core host for the work of one.
         self._default_threads = torch.get_num_threads()
         if self.workers > 1:
             import multiprocessing
 
-            start = "fork" if device is None else "spawn"
             self._pool = ProcessPoolExecutor(max_workers=self.workers, initializer=_start_worker,
-                                             initargs=(device,), mp_context=multiprocessing.get_context(start))
+                                             mp_context=multiprocessing.get_context("fork"))
             # Fork every worker now, before the caller starts threads of its own (the shard hashers).
             for started in [self._pool.submit(os.getpid) for _ in range(self.workers)]:
                 started.result()
         else:
             torch.set_num_threads(1)
-            _use_device(device)
         self.memory = TreeMemory()  # this process and the workers, while they live
 
     def map(self, function: Callable, tasks: Iterable[tuple]) -> Iterator[Any]:
@@ -245,12 +197,6 @@ class Executor:
             self.worker_peak_rss_mb = max(self.worker_peak_rss_mb or 0.0, peak)
         return result
 
-    def device_in_use(self) -> str:
-        """The device the workers compute on, in words (asked of a worker: this process keeps off CUDA)."""
-        if self._pool is None:
-            return device_name(self.device)
-        return self._pool.submit(device_name, self.device).result()
-
     def close(self) -> None:
         import torch
 
@@ -261,8 +207,6 @@ class Executor:
         _close_descriptor()
         if "reader" in _STATE:  # the in-process worker's: its descriptors must not outlive the run
             _STATE.pop("reader").close()
-        _STATE.pop("device", None)
-        torch.set_default_device(self._default_device)
         torch.set_num_threads(self._default_threads)
 
     def __enter__(self) -> Executor:

@@ -2,8 +2,7 @@
 # Conversion throughput on the lent 16-core H200 host (docs/BENCHMARKS.md), in two phases that each
 # fit one 10-minute device call: `gptq` (build a GPTQ checkpoint, the worker-count table for triton,
 # every backend at the default worker count), `scaling` (worker counts for a
-# transcoded and a canonical-route backend), `awq` (the same for an AWQ source); `device` (the GPU
-# tests of `convert --device`, then a 7 GB GPTQ source on the CPU and the GPU), `scaling7` (the
+# transcoded and a canonical-route backend), `awq` (the same for an AWQ source), `scaling7` (the
 # worker-count table and every backend on that 7 GB source), `awq7` (a 7 GB AWQ source on three backends,
 # then verify's structure and lossless levels timed on its triton output).
 set -e
@@ -13,13 +12,9 @@ export PYTHONPATH=$PWD
 nproc; free -g | head -2; df -h . | tail -1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case $phase in
-  device)
-    python3 -m pytest -q -x -p no:cacheprovider tests/test_device.py tests/test_writer.py
-    python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends triton,humming --devices cpu,cuda \
-      --repeats 1 --json "$out/gptq7-devices.json" ;;
   awq7)
     python3 benchmarks/bench_convert.py --size-gb 7 --format awq --backends triton,humming,compressed-tensors \
-      --devices cpu --repeats 1 --json "$out/awq7-backends.json"
+      --repeats 1 --json "$out/awq7-backends.json"
     src=$(ls -d bench-data/qwen3-like-awq-*)
     rm -rf /tmp/awq7-triton
     python3 -m moeconv convert "$src" -o /tmp/awq7-triton -q --json > "$out/awq7-convert.json"
@@ -30,11 +25,9 @@ case $phase in
       echo "verify $level: $(python3 -c "print(round($(date +%s.%N) - $begin, 2))") s"
     done ;;
   scaling7)
-    python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends triton --workers 1,2,4,16 --devices cpu \
+    python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends triton --workers 1,2,4,16 \
       --repeats 1 --json "$out/gptq7-workers.json"
-    python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends triton --workers 2,8 --devices cuda \
-      --repeats 1 --json "$out/gptq7-gpu-workers.json"
-    python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends cpu,compressed-tensors --devices cpu \
+    python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends cpu,compressed-tensors \
       --repeats 1 --json "$out/gptq7-backends.json" ;;
   gptq)
     python3 benchmarks/bench_convert.py --size-gb 4 --format gptq --backends triton --workers 1,2,4,8,16 \

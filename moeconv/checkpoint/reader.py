@@ -229,9 +229,8 @@ def fingerprint(tensor: torch.Tensor) -> bytes:
 class TensorReader:
     """Reads whole tensors, or a block of one (`read_slice`), with `pread`, keeping one descriptor per file."""
 
-    def __init__(self, fingerprints: dict[str, bytes] | None = None, device: str | None = None) -> None:
+    def __init__(self, fingerprints: dict[str, bytes] | None = None) -> None:
         self._files: dict[Path, int] = {}
-        self.device = device  # where the tensors are handed over (None: where they were read, the CPU)
         self._opening = threading.Lock()  # readers share descriptors across threads; pread is thread-safe
         # tensor name -> a content hash of its bytes, taken as each whole tensor is read (for resume)
         self.fingerprints = fingerprints
@@ -255,21 +254,18 @@ class TensorReader:
             return torch.empty(shape, dtype=TORCH_DTYPES[entry.dtype], device="cpu")
         return torch.frombuffer(data, dtype=TORCH_DTYPES[entry.dtype]).reshape(shape)
 
-    def _handed_over(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.device is None else tensor.to(self.device)
-
     def read(self, entry: TensorEntry) -> torch.Tensor:
         tensor = self._read(entry, entry.begin, entry.nbytes, entry.shape)
         if self.fingerprints is not None:
             self.fingerprints[entry.name] = fingerprint(tensor)
-        return self._handed_over(tensor)
+        return tensor
 
     def read_slice(self, entry: TensorEntry, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
         """The `shape`-shaped block of `entry`'s dtype that starts `offset` bytes into its data."""
         length = DTYPE_SIZES[entry.dtype] * prod(shape)
         if offset < 0 or offset + length > entry.nbytes:
             raise MoeconvError(f"{entry.file}: tensor {entry.name} has no {list(shape)} block at byte {offset}")
-        return self._handed_over(self._read(entry, entry.begin + offset, length, shape))
+        return self._read(entry, entry.begin + offset, length, shape)
 
     def close(self) -> None:
         for fd in self._files.values():
