@@ -26,7 +26,7 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
     source_format = detection.detected if detection.disagreements and detection.detected else configured
     found, unquantized = find_moe_layers(checkpoint, architecture, source_format, experts)
     act_orders: dict[str, str] = {}
-    group_index = getattr(source_format, "group_index_suffix", None)
+    group_index = source_format.group_index_suffix
     if group_index and act_order_suspected(checkpoint, source_format, detection):
         with TensorReader() as reader:
             scanned, refusals = scan_act_order(found, group_index, reader)

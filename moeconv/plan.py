@@ -24,7 +24,7 @@ from moeconv import act_order, transcoders
 from moeconv._version import __version__
 from moeconv.audit import count as audit_counts
 from moeconv.backends import all_backends, auto_order, get_backend
-from moeconv.backends.base import Backend, ExpertWeights, Serving, converts_dense_linears
+from moeconv.backends.base import Backend, ExpertWeights, Serving
 from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight, effective_group_size, regroup
 from moeconv.checkpoint.reader import Checkpoint, TensorEntry, TensorReader, collection_paused, open_checkpoint
 from moeconv.detect import Detection, detect, sample_linears
@@ -118,8 +118,7 @@ class Codec:
     def decode_ordered(self, tensors: dict[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None]:
         """As `decode_source`, and for an act-order linear the input permutation under which its groups
         are static (act_order.py); formats that store no g_idx have none."""
-        ordered = getattr(self.source_format, "decode_ordered", None)
-        weight, inputs = ordered(tensors) if ordered else (self.source_format.decode(tensors), None)
+        weight, inputs = self.source_format.decode_ordered(tensors)
         return regroup(weight, self.regroup_factor), inputs
 
 
@@ -329,7 +328,7 @@ class Plan:
         model = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
             model_dtype or self.model_dtype or "")
         stored = TORCH_DTYPES[self.layers[0].shape.scale_dtype]
-        if not getattr(self.backend, "scales_in_model_dtype", False) or model is None or model == stored:
+        if not self.backend.scales_in_model_dtype or model is None or model == stored:
             return None
         return stored, model
 
@@ -354,7 +353,7 @@ class Plan:
         converts dense linears too writes the whole config in its own scheme; moeconv's fields then go
         under "moeconv"."""
         first = self.layers[0].shape
-        if converts_dense_linears(self.backend):
+        if self.backend.converts_dense_linears:
             return {
                 **self.backend.checkpoint_quantization_config(first, self.model_dtype, self.unquantized_modules()),
                 "moeconv": {"backend": self.backend.name, "layout_version": self.backend.layout_version,
@@ -391,7 +390,7 @@ class Plan:
             "architecture": self.architecture.model_type,
             "format": self.source_format.describe(),
             "regroup_factor": self.regroup_factor,
-            "transcoder": getattr(self.codec.transcoder, "__name__", None),  # None: the canonical route
+            "transcoder": transcoder.__name__ if (transcoder := self.codec.transcoder) else None,  # None: canonical
             "tp": self.tp,
             "skipped_backends": [{"backend": name, "reason": reason} for name, reason in self.skipped_backends],
             "auto_choice": self.choice,
@@ -577,8 +576,7 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
 def act_order_suspected(checkpoint: Checkpoint, source_format: SourceFormat, detection: Detection) -> bool:
     """The config says act-order (the format's `configures_act_order`), or a sampled g_idx is not
     k // g: then every expert g_idx is read."""
-    configured = getattr(source_format, "configures_act_order", lambda config: False)
-    return bool(detection.act_order) or configured(checkpoint.quantization_config)
+    return bool(detection.act_order) or source_format.configures_act_order(checkpoint.quantization_config)
 
 
 def scan_act_order(layers: list[MoELayer], suffix: str,
@@ -821,7 +819,7 @@ def dense_layers_unservable(backend: Backend, source_format: SourceFormat) -> bo
     """The output copies the source's dense linears, and they are asymmetric GPTQ, which vLLM 0.33
     refuses (its GPTQ is symmetric only; measured with `make test-engines`)."""
     fmt = source_format
-    return not converts_dense_linears(backend) and fmt.method == "gptq" and not fmt.symmetric
+    return not backend.converts_dense_linears and fmt.method == "gptq" and not fmt.symmetric
 
 
 def serving(backend: Backend, source_format: SourceFormat, layer: MoELayerShape) -> Serving:
@@ -858,7 +856,7 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     source_format, detection = resolve_format(checkpoint, architecture, trust, experts, zero_format)
     found, unquantized = find_moe_layers(checkpoint, architecture, source_format, experts)
     _check_counts(checkpoint, found)
-    group_index = getattr(source_format, "group_index_suffix", None)  # formats that may store a g_idx
+    group_index = source_format.group_index_suffix  # formats that may store a g_idx
     if group_index and act_order_suspected(checkpoint, source_format, detection):
         with TensorReader() as reader:
             found, refusals = scan_act_order(found, group_index, reader)
@@ -877,8 +875,8 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     if group_index:
         with TensorReader() as reader:
             check_dense_g_idx(checkpoint, others, group_index, source_format.group_size, reader,
-                              converts_dense_linears(target))
-    if converts_dense_linears(target):
+                              target.converts_dense_linears)
+    if target.converts_dense_linears:
         linears = find_dense_linears(checkpoint, source_format, target, others, factor)
         units += [(linear.prefix, _single(_linear_job(target, linear))) for linear in linears]
         converted = {entry.name for linear in linears for entry in linear.tensors.values()}

@@ -43,10 +43,23 @@ def vllm_serve(layer: MoELayerShape) -> str:
 
 
 class Backend(Protocol):
+    """One target layout. Implementations inherit `BackendDefaults`, which holds the default of every
+    member a backend may leave out (marked "default:" below); nothing else in moeconv probes a backend
+    for a member.
+
+    A backend whose scheme covers the whole checkpoint (`converts_dense_linears`) converts the dense
+    quantized linears too (attention, shared experts, dense MLPs: the `linear_*` members), and its
+    config is the checkpoint's own quantization_config (`checkpoint_quantization_config`) rather than
+    a section of moeconv's."""
+
     name: str
     layout_version: int
     targets: dict[str, str]  # the engine and kernel-package versions the output is for
     numerics: Numerics
+    converts_dense_linears: bool  # default: False (dense linears pass through byte for byte)
+    # The engine creates the layout's scale parameters in the model dtype and casts the stored scales
+    # into them at load (verify then checks the cast). Default: False (the scales are read as stored).
+    scales_in_model_dtype: bool
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         """Why this backend cannot take the layer, or None if it can."""
@@ -68,16 +81,8 @@ class Backend(Protocol):
     def serving(self, layer: MoELayerShape) -> Serving:
         """Which engine serves this layout for the layer (layer.tp: the size it is served with)."""
 
-
-class DenseLinearBackend(Backend, Protocol):
-    """A backend whose scheme covers the whole checkpoint (`converts_dense_linears = True`): dense
-    quantized linears (attention, shared experts, dense MLPs) are converted too, and its config is the
-    checkpoint's own quantization_config rather than a section of moeconv's."""
-
-    converts_dense_linears: bool
-
     def linear_refusal(self, linear: LinearShape) -> str | None:
-        """Why this backend cannot take the dense linear, or None if it can."""
+        """Why this backend cannot take the dense linear, or None if it can (converts_dense_linears only)."""
 
     def linear_tensors(self, linear: LinearShape) -> list[TensorSpec]:
         """The tensors of one dense linear; suffixes are appended to the linear's module path."""
@@ -91,6 +96,25 @@ class DenseLinearBackend(Backend, Protocol):
         """The whole `quantization_config`; `unquantized_modules` are the linears left in float."""
 
 
-def converts_dense_linears(backend: Backend) -> bool:
-    """Backends without the attribute leave dense linears to pass through."""
-    return bool(getattr(backend, "converts_dense_linears", False))
+class BackendDefaults:
+    """The default of every member of `Backend` a backend may leave out, declared once: dense linears
+    pass through (the plan never asks for the `linear_*` members then), scales are read as stored."""
+
+    converts_dense_linears: bool = False
+    scales_in_model_dtype: bool = False
+
+    def linear_refusal(self, linear: LinearShape) -> str | None:
+        return f"backend {self.name!r} copies dense linears as they are"
+
+    def linear_tensors(self, linear: LinearShape) -> list[TensorSpec]:
+        raise NotImplementedError(f"backend {self.name!r} copies dense linears as they are")
+
+    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"backend {self.name!r} copies dense linears as they are")
+
+    def decode_linear(self, tensors: dict[str, torch.Tensor], linear: LinearShape) -> QuantizedWeight:
+        raise NotImplementedError(f"backend {self.name!r} copies dense linears as they are")
+
+    def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,
+                                       unquantized_modules: list[str]) -> dict[str, Any]:
+        raise NotImplementedError(f"backend {self.name!r} writes a section of moeconv's quantization_config")

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 
 from moeconv import packing
-from moeconv.backends.base import FUSED_GEMMS, ExpertWeights, Numerics, Serving
+from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics, Serving
 from moeconv.spec import TensorSpec
 from moeconv.canonical import MoELayerShape, QuantizedWeight, coarsen, is_channelwise, regroup
 from moeconv.spec import TORCH_DTYPES
@@ -99,7 +99,7 @@ def _gemms(layer: MoELayerShape) -> tuple[tuple[str, int, int], ...]:
     return ("w13", 2 * layer.intermediate, layer.hidden), ("w2", layer.hidden, layer.intermediate)
 
 
-class CpuBackend:
+class CpuBackend(BackendDefaults):
     """Dispatches each layer to the layout of the x86 kernel that computes its scheme."""
 
     name = "cpu"

@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 
 from moeconv import packing
-from moeconv.backends.base import ExpertWeights, Numerics
+from moeconv.backends.base import BackendDefaults, ExpertWeights, Numerics
 from moeconv.spec import TensorSpec
 from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight
 
 
-class PerLinearBackend:
+class PerLinearBackend(BackendDefaults):
     converts_dense_linears = True
     # The engines' kernels for these schemas compute the same GEMMs as the Triton kernel on the stacked
     # layout, so verify re-encodes the output into that layout through the canonical form.

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 
 from moeconv import packing
-from moeconv.backends.base import FUSED_GEMMS, ExpertWeights, Numerics, Serving, vllm_serve
+from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics, Serving, vllm_serve
 from moeconv.spec import TensorSpec
 from moeconv.canonical import MoELayerShape, QuantizedWeight, is_channelwise
 from moeconv.spec import TORCH_DTYPES
 
 
-class TritonBackend:
+class TritonBackend(BackendDefaults):
     name = "triton"
     layout_version = 1
     numerics = Numerics("triton")

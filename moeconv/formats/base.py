@@ -45,14 +45,28 @@ class Detection:
 
 
 class SourceFormat(Protocol):
-    """One source format with its parameters. Implementations are frozen dataclasses.
+    """One source format with its parameters. Implementations are frozen dataclasses that inherit
+    `FormatDefaults`, which holds the default of every member a format may leave out (marked
+    "default:" below); nothing else in moeconv probes a format for a member.
 
     Besides reading and writing one linear, a format carries what is known about it: how to tell its
     packing from header shapes (`claims`) and its parameters from the data (`from_data`), what its
     audits count, and what a producer of it writes."""
 
-    vector_suffixes: tuple[str, ...]  # the suffixes whose tensors are 1-D (g_idx, weight_shape)
-    audited_suffixes: tuple[str, ...]  # the small tensors `audit` reads (besides the scales)
+    method: str  # quant_method as configs spell it
+    bits: int
+    group_size: int  # as configured: -1 means channel-wise
+    activation_bits: int  # 16, or 8 for dynamic per-token int8 activations (W8A8)
+    vector_suffixes: tuple[str, ...]  # the suffixes whose tensors are 1-D (g_idx, weight_shape); default: none
+    audited_suffixes: tuple[str, ...]  # the small tensors `audit` reads (besides the scales); default: none
+    # The tensor that gives each input channel's group (act_order.py), for formats that may store one;
+    # the plan reads every one of them when act-order is suspected. Default: None (no such tensor).
+    group_index_suffix: str | None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], where: str) -> SourceFormat:
+        """The format a `quantization_config` describes (`where`: the file, for messages); an invalid
+        value raises MoeconvError naming it."""
 
     @classmethod
     def claims(cls, linears: list[Linear]) -> bool:
@@ -64,16 +78,9 @@ class SourceFormat(Protocol):
         """The parameters the claimed linears show (their shapes, and where needed a sample of their
         values), recording the evidence; None (with the reason) when they do not fit together."""
 
-    def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        """Counts of values worth a word in the reports (kind -> count), from one linear's tensors."""
-
-    def written_suffixes(self) -> tuple[str, ...]:
-        """What a producer of this format writes for every linear (synthetic checkpoints)."""
-
-    method: str  # quant_method as configs spell it
-    bits: int
-    group_size: int  # as configured: -1 means channel-wise
-    activation_bits: int  # 16, or 8 for dynamic per-token int8 activations (W8A8)
+    @staticmethod
+    def configures_act_order(config: Mapping[str, Any]) -> bool:
+        """The config says the linears use act-order (GPTQ `desc_act`). Default: False."""
 
     @property
     def symmetric(self) -> bool: ...
@@ -93,8 +100,20 @@ class SourceFormat(Protocol):
     def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
         """One linear's tensors (keyed by suffix) -> the canonical form."""
 
+    def decode_ordered(self, tensors: Mapping[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None]:
+        """As `decode`, and for an act-order linear the input permutation P under which its groups are
+        static (the stored linear is W[:, P]; act_order.py). Default: `decode`, and no permutation."""
+
     def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         """The canonical form -> this format's tensors (keyed by suffix)."""
+
+    def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        """Counts of values worth a word in the reports (kind -> count), from one linear's tensors.
+        Default: nothing to count."""
+
+    def written_suffixes(self) -> tuple[str, ...]:
+        """What a producer of this format writes for every linear (synthetic checkpoints). Default:
+        the required suffixes."""
 
     def describe(self) -> dict[str, Any]:
         """Parameters for reports (`inspect`, manifests)."""
@@ -104,11 +123,20 @@ class SourceFormat(Protocol):
 
 
 class FormatDefaults:
-    """What most formats say about the optional parts of the protocol: no 1-D tensors, no audits of
-    their own, a producer writes the required suffixes."""
+    """The default of every member of `SourceFormat` a format may leave out, declared once: no 1-D
+    tensors, no group index, no act-order in the config, no audits of its own, decoding without a
+    permutation, and a producer writes the required suffixes."""
 
     vector_suffixes: tuple[str, ...] = ()
     audited_suffixes: tuple[str, ...] = ()
+    group_index_suffix: str | None = None
+
+    @staticmethod
+    def configures_act_order(config: Mapping[str, Any]) -> bool:
+        return False
+
+    def decode_ordered(self, tensors: Mapping[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None]:
+        return self.decode(tensors), None
 
     def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
         return {}

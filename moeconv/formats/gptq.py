@@ -24,6 +24,7 @@ from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
 from moeconv.formats.base import (
     Detection,
+    FormatDefaults,
     Linear,
     Read,
     SourceFormat,
@@ -40,7 +41,7 @@ V1, V2 = "gptq", "gptq_v2"
 
 
 @dataclass(frozen=True)
-class GPTQ:
+class GPTQ(FormatDefaults):
     bits: int = 4
     group_size: int = 128
     sym: bool = True

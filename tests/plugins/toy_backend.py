@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from moeconv.backends.base import FUSED_GEMMS, ExpertWeights, Numerics, Serving
+from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics, Serving
 from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.spec import TensorSpec
 
 
-class ToyBackend:
+class ToyBackend(BackendDefaults):
     name = "toy"
     layout_version = 1
     targets = {"engine": "none: a test of the registry"}

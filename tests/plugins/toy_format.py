@@ -10,12 +10,12 @@ from typing import Any, Mapping
 import torch
 
 from moeconv.canonical import QuantizedWeight, effective_group_size, groups_of
-from moeconv.formats.base import Detection, Linear, Read, SourceFormat, checked_group_size, config_int
+from moeconv.formats.base import Detection, FormatDefaults, Linear, Read, SourceFormat, checked_group_size, config_int
 from moeconv.spec import TensorSpec
 
 
 @dataclass(frozen=True)
-class ToyFormat:
+class ToyFormat(FormatDefaults):
     bits: int = 4
     group_size: int = 32
     method: str = "toyq"
@@ -37,9 +37,6 @@ class ToyFormat:
 
     def optional_suffixes(self) -> tuple[str, ...]:
         return ()
-
-    def written_suffixes(self) -> tuple[str, ...]:
-        return self.suffixes()
 
     def linear_shape(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
         return tuple(shapes["codes"])
