@@ -33,14 +33,31 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    """One local Ray for the module (starting one takes seconds); convert joins it."""
-    import logging
-
-    ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False, log_to_driver=False,
-             logging_level=logging.ERROR)
+def _module_ray():
+    """Shuts down, at the module's end, the Ray that `local_ray` started."""
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def local_ray(_module_ray):
+    """A local Ray of two CPUs owned by this test process (starting one takes seconds, so it is kept
+    between tests, and started again after a test that needed none); convert joins it. So the code
+    under test never starts, and never shuts down, a Ray inside pytest's own process: a Ray driver whose
+    raylet goes away while its IPC is busy exits its process at once (exit 1, nothing printed), which
+    took the whole suite down with it on CI."""
+    import logging
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.ERROR)
+
+
+@pytest.fixture
+def no_ray():
+    """No Ray in this process, for the tests of addresses that must not join one."""
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -134,10 +151,11 @@ def test_an_input_error_in_a_task_is_one_line(local_ray, source, tmp_path, capsy
 
 
 @pytest.mark.parametrize("kill", ["group", "driver"])
-def test_a_killed_driver_resumes_on_ray(source, tmp_path, kill):
-    """No shared Ray here: each driver starts its own local Ray, as a user's would. `driver`: kill -9 of
-    the driver alone, its local Ray left to die (some of its processes outlive it): the rerun starts
-    its own Ray (a cluster started by ray.init is not one `address="auto"` finds) and resumes."""
+def test_a_killed_driver_resumes_on_ray(no_ray, source, tmp_path, kill):
+    """No Ray in this process (a driver would join it through address="auto", and killing the group
+    would then leave it alone): the driver starts its own local Ray, as a user's would. `driver`: kill -9
+    of the driver alone, its local Ray left to die (some of its processes outlive it): the rerun joins
+    what is left or starts its own, and resumes."""
     command = [sys.executable, "-m", "moeconv", "convert", str(source), "-o", str(tmp_path / "out"), "-q",
                "--executor", "ray", "--max-shard-size", "150KB", "--json"]
     journal = tmp_path / ".out.moeconv-partial" / "moeconv-progress.json"
@@ -170,9 +188,7 @@ def test_a_killed_driver_resumes_on_ray(source, tmp_path, kill):
     assert _files(tmp_path / "out") == _files(_local(source, tmp_path / "local"))
 
 
-def test_an_unreachable_ray_address_is_one_line(tmp_path, source, capsys):
-    if ray.is_initialized():
-        ray.shutdown()
+def test_an_unreachable_ray_address_is_one_line(no_ray, tmp_path, source, capsys):
     code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "--executor", "ray",
                             "--ray-address", "127.0.0.1:1", "-q")
     assert code == 2 and "--ray-address 127.0.0.1:1: no Ray cluster reachable there" in err, err
@@ -227,9 +243,7 @@ def test_an_unexpected_failure_in_a_task_is_one_line(local_ray, source, tmp_path
     ("http://127.0.0.1:8265", "give the head node's HOST:PORT, or a Ray client address ray://HOST:PORT"),
     ("ray://127.0.0.1:1", "--ray-address ray://127.0.0.1:1: no Ray cluster reachable there"),
 ])
-def test_a_client_or_url_ray_address_is_one_line(tmp_path, source, capsys, address, expected):
-    if ray.is_initialized():
-        ray.shutdown()
+def test_a_client_or_url_ray_address_is_one_line(no_ray, tmp_path, source, capsys, address, expected):
     code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "--executor", "ray",
                             "--ray-address", address, "-q")
     assert code == 2 and expected in err, err
