@@ -8,15 +8,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the counts run where tensors are (the workers); the totals need no torch
+    import torch
 
-from moeconv.canonical import QuantizedWeight
+    from moeconv.canonical import QuantizedWeight
 
 
 def count(source_format: Any, tensors: dict[str, torch.Tensor], weight: QuantizedWeight | None) -> dict[str, int]:
     """The audit counts of one source linear (its raw tensors by suffix, and its canonical form if decoded)."""
+    import torch
+
     found = source_format.audit(tensors)
     scales = weight.scales if weight is not None else next(
         (tensor for tensor in tensors.values() if tensor.is_floating_point()), None)
@@ -44,6 +47,8 @@ class Audits:
     def record_cast(self, scales: torch.Tensor, engine_dtype: torch.dtype) -> None:
         """What an engine's cast of `scales` to `engine_dtype` does to them: values that change, values
         that become infinite, the largest relative change among the finite ones."""
+        import torch
+
         finite = torch.isfinite(scales)
         cast = scales.to(engine_dtype)
         back = cast.to(scales.dtype)

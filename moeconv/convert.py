@@ -14,8 +14,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
-
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from moeconv._version import __version__
 from moeconv.audit import Audits
@@ -27,7 +26,9 @@ from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
 from moeconv.checkpoint.writer import DIGEST_KEY, BlockHasher, ShardWriter, copy_into, file_digest, write_at
 from moeconv.errors import MoeconvError, Unfinished, human_bytes
 from moeconv.executor import Executor, peak_rss_mb, worker_descriptor, worker_reader
-from moeconv.plan import OutputShard, Plan, SourceSlice
+
+if TYPE_CHECKING:  # the plan arrives made; this module only walks it (and so imports no torch)
+    from moeconv.plan import OutputShard, Plan, SourceSlice
 
 Progress = Callable[[int], None]
 @dataclass

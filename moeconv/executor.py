@@ -157,16 +157,12 @@ class Executor:
     """`map(function, tasks)`: function(*task) for each task, in order, at most 2 x workers in flight."""
 
     def __init__(self, workers: int | None = None):
-        import torch
-
         self.workers = workers or default_workers()
         self.worker_peak_rss_mb: float | None = None  # the largest worker's (pages shared with the parent included)
         self.memory: TreeMemory | None = None
         self._pool = None
-        # One intra-op thread per worker, the in-process one too: with torch's default (every core) a
-        # single worker kept about 13 cores busy on a 16-core host for the work of one.
-        self._default_threads = torch.get_num_threads()
-        if self.workers > 1:
+        self._default_threads: int | None = None
+        if self.workers > 1:  # this process needs no torch: each worker imports its own
             import multiprocessing
 
             self._pool = ProcessPoolExecutor(max_workers=self.workers, initializer=_start_worker,
@@ -175,6 +171,11 @@ class Executor:
             for started in [self._pool.submit(os.getpid) for _ in range(self.workers)]:
                 started.result()
         else:
+            # One intra-op thread, as in every worker: with torch's default (every core) a single
+            # worker kept about 13 cores busy on a 16-core host for the work of one.
+            import torch
+
+            self._default_threads = torch.get_num_threads()
             torch.set_num_threads(1)
         self.memory = TreeMemory()  # this process and the workers, while they live
 
@@ -198,8 +199,6 @@ class Executor:
         return result
 
     def close(self) -> None:
-        import torch
-
         if self.memory is not None:
             self.memory.stop()  # its last sample while the workers still live
         if self._pool is not None:
@@ -207,7 +206,10 @@ class Executor:
         _close_descriptor()
         if "reader" in _STATE:  # the in-process worker's: its descriptors must not outlive the run
             _STATE.pop("reader").close()
-        torch.set_num_threads(self._default_threads)
+        if self._default_threads is not None:
+            import torch
+
+            torch.set_num_threads(self._default_threads)
 
     def __enter__(self) -> Executor:
         return self

@@ -20,14 +20,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
-from typing import Any, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterator
 
 from moeconv.checkpoint.schema import (MAX_HEADER_BYTES, MAX_TENSORS, check_tensor_count, header_entries, open_regular,
                                        parse_header, read_json_object, section, weight_map)
 from moeconv.errors import MoeconvError
-from moeconv.spec import DTYPE_SIZES, TORCH_DTYPES
+from moeconv.spec import DTYPE_SIZES
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not by reading headers
+    import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -223,6 +224,8 @@ def fingerprint(tensor: torch.Tensor) -> bytes:
     a conversion reads. CRC-32 is 2.4 GB/s on the dev machine against 1.1 GB/s for SHA-256 (it was a
     third of each expert's time), catches every change of up to 32 bits and any other with
     probability 1 - 2^-32; zlib releases the GIL, so threads and workers check in parallel."""
+    import torch
+
     return zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy()).to_bytes(4, "little")
 
 
@@ -242,6 +245,10 @@ class TensorReader:
             return self._files[path]
 
     def _read(self, entry: TensorEntry, begin: int, length: int, shape: tuple[int, ...]) -> torch.Tensor:
+        import torch
+
+        from moeconv.spec import TORCH_DTYPES
+
         fd = self._descriptor(entry.file)
         data = bytearray(length)
         view, position = memoryview(data), begin

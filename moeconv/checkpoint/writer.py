@@ -20,12 +20,13 @@ import sys
 import threading
 from math import prod
 from pathlib import Path
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Sequence
 
 from moeconv.errors import MoeconvError
 from moeconv.spec import DTYPE_SIZES, TensorSpec
+
+if TYPE_CHECKING:  # torch is imported where tensors are written (the workers), not by the writer's phases
+    import torch
 
 _ALIGNMENT = 8
 _COPY_CHUNK = 64 * 1024 * 1024
@@ -112,6 +113,8 @@ class ShardWriter:
 
 def write_at(fd: int, tensor: torch.Tensor, position: int) -> None:
     """All of `tensor`'s bytes at file `position` of `fd` (from any device)."""
+    import torch
+
     view = memoryview(tensor.reshape(-1).view(torch.uint8).cpu().numpy())
     while view:
         written = os.pwrite(fd, view, position)
