@@ -302,6 +302,7 @@ def _memory_line(report) -> str:
 
 # What each verify phase's bar says it counts (moeconv.verify.PHASE_UNITS has the units).
 VERIFY_PHASES = {"digests": "verify: digests of the output's files",
+                 "tensor-digests": "verify: digests of the output's tensors",
                  "source-digests": "verify: digests of the source's shards",
                  "source": "verify: bit-exact, source bytes compared",
                  "kernel": "verify: kernel check, MoE layers"}

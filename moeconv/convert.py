@@ -23,7 +23,7 @@ from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
 from moeconv.checkpoint.schema import is_plain_file_name
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
-from moeconv.checkpoint.writer import DIGEST_KEY, BlockHasher, ShardWriter, copy_into, file_digest, write_at
+from moeconv.checkpoint.writer import DIGEST_KEY, TENSOR_DIGESTS_KEY, BlockHasher, ShardWriter, copy_into, file_digest, write_at
 from moeconv.errors import MoeconvError, Unfinished, human_bytes
 from moeconv.executor import Executor, peak_rss_mb, worker_descriptor, worker_reader
 
@@ -225,7 +225,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
                         todo.append(shard)
                 for done in runner.run(plan, todo, staging, advance):
                     audits.merge(done.audits)
-                    journal.mark_done(done.file_name, done.digest, done.source)
+                    journal.mark_done(done.file_name, done.digest, done.source, done.tensor_digests)
                 finished = journal.files()  # in the order the shards finished: listed in the plan's
                 _write_metadata(plan, staging, {shard.file_name: finished[shard.file_name] for shard in plan.shards},
                                 sides, hashing.result())
@@ -269,6 +269,7 @@ class ShardDone:
     digest: str  # writer.combined_digest of the finished file
     source: str  # _source_fingerprint: what a resume compares
     audits: Audits
+    tensor_digests: dict[str, str]  # each tensor's digest (writer.tensor_digest), by name
 
 
 class LocalShards:
@@ -311,9 +312,10 @@ class LocalShards:
         self.tree_peak_pss_mb, self.largest_worker_pss_mb = executor.memory.peak_mb, executor.memory.largest_worker_mb
 
 
-def _finished(digest: Any, shard: OutputShard, fingerprints: dict[str, bytes], audits: Audits) -> ShardDone:
-    """The ShardDone of a shard whose `_finish_shard` runs as the future `digest`."""
-    return ShardDone(shard.file_name, digest.result(), _source_fingerprint(shard, fingerprints), audits)
+def _finished(digests: Any, shard: OutputShard, fingerprints: dict[str, bytes], audits: Audits) -> ShardDone:
+    """The ShardDone of a shard whose `_finish_shard` runs as the future `digests`."""
+    digest, tensors = digests.result()
+    return ShardDone(shard.file_name, digest, _source_fingerprint(shard, fingerprints), audits, tensors)
 
 
 def convert_shard(plan: Plan, shard: OutputShard, staging: Path, executor: Executor,
@@ -322,8 +324,8 @@ def convert_shard(plan: Plan, shard: OutputShard, staging: Path, executor: Execu
     audits = Audits()
     path = staging / shard.file_name
     writer, hasher, fingerprints = _fill_shard(plan, shard, path, advance or (lambda nbytes: None), audits, executor)
-    return ShardDone(shard.file_name, _finish_shard(writer, hasher, path), _source_fingerprint(shard, fingerprints),
-                     audits)
+    digest, tensors = _finish_shard(writer, hasher, path)
+    return ShardDone(shard.file_name, digest, _source_fingerprint(shard, fingerprints), audits, tensors)
 
 
 def convert_shard_alone(plan: Plan, index: int, staging: str) -> ShardDone:
@@ -355,7 +357,7 @@ def _read_journal(path: Path) -> dict[str, Any] | None:
     if not isinstance(done, dict) or not all(
             is_plain_file_name(name) and isinstance(info, dict) and isinstance(info.get("bytes"), int)
             and isinstance(info.get(DIGEST_KEY), str) and isinstance(info.get("source"), str)
-            for name, info in done.items()):
+            and isinstance(info.get(TENSOR_DIGESTS_KEY), dict) for name, info in done.items()):
         return None
     return recorded
 
@@ -400,16 +402,19 @@ class _Journal:
         return journal
 
     def files(self) -> dict[str, dict[str, Any]]:
-        """Each finished shard's size and digest, as the manifest records them."""
-        return {name: {"bytes": info["bytes"], DIGEST_KEY: info[DIGEST_KEY]} for name, info in self.done.items()}
+        """Each finished shard's size, digest and tensors' digests, as the manifest records them."""
+        return {name: {"bytes": info["bytes"], DIGEST_KEY: info[DIGEST_KEY], TENSOR_DIGESTS_KEY: info[TENSOR_DIGESTS_KEY]}
+                for name, info in self.done.items()}
 
     def is_done(self, name: str) -> bool:
         return name in self.done
 
-    def mark_done(self, name: str, digest: str, source: str) -> None:
+    def mark_done(self, name: str, digest: str, source: str, tensors: dict[str, str]) -> None:
         """`source`: the fingerprint of the source tensors the shard was converted from (see
-        `_source_fingerprint`), so that a resume notices a source changed in between."""
-        self.done[name] = {"bytes": (self.staging / name).stat().st_size, DIGEST_KEY: digest, "source": source}
+        `_source_fingerprint`), so that a resume notices a source changed in between; `tensors`: each
+        tensor's digest, which the manifest records."""
+        self.done[name] = {"bytes": (self.staging / name).stat().st_size, DIGEST_KEY: digest, "source": source,
+                           TENSOR_DIGESTS_KEY: tensors}
         self._save()
 
     def _save(self) -> None:
@@ -440,7 +445,7 @@ def _fill_shard(plan: Plan, shard: OutputShard, path: Path, advance: Progress, a
         final = [writer.size] * (len(tasks) + 1)
         for index in range(len(tasks) - 1, -1, -1):
             final[index] = min(final[index + 1], *tasks[index][3].values())
-        hasher = BlockHasher(temporary)
+        hasher = BlockHasher(temporary, tensors=writer.tensor_ranges())
         fingerprints: dict[str, bytes] = {}
         try:
             for index, (job, (counts, read)) in enumerate(zip(shard.jobs, executor.map(_run_job, tasks))):
@@ -458,17 +463,17 @@ def _fill_shard(plan: Plan, shard: OutputShard, path: Path, advance: Progress, a
     return writer, hasher, fingerprints
 
 
-def _finish_shard(writer: ShardWriter, hasher: BlockHasher, path: Path) -> str:
-    """The filled shard's digest once its last blocks are hashed; then flushed to disk (fsync) and
-    renamed to `path`, so a shard file under its final name is always whole."""
+def _finish_shard(writer: ShardWriter, hasher: BlockHasher, path: Path) -> tuple[str, dict[str, str]]:
+    """The filled shard's digest and its tensors' once its last blocks are hashed; then flushed to disk
+    (fsync) and renamed to `path`, so a shard file under its final name is always whole."""
     try:
-        digest = hasher.finish(writer.size)
+        digests = hasher.finish(writer.size)
     except BaseException:
         writer.abort()
         raise
     writer.close()
     os.replace(writer.path, path)
-    return digest
+    return digests
 
 
 def _run_job(job, codec, path: Path, positions: dict[str, int]) -> tuple[list, dict[str, bytes]]:

@@ -33,7 +33,7 @@ from moeconv.checkpoint import manifest as manifests
 from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, TensorReader, open_checkpoint, read_json, same_bytes
 from moeconv.checkpoint.side_files import side_files
-from moeconv.checkpoint.writer import DIGEST_KEY, file_digest
+from moeconv.checkpoint.writer import DIGEST_KEY, TENSOR_DIGESTS_KEY, file_digest, range_digests
 from moeconv.errors import MoeconvError
 from moeconv.kernels.runners import LAYER_KERNELS, NUMERICS_TOLERANCE
 from moeconv.executor import Executor, worker_reader
@@ -114,10 +114,10 @@ class VerifyReport:
 
 LEVELS = ("structure", "lossless", "numerics")  # each includes the ones before it
 # verify's progress, phase by phase: `progress(0, total, phase)` starts a phase, `progress(n)` advances it.
-# digests: the output's file bytes, hashed; source-digests: the source's shard bytes, hashed; source: the
+# digests: the output's file bytes, hashed; tensor-digests: the output's tensor bytes, hashed; source-digests: the source's shard bytes, hashed; source: the
 # source bytes read and compared (pass-through tensors, dense linears, the checked experts); kernel: MoE
 # layers run through the reference kernel.
-PHASE_UNITS = {"digests": "bytes", "source-digests": "bytes", "source": "bytes", "kernel": "layers"}
+PHASE_UNITS = {"digests": "bytes", "tensor-digests": "bytes", "source-digests": "bytes", "source": "bytes", "kernel": "layers"}
 
 # What passing each level proves, as the report states it (docs/FORMAT.md, "What verify proves").
 PROOFS = {
@@ -125,6 +125,8 @@ PROOFS = {
         "every file in the output folder is listed in moeconv.json with its size and SHA-256 block digest, and "
         "nothing else is there; moeconv.json matches its own digest (this proves the output is as recorded, "
         "not who recorded it: the levels below compare it with the source)",
+        "every tensor of every shard hashes to the digest moeconv.json records for it (what vLLM's plugin checks "
+        "with MOECONV_VERIFY_ON_LOAD=1)",
         "config.json equals the source's config.json field by field, with moeconv's quantization_config; "
         "quantize_config.json, the index and moeconv.json's derived sections are what this conversion writes",
         "every tensor the layout needs is there with the planned shape and dtype, and no other tensor",
@@ -200,6 +202,10 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
         report.structure_problems.append(str(error))
         return report
     report.structure_problems += _check_structure(plan, output, manifest, converted.tensors)
+    # each tensor too: a damaged shard is then named with the tensors whose bytes changed
+    entries = list(converted.tensors.values())
+    advance(0, sum(entry.nbytes for entry in entries), "tensor-digests")
+    report.structure_problems += _check_tensor_digests(entries, manifest, advance)
     if report.structure_problems:
         return report
     report.proven["structure"] = PROOFS["structure"]
@@ -340,6 +346,33 @@ def _check_files(output: Path, manifest: dict[str, Any], advance: Callable[..., 
                             f"{MANIFEST_NAME})")
         if path.name not in listed or path.name == MANIFEST_NAME:
             advance(path.stat().st_size if path.is_file() else 0)
+    return problems
+
+
+def _check_tensor_digests(entries: list, manifest: dict[str, Any], advance: Callable[..., None]) -> list[str]:
+    """Each tensor of the output's shards (reader.TensorEntry) against the digest the manifest records
+    for it (writer.tensor_digest, hashed from the file: the bytes an engine reads for it)."""
+    recorded = manifests.recorded_tensor_digests(manifest)
+    if recorded is None:
+        return [f"{MANIFEST_NAME}: records no digest per tensor (manifest_version {manifests.MANIFEST_VERSION}: "
+                f"files -> shard -> {TENSOR_DIGESTS_KEY}; written by a moeconv before 2026-12-02); convert again"]
+    problems = []
+    held = {entry.name for entry in entries}
+    problems += [f"{MANIFEST_NAME}: records a digest for {name} in {shard}, which holds no such tensor"
+                 for name, (shard, _) in sorted(recorded.items()) if name not in held]
+    by_file: dict[Path, list] = {}
+    for entry in entries:
+        by_file.setdefault(entry.file, []).append(entry)
+    for path, inside in by_file.items():
+        digests = range_digests(path, {entry.name: (entry.begin, entry.end) for entry in inside})
+        for entry in inside:
+            shard, digest = recorded.get(entry.name, (None, None))
+            if shard != path.name:
+                problems.append(f"{path.name}: tensor {entry.name}: {MANIFEST_NAME} records no digest for it "
+                                f"in this shard")
+            elif digests[entry.name] != digest:
+                problems.append(f"{path.name}: tensor {entry.name}: its bytes differ from {MANIFEST_NAME}'s digest")
+            advance(entry.nbytes)
     return problems
 
 

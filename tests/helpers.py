@@ -65,6 +65,17 @@ def blocks_sha256(data: bytes, block: int) -> str:
     return hashlib.sha256(b"".join(hashlib.sha256(piece).digest() for piece in pieces)).hexdigest()
 
 
+def tensor_ranges(data: bytes) -> dict[str, tuple[int, int]]:
+    """Each tensor's absolute byte range in a safetensors file's bytes, read from its header here (8-byte
+    little-endian length, JSON, data_offsets from the end of the header)."""
+    import json
+
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    return {name: (8 + length + info["data_offsets"][0], 8 + length + info["data_offsets"][1])
+            for name, info in header.items() if name != "__metadata__"}
+
+
 def reseal(folder: Path, *changed: Path, edit=None) -> None:
     """Record the changed files' new sizes and digests in the folder's moeconv.json (after `edit(manifest)`,
     if given), and the manifest's own digest, as a writer that is consistent but wrong, or an attacker,
@@ -81,5 +92,9 @@ def reseal(folder: Path, *changed: Path, edit=None) -> None:
     for file in changed:
         section = next(key for key in ("files", "metadata_files", "copied_files") if file.name in manifest[key])
         manifest[section][file.name] = {"bytes": file.stat().st_size, DIGEST_KEY: file_digest(file)}
+        if section == "files":  # a shard: its tensors' digests too
+            data = file.read_bytes()
+            manifest[section][file.name]["tensor_digests"] = {
+                name: blocks_sha256(data[begin:end], 64 << 20) for name, (begin, end) in tensor_ranges(data).items()}
     manifest[SELF_DIGEST_KEY] = self_digest(manifest)
     path.write_text(json.dumps(manifest))

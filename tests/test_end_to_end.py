@@ -20,7 +20,7 @@ from moeconv.models import ARCHITECTURES
 from moeconv.plan import make_plan
 from moeconv.synth import SynthSpec, make_checkpoint
 
-from helpers import blocks_sha256, cli
+from helpers import blocks_sha256, cli, tensor_ranges
 
 CASES = [
     ("mixtral", "legacy", GPTQ(4, 32, sym=False)),
@@ -98,8 +98,11 @@ def test_convert_round_trip(tmp_path, architecture, naming, source_format):
     assert set(manifest["files"]) == {path.name for path in shards}
     entries = open_checkpoint(out).tensors.values()
     for path in shards:
-        assert manifest["files"][path.name] == {"bytes": path.stat().st_size,
-                                                "sha256_64mib_blocks": blocks_sha256(path.read_bytes(), 64 << 20)}
+        data = path.read_bytes()
+        assert manifest["files"][path.name] == {
+            "bytes": path.stat().st_size, "sha256_64mib_blocks": blocks_sha256(data, 64 << 20),
+            "tensor_digests": {name: blocks_sha256(data[begin:end], 64 << 20)
+                               for name, (begin, end) in tensor_ranges(data).items()}}
         # Tensor bytes per shard stay under the limit (as transformers counts it), unless the shard
         # holds a single MoE layer that is larger than the limit by itself.
         inside = [entry for entry in entries if entry.file == path]

@@ -56,7 +56,7 @@ def _tensor_bytes(folder) -> int:
 
 
 def test_verify_progress_counts_what_each_phase_says(tmp_path, capsys):
-    """digests: the output's file bytes; source-digests: the source's shard bytes; source: the source tensor
+    """digests: the output's file bytes; tensor-digests: the output's tensor bytes; source-digests: the source's shard bytes; source: the source tensor
     bytes compared (for triton, every source tensor: experts decoded, the rest byte-compared); kernel: one per
     MoE layer checked. Each phase advances to its total."""
     from moeconv.verify import verify
@@ -75,8 +75,8 @@ def test_verify_progress_counts_what_each_phase_says(tmp_path, capsys):
     assert verify(tmp_path / "out", progress=progress, numerics_layers=1).ok
     output_files = sum(path.stat().st_size for path in (tmp_path / "out").iterdir())
     source_shards = sum(path.stat().st_size for path in source.glob("*.safetensors"))
-    assert phases == [("digests", output_files), ("source-digests", source_shards), ("source", _tensor_bytes(source)),
-                      ("kernel", 1)]
+    assert phases == [("digests", output_files), ("tensor-digests", _tensor_bytes(tmp_path / "out")),
+                      ("source-digests", source_shards), ("source", _tensor_bytes(source)), ("kernel", 1)]
     assert done == dict(phases)
 
 

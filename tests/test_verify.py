@@ -111,6 +111,31 @@ def test_file_bytes_differ_from_manifest(damaged):
     assert "digest or size differs from moeconv.json" in str(result.exception)
 
 
+def test_a_changed_byte_is_named_by_its_tensor(damaged):
+    """The per-tensor digests name the tensor whose bytes changed, beside the shard's digest."""
+    _, out = damaged
+    _flip_byte(out, f"{LAYER}.w2_scales", 0, update_manifest=False)
+    shard = open_checkpoint(out).tensors[f"{LAYER}.w2_scales"].file.name
+    assert verify(out, level="structure").structure_problems == [
+        f"{shard}: digest or size differs from moeconv.json",
+        f"{shard}: tensor {LAYER}.w2_scales: its bytes differ from moeconv.json's digest"]
+
+
+def test_a_wrong_tensor_digest_in_a_resealed_manifest_fails_structure(damaged):
+    """A manifest whose file digests are right but one tensor digest is not (what the plugin would then
+    refuse at load) fails verify's structure level, naming the file and the tensor."""
+    _, out = damaged
+    name = f"{LAYER}.w13_qweight"
+    shard = open_checkpoint(out).tensors[name].file.name
+    reseal(out, edit=lambda m: m["files"][shard]["tensor_digests"].update({name: "0" * 64}))
+    report = verify(out, level="structure")
+    assert report.structure_problems == [f"{shard}: tensor {name}: its bytes differ from moeconv.json's digest"]
+    reseal(out, edit=lambda m: [m.pop("manifest_version")] + [f.pop("tensor_digests") for f in m["files"].values()])
+    assert verify(out, level="structure").structure_problems == [
+        "moeconv.json: records no digest per tensor (manifest_version 2: files -> shard -> tensor_digests; written "
+        "by a moeconv before 2026-12-02); convert again"]
+
+
 def test_missing_tensor_fails_structure(damaged):
     _, out = damaged
     index = json.loads((out / "model.safetensors.index.json").read_text())

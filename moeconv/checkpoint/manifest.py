@@ -15,12 +15,14 @@ from typing import Any
 
 from moeconv._version import __version__
 from moeconv.checkpoint.schema import is_plain_file_name, read_json_object, section
-from moeconv.checkpoint.writer import BLOCK_BYTES, DIGEST_KEY
+from moeconv.checkpoint.writer import BLOCK_BYTES, DIGEST_KEY, TENSOR_DIGESTS_KEY
 from moeconv.errors import MoeconvError
 
 MANIFEST_NAME = "moeconv.json"
 QUANTIZE_CONFIG_NAME = "quantize_config.json"
 SELF_DIGEST_KEY = "manifest_sha256"
+# 2: each shard's `tensor_digests` (docs/FORMAT.md). Manifests without the field are version 1.
+MANIFEST_VERSION = 2
 
 
 def output_config(plan: Any) -> dict[str, Any]:
@@ -45,13 +47,14 @@ def build(plan: Any, files: dict[str, dict[str, Any]], written: dict[str, dict[s
           copied: dict[str, dict[str, Any]], skipped: dict[str, str],
           source_digests: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The manifest of `plan`'s output (a moeconv.plan.Plan). `files`: each shard's bytes and digest
-    (writer.combined_digest); `written`: the index's and configs'; `copied`: the source's side files
+    (writer.combined_digest) and its tensors' (`tensor_digests`: writer.tensor_digest); `written`: the index's and configs'; `copied`: the source's side files
     copied as they are; `skipped`: the source's files left out, with why; `source_digests`: each
     source shard's bytes and digest, hashed as the conversion ran."""
     source = plan.checkpoint
     built = {
         "tool": "moeconv",
         "tool_version": __version__,
+        "manifest_version": MANIFEST_VERSION,
         **derived(plan),
         "arguments": plan.identity(),
         "source": {**source.identity(), "files": [path.name for path in source.files],
@@ -110,3 +113,22 @@ def recorded_files(manifest: dict[str, Any], key: str = "files") -> dict[str, di
             and isinstance(recorded.get(DIGEST_KEY), str) for name, recorded in files.items()):
         return None
     return files
+
+
+def recorded_tensor_digests(manifest: dict[str, Any]) -> dict[str, tuple[str, str]] | None:
+    """Each output tensor's shard and digest (`files` -> shard -> `tensor_digests`, manifest version 2);
+    None when the manifest is of an older version or that section is malformed."""
+    files = recorded_files(manifest)
+    if files is None or manifest.get("manifest_version") != MANIFEST_VERSION:
+        return None
+    digests: dict[str, tuple[str, str]] = {}
+    for shard, recorded in files.items():
+        tensors = recorded.get(TENSOR_DIGESTS_KEY)
+        if not isinstance(tensors, dict) or not all(
+                isinstance(name, str) and isinstance(digest, str) for name, digest in tensors.items()):
+            return None
+        for name, digest in tensors.items():
+            if name in digests:
+                return None
+            digests[name] = (shard, digest)
+    return digests

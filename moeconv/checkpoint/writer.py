@@ -69,6 +69,11 @@ class ShardWriter:
         """The file offset of tensor `name`'s first byte."""
         return self._data_start + self._layout[name][0]
 
+    def tensor_ranges(self) -> list[tuple[str, int, int]]:
+        """Each tensor's name and byte range [begin, end) in the file, in file order."""
+        return [(name, self._data_start + start, self._data_start + start + nbytes)
+                for name, (start, nbytes) in self._layout.items()]
+
     def claim(self, name: str, offset: int, length: int) -> int:
         """Counts `length` bytes at `offset` inside tensor `name` as written and returns their file
         position: for writers in other processes, which write there through their own descriptor."""
@@ -138,6 +143,7 @@ def copy_into(fd: int, position: int, source: Path, begin: int, end: int, name: 
 
 BLOCK_BYTES = 64 * 1024 * 1024  # the unit of a file digest (docs/FORMAT.md, moeconv.json)
 DIGEST_KEY = "sha256_64mib_blocks"  # the digest's name in the manifest and the resume journal
+TENSOR_DIGESTS_KEY = "tensor_digests"  # a shard's tensors' digests (DIGEST_KEY's rule, over each tensor's bytes)
 _READ_BYTES = 8 * 1024 * 1024
 
 
@@ -198,35 +204,71 @@ def hash_threads() -> int:
     return max(1, min(8, usable_cores()))
 
 
-class BlockHasher:
-    """The digest (`combined_digest`) of a file that is written in pieces: `advance(n)` says the first
-    n bytes are final, and each whole block below n is hashed on a pool of threads while the writer
-    goes on, then handed to the kernel to start writing back to disk (the final fsync then waits for
-    little). Hashing thus overlaps the conversion and scales with cores instead of re-reading the file
-    at the end in one stream."""
+class _Stream:
+    """One digest over the byte range [begin, end) of a file, cut into `block`-byte pieces counted from
+    `begin` (a file: from 0; a tensor: from its first byte), each piece hashed as soon as it is final."""
 
-    def __init__(self, path: Path, threads: int | None = None, block: int = BLOCK_BYTES):
+    def __init__(self, begin: int, end: int, block: int):
+        self.begin, self.end, self.block = begin, end, block
+        self.submitted = begin
+        self.pieces: list = []  # futures, in order
+
+    def advance(self, hashers: _Hashers, fd: int, upto: int, writeback: bool) -> None:
+        while self.submitted + self.block <= min(upto, self.end):
+            self._submit(hashers, fd, self.submitted + self.block, writeback)
+
+    def finish(self, hashers: _Hashers, fd: int, writeback: bool) -> None:
+        self.advance(hashers, fd, self.end, writeback)
+        if self.submitted < self.end or not self.pieces:  # the short last piece; an empty range is one empty piece
+            self._submit(hashers, fd, self.end, writeback)
+
+    def _submit(self, hashers: _Hashers, fd: int, end: int, writeback: bool) -> None:
+        self.pieces.append(hashers.submit(fd, self.submitted, end, writeback))
+        self.submitted = end
+
+    def digest(self) -> str:
+        return combined_digest([piece.result() for piece in self.pieces])
+
+
+class BlockHasher:
+    """The digest (`combined_digest`) of a file that is written in pieces, and of each of its tensors:
+    `advance(n)` says the first n bytes are final, and each whole block below n is hashed on a pool of
+    threads while the writer goes on, then handed to the kernel to start writing back to disk (the
+    final fsync then waits for little). Hashing thus overlaps the conversion and scales with cores
+    instead of re-reading the file at the end in one stream. `tensors`: (name, begin, end) in file
+    order, whose own digests (`tensor_digest`: blocks counted from the tensor's first byte) are hashed
+    the same way, from the same final bytes (a second sha256 of each byte, on the same threads)."""
+
+    def __init__(self, path: Path, threads: int | None = None, block: int = BLOCK_BYTES,
+                 tensors: Sequence[tuple[str, int, int]] = ()):
         self._fd = os.open(path, os.O_RDONLY)
-        self._block = block
         self._hashers = _Hashers(threads or hash_threads())
-        self._blocks: list = []  # futures, in file order
-        self._submitted = 0
+        self._file = _Stream(0, 1 << 62, block)
+        self._tensors = [(name, _Stream(begin, end, block)) for name, begin, end in tensors]
+        self._next = 0  # the first tensor not yet wholly final
 
     def advance(self, upto: int) -> None:
-        while self._submitted + self._block <= upto:
-            self._submit(self._submitted + self._block)
+        self._file.advance(self._hashers, self._fd, upto, writeback=True)
+        index = self._next
+        while index < len(self._tensors) and self._tensors[index][1].begin < upto:
+            stream = self._tensors[index][1]
+            if stream.end <= upto:
+                stream.finish(self._hashers, self._fd, writeback=False)
+                if index == self._next:
+                    self._next += 1
+            else:
+                stream.advance(self._hashers, self._fd, upto, writeback=False)
+            index += 1
 
-    def _submit(self, end: int) -> None:
-        self._blocks.append(self._hashers.submit(self._fd, self._submitted, end, writeback=True))
-        self._submitted = end
-
-    def finish(self, size: int) -> str:
-        """The digest of the first `size` bytes (the whole file)."""
+    def finish(self, size: int) -> tuple[str, dict[str, str]]:
+        """The digest of the first `size` bytes (the whole file), and each tensor's digest by name."""
         try:
             self.advance(size)
-            if self._submitted < size or size == 0:
-                self._submit(size)
-            return combined_digest([block.result() for block in self._blocks])
+            self._file.end = size
+            self._file.finish(self._hashers, self._fd, writeback=True)
+            for _, stream in self._tensors:
+                stream.finish(self._hashers, self._fd, writeback=False)
+            return self._file.digest(), {name: stream.digest() for name, stream in self._tensors}
         finally:
             self.cancel()
 
@@ -258,13 +300,35 @@ def _sync_file_range():
 
 def file_digest(path: Path, threads: int | None = None, block: int = BLOCK_BYTES) -> str:
     """`combined_digest` of a finished file, its blocks hashed in parallel, never the whole file in memory."""
-    size = Path(path).stat().st_size
+    return range_digests(path, {"": (0, Path(path).stat().st_size)}, threads, block)[""]
+
+
+def range_digests(path: Path, ranges: dict[str, tuple[int, int]], threads: int | None = None,
+                  block: int = BLOCK_BYTES) -> dict[str, str]:
+    """`combined_digest` of each byte range [begin, end) of a finished file, its blocks counted from the
+    range's first byte (a tensor's digest: `tensor_digest`), all hashed in parallel, never in memory whole."""
     fd = os.open(path, os.O_RDONLY)
     hashers = _Hashers(threads or hash_threads())
     try:
-        ends = list(range(block, size, block)) + [size]
-        blocks = [hashers.submit(fd, start, end, writeback=False) for start, end in zip([0, *ends], ends)]
-        return combined_digest([future.result() for future in blocks])
+        streams = {name: _Stream(begin, end, block) for name, (begin, end) in ranges.items()}
+        for stream in streams.values():
+            stream.finish(hashers, fd, writeback=False)
+        return {name: stream.digest() for name, stream in streams.items()}
     finally:
         hashers.close()
         os.close(fd)
+
+
+def tensor_digest(data: memoryview | bytes, threads: int | None = None, block: int = BLOCK_BYTES) -> str:
+    """The digest a manifest records for a tensor (its `tensor_digests`): `combined_digest` of its bytes
+    cut into `block`-byte pieces from its first byte, here of bytes already in memory (or memory-mapped),
+    hashed on up to `threads` threads (hashlib releases the GIL)."""
+    view = memoryview(data).cast("B")
+    starts = range(0, len(view), block) if len(view) else [0]
+    pieces = [view[start:start + block] for start in starts]
+    if len(pieces) == 1:
+        return combined_digest([hashlib.sha256(pieces[0]).digest()])
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(len(pieces), threads or hash_threads()), thread_name_prefix="moeconv-hash") as pool:
+        return combined_digest(list(pool.map(lambda piece: hashlib.sha256(piece).digest(), pieces)))

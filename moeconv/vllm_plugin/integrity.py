@@ -1,9 +1,12 @@
-"""Integrity at load (`MOECONV_VERIFY_ON_LOAD=1`; no vLLM here): before the plugin copies a stacked
-tensor, the shard that holds it must have the digest `moeconv.json` recorded for it when it was written.
+"""Integrity at load (`MOECONV_VERIFY_ON_LOAD=1`; no vLLM here): every tensor vLLM's loader hands over
+is checked against the digest `moeconv.json` records for it, before the plugin copies it or the model's
+own loader takes it.
 
-The manifest records one digest per file (`sha256_64mib_blocks`, moeconv.checkpoint.writer), so the check
-reads each shard that holds a stacked tensor once, whole, hashing its 64 MiB blocks on up to 8 threads
-(about 1 GB/s a core): start-up reads those bytes twice, once to hash and once to load. Off by default.
+The manifest (version 2, docs/FORMAT.md) records each shard's tensors' digests (`tensor_digests`:
+moeconv.checkpoint.writer.tensor_digest, the sha256 of the sha256 digests of the tensor's 64 MiB
+pieces). The check hashes exactly the bytes the loader read for the tensor (the memory-mapped tensor
+itself, pieces on up to 8 threads, about 1 GB/s a core), so a flipped byte anywhere in it stops start-up
+with one line naming the tensor and its shard, and no other bytes are read. Off by default.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 from moeconv.checkpoint import manifest as manifests
-from moeconv.checkpoint.writer import DIGEST_KEY, file_digest
+from moeconv.checkpoint.writer import tensor_digest
 from moeconv.errors import MoeconvError
 from moeconv.vllm_plugin.config import PluginRefusal
 
@@ -22,31 +27,44 @@ ENV = "MOECONV_VERIFY_ON_LOAD"
 def requested() -> bool:
     value = os.environ.get(ENV, "")
     if value not in ("", "0", "1"):
-        raise PluginRefusal(f"{ENV}={value!r}: set it to 1 (check each stacked tensor's shard) or 0")
+        raise PluginRefusal(f"{ENV}={value!r}: set it to 1 (check each tensor against moeconv.json) or 0")
     return value == "1"
 
 
-class ShardDigests:
-    """The digests `moeconv.json` records for an output's shards, each shard checked once."""
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes a tensor holds, as the file stores them (a CPU tensor's own memory, no copy; a tensor a
+    loader already put on a GPU is copied back once)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return memoryview(flat.contiguous().view(torch.uint8).numpy())
+
+
+class TensorDigests:
+    """The digests `moeconv.json` records for an output's tensors, each tensor checked when it is loaded."""
 
     def __init__(self, root: Path) -> None:
+        path = root / manifests.MANIFEST_NAME
         try:
             manifest = manifests.read(root)
         except MoeconvError as error:
             raise PluginRefusal(f"{ENV}=1: {error}") from None
-        recorded = manifests.recorded_files(manifest)
+        if manifest.get(manifests.SELF_DIGEST_KEY) != manifests.self_digest(manifest):
+            raise PluginRefusal(f"{ENV}=1: {path}: its content differs from its own recorded digest (changed "
+                                f"after the conversion)")
+        recorded = manifests.recorded_tensor_digests(manifest)
         if recorded is None:
-            raise PluginRefusal(f"{ENV}=1: {root / manifests.MANIFEST_NAME}: its files section is malformed")
-        self.root, self.recorded, self.checked = root, recorded, set()
+            raise PluginRefusal(f"{ENV}=1: {path} records no digest per tensor (an output of an older moeconv, "
+                                f"or a damaged manifest): reconvert, or load without {ENV}")
+        self.root, self.recorded = root, recorded
 
-    def check(self, file: Path, tensor: str) -> None:
-        """Refuses when `file` (a shard holding `tensor`) is not the file moeconv wrote."""
-        if file.name in self.checked:
-            return
-        recorded = self.recorded.get(file.name)
+    def check(self, name: str, tensor: torch.Tensor) -> None:
+        """Refuses when `tensor` (the loader's tensor `name`, as read from its shard) is not the bytes
+        moeconv wrote."""
+        recorded = self.recorded.get(name)
         if recorded is None:
-            raise PluginRefusal(f"{tensor}: its shard {file.name} is not among the files moeconv.json records")
-        if file.stat().st_size != recorded["bytes"] or file_digest(file) != recorded[DIGEST_KEY]:
-            raise PluginRefusal(f"{tensor}: its shard {file.name} is not the file moeconv wrote (its digest differs "
-                                f"from moeconv.json's): the output was corrupted or changed; restore or reconvert it")
-        self.checked.add(file.name)
+            raise PluginRefusal(f"{name}: {ENV}=1, but {manifests.MANIFEST_NAME} records no digest for it")
+        shard, digest = recorded
+        if tensor_digest(tensor_bytes(tensor)) != digest:
+            raise PluginRefusal(f"{name}: its bytes in {shard} differ from the digest {manifests.MANIFEST_NAME} "
+                                f"records: the output was corrupted or changed; restore or reconvert it")

@@ -68,7 +68,7 @@ class MoeconvConfig(QuantizationConfig):
         self.dense = _dense_config(self.stacked.source)
         self._stored: dict[str, dict[str, tuple[str, tuple[int, ...], Path]]] | None = None
         self.verify_on_load = integrity.requested()
-        self._digests: integrity.ShardDigests | None = None
+        self._digests: integrity.TensorDigests | None = None
 
     @classmethod
     def get_name(cls) -> str:
@@ -120,6 +120,8 @@ class MoeconvConfig(QuantizationConfig):
                 if self.verify_on_load:
                     raise PluginRefusal(f"{integrity.ENV}=1 checks a local output folder; {root} is not one")
                 return None
+            if self.verify_on_load:  # the manifest is read (and refused) before any parameter is allocated
+                self._digests = integrity.TensorDigests(root)
             try:
                 checkpoint = open_checkpoint(root)
             except MoeconvError as error:
@@ -129,18 +131,14 @@ class MoeconvConfig(QuantizationConfig):
                 owner, _, leaf = name.rpartition(".")
                 if leaf in PARAMETERS:
                     self._stored.setdefault(owner, {})[leaf] = (entry.dtype, entry.shape, entry.file)
-            if self.verify_on_load:
-                self._digests = integrity.ShardDigests(root)
         return self._stored
 
-    def check_shard(self, layer_name: str, name: str) -> None:
-        """With MOECONV_VERIFY_ON_LOAD=1: the shard holding this stacked tensor is the one moeconv wrote."""
-        if self._digests is None:
-            return
-        held = _held(self._stored or {}, layer_name).get(name)
-        if held is None:
-            raise PluginRefusal(f"{layer_name}.{name}: {integrity.ENV}=1, but the index names no shard for it")
-        self._digests.check(held[2], f"{layer_name}.{name}")
+    def tensor_digests(self) -> integrity.TensorDigests | None:
+        """With MOECONV_VERIFY_ON_LOAD=1: the manifest's digest of every tensor, which each tensor the
+        loader hands over is checked against (route_stacked_tensors); else None."""
+        if self.verify_on_load:
+            self.stored_tensors()
+        return self._digests
 
 
 def _dense_config(source: dict[str, Any]) -> QuantizationConfig:
@@ -301,7 +299,6 @@ def _stacked_loader(layer: RoutedExperts, name: str, spec, shape: MoELayerShape,
         if tuple(loaded_weight.shape) != tuple(spec.shape) or loaded_weight.dtype != expected:
             raise PluginRefusal(f"{layer.layer_name}.{name}: the file holds {loaded_weight.dtype}"
                                 f"{list(loaded_weight.shape)}, this layer expects {expected}{list(spec.shape)}")
-        layer.quant_method.moeconv_config.check_shard(layer.layer_name, name)
         try:
             fill(name, loaded_weight, param.data, shape.intermediate, stacked.bits, stacked.group_size, shape.tp, rank)
         except ValueError as error:
@@ -355,9 +352,11 @@ def route_stacked_tensors() -> None:
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
         stacked = {}  # every name a checkpoint may give a stacked tensor: the module's path (MiniMax's
         # `block_sparse_moe.experts`, whose layer_name says mlp) and its layer_name
+        digests = None
         for path, module in model.named_modules():
             method = getattr(module, "quant_method", None)
             if isinstance(method, STACKED_METHODS):
+                digests = method.moeconv_config.tensor_digests()
                 for name, parameter in method.stacked_parameters.items():
                     for owner in (path.removesuffix(".routed_experts"), module.layer_name):
                         stacked[f"{owner}.{name}"] = parameter
@@ -371,6 +370,8 @@ def route_stacked_tensors() -> None:
 
             def others():
                 for name, tensor in weights:
+                    if digests is not None:  # MOECONV_VERIFY_ON_LOAD=1: every tensor, before anything reads it
+                        digests.check(name, tensor)
                     parameter = stacked.get(name) if name.rsplit(".", 1)[-1] in STACKED else None
                     if parameter is None and mapper is not None and name.rsplit(".", 1)[-1] in STACKED:
                         parameter = stacked.get(mapper.map_name(name) or "")

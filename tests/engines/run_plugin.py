@@ -15,8 +15,10 @@ vLLM's for every oracle choice). Then:
     GPTQModel act-order checkpoint's output (asymmetric GPTQ dense layers, which vLLM 0.33 refuses),
     and a triton output whose config was edited (a string has_zp; a group size its files do not hold,
     refused from the headers before any parameter is allocated); and, with MOECONV_VERIFY_ON_LOAD=1, a
-    triton output as written (loads) and a copy with one byte of a stacked tensor flipped (refused,
-    naming the tensor and its shard).
+    triton output as written (loads) and copies with one byte of one tensor flipped, a stacked expert
+    tensor and a dense attention weight (each refused, naming that tensor and its shard).
+
+MOECONV_PLUGIN_ONLY=verify-on-load runs only that last part (one conversion, three loads).
 
 Prints markdown tables; exits 1 when a check fails.
 
@@ -65,10 +67,12 @@ EXPECTED_REFUSALS = {
     "config edited: group_size 16, files hold 32": "w13_scales: the file holds F16[4, 128, 4], the config and "
                                                    "the model's sizes say F16[4, 128, 8]",
 }
-# With MOECONV_VERIFY_ON_LOAD=1: a copy of a triton output with one byte of a stacked tensor flipped. The
-# manifest has one digest per shard, so the refusal names the first stacked tensor loaded from that shard.
-FLIPPED = "model.layers.1.mlp.experts.w2_qweight"
-VERIFY_REFUSAL = "is not the file moeconv wrote (its digest differs from moeconv.json's)"
+# With MOECONV_VERIFY_ON_LOAD=1: copies of a triton output with one byte of one tensor flipped, a stacked
+# one (the plugin copies it) and a dense one (the model's own loader takes it); the manifest records each
+# tensor's digest, so the refusal names the tensor whose bytes changed.
+FLIPPED = ("model.layers.1.mlp.experts.w2_qweight", "model.layers.0.self_attn.q_proj.qweight")
+VERIFY_REFUSAL = ("{tensor}: its bytes in model-00001-of-00001.safetensors differ from the digest moeconv.json "
+                  "records")
 EDITS = {'config edited: has_zp "false"': {"has_zp": "false"},
          "config edited: group_size 16, files hold 32": {"group_size": 16}}
 
@@ -124,11 +128,36 @@ def _flip_a_byte(output: Path, tensor: str) -> None:
         handle.write(bytes([byte[0] ^ 0x01]))
 
 
+def _verify_on_load(base: Path, triton: Path, failures: list[str]) -> None:
+    """MOECONV_VERIFY_ON_LOAD=1: the output as written loads; each copy with one flipped byte is refused."""
+    cases = {"as written": (triton, None)}
+    for index, tensor in enumerate(FLIPPED):
+        flipped = base / "flipped" / str(index)
+        shutil.copytree(triton, flipped)
+        _flip_a_byte(flipped, tensor)
+        cases[f"one byte of {tensor} flipped"] = (flipped, tensor)
+    for name, (path, tensor) in cases.items():
+        result, = _engine("vllm_load.py", str(path), env={VERIFY_ENV: "1"})
+        error = result.get("error", "")
+        print(f"| {name}, {VERIFY_ENV}=1 | {'loaded' if result['loaded'] else 'refused: ' + error[:200]} |")
+        expected = None if tensor is None else VERIFY_REFUSAL.format(tensor=tensor)
+        if (tensor is not None) == result["loaded"] or (expected is not None and expected not in error):
+            failures.append(f"{name}: expected {'a refusal naming ' + expected if expected else 'a load'}, "
+                            f"got {error or 'a load'}")
+
+
 def main() -> None:
     args = command_line(__doc__)
     failures = []
     with tempfile.TemporaryDirectory(prefix="moeconv-plugin-") as scratch:
         base = args.keep or Path(scratch)
+        if os.environ.get("MOECONV_PLUGIN_ONLY") == "verify-on-load":
+            source = make_checkpoint(base / "src", SynthSpec(architecture="qwen3_moe", source_format=SOURCES["gptq-sym"]))
+            print("| output | plugin at start-up |\n|---|---|")
+            _verify_on_load(base, moeconv.convert(source, base / "triton", backend="triton").output, failures)
+            for failure in failures:
+                print(f"FAIL {failure}", file=sys.stderr)
+            sys.exit(1 if failures else 0)
         pairs = {}
         for architecture in ARCHITECTURES:
             for name, fmt in SOURCES.items():
@@ -177,18 +206,7 @@ def main() -> None:
             if result["loaded"] or EXPECTED_REFUSALS[label] not in error:
                 failures.append(f"{label}: expected a refusal naming {EXPECTED_REFUSALS[label]!r}, got {error or 'a load'}")
 
-        flipped = base / "flipped"
-        shutil.copytree(triton, flipped)
-        _flip_a_byte(flipped, FLIPPED)
-        label = f"one byte of {FLIPPED} flipped"
-        for name, path in (("as written", triton), (label, flipped)):
-            result, = _engine("vllm_load.py", str(path), env={VERIFY_ENV: "1"})
-            error = result.get("error", "")
-            print(f"| {name}, {VERIFY_ENV}=1 | {'loaded' if result['loaded'] else 'refused: ' + error[:200]} |")
-            if (path == flipped) == result["loaded"] or (path == flipped and not (
-                    VERIFY_REFUSAL in error and "its shard model-00001-of-00001.safetensors" in error)):
-                failures.append(f"{name}: expected {'a refusal naming ' + VERIFY_REFUSAL if path == flipped else 'a load'}, "
-                                f"got {error or 'a load'}")
+        _verify_on_load(base, triton, failures)
     for failure in failures:
         print(f"FAIL {failure}", file=sys.stderr)
     sys.exit(1 if failures else 0)
