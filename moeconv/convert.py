@@ -23,7 +23,9 @@ from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
 from moeconv.checkpoint.schema import is_plain_file_name
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
-from moeconv.checkpoint.writer import DIGEST_KEY, TENSOR_DIGESTS_KEY, BlockHasher, ShardWriter, copy_into, file_digest, write_at
+from moeconv.checkpoint.writer import (
+    DIGEST_KEY, TENSOR_DIGESTS_KEY, BlockHasher, ShardWriter, copy_into, file_digest, write_at,
+)
 from moeconv.errors import MoeconvError, Unfinished, human_bytes
 from moeconv.executor import Executor, peak_rss_mb, worker_descriptor, worker_reader
 
@@ -403,7 +405,7 @@ class _Journal:
 
     def files(self) -> dict[str, dict[str, Any]]:
         """Each finished shard's size, digest and tensors' digests, as the manifest records them."""
-        return {name: {"bytes": info["bytes"], DIGEST_KEY: info[DIGEST_KEY], TENSOR_DIGESTS_KEY: info[TENSOR_DIGESTS_KEY]}
+        return {name: {key: info[key] for key in ("bytes", DIGEST_KEY, TENSOR_DIGESTS_KEY)}
                 for name, info in self.done.items()}
 
     def is_done(self, name: str) -> bool:

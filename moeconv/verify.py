@@ -114,10 +114,11 @@ class VerifyReport:
 
 LEVELS = ("structure", "lossless", "numerics")  # each includes the ones before it
 # verify's progress, phase by phase: `progress(0, total, phase)` starts a phase, `progress(n)` advances it.
-# digests: the output's file bytes, hashed; tensor-digests: the output's tensor bytes, hashed; source-digests: the source's shard bytes, hashed; source: the
-# source bytes read and compared (pass-through tensors, dense linears, the checked experts); kernel: MoE
-# layers run through the reference kernel.
-PHASE_UNITS = {"digests": "bytes", "tensor-digests": "bytes", "source-digests": "bytes", "source": "bytes", "kernel": "layers"}
+# digests: the output's file bytes, hashed; tensor-digests: the output's tensor bytes, hashed; source-digests:
+# the source's shard bytes, hashed; source: the source bytes read and compared (pass-through tensors, dense
+# linears, the checked experts); kernel: MoE layers run through the reference kernel.
+PHASE_UNITS = {"digests": "bytes", "tensor-digests": "bytes", "source-digests": "bytes", "source": "bytes",
+               "kernel": "layers"}
 
 # What passing each level proves, as the report states it (docs/FORMAT.md, "What verify proves").
 PROOFS = {

@@ -56,7 +56,8 @@ def _tensor_bytes(folder) -> int:
 
 
 def test_verify_progress_counts_what_each_phase_says(tmp_path, capsys):
-    """digests: the output's file bytes; tensor-digests: the output's tensor bytes; source-digests: the source's shard bytes; source: the source tensor
+    """digests: the output's file bytes; tensor-digests: the output's tensor bytes;
+    source-digests: the source's shard bytes; source: the source tensor
     bytes compared (for triton, every source tensor: experts decoded, the rest byte-compared); kernel: one per
     MoE layer checked. Each phase advances to its total."""
     from moeconv.verify import verify

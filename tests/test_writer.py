@@ -13,7 +13,8 @@ def test_block_hasher_and_file_digest_equal_the_definition(tmp_path, size):
     data = (bytes(range(256)) * (size // 256 + 1))[:size]
     path.write_bytes(b"\0" * len(data))
     # tensors: an empty one, one inside a block, one across blocks, one ending the file (file order)
-    tensors = [("a", 0, 0), ("b", 0, min(size, 300)), ("c", min(size, 300), min(size, 2500)), ("d", min(size, 2500), size)]
+    tensors = [("a", 0, 0), ("b", 0, min(size, 300)), ("c", min(size, 300), min(size, 2500)),
+               ("d", min(size, 2500), size)]
     hasher = BlockHasher(path, threads=3, block=1000, tensors=tensors)
     with open(path, "r+b") as handle:
         for start in range(0, len(data), 70_000):  # written front to back, announced piece by piece

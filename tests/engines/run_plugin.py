@@ -152,7 +152,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="moeconv-plugin-") as scratch:
         base = args.keep or Path(scratch)
         if os.environ.get("MOECONV_PLUGIN_ONLY") == "verify-on-load":
-            source = make_checkpoint(base / "src", SynthSpec(architecture="qwen3_moe", source_format=SOURCES["gptq-sym"]))
+            spec = SynthSpec(architecture="qwen3_moe", source_format=SOURCES["gptq-sym"])
+            source = make_checkpoint(base / "src", spec)
             print("| output | plugin at start-up |\n|---|---|")
             _verify_on_load(base, moeconv.convert(source, base / "triton", backend="triton").output, failures)
             for failure in failures:
