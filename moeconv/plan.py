@@ -548,7 +548,8 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
                 _check_linear(expert.get(projection, {}), f"{module}.{e}", projection, source_format,
                               out_features, in_features)
         scale_dtypes = {entry.dtype for expert in ordered for linear in expert.values()
-                        for entry in linear.values() if entry.dtype in FLOAT_DTYPES}  # scales: the only floats
+                        for entry in linear.values() if entry.dtype in FLOAT_DTYPES and len(entry.shape) == 2}
+        # scales: the only 2-D floats (a 1-D float is a per-input-channel vector: ModelOpt's pre_quant_scale)
         if len(scale_dtypes) != 1:
             raise MoeconvError(f"{checkpoint.root}: {module} mixes scale dtypes {sorted(scale_dtypes)}")
         shape = MoELayerShape(
@@ -644,7 +645,7 @@ def find_dense_linears(checkpoint: Checkpoint, source_format: SourceFormat, back
         own = {suffix: entry for suffix, entry in tensors.items() if suffix in required or suffix in optional}
         out_features, in_features = _linear_shape(source_format, own)
         _check_linear(own, prefix, "linear", source_format, out_features, in_features)
-        scale_dtype = next(entry.dtype for entry in own.values() if entry.dtype in FLOAT_DTYPES)
+        scale_dtype = next(entry.dtype for entry in own.values() if entry.dtype in FLOAT_DTYPES and len(entry.shape) == 2)
         group_size = source_format.group_size
         shape = LinearShape(out_features, in_features, source_format.bits,
                             group_size // regroup_factor if group_size > 0 else group_size,
@@ -816,18 +817,30 @@ def _choice_line(backend: Backend, factor: int, layer: MoELayerShape, why: str,
 
 
 def dense_layers_unservable(backend: Backend, source_format: SourceFormat) -> bool:
-    """The output copies the source's dense linears, and they are asymmetric GPTQ, which vLLM 0.33
-    refuses (its GPTQ is symmetric only; measured with `make test-engines`)."""
+    return unserved_dense_layers(backend, source_format) is not None
+
+
+def unserved_dense_layers(backend: Backend, source_format: SourceFormat) -> str | None:
+    """Why no engine loads the output's dense layers, when the backend copies them as they are and vLLM
+    0.33 refuses their format: asymmetric GPTQ (its GPTQ is symmetric only; measured with `make
+    test-engines`), ModelOpt's int4 (its ModelOpt methods read FP8, NVFP4 and MXFP8 only: LINEAR_ALGOS in
+    vllm/model_executor/layers/quantization/modelopt.py)."""
     fmt = source_format
-    return not backend.converts_dense_linears and fmt.method == "gptq" and not fmt.symmetric
+    if backend.converts_dense_linears:
+        return None
+    if fmt.method == "gptq" and not fmt.symmetric:
+        return "the dense layers keep the source's asymmetric GPTQ, which vLLM 0.33 does not load"
+    if fmt.method == "modelopt":
+        return "the dense layers keep the source's ModelOpt W4A16_AWQ, which vLLM 0.33 does not load"
+    return None
 
 
 def serving(backend: Backend, source_format: SourceFormat, layer: MoELayerShape) -> Serving:
     """The backend's own answer, unless the dense layers it copies are what no engine loads."""
     served = backend.serving(layer)
-    if served.engine and dense_layers_unservable(backend, source_format):
-        return Serving(None, "the dense layers keep the source's asymmetric GPTQ, which vLLM 0.33 does not load "
-                             "(moeconv's vLLM plugin refuses this output at start-up); for vLLM use "
+    reason = unserved_dense_layers(backend, source_format)
+    if served.engine and reason:
+        return Serving(None, f"{reason} (moeconv's vLLM plugin refuses this output at start-up); for vLLM use "
                              "--backend compressed-tensors")
     return served
 

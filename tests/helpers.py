@@ -98,3 +98,27 @@ def reseal(folder: Path, *changed: Path, edit=None) -> None:
                 name: blocks_sha256(data[begin:end], 64 << 20) for name, (begin, end) in tensor_ranges(data).items()}
     manifest[SELF_DIGEST_KEY] = self_digest(manifest)
     path.write_text(json.dumps(manifest))
+
+
+def converted_weights(output: Path, source: Path, backend: str, trust: str | None = None) -> dict:
+    """Every converted linear of an output (its plan's expert and dense-linear jobs), decoded with the
+    backend, by source prefix: the canonical weights the output holds, to compare with a producer's own."""
+    from moeconv.checkpoint.reader import TensorReader, open_checkpoint
+    from moeconv.plan import CopyJob, LinearJob, make_plan
+
+    plan = make_plan(source, backend=backend, trust=trust)
+    converted = open_checkpoint(output)
+    found = {}
+    with TensorReader() as reader:
+        for job in plan.jobs:
+            if isinstance(job, CopyJob):
+                continue
+            blocks = {suffix: reader.read_slice(converted.tensors[slot.tensor.name], slot.offset, slot.shape)
+                      for suffix, slot in job.slots.items()}
+            decoded = job.decode(plan.codec, blocks)
+            if isinstance(job, LinearJob):
+                found[job.prefix] = decoded["linear"]
+            else:
+                for projection, linear in job.sources.items():
+                    found[next(iter(linear.values())).key.rsplit(".", 1)[0]] = decoded[projection]
+    return found

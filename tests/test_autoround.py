@@ -25,9 +25,9 @@ from moeconv.backends import REGISTRY as BACKENDS
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.errors import MoeconvError
 from moeconv.formats import AWQ, GPTQ, format_from_config
-from moeconv.plan import CopyJob, ExpertJob, LinearJob, make_plan
+from moeconv.plan import ExpertJob, make_plan
 
-from helpers import PACKERS_VENV, packers_python, run_main
+from helpers import PACKERS_VENV, converted_weights, packers_python, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "autoround"
@@ -59,26 +59,6 @@ def truths(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
     if proc.returncode != 0:
         pytest.fail(f"make_autoround.py --truth failed (exit {proc.returncode})\n{proc.stderr[-4000:]}", pytrace=False)
     return {path.name.removesuffix(".truth.safetensors"): load_file(str(path)) for path in out.glob("*.truth.safetensors")}
-
-
-def _output_weights(output: Path, source: Path, backend: str, trust: str | None = None) -> dict:
-    """Every converted linear of the output, decoded with the backend, by source prefix."""
-    plan = make_plan(source, backend=backend, trust=trust)
-    converted = open_checkpoint(output)
-    found = {}
-    with TensorReader() as reader:
-        for job in plan.jobs:
-            if isinstance(job, CopyJob):
-                continue
-            blocks = {suffix: reader.read_slice(converted.tensors[slot.tensor.name], slot.offset, slot.shape)
-                      for suffix, slot in job.slots.items()}
-            decoded = job.decode(plan.codec, blocks)
-            if isinstance(job, LinearJob):
-                found[job.prefix] = decoded["linear"]
-            else:
-                for projection, linear in job.sources.items():
-                    found[next(iter(linear.values())).key.rsplit(".", 1)[0]] = decoded[projection]
-    return found
 
 
 def _assert_truth(weights: dict, truth: dict[str, torch.Tensor]) -> None:
@@ -114,7 +94,7 @@ def test_every_backend_holds_autoround_s_own_codes_zeros_and_scales(truths, name
     """Experts (and, where the backend converts them, dense linears): bit-exact against the quantizer;
     16-bit layers (routers, head, embeddings) byte for byte."""
     moeconv.convert(DATA / name, tmp_path / "out", backend=backend, workers=1)
-    weights = _output_weights(tmp_path / "out", DATA / name, backend)
+    weights = converted_weights(tmp_path / "out", DATA / name, backend)
     experts = [prefix for prefix in weights if ".mlp.experts." in prefix]
     assert len(experts) == 2 * 3, sorted(weights)
     _assert_truth(weights, truths[name])

@@ -102,12 +102,25 @@ def _entries(path: Path, digest: Any, room: int = MAX_TENSORS) -> dict[str, Tens
             for name, dtype, shape, begin, end in header_entries(header, path, file_size - data_start)}
 
 
+# ModelOpt's own description of its export: {"producer": ..., "quantization": {quant_algo, group_size, ...}}.
+# Its config.json section names the method and algorithm only; the group size is here.
+MODELOPT_CONFIG_NAME = "hf_quant_config.json"
+QUANTIZATION_CONFIG_NAMES = ("quant_config.json", "quantize_config.json", MODELOPT_CONFIG_NAME)
+
+
 def _quantization_config(root: Path, config: dict[str, Any]) -> dict[str, Any]:
-    """config.json's quantization_config, completed by quantize_config.json / quant_config.json."""
+    """config.json's quantization_config, completed by quantize_config.json / quant_config.json and
+    ModelOpt's hf_quant_config.json (its `quantization` section, as a "modelopt" config)."""
     merged: dict[str, Any] = {}
     for name in ("quant_config.json", "quantize_config.json"):
         if (root / name).is_file():
             merged.update(read_json(root / name))
+    if (root / MODELOPT_CONFIG_NAME).is_file():
+        where = str(root / MODELOPT_CONFIG_NAME)
+        modelopt = read_json(root / MODELOPT_CONFIG_NAME)
+        merged.update({"quant_method": "modelopt", **section(modelopt, "quantization", where)})
+        if "producer" in modelopt:
+            merged["producer"] = modelopt["producer"]
     merged.update(section(config, "quantization_config", str(root / "config.json")))
     return merged
 
@@ -183,7 +196,7 @@ def _open_checkpoint(root: Path, origin: dict[str, Any] | None) -> Checkpoint:
             raise MoeconvError(f"{path}: a link that leaves the checkpoint folder (to {path.resolve()})")
     tensors: dict[str, TensorEntry] = {}
     digest = hashlib.sha256()
-    for name in ("config.json", "quantize_config.json", "quant_config.json"):
+    for name in ("config.json", *QUANTIZATION_CONFIG_NAMES):
         if (root / name).is_file():
             digest.update((root / name).read_bytes())
     for path in files:

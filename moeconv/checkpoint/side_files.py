@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
-from moeconv.checkpoint.reader import INDEX_NAME, boundary, inside
+from moeconv.checkpoint.reader import INDEX_NAME, QUANTIZATION_CONFIG_NAMES, boundary, inside
 from moeconv.checkpoint.writer import BLOCK_BYTES, DIGEST_KEY, combined_digest
 from moeconv.errors import MoeconvError
 
@@ -29,7 +29,9 @@ _DOCUMENTS = re.compile(r"^(LICEN[CS]E|NOTICE|COPYING|README|USE_POLICY)([._-].*
 _KIND_WORDS = "configs, tokenizer files, chat templates, README, license, code"
 _READ_BYTES = 8 * 1024 * 1024
 # Source files that describe the source's quantization or weights: rewritten by convert, never copied.
-_REWRITTEN = {"config.json", INDEX_NAME, QUANTIZE_CONFIG_NAME, "quant_config.json", MANIFEST_NAME}
+# ModelOpt's hf_quant_config.json is folded into the source's config (reader.py): copied, it would tell an engine
+# that reads it (vLLM's ModelOpt detection) that the output is still ModelOpt's.
+_REWRITTEN = {"config.json", INDEX_NAME, QUANTIZE_CONFIG_NAME, MANIFEST_NAME, *QUANTIZATION_CONFIG_NAMES}
 
 
 @dataclass(frozen=True)

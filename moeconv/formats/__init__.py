@@ -15,11 +15,12 @@ from moeconv.formats.awq import AWQ
 from moeconv.formats.base import SourceFormat
 from moeconv.formats.compressed_tensors import CompressedTensors
 from moeconv.formats.gptq import GPTQ
+from moeconv.formats.modelopt import ModelOpt
 
 # quant_method in the checkpoint's config -> the class that reads it (AutoRound's reads its config into
 # the GPTQ or AWQ format its packing names).
 REGISTRY: dict[str, type] = {"awq": AWQ, "gptq": GPTQ, "compressed-tensors": CompressedTensors,
-                             "auto-round": AutoRound, "intel/auto-round": AutoRound}
+                             "auto-round": AutoRound, "intel/auto-round": AutoRound, "modelopt": ModelOpt}
 
 
 def format_from_config(config: Mapping[str, Any], where: str) -> SourceFormat:
@@ -33,4 +34,4 @@ def format_from_config(config: Mapping[str, Any], where: str) -> SourceFormat:
     return REGISTRY[method].from_config(config, where)
 
 
-__all__ = ["AWQ", "AutoRound", "CompressedTensors", "GPTQ", "REGISTRY", "SourceFormat", "format_from_config"]
+__all__ = ["AWQ", "AutoRound", "CompressedTensors", "GPTQ", "ModelOpt", "REGISTRY", "SourceFormat", "format_from_config"]
