@@ -565,7 +565,44 @@ def _print_plan(summary: dict[str, Any]) -> None:
 def main() -> None:
     """Console entry point: user errors become one line on stderr and a non-zero exit; an interrupt
     anywhere exits 3 with one line. (Usage errors are Click's own: it prints them with the usage line
-    and exits 2.)"""
+    and exits 2.) When this process is the command itself, it ends as soon as its output is flushed
+    (`_end_now`)."""
+    try:
+        _main()
+    except SystemExit as done:
+        if _is_the_command() and "ray" not in sys.modules:  # Ray's own exit handlers stop a local Ray
+            _end_now(done.code)
+        raise
+
+
+def _is_the_command() -> bool:
+    """Whether this process was started as `moeconv` (the script or `python -m moeconv`), rather than by
+    a program that calls main() and goes on (a test, a notebook)."""
+    entry = sys.modules.get("__main__")
+    spec = getattr(entry, "__spec__", None)
+    if spec is not None and spec.name == "moeconv.__main__":
+        return True
+    return spec is None and Path(getattr(entry, "__file__", None) or "").stem == "moeconv"
+
+
+def _end_now(code: Any) -> None:
+    """Flush and leave without the interpreter's teardown: after `import torch` that teardown alone took
+    0.8 to 1.1 s on the dev machine (docs/BENCHMARKS.md), and every file, worker and thread of the
+    command is closed, joined or fsynced by then (a local Ray is left to its own exit handlers)."""
+    import os
+
+    if isinstance(code, str):  # sys.exit("message"): printed, exit status 1, as the interpreter does
+        sys.stderr.write(code + "\n")
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`| head`): nothing more can reach it
+            pass
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+
+
+def _main() -> None:
     import signal
 
     from moeconv.errors import Interrupted

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ("bench_convert.py", ["--workdir", "{tmp}"]),
     ("bench_plan.py", []),
     ("bench_ray.py", ["--workdir", "{tmp}"]),
+    ("bench_startup.py", ["--workdir", "{tmp}"]),
 ])
 def test_benchmark_smoke(tmp_path, script, extra):
     output = tmp_path / "result.json"
