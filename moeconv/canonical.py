@@ -128,7 +128,7 @@ class MoELayerShape:
     scale_dtype: str  # safetensors dtype code of the source scales ("F16", "BF16", "F32")
     activation_bits: int = 16  # 8: the scheme quantizes activations to int8 per token (W8A8)
     tp: int = 1  # tensor-parallel ranks the layer will be split over (eligibility only: tensors stay whole)
-    projection_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # the checkpoint's, gate/up/down
+    projection_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate/up/down as the output names them
 
     def group_size_for(self, in_features: int) -> int:
         return effective_group_size(in_features, self.group_size)

@@ -8,11 +8,14 @@ routed experts; a tensor under an `experts` module that no pattern claims is ref
 never copied as if it were not an expert.
 
 A new family is one `Architecture` entry in ARCHITECTURES: its model_type, the modules that hold
-`experts`, its projection names, and the config keys of the expert count and size.
+`experts`, its projection names, and the config keys of the expert count and size; where checkpoints
+name the MoE block otherwise than the engine's model class does (Mixtral under transformers 5), the
+engine's names too, which every output carries (`engine_name`, `engine_projection_names`).
 """
 
 from __future__ import annotations
 
+import re
 from functools import cached_property
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -40,6 +43,10 @@ class Architecture:
     projections: Mapping[str, str]  # checkpoint projection name -> canonical projection
     experts_key: str  # config key: number of routed experts
     intermediate_key: str  # config key: per-expert intermediate size
+    # The names the engine's model class maps (vLLM 0.33), which an output carries whatever names the source
+    # used: the module that holds the router and `experts`, and gate, up, down. None: the source's own.
+    engine_parent: str | None = None
+    engine_projections: tuple[str, str, str] | None = None
 
     def parse(self, tensor_name: str) -> ExpertName | None:
         """Remembered: planning asks about each name several times, and Qwen3-Next has 220k names."""
@@ -70,6 +77,25 @@ class Architecture:
             return None
         return ExpertName(module=module, expert=int(expert), projection=self.projections[projection],
                           suffix=suffix, projection_name=projection)
+
+    def engine_name(self, name: str) -> str:
+        """A source tensor's (or module's) name as the engine's model class names it: the MoE block's
+        parent renamed where the source used another (Mixtral saved by transformers 5: `layers.N.mlp.` ->
+        `layers.N.block_sparse_moe.`, router included). Projection names: `engine_projection_names`."""
+        if self._other_parents is None:
+            return name
+        return self._other_parents.sub(rf"\1\2.{self.engine_parent}.", name, count=1)
+
+    def engine_projection_names(self, source: tuple[str, str, str]) -> tuple[str, str, str]:
+        """gate, up, down as an output names them: the engine's names, else the source's."""
+        return self.engine_projections or source
+
+    @cached_property
+    def _other_parents(self) -> re.Pattern[str] | None:
+        others = [parent for parent in self.parents if parent != self.engine_parent]
+        if self.engine_parent is None or not others:
+            return None
+        return re.compile(rf"(^|\.)(layers\.\d+)\.(?:{'|'.join(map(re.escape, others))})\.")
 
     def experts_module(self, tensor_name: str) -> str | None:
         """The `experts` module a tensor lies under (whether or not a pattern claims it), else None."""
@@ -106,9 +132,12 @@ ARCHITECTURES: dict[str, Architecture] = {
     arch.model_type: arch
     for arch in (
         # Both the legacy `block_sparse_moe.experts.E.w1/w2/w3` names and the
-        # `mlp.experts.E.gate_proj/...` names GPTQModel writes under transformers 5.
+        # `mlp.experts.E.gate_proj/...` names GPTQModel writes under transformers 5; outputs carry the
+        # former, which vLLM 0.33's MixtralForCausalLM maps (its WeightsMapper renames gate_proj to w1 but
+        # not mlp to block_sparse_moe: "no module or parameter named 'layers.0.mlp'").
         Architecture("mixtral", ("block_sparse_moe", "mlp"), _MIXTRAL_PROJECTIONS,
-                     "num_local_experts", "intermediate_size"),
+                     "num_local_experts", "intermediate_size", engine_parent="block_sparse_moe",
+                     engine_projections=("w1", "w3", "w2")),
         Architecture("qwen2_moe", **_QWEN_LIKE),
         Architecture("qwen3_moe", **_QWEN_LIKE),
         Architecture("qwen3_next", **_QWEN_LIKE),  # 512 experts x 48 layers

@@ -312,9 +312,9 @@ class Plan:
         """Modules whose 2-D float `weight` passes through: the linears a whole-checkpoint scheme must
         be told to leave in float (embeddings are listed too: a backend whose engines ask about every
         module drops them, as compressed-tensors does)."""
-        entries = [job.source.entry for job in self.jobs if isinstance(job, CopyJob)]
-        return sorted((entry.name.removesuffix(".weight") for entry in entries if entry.name.endswith(".weight")
-                       and len(entry.shape) == 2 and entry.dtype in FLOAT_DTYPES), key=_natural_key)
+        copied = [job.slot.tensor for job in self.jobs if isinstance(job, CopyJob)]  # named as the output names them
+        return sorted((tensor.name.removesuffix(".weight") for tensor in copied if tensor.name.endswith(".weight")
+                       and len(tensor.shape) == 2 and tensor.dtype in FLOAT_DTYPES), key=_natural_key)
 
     @property
     def model_dtype(self) -> str | None:
@@ -561,8 +561,9 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
             symmetric=source_format.symmetric,
             scale_dtype=scale_dtypes.pop(),
             activation_bits=source_format.activation_bits,
-            projection_names=tuple(architecture.parse(next(iter(ordered[0][projection].values())).name).projection_name
-                                   for projection in PROJECTIONS),
+            projection_names=architecture.engine_projection_names(tuple(
+                architecture.parse(next(iter(ordered[0][projection].values())).name).projection_name
+                for projection in PROJECTIONS)),
         )
         layers.append(MoELayer(module, shape, ordered))
     if not layers:
@@ -883,7 +884,8 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
                   for layer in layers]
     expert_names = {entry.name for layer in layers for expert in layer.experts
                     for linear in expert.values() for entry in linear.values()}
-    units: list[tuple[str, Unit]] = [(layer.module, _layer_unit(target, layer)) for layer in layers]
+    named = architecture.engine_name  # outputs carry the names the engine's model class maps (models.py)
+    units: list[tuple[str, Unit]] = [(layer.module, _layer_unit(target, layer, named(layer.module))) for layer in layers]
     others = [name for name in checkpoint.tensors if name not in expert_names]
     if group_index:
         with TensorReader() as reader:
@@ -891,11 +893,11 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
                               target.converts_dense_linears)
     if target.converts_dense_linears:
         linears = find_dense_linears(checkpoint, source_format, target, others, factor)
-        units += [(linear.prefix, _single(_linear_job(target, linear))) for linear in linears]
+        units += [(linear.prefix, _single(_linear_job(target, linear, named(linear.prefix)))) for linear in linears]
         converted = {entry.name for linear in linears for entry in linear.tensors.values()}
         others = [name for name in others if name not in converted]
         _refuse_fp8_beside(checkpoint, target, others)
-    units += [(name, _single(_copy_job(checkpoint.tensors[name]))) for name in others]
+    units += [(name, _single(_copy_job(checkpoint.tensors[name], named(name)))) for name in others]
     units.sort(key=lambda item: _natural_key(item[0]))
     shards = _assign_shards([unit for _, unit in units], max_shard_size)
     return Plan(checkpoint, architecture, source_format, target, tuple(layers), shards, max_shard_size, trust,
@@ -925,26 +927,28 @@ def _single(job: Job) -> Unit:
     return Unit([job], [slot.tensor for slot in job.slots.values()])
 
 
-def _copy_job(entry: TensorEntry) -> CopyJob:
-    tensor = TensorSpec(entry.name, entry.shape, entry.dtype)
+def _copy_job(entry: TensorEntry, name: str) -> CopyJob:
+    tensor = TensorSpec(name, entry.shape, entry.dtype)
     return CopyJob(SourceSlice(entry), OutputSlot(tensor, 0, entry.shape, (entry.name,)))
 
 
-def _linear_job(backend: Backend, linear: DenseLinear) -> LinearJob:
+def _linear_job(backend: Backend, linear: DenseLinear, prefix: str) -> LinearJob:
+    """`prefix`: the linear's name in the output."""
     names = tuple(entry.name for entry in linear.tensors.values())
-    slots = {spec.name: OutputSlot(spec.renamed(f"{linear.prefix}.{spec.name}"), 0, spec.shape, names)
+    slots = {spec.name: OutputSlot(spec.renamed(f"{prefix}.{spec.name}"), 0, spec.shape, names)
              for spec in backend.linear_tensors(linear.shape)}
     return LinearJob(linear.prefix, linear.shape, {suffix: SourceSlice(entry) for suffix, entry in linear.tensors.items()},
                      slots)
 
 
-def _layer_unit(backend: Backend, layer: MoELayer) -> Unit:
+def _layer_unit(backend: Backend, layer: MoELayer, module: str) -> Unit:
     """One job per expert. A stacked backend tensor gets one slot per expert (the e-th block of its
-    bytes); a per-expert tensor is the whole of expert e's own tensor."""
+    bytes); a per-expert tensor is the whole of expert e's own tensor. `module`: the layer's `experts`
+    module as the output names it."""
     specs = backend.layer_tensors(layer.shape)
     experts = range(layer.shape.experts)
-    tensors = {(spec.name, e): spec.renamed(f"{layer.module}.{e}.{spec.name}") if spec.per_expert
-               else spec.renamed(f"{layer.module}.{spec.name}")
+    tensors = {(spec.name, e): spec.renamed(f"{module}.{e}.{spec.name}") if spec.per_expert
+               else spec.renamed(f"{module}.{spec.name}")
                for spec in specs for e in (experts if spec.per_expert else (None,))}
     jobs: list[Job] = []
     for e, expert in enumerate(layer.experts):

@@ -33,6 +33,63 @@ def test_modelopt_order_converts_to_the_standard_names(tmp_path):
     assert not any(".experts.gate_proj." in name for name in names)
 
 
+def _legacy_twin(source, folder):
+    """The same tensors under Mixtral's legacy names (block_sparse_moe.experts.E.w1/w3/w2), renamed here
+    literally: what vLLM 0.33's MixtralForCausalLM maps."""
+    folder.mkdir()
+    for path in source.iterdir():
+        if path.suffix == ".safetensors":
+            tensors = load_file(str(path))
+            save_file({_legacy(name): tensor for name, tensor in tensors.items()}, str(folder / path.name),
+                      metadata={"format": "pt"})
+        elif path.name == "model.safetensors.index.json":
+            index = json.loads(path.read_text())
+            index["weight_map"] = {_legacy(name): file for name, file in index["weight_map"].items()}
+            (folder / path.name).write_text(json.dumps(index))
+        else:
+            (folder / path.name).write_bytes(path.read_bytes())
+    return folder
+
+
+def _legacy(name: str) -> str:
+    name = name.replace(".mlp.", ".block_sparse_moe.")
+    for hf, legacy in ((".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2.")):
+        if ".experts." in name:
+            name = name.replace(hf, legacy)
+    return name
+
+
+@pytest.mark.parametrize("backend", ["compressed-tensors", "humming", "triton", "cpu"])
+def test_a_transformers_5_mixtral_s_outputs_carry_the_names_vllm_maps(backend, tmp_path):
+    """Mixtral saved under transformers 5 names (GPTQModel 7.7: mlp.experts.E.gate_proj, router mlp.gate):
+    every output carries vLLM 0.33's Mixtral names (block_sparse_moe, w1/w3/w2; its loader refuses
+    'layers.0.mlp'), tensor for tensor and byte for byte what the same weights under the legacy names
+    convert to; the compressed-tensors config ignores the router by that name too."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(architecture="mixtral", mixtral_naming="hf", layers=2,
+                                                         experts=4, hidden=128, intermediate=64,
+                                                         source_format=GPTQ(4, 32, sym=True)))
+    assert "model.layers.1.mlp.experts.3.gate_proj.qweight" in open_checkpoint(source).tensors
+    twin = _legacy_twin(source, tmp_path / "legacy")
+    moeconv.convert(source, tmp_path / "hf-out", backend=backend, workers=1)
+    moeconv.convert(twin, tmp_path / "legacy-out", backend=backend, workers=1)
+    hf, legacy = open_checkpoint(tmp_path / "hf-out"), open_checkpoint(tmp_path / "legacy-out")
+    assert sorted(hf.tensors) == sorted(legacy.tensors)
+    assert not [name for name in hf.tensors if ".mlp." in name or ("_proj." in name and ".experts." in name)]
+    assert "model.layers.1.block_sparse_moe.gate.weight" in hf.tensors
+    for name, entry in hf.tensors.items():
+        with open(entry.file, "rb") as mine, open(legacy.tensors[name].file, "rb") as theirs:
+            mine.seek(entry.begin)
+            theirs.seek(legacy.tensors[name].begin)
+            assert mine.read(entry.nbytes) == theirs.read(legacy.tensors[name].nbytes), name
+    config = json.loads((tmp_path / "hf-out" / "config.json").read_text())["quantization_config"]
+    if backend == "compressed-tensors":
+        assert {"model.layers.0.block_sparse_moe.gate", "model.layers.1.block_sparse_moe.gate"} <= set(config["ignore"])
+        assert config["ignore"] == json.loads((tmp_path / "legacy-out" / "config.json").read_text())[
+            "quantization_config"]["ignore"]
+    report = moeconv.verify(tmp_path / "hf-out", numerics_layers=1)
+    assert report.ok, report.failures()
+
+
 def test_unquantized_mtp_experts_pass_through_and_are_reported(tmp_path):
     """Qwen3.5 ships its MTP layer's experts in bf16: they are copied, named in the plan, and left in
     float by the compressed-tensors config (its `ignore`), never read as a quantized layer."""
