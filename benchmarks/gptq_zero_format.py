@@ -24,7 +24,7 @@ from safetensors import safe_open
 from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.formats.gptq import V1, V2
 from moeconv.models import architecture_from_config
-from moeconv.plan import detect_format
+from moeconv.survey import detect_format
 
 
 def relabel(folder: Path, to: Path, checkpoint_format: str) -> Path:

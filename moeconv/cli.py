@@ -370,7 +370,7 @@ LINE_SECONDS = 5.0
 
 def _print_next_steps(plan, output: Path, converted: bool = True) -> None:
     """The report's last lines: how to check the output, and which engine serves it (or that none does)."""
-    serving = plan.serving()
+    serving = plan.serving
     quoted = shlex.quote(str(output))
     if converted:
         out.print(f"next: moeconv verify {quoted}", highlight=False, soft_wrap=True, markup=False)
@@ -403,7 +403,7 @@ def _detection_notes(plan) -> list[str]:
     if detection is None:
         return []
     notes = [f"decided by you, not by the data: {what}" for what in detection.decided_by_user]
-    cast = plan.engine_scale_cast()
+    cast = plan.scale_cast
     if cast:
         stored, model = (str(dtype).removeprefix("torch.") for dtype in cast)
         notes.append(f"note: the scales are {stored} but the model dtype is {model}: vLLM creates this schema's "

@@ -28,9 +28,10 @@ from moeconv.checkpoint.writer import (
 )
 from moeconv.errors import MoeconvError, Unfinished, human_bytes
 from moeconv.executor import Executor, peak_rss_mb, worker_descriptor, worker_reader
+from moeconv.worklist import OutputShard, SourceSlice
 
 if TYPE_CHECKING:  # the plan arrives made; this module only walks it (and so imports no torch)
-    from moeconv.plan import OutputShard, Plan, SourceSlice
+    from moeconv.plan import Plan
 
 Progress = Callable[[int], None]
 @dataclass
@@ -172,7 +173,7 @@ def _check_unchanged_source(plan: Plan, shard: OutputShard, staging: Path, journ
     changed = None
     with TensorReader(fingerprints={}) as reader:
         for piece in _converted_inputs(shard):
-            piece.read(reader)
+            reader.read(piece.entry)
         if _source_fingerprint(shard, reader.fingerprints) != journal.done[shard.file_name]["source"]:
             changed = "a converted tensor"
     if changed is None:
@@ -213,7 +214,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
     with _exclusive(output):
         check_output_folder(output)  # again, under the lock: another writer may have finished it
         try:
-            journal = _Journal.open(staging, plan.identity())
+            journal = _Journal.open(staging, plan.identity)
             _check_free_space(plan, staging, journal, sides.nbytes)
             audits = Audits()
             hashing = SourceDigests(source.files)
@@ -488,7 +489,9 @@ def _run_job(job, codec, path: Path, positions: dict[str, int]) -> tuple[list, d
         entry = job.source.entry
         copy_into(fd, positions[""], entry.file, entry.begin, entry.end, entry.name)
         return [], {}
-    blocks, counts = job.convert(codec, reader)
+    from moeconv import transform  # torch and the codecs: a worker's, not the parent's
+
+    blocks, counts = transform.convert(job, codec, reader)
     for suffix, data in blocks.items():
         if data.numel() * data.element_size() != job.slots[suffix].nbytes:
             raise ValueError(f"{job.slots[suffix].tensor.name}: the backend made {tuple(data.shape)}, "
@@ -523,7 +526,7 @@ def _write_metadata(plan: Plan, staging: Path, files: dict[str, dict[str, Any]],
     """The index, configs and copied side files, then the manifest recording every one's digest."""
     _dump(staging / INDEX_NAME, manifest.output_index(plan))
     _dump(staging / "config.json", manifest.output_config(plan))
-    _dump(staging / QUANTIZE_CONFIG_NAME, plan.quantization_config())
+    _dump(staging / QUANTIZE_CONFIG_NAME, plan.quantization_config)
     written = {name: _sized_digest(staging / name) for name in (INDEX_NAME, "config.json", QUANTIZE_CONFIG_NAME)}
     copied = {side.name: copy_side_file(side, staging) for side in sides.copied}
     _dump(staging / MANIFEST_NAME, manifest.build(plan, files, written, copied, sides.skipped, source_digests))

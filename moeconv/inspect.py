@@ -6,45 +6,38 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from moeconv.audit import Audits
+from moeconv.audit import count as audit_counts
 from moeconv.backends import all_backends
 from moeconv.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
-from moeconv.audit import Audits, count as audit_counts
-from moeconv.spec import FLOAT_DTYPES
-from moeconv.models import architecture_from_config
 from moeconv.errors import MoeconvError
-from moeconv.plan import (act_order_suspected, choose_backend, detect_format, eligibility, expert_tensors,
-                          find_moe_layers, scan_act_order, serving)
+from moeconv.plan import choose_backend, eligibility, serving
+from moeconv.spec import FLOAT_DTYPES
+from moeconv.survey import survey
 
 
 def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]:
+    """The survey (survey.py) rendered, without refusing what the data contradicts (it is reported), and
+    each backend's verdict on it."""
     checkpoint = source if isinstance(source, Checkpoint) else open_checkpoint(Path(source))
-    where = str(checkpoint.root / "config.json")
-    architecture = architecture_from_config(checkpoint.config, where)
-    experts = expert_tensors(checkpoint, architecture)
-    configured, detection = detect_format(checkpoint, architecture, experts)
-    # Describe the checkpoint as the tensors show it; disagreements are reported, not fatal, here.
-    source_format = detection.detected if detection.disagreements and detection.detected else configured
-    found, unquantized = find_moe_layers(checkpoint, architecture, source_format, experts)
-    act_orders: dict[str, str] = {}
-    group_index = source_format.group_index_suffix
-    if group_index and act_order_suspected(checkpoint, source_format, detection):
-        with TensorReader() as reader:
-            scanned, refusals = scan_act_order(found, group_index, reader)
-        act_orders = {layer.module: layer.act_order for layer in scanned}
-        act_orders.update({module: f"refused: {reason}" for module, reason in refusals.items()})
-    layers = [replace(layer, shape=replace(layer.shape, tp=tp)) for layer in found]
+    found = survey(checkpoint, tp=tp, strict=False)
+    source_format, configured, detection, layers = found.source_format, found.configured, found.detection, found.layers
+    act_orders: dict[str, str] = {}  # per MoE layer when any g_idx is not k // g
+    if found.act_order_scanned:
+        act_orders = {layer.module: layer.act_order for layer in layers if layer.module not in found.act_order_refusals}
+        act_orders.update({module: f"refused: {reason}" for module, reason in found.act_order_refusals.items()})
     first = layers[0].shape
     expert_bytes = sum(layer.source_bytes for layer in layers)
     report: dict[str, Any] = {
         "path": str(checkpoint.root),
         "origin": checkpoint.origin,
-        "architecture": architecture.model_type,
+        "architecture": found.architecture.model_type,
         "format": source_format.describe(),
         "config_format": configured.describe(),
         "detection": detection.to_json(),
         "moe_layers": [layer.module for layer in layers],
         "act_order": act_orders,  # per MoE layer when any g_idx is not k // g: static, relabelled, folded or refused
-        "unquantized_experts": unquantized,  # held in float: passed through
+        "unquantized_experts": list(found.unquantized_experts),  # held in float: passed through
         "experts_per_layer": first.experts,
         "expert_shapes": {
             "gate": [first.intermediate, first.hidden],

@@ -10,16 +10,27 @@ from __future__ import annotations
 from math import prod
 from typing import NamedTuple
 
-import torch
+from typing import Any
 
 # The safetensors spec's dtypes and their sizes in bytes.
 DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 FLOAT_DTYPES = ("F16", "BF16", "F32")  # the dtypes scales come in
-TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-                "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-                "BOOL": torch.bool}
-SAFETENSORS_DTYPES = {torch_dtype: code for code, torch_dtype in TORCH_DTYPES.items()}
+_TORCH_NAMES = {"U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "F16": "float16",
+                "BF16": "bfloat16", "F32": "float32", "F64": "float64", "BOOL": "bool"}
+
+
+def __getattr__(name: str) -> Any:
+    """TORCH_DTYPES (code -> torch dtype) and SAFETENSORS_DTYPES (its inverse), built on first use so that
+    the work list (worklist.py), which sizes tensors with DTYPE_SIZES, is importable without torch."""
+    if name in ("TORCH_DTYPES", "SAFETENSORS_DTYPES"):
+        import torch
+
+        tables = globals()
+        tables["TORCH_DTYPES"] = {code: getattr(torch, dtype) for code, dtype in _TORCH_NAMES.items()}
+        tables["SAFETENSORS_DTYPES"] = {dtype: code for code, dtype in tables["TORCH_DTYPES"].items()}
+        return tables[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class TensorSpec(NamedTuple):

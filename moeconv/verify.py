@@ -37,7 +37,11 @@ from moeconv.checkpoint.writer import DIGEST_KEY, TENSOR_DIGESTS_KEY, file_diges
 from moeconv.errors import MoeconvError
 from moeconv.kernels.runners import LAYER_KERNELS, NUMERICS_TOLERANCE
 from moeconv.executor import Executor, worker_reader
-from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Codec, ConvertJob, CopyJob, ExpertJob, LinearJob, MoELayer, Plan, make_plan
+from moeconv import transform
+from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, engine_scale_cast, make_plan
+from moeconv.survey import MoELayer
+from moeconv.transform import Codec
+from moeconv.worklist import ConvertJob, CopyJob, ExpertJob, LinearJob
 from moeconv.source import resolve_source
 
 
@@ -216,14 +220,15 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     report.source_problems, report.source_files_checked = _check_source_digests(checkpoint, manifest, advance)
     generator = torch.Generator().manual_seed(seed)
     layer_experts = [_sampled(layer.shape.experts, sample, generator) for layer in plan.layers]
-    layer_jobs = [plan.expert_jobs(layer) for layer in plan.layers]
+    layer_jobs = [plan.layer_jobs[layer.module] for layer in plan.layers]
     copies = [job for job in plan.jobs if isinstance(job, CopyJob)]
     linears = [job for job in plan.jobs if isinstance(job, LinearJob)]
     advance(0, _input_bytes(copies + linears + [jobs[e] for jobs, experts in zip(layer_jobs, layer_experts)
                                                 for e in experts]), "source")
     report.passthrough_problems, report.passthrough_checked = _check_passthrough(copies, converted.tensors, advance)
     audits = Audits()
-    cast = plan.engine_scale_cast(_served_dtype(output))
+    served = _served_dtype(output)
+    cast = plan.scale_cast if served is None else engine_scale_cast(plan.backend, plan.layers[0].shape.scale_dtype, served)
     codec = plan.codec
     with TensorReader() as reader, _checkers(executor, workers, ray_address) as executor:
         tasks = [(codec, job, _outputs_of(job, converted.tensors), cast) for job in linears]
@@ -409,13 +414,13 @@ def _check_json_files(plan: Plan, output: Path, manifest: dict[str, Any]) -> lis
     except MoeconvError as error:
         problems.append(str(error))
     else:
-        quantization = plan.quantization_config()
+        quantization = plan.quantization_config
         if config.get("quantization_config") != quantization:
             problems.append("config.json: quantization_config does not describe this conversion")
         expected = manifests.output_config(plan)
         problems += _field_problems("config.json", {**config, "quantization_config": quantization}, expected,
                                     "what the source's config.json gives")
-    for name, want in ((QUANTIZE_CONFIG_NAME, plan.quantization_config()), (INDEX_NAME, manifests.output_index(plan))):
+    for name, want in ((QUANTIZE_CONFIG_NAME, plan.quantization_config), (INDEX_NAME, manifests.output_index(plan))):
         try:
             have = read_json(output / name)
         except MoeconvError as error:
@@ -538,10 +543,10 @@ def _check_job(codec: Codec, job: ConvertJob, tensors: dict[str, TensorEntry], r
     """(projection, mismatch) for every canonical weight whose output bytes do not decode to exactly
     what the source format's decoder gives; (None, why) when the layout cannot be decoded at all."""
     try:
-        converted = job.decode(codec, _output_blocks(job, tensors, reader))
+        converted = transform.decode(job, codec, _output_blocks(job, tensors, reader))
     except ValueError as error:  # the layout's own redundancy (e.g. CPU compensation sums) disagrees
         return [(None, str(error))]
-    source, counts = job.read_source(codec, reader)
+    source, counts = transform.source_weights(job, codec, reader)
     for name, found in counts:
         audits.record(name, found)
     if cast is not None:
@@ -583,7 +588,7 @@ def _check_numerics(plan: Plan, layer: MoELayer, jobs: list[ExpertJob], tensors:
     x = torch.randn(tokens, shape.hidden, generator=generator).to(torch.float16)
     slices = _kernel_tensors(plan, [jobs[e] for e in used], tensors, reader)
     out = LAYER_KERNELS[plan.backend.numerics.kernel].run(slices, shape, x, weights, local_ids)
-    sources = [jobs[e].read_source(plan.codec, reader)[0] for e in used]
+    sources = [transform.source_weights(jobs[e], plan.codec, reader)[0] for e in used]
     w13 = torch.stack([torch.cat([s["gate"].dequantize(torch.float64), s["up"].dequantize(torch.float64)])
                        for s in sources])
     w2 = torch.stack([s["down"].dequantize(torch.float64) for s in sources])

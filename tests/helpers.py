@@ -104,7 +104,9 @@ def converted_weights(output: Path, source: Path, backend: str, trust: str | Non
     """Every converted linear of an output (its plan's expert and dense-linear jobs), decoded with the
     backend, by source prefix: the canonical weights the output holds, to compare with a producer's own."""
     from moeconv.checkpoint.reader import TensorReader, open_checkpoint
-    from moeconv.plan import CopyJob, LinearJob, make_plan
+    from moeconv import transform
+    from moeconv.plan import make_plan
+    from moeconv.worklist import CopyJob, LinearJob
 
     plan = make_plan(source, backend=backend, trust=trust)
     converted = open_checkpoint(output)
@@ -115,7 +117,7 @@ def converted_weights(output: Path, source: Path, backend: str, trust: str | Non
                 continue
             blocks = {suffix: reader.read_slice(converted.tensors[slot.tensor.name], slot.offset, slot.shape)
                       for suffix, slot in job.slots.items()}
-            decoded = job.decode(plan.codec, blocks)
+            decoded = transform.decode(job, plan.codec, blocks)
             if isinstance(job, LinearJob):
                 found[job.prefix] = decoded["linear"]
             else:

@@ -25,7 +25,9 @@ from moeconv.canonical import QuantizedWeight
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.errors import MoeconvError
 from moeconv.formats import GPTQ, CompressedTensors
-from moeconv.plan import ExpertJob, make_plan
+from moeconv import transform
+from moeconv.plan import make_plan
+from moeconv.worklist import ExpertJob
 
 from helpers import run_main
 from strategies import random_canonical
@@ -137,7 +139,7 @@ def _output_expert(plan, job: ExpertJob, out_tensors, reader) -> dict[str, torch
     """The float64 gate, up and down an output file holds for one expert (its own layout decoded)."""
     blocks = {suffix: reader.read_slice(out_tensors[slot.tensor.name], slot.offset, slot.shape)
               for suffix, slot in job.slots.items()}
-    return {p: w.dequantize(torch.float64) for p, w in job.decode(plan.codec, blocks).items()}
+    return {p: w.dequantize(torch.float64) for p, w in transform.decode(job, plan.codec, blocks).items()}
 
 
 @pytest.mark.parametrize("backend", list(REGISTRY))
@@ -154,7 +156,7 @@ def test_the_real_down_only_checkpoint_converts_to_the_function_gptqmodel_comput
     checked = 0
     with TensorReader() as reader:
         for layer in plan.layers:
-            for job in plan.expert_jobs(layer):
+            for job in plan.layer_jobs[layer.module]:
                 w = _output_expert(plan, job, out_tensors, reader)
                 ref = {p: reference[f"{layer.module}.{job.expert}.{p}_proj.weight"].double() for p in ("gate", "up", "down")}
                 ours = (torch.nn.functional.silu(x @ w["gate"].T) * (x @ w["up"].T)) @ w["down"].T
@@ -252,10 +254,10 @@ def test_a_compressed_tensors_checkpoint_with_actorder_group_on_down_folds(tmp_p
         report = moeconv.verify(out, numerics_layers=1)
         assert report.ok, (backend, report.failures())
         plan = make_plan(source, backend=backend)
-        job = plan.expert_jobs(plan.layers[0])[1]
+        job = plan.layer_jobs[plan.layers[0].module][1]
         with TensorReader() as reader:
             w = _output_expert(plan, job, open_checkpoint(out).tensors, reader)
-            raw = {p: {s: piece.read(reader) for s, piece in linear.items()} for p, linear in job.sources.items()}
+            raw = {p: {s: reader.read(piece.entry) for s, piece in linear.items()} for p, linear in job.sources.items()}
         prefix = f"{plan.layers[0].module}.1.down_proj"
         source_down = _act_order_weight(static.decode({k: v for k, v in raw["down"].items() if k != "weight_g_idx"}),
                                         g_idx[prefix])

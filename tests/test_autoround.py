@@ -25,7 +25,9 @@ from moeconv.backends import REGISTRY as BACKENDS
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.errors import MoeconvError
 from moeconv.formats import AWQ, GPTQ, format_from_config
-from moeconv.plan import ExpertJob, make_plan
+from moeconv import transform
+from moeconv.plan import make_plan
+from moeconv.worklist import ExpertJob
 
 from helpers import PACKERS_VENV, converted_weights, packers_python, run_main
 
@@ -139,7 +141,7 @@ def test_the_packing_name_is_a_claim_the_data_must_confirm(truths, name, packing
     assert len(experts) == 2
     with TensorReader() as reader:
         for job in experts:  # --trust-data: the quantizer's codes, zeros and scales
-            decoded, _ = job.read_source(plan.codec, reader)
+            decoded, _ = transform.source_weights(job, plan.codec, reader)
             _assert_truth({next(iter(job.sources[p].values())).key.rsplit(".", 1)[0]: weight
                            for p, weight in decoded.items()}, truths[name])
 

@@ -11,7 +11,8 @@ from moeconv.errors import MoeconvError
 from moeconv.formats import AWQ, GPTQ
 from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.models import architecture_from_config
-from moeconv.plan import detect_format, make_plan
+from moeconv.plan import make_plan
+from moeconv.survey import detect_format
 from moeconv.synth import SynthSpec, make_checkpoint
 
 from helpers import cli

@@ -17,7 +17,8 @@ from moeconv.canonical import LinearShape, QuantizedWeight
 from moeconv.checkpoint.reader import TensorReader
 from moeconv.formats import GPTQ, CompressedTensors
 from moeconv.formats.compressed_tensors import INT_QUANTIZED
-from moeconv.plan import LinearJob, make_plan
+from moeconv.plan import make_plan
+from moeconv.worklist import LinearJob
 from moeconv.synth import SynthSpec, make_checkpoint, quantize, random_weight
 from moeconv.verify import verify
 
@@ -159,7 +160,7 @@ def test_every_linear_decodes_to_the_source_and_the_rest_is_byte_identical(conve
         for linear in linears:
             own = {spec.name: tensors[f"{linear.prefix}.{spec.name}"] for spec in backend.linear_tensors(linear.shape)}
             written |= {f"{linear.prefix}.{suffix}" for suffix in own}
-            expected = plan.source_format.decode({s: piece.read(reader) for s, piece in linear.sources.items()})
+            expected = plan.source_format.decode({s: reader.read(piece.entry) for s, piece in linear.sources.items()})
             assert backend.decode_linear(own, linear.shape).mismatch(expected) is None
         passthrough = set(tensors) - written
         for name in passthrough:

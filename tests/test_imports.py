@@ -1,12 +1,12 @@
 """Only the workers import torch (issue 27): the parts of `convert`'s parent process that plan, journal,
 hash and write take none, and neither do the help screens.
 
-Still importing torch in the parent: `moeconv.spec` builds its torch dtype tables at import, and the
-plan (`plan.py`, `detect.py`, the formats and backends it asks for shapes and reads a data sample
-with) imports torch at module level; `inspect` and `convert --dry-run` detect the format from data
-with torch. Those are being split out (plan.py into a torch-free work list and the workers'
-transform). The second test below holds the line for the modules already done: it builds spec's
-tables first, then makes torch unimportable and imports the rest.
+Still importing torch in the parent: the plan (`plan.py`, `survey.py`, `detect.py`, the formats and
+backends it asks for shapes and reads a data sample with) imports torch at module level; `inspect`
+and `convert --dry-run` detect the format from data with torch. The work list the parent walks
+(`worklist.py`) and the dtype tables (`spec.py`, whose torch tables are built on first use) import
+none; the workers' `transform.py` does. The second test below makes torch unimportable and imports
+the parent's modules.
 """
 
 from __future__ import annotations
@@ -37,13 +37,10 @@ def test_the_help_screens_import_no_torch(args):
 
 # The convert parent's own floors: the executor (worker pool, tree memory), the streaming writer and
 # block hasher, the header reader, the journal and manifest, the audits' totals.
-PARENT_MODULES = ["moeconv.convert", "moeconv.executor", "moeconv.checkpoint.reader", "moeconv.checkpoint.writer",
+PARENT_MODULES = ["moeconv.spec", "moeconv.worklist", "moeconv.convert", "moeconv.executor", "moeconv.checkpoint.reader", "moeconv.checkpoint.writer",
                   "moeconv.checkpoint.manifest", "moeconv.checkpoint.side_files", "moeconv.audit"]
 BLOCKED = f"""
 import sys
-import moeconv.spec  # its dtype tables still import torch (see the module docstring)
-for name in [name for name in sys.modules if name == "torch" or name.startswith("torch.")]:
-    del sys.modules[name]
 sys.modules["torch"] = None  # from here on, `import torch` raises ImportError
 for module in {PARENT_MODULES!r}:
     __import__(module)

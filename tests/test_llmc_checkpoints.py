@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import moeconv
 from moeconv.backends import REGISTRY
 from moeconv.checkpoint.reader import TensorReader
+from moeconv import transform
 from moeconv.plan import make_plan
 
 DATA = Path(__file__).parent / "data" / "llmc_fused"
@@ -31,8 +32,8 @@ def test_decoding_reproduces_the_float_experts_the_quantizer_was_given(variant):
     with TensorReader() as reader:
         for layer in plan.layers:
             gate_up, down = (floats[f"{layer.module}.{name}"].float() for name in ("gate_up_proj", "down_proj"))
-            for job in plan.expert_jobs(layer):
-                weights, _ = job.read_source(plan.codec, reader)
+            for job in plan.layer_jobs[layer.module]:
+                weights, _ = transform.source_weights(job, plan.codec, reader)
                 originals = {"gate": gate_up[job.expert, :intermediate], "up": gate_up[job.expert, intermediate:],
                              "down": down[job.expert]}
                 for projection, weight in weights.items():

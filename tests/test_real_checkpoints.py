@@ -150,7 +150,7 @@ def _output_zeros(output: Path) -> dict[str, torch.Tensor]:
     found = {}
     with TensorReader() as reader:
         for layer in plan.layers:
-            for job, expert in zip(plan.expert_jobs(layer), layer.experts):
+            for job, expert in zip(plan.layer_jobs[layer.module], layer.experts):
                 slices = {suffix: reader.read_slice(converted.tensors[slot.tensor.name], slot.offset, slot.shape)
                           for suffix, slot in job.slots.items()}
                 decoded = plan.backend.decode_expert(slices, layer.shape)

@@ -27,7 +27,7 @@ MANIFEST_VERSION = 2
 
 def output_config(plan: Any) -> dict[str, Any]:
     """The output's config.json: the source's, with moeconv's quantization_config."""
-    return {**plan.checkpoint.config, "quantization_config": plan.quantization_config()}
+    return {**plan.checkpoint.config, "quantization_config": plan.quantization_config}
 
 
 def output_index(plan: Any) -> dict[str, Any]:
@@ -57,7 +57,7 @@ def build(plan: Any, files: dict[str, dict[str, Any]], written: dict[str, dict[s
         "tool_version": __version__,
         "manifest_version": MANIFEST_VERSION,
         **derived(plan),
-        "arguments": plan.identity(),
+        "arguments": plan.identity,
         "source": {**source.identity(), "files": [path.name for path in source.files],
                    "file_digests": source_digests},
         "files": files,

@@ -109,6 +109,7 @@ def _numerics(source: Path, layer, module_name: str) -> dict:
     from moeconv.kernels.fused_moe import align_tokens_to_experts
     from moeconv.kernels.reference import random_routing, reference_fused_moe, relative_error
     from moeconv.kernels.runners import NUMERICS_TOLERANCE, W8A8_NUMERICS_TOLERANCE
+    from moeconv import transform
     from moeconv.plan import make_plan
     from moeconv.vllm_plugin.config import INT8_LAYOUT
 
@@ -151,7 +152,7 @@ def _numerics(source: Path, layer, module_name: str) -> dict:
     down = gemm(activated.to(torch.float16), "w2", hidden, 1, True).reshape(TOKENS, topk, hidden)
     out = down.float().sum(dim=1)
     with TensorReader() as reader:
-        sources = [job.read_source(plan.codec, reader)[0] for job in plan.expert_jobs(moe)]
+        sources = [transform.source_weights(job, plan.codec, reader)[0] for job in plan.layer_jobs[moe.module]]
     w13 = torch.stack([torch.cat([s["gate"].dequantize(torch.float64), s["up"].dequantize(torch.float64)])
                        for s in sources])
     w2 = torch.stack([s["down"].dequantize(torch.float64) for s in sources])

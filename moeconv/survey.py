@@ -1,0 +1,436 @@
+"""What the source is: from its configs and headers (plus a small sample of expert tensors, read only
+to check the config's format against the data: detect.py, and every g_idx when act-order is
+suspected), the architecture, the format the tensors are read with, the routed-expert layers with
+their shapes and act-order case, the experts held in float, and the dense quantized linears.
+
+`survey` is the one walk both `inspect` (which renders it) and `plan` (which decides what to write
+from it) take; the checks a backend's choice adds (dense linears, FP8 beside the experts) are the
+functions below it, called by the plan.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Any
+
+from moeconv import act_order
+from moeconv.backends.base import Backend
+from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, effective_group_size
+from moeconv.checkpoint.reader import Checkpoint, TensorEntry, TensorReader
+from moeconv.detect import Detection, detect, sample_linears
+from moeconv.errors import MoeconvError
+from moeconv.formats import SourceFormat, format_from_config
+from moeconv.models import Architecture, architecture_from_config
+from moeconv.spec import FLOAT_DTYPES, TensorSpec
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One MoE layer's routed experts: experts[e][projection][suffix] -> source tensor."""
+
+    module: str
+    shape: MoELayerShape
+    experts: tuple[dict[str, dict[str, TensorEntry]], ...]
+    act_order: str = act_order.STATIC  # or RELABELLED, FOLDED (scan_act_order)
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(entry.nbytes for expert in self.experts for linear in expert.values() for entry in linear.values())
+
+
+@dataclass(frozen=True)
+class DenseLinear:
+    """A quantized linear outside the routed experts (attention, shared experts, dense MLPs), converted
+    by backends that convert dense linears: tensors[suffix] -> source tensor."""
+
+    prefix: str
+    tensors: dict[str, TensorEntry]
+    shape: LinearShape
+
+
+def natural_key(name: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+Grouped = dict[str, dict[int, dict[str, dict[str, TensorEntry]]]]  # module -> expert -> projection -> suffix
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    """Every tensor under an `experts` module, from one pass over the names (a Kimi-K2 has 209k):
+    the ones a naming scheme claims, grouped, and the modules held wholly in float (an MTP layer left
+    bf16, experts fused on disk as 3-D float tensors), which pass through byte for byte."""
+
+    grouped: Grouped
+    unquantized: list[str]
+
+
+def expert_tensors(checkpoint: Checkpoint, architecture: Architecture) -> ExpertTensors:
+    """A non-float tensor under an `experts` module that no naming scheme claims is refused, never
+    copied as if it were not an expert."""
+    grouped: Grouped = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
+    floats: dict[str, bool] = {}  # module -> every tensor under it is float
+    for name, entry in checkpoint.tensors.items():
+        parsed = architecture.parse(name)
+        module = parsed.module if parsed is not None else architecture.experts_module(name)
+        if module is None:
+            continue
+        if parsed is None and entry.dtype not in FLOAT_DTYPES:
+            raise MoeconvError(
+                f"{entry.file}: tensor {name} ({entry.dtype}{list(entry.shape)}) is under {module} but matches no "
+                f"{architecture.model_type} expert naming (experts.E.<projection>.<suffix>); fused 3-D quantized "
+                f"experts (as llm-compressor 0.12 writes `gate_up_proj_packed`) are not read yet; refusing rather "
+                f"than copying them unconverted (namings live in moeconv/models.py)")
+        floats[module] = floats.get(module, True) and entry.dtype in FLOAT_DTYPES
+        if parsed is not None:
+            grouped[parsed.module][parsed.expert][parsed.projection][parsed.suffix] = entry
+    return ExpertTensors(grouped, sorted((module for module, held in floats.items() if held), key=natural_key))
+
+
+def detect_format(checkpoint: Checkpoint, architecture: Architecture, experts: ExpertTensors | None = None,
+                  zero_format: str | None = None) -> tuple[SourceFormat, Detection]:
+    """The format the config declares (its GPTQ `checkpoint_format` replaced by `zero_format` when the
+    user gives one), and what a sample of the expert tensors shows."""
+    config_path = str(checkpoint.root / "config.json")
+    if not checkpoint.quantization_config:
+        raise MoeconvError(f"{config_path}: no quantization_config and no quantize_config.json: not a quantized checkpoint")
+    quantization = checkpoint.quantization_config
+    if zero_format is not None:
+        quantization = {**quantization, "checkpoint_format": zero_format}
+    configured = format_from_config(quantization, config_path)
+    if zero_format is not None and configured.method != "gptq":
+        raise MoeconvError(f"{config_path}: --gptq-zero-format is for GPTQ checkpoints; this one is {configured.method}")
+    _, hidden, intermediate = architecture.expected_sizes(checkpoint.config, config_path)
+    sizes = {"gate": (intermediate, hidden), "up": (intermediate, hidden), "down": (hidden, intermediate)}
+    experts = experts or expert_tensors(checkpoint, architecture)
+    detection = detect(sample_linears(experts.grouped, sizes), configured)
+    if zero_format is not None:
+        detection.decided_by_user += [f"--gptq-zero-format {zero_format}: {what}" for what in detection.undecided]
+        detection.undecided, detection.advice = [], []
+    return configured, detection
+
+
+def resolve_format(checkpoint: Checkpoint, trust: str | None, configured: SourceFormat, detection: Detection,
+                   zero_format: str | None = None) -> SourceFormat:
+    """The source format to decode with: the config's (`configured`), unless the tensors disagree
+    (`detection`, from detect_format). Then stop and explain, or follow `trust` ("config" or "data").
+    What the data cannot decide stops the conversion too (a guess converted silently is the wrong output
+    this exists to prevent), unless the user decides (`zero_format`, or `trust` "config"). Act-order is
+    the survey's (scan_act_order)."""
+    where = checkpoint.root / "config.json"
+    if detection.undecided and trust == "config":
+        detection.decided_by_user += [f"--trust-config: {what}" for what in detection.undecided]
+        detection.undecided, detection.advice = [], []
+    if detection.undecided:
+        advice = f"; {detection.advice[0]}" if detection.advice else ""
+        raise MoeconvError(f"{where}: {detection.undecided[0]}{advice}")
+    if not detection.disagreements or trust == "config":
+        return configured
+    if trust == "data" and detection.detected is not None:
+        return detection.detected
+    more = f" (and {len(detection.disagreements) - 1} more)" if len(detection.disagreements) > 1 else ""
+    hint = "pass --trust-config or --trust-data to choose" if detection.detected else "pass --trust-config to go on"
+    said = " (as --gptq-zero-format says)" if zero_format else ""
+    raise MoeconvError(f"{where}: {detection.disagreements[0]}{said}{more}; {hint}")
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _check_counts(checkpoint: Checkpoint, layers: list[MoELayer]) -> None:
+    """The config's layer count and experts per token, which the output's config.json hands to an
+    engine as they are: positive integers the tensors bear out (an engine told num_hidden_layers
+    1e9 would try to build them), not more layers than the tensors number, not more experts per
+    token than a layer has."""
+    where = checkpoint.root / "config.json"
+    text = checkpoint.config.get("text_config")
+    config = text if isinstance(text, dict) and "num_hidden_layers" in text else checkpoint.config
+    for key in ("num_hidden_layers", "num_experts_per_tok"):
+        value = config.get(key, checkpoint.config.get(key))
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise MoeconvError(f"{where}: {key} is {value!r}, not a positive integer")
+        if key == "num_hidden_layers":
+            numbered = {match[1] for name in checkpoint.tensors if (match := _LAYER_INDEX.search(name))}
+            if value > len(numbered):
+                raise MoeconvError(f"{where}: num_hidden_layers is {value}, but the tensors hold {len(numbered)} "
+                                   f"numbered layers")
+        elif layers and value > min(layer.shape.experts for layer in layers):
+            raise MoeconvError(f"{where}: num_experts_per_tok is {value}, more than the "
+                               f"{min(layer.shape.experts for layer in layers)} experts of a layer")
+
+
+def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_format: SourceFormat,
+                    tensors: ExpertTensors | None = None) -> tuple[list[MoELayer], list[str]]:
+    """Group the routed-expert tensors into layers and check them against the config. Experts held in
+    float (`ExpertTensors.unquantized`) are not a layer to convert: they pass through."""
+    where = checkpoint.root / "config.json"
+    experts_expected, hidden, intermediate = architecture.expected_sizes(checkpoint.config, str(where))
+    tensors = tensors or expert_tensors(checkpoint, architecture)
+    grouped, unquantized = tensors.grouped, tensors.unquantized
+    layers = []
+    for module in sorted(set(grouped) - set(unquantized), key=natural_key):
+        experts = grouped[module]
+        # Compare counts before building any list the config's number sizes (a count of 1e9 over tiny files).
+        if len(experts) != experts_expected or sorted(experts) != list(range(experts_expected)):
+            found = len(experts)
+            raise MoeconvError(
+                f"{checkpoint.root}: {module} has experts {_ranges(sorted(experts))} ({found}), "
+                f"but config.json says {experts_expected}"
+            )
+        ordered = tuple(experts[e] for e in range(experts_expected))
+        for e, expert in enumerate(ordered):
+            for projection in PROJECTIONS:
+                out_features, in_features = (hidden, intermediate) if projection == "down" else (intermediate, hidden)
+                _check_linear(expert.get(projection, {}), f"{module}.{e}", projection, source_format,
+                              out_features, in_features)
+        scale_dtypes = {entry.dtype for expert in ordered for linear in expert.values()
+                        for entry in linear.values() if entry.dtype in FLOAT_DTYPES and len(entry.shape) == 2}
+        # scales: the only 2-D floats (a 1-D float is a per-input-channel vector: ModelOpt's pre_quant_scale)
+        if len(scale_dtypes) != 1:
+            raise MoeconvError(f"{checkpoint.root}: {module} mixes scale dtypes {sorted(scale_dtypes)}")
+        shape = MoELayerShape(
+            experts=experts_expected,
+            hidden=hidden,
+            intermediate=intermediate,
+            bits=source_format.bits,
+            group_size=source_format.group_size,
+            symmetric=source_format.symmetric,
+            scale_dtype=scale_dtypes.pop(),
+            activation_bits=source_format.activation_bits,
+            projection_names=architecture.engine_projection_names(tuple(
+                architecture.parse(next(iter(ordered[0][projection].values())).name).projection_name
+                for projection in PROJECTIONS)),
+        )
+        layers.append(MoELayer(module, shape, ordered))
+    if not layers:
+        raise MoeconvError(
+            f"{checkpoint.root}: no routed-expert tensors found with {architecture.model_type} naming "
+            f"(expected names like model.layers.0.{architecture.parents[0]}.experts.0."
+            f"{next(iter(architecture.projections))}.qweight)"
+        )
+    return layers, unquantized
+
+
+def act_order_suspected(checkpoint: Checkpoint, source_format: SourceFormat, detection: Detection) -> bool:
+    """The config says act-order (the format's `configures_act_order`), or a sampled g_idx is not
+    k // g: then every expert g_idx is read."""
+    return bool(detection.act_order) or source_format.configures_act_order(checkpoint.quantization_config)
+
+
+def scan_act_order(layers: list[MoELayer], suffix: str,
+                   reader: TensorReader) -> tuple[list[MoELayer], dict[str, str]]:
+    """Reads every expert g_idx: the layers with their act-order case (act_order.py), and the layers that
+    cannot be folded with the reason (a gate or up permuted over the hidden dimension, uneven groups).
+    `suffix`: the format's g_idx tensor (`group_index_suffix`)."""
+    scanned, refusals = [], {}
+    for layer in layers:
+        kinds: dict[str, dict[str, list[str]]] = {projection: defaultdict(list) for projection in PROJECTIONS}
+        for expert in layer.experts:
+            for projection, linear in expert.items():
+                entry = linear.get(suffix)
+                if entry is None:
+                    continue
+                in_features = layer.shape.intermediate if projection == "down" else layer.shape.hidden
+                group_size = effective_group_size(in_features, layer.shape.group_size)
+                kind = act_order.group_order(reader.read(entry), group_size).kind
+                kinds[projection][kind].append(entry.name)
+        bad = [(projection, kind, names) for projection in PROJECTIONS for kind, names in kinds[projection].items()
+               if kind == act_order.IRREGULAR or (kind == act_order.PERMUTED and projection != "down")]
+        if bad:
+            projection, kind, names = bad[0]
+            refusals[layer.module] = (f"{names[0]}: {act_order.describe(kind, f'{projection} projection')} "
+                                      f"({len(names)} of {layer.shape.experts} experts' {projection} projections)")
+            continue
+        case = (act_order.FOLDED if kinds["down"][act_order.PERMUTED] else
+                act_order.RELABELLED if any(kinds[p][act_order.RELABELLED] for p in PROJECTIONS) else act_order.STATIC)
+        scanned.append(replace(layer, act_order=case))
+    return scanned, refusals
+
+
+def check_dense_g_idx(checkpoint: Checkpoint, names: list[str], suffix: str, group_size: int,
+                      reader: TensorReader, converts: bool) -> None:
+    """A dense linear's g_idx must be k // g when it is copied (engines read it with static groups),
+    or at most relabel whole groups when a backend re-encodes it: act-order is not folded outside
+    the routed experts."""
+    for name in names:
+        if not name.endswith(f".{suffix}"):
+            continue
+        entry = checkpoint.tensors[name]
+        g_idx = reader.read(entry)
+        kind = act_order.group_order(g_idx, effective_group_size(g_idx.numel(), group_size)).kind
+        if kind == act_order.STATIC or (converts and kind == act_order.RELABELLED):
+            continue
+        what = act_order.describe(kind, "linear") if converts else (
+            f"{suffix} is not k // group_size (act-order) on a linear this backend copies as it is; engines "
+            f"read copied linears with static groups (vLLM 0.33 ignores {suffix})")
+        raise MoeconvError(f"{entry.file}: {name}: {what}")
+
+
+def find_dense_linears(checkpoint: Checkpoint, source_format: SourceFormat, backend: Backend, names: list[str],
+                       regroup_factor: int) -> list[DenseLinear]:
+    """The quantized linears among `names` (the non-expert tensors): every module that has all of the
+    format's required suffixes. Tensors with other suffixes (bias) stay pass-through."""
+    modules: dict[str, dict[str, TensorEntry]] = defaultdict(dict)
+    for name in names:
+        prefix, _, suffix = name.rpartition(".")
+        modules[prefix][suffix] = checkpoint.tensors[name]
+    required, optional = source_format.suffixes(), source_format.optional_suffixes()
+    linears = []
+    for prefix, tensors in modules.items():
+        if not all(suffix in tensors for suffix in required):
+            continue
+        own = {suffix: entry for suffix, entry in tensors.items() if suffix in required or suffix in optional}
+        out_features, in_features = _linear_shape(source_format, own)
+        _check_linear(own, prefix, "linear", source_format, out_features, in_features)
+        scale_dtype = next(entry.dtype for entry in own.values() if entry.dtype in FLOAT_DTYPES and len(entry.shape) == 2)
+        group_size = source_format.group_size
+        shape = LinearShape(out_features, in_features, source_format.bits,
+                            group_size // regroup_factor if group_size > 0 else group_size,
+                            source_format.symmetric, scale_dtype, source_format.activation_bits)
+        reason = backend.linear_refusal(shape)
+        if reason:
+            raise MoeconvError(f"{checkpoint.root}: {prefix}: backend {backend.name!r} cannot convert this "
+                               f"{out_features}x{in_features} linear: {reason}")
+        linears.append(DenseLinear(prefix, own, shape))
+    return linears
+
+
+def _linear_shape(source_format: SourceFormat, linear: dict[str, TensorEntry]) -> tuple[int, int]:
+    """(N, K) from the header shapes, or an error naming the tensor whose rank does not fit the format."""
+    try:
+        return source_format.linear_shape({suffix: entry.shape for suffix, entry in linear.items()})
+    except (IndexError, ValueError, ZeroDivisionError):
+        shapes = ", ".join(f"{entry.name} {list(entry.shape)}" for entry in linear.values())
+        where = next(iter(linear.values())).file
+        raise MoeconvError(f"{where}: {shapes}: not the tensor shapes of a {source_format.method} linear") from None
+
+
+def _check_linear(linear: dict[str, TensorEntry], prefix: str, projection: str, source_format: SourceFormat,
+                  out_features: int, in_features: int) -> None:
+    required, optional = source_format.suffixes(), source_format.optional_suffixes()
+    any_entry = next(iter(linear.values()), None)
+    where = any_entry.file if any_entry else "checkpoint"
+    floats = [entry for entry in linear.values() if entry.dtype in FLOAT_DTYPES and len(entry.shape) == 2]
+    if floats and not any(suffix in linear for suffix in required):
+        entry = floats[0]
+        raise MoeconvError(
+            f"{entry.file}: tensor {entry.name} is {entry.dtype}{list(entry.shape)}: this {projection} projection "
+            f"is held in float while the layer's other projections are quantized (mixed precision inside one MoE "
+            f"layer); every MoE layout moeconv writes (triton, humming, cpu, compressed-tensors) holds one "
+            f"quantization scheme for all three projections, so no backend takes it; refusing rather than "
+            f"converting part of the layer")
+    for suffix in required:
+        if suffix not in linear:
+            raise MoeconvError(f"{where}: tensor {prefix}.<{projection}>.{suffix} is missing")
+    for suffix, entry in linear.items():
+        if suffix not in required and suffix not in optional:
+            raise MoeconvError(
+                f"{entry.file}: tensor {entry.name} has suffix {suffix!r}, which a {source_format.method} "
+                f"expert does not have (expected {', '.join(required + optional)})"
+            )
+    found = _linear_shape(source_format, linear)
+    partial = _partial_group(source_format, in_features)
+    if partial and found[1] >= in_features:  # stored as it is, or padded to whole groups (AutoRound's RTN)
+        padded = f" (stored padded to K = {found[1]})" if found[1] > in_features else ""
+        raise MoeconvError(f"{any_entry.file}: {any_entry.name.rsplit('.', 1)[0]}: {partial}{padded}")
+    if found != (out_features, in_features):
+        entry = any_entry
+        raise MoeconvError(
+            f"{entry.file}: tensor {entry.name} is a {found[0]}x{found[1]} (out x in) linear, but config.json "
+            f"makes the {projection} projection {out_features}x{in_features}"
+        )
+    expected = _expected(source_format, out_features, in_features)
+    for suffix, entry in linear.items():
+        want = expected[suffix]
+        dtype_ok = entry.dtype == want.dtype if want.dtype else entry.dtype in FLOAT_DTYPES
+        if entry.shape != want.shape or not dtype_ok:
+            raise MoeconvError(
+                f"{entry.file}: tensor {entry.name} is {entry.dtype}{list(entry.shape)}, expected "
+                f"{want.dtype or 'a float dtype'}{list(want.shape)} for {source_format.method} "
+                f"{source_format.bits}-bit group {source_format.group_size}"
+            )
+
+
+def _partial_group(source_format: SourceFormat, in_features: int) -> str | None:
+    """Why a linear whose K is not a multiple of the group size (a partial last group) is refused: the
+    canonical form and every layout moeconv writes hold whole groups, and engines that take such a
+    linear anyway drop or misread its tail (vLLM issue threads on AutoRound MoE checkpoints)."""
+    group_size = effective_group_size(in_features, source_format.group_size)
+    if in_features % group_size == 0:
+        return None
+    return (f"K = {in_features} is not a multiple of group size {group_size}: a partial last group of "
+            f"{in_features % group_size} columns, which no layout moeconv writes holds; refusing this linear "
+            f"rather than dropping or padding its tail")
+
+
+@lru_cache(maxsize=256)
+def _expected(source_format: SourceFormat, out_features: int, in_features: int) -> dict[str, TensorSpec]:
+    """The format's header expectations, once per linear size (a Kimi-K2 plan checks 70k linears)."""
+    return source_format.expected(out_features, in_features)
+
+
+def _ranges(values: list[int]) -> str:
+    if not values:
+        return "none"
+    return f"{values[0]}..{values[-1]}" if values == list(range(values[0], values[-1] + 1)) else str(values[:8])
+
+
+def refuse_fp8_beside(checkpoint: Checkpoint, backend: Backend, others: list[str]) -> None:
+    """A whole-checkpoint scheme's config describes every linear: FP8 block-scaled linears beside the
+    integer experts (MiniMax, DeepSeek) would be declared either quantized like the experts or float,
+    and an engine would misread them either way. Refused with the way out, not written half-right."""
+    fp8 = next((checkpoint.tensors[name] for name in others if checkpoint.tensors[name].dtype.startswith("F8_")), None)
+    if fp8 is not None:
+        raise MoeconvError(f"{fp8.file}: tensor {fp8.name} is {fp8.dtype}: backend {backend.name!r} writes one "
+                           f"quantization scheme for the whole checkpoint and cannot describe FP8 linears beside "
+                           f"the integer experts yet; --backend triton converts the experts and copies the rest")
+
+
+@dataclass(frozen=True)
+class Survey:
+    """What the source is, as `survey` finds it."""
+
+    checkpoint: Checkpoint
+    architecture: Architecture
+    configured: SourceFormat  # the format the config declares (with the user's --gptq-zero-format)
+    detection: Detection
+    source_format: SourceFormat  # the format the tensors are read with
+    layers: tuple[MoELayer, ...]  # with their act-order case, at tensor-parallel size `tp`
+    unquantized_experts: tuple[str, ...]  # experts modules held in float: passed through
+    act_order_scanned: bool = False  # every expert g_idx was read (act_order_suspected)
+    act_order_refusals: dict[str, str] = field(default_factory=dict)  # MoE layer -> why it cannot be folded
+
+
+def survey(checkpoint: Checkpoint, tp: int = 1, trust: str | None = None, zero_format: str | None = None,
+           strict: bool = True) -> Survey:
+    """strict (the plan): the format as `resolve_format` decides it, refusing what the data contradicts
+    or cannot decide. Not strict (inspect): the tensors' format where they disagree with the config,
+    nothing refused. Layers whose act-order cannot be folded are listed in `act_order_refusals`."""
+    config_path = str(checkpoint.root / "config.json")
+    architecture = architecture_from_config(checkpoint.config, config_path)
+    experts = expert_tensors(checkpoint, architecture)
+    if strict:
+        configured, detection = detect_format(checkpoint, architecture, experts, zero_format)
+        source_format = resolve_format(checkpoint, trust, configured, detection, zero_format)
+    else:
+        configured, detection = detect_format(checkpoint, architecture, experts)
+        source_format = detection.detected if detection.disagreements and detection.detected else configured
+    found, unquantized = find_moe_layers(checkpoint, architecture, source_format, experts)
+    if strict:
+        _check_counts(checkpoint, found)
+    group_index = source_format.group_index_suffix  # formats that may store a g_idx
+    scanned, refusals = False, {}
+    if group_index and act_order_suspected(checkpoint, source_format, detection):
+        with TensorReader() as reader:
+            cases, refusals = scan_act_order(found, group_index, reader)
+        scanned = True
+        found = cases if not refusals else [next((case for case in cases if case.module == layer.module), layer)
+                                            for layer in found]
+    layers = tuple(replace(layer, shape=replace(layer.shape, tp=tp)) for layer in found)
+    return Survey(checkpoint, architecture, configured, detection, source_format, layers, tuple(unquantized),
+                  scanned, refusals)

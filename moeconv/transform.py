@@ -1,0 +1,135 @@
+"""How bytes are transformed: one conversion job's source tensors into its output blocks, and for
+verify the output blocks and the source back to canonical weights. The only code a worker calls
+(convert's and verify's tasks), besides reading and writing bytes.
+
+An expert goes through the (format, backend) pair's packed-to-packed transcoder where there is one
+(transcoders.py, proven byte-identical to the canonical route), else through the canonical form:
+the source format decodes each projection (after any lossless regrouping), an act-order down
+projection's input permutation is folded into the same expert's gate and up rows (act_order.fold),
+and the backend encodes the expert's slice of every layer tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from moeconv import act_order
+from moeconv.audit import count as audit_counts
+from moeconv.backends.base import Backend, ExpertWeights
+from moeconv.canonical import QuantizedWeight, regroup
+from moeconv.checkpoint.reader import TensorReader
+from moeconv.errors import MoeconvError
+from moeconv.formats import SourceFormat
+from moeconv.transcoders import Transcoder
+from moeconv.worklist import ConvertJob, ExpertJob, SourceSlice
+
+Audit = tuple[str, dict[str, int]]  # (source linear, audit counts)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """The two readings a conversion job applies: the source format's decoder (after any lossless
+    regrouping) and the backend's encoder, and their inverses for verify."""
+
+    source_format: SourceFormat
+    backend: Backend
+    regroup_factor: int = 1  # group size divided by this (scales and zeros repeated): lossless
+    transcoder: Transcoder | None = None  # stored words straight into the layout (byte-identical)
+
+    def decode_source(self, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
+        """One source linear in the canonical form the plan writes."""
+        return regroup(self.source_format.decode(tensors), self.regroup_factor)
+
+    def decode_ordered(self, tensors: dict[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None]:
+        """As `decode_source`, and for an act-order linear the input permutation under which its groups
+        are static (act_order.py); formats that store no g_idx have none."""
+        weight, inputs = self.source_format.decode_ordered(tensors)
+        return regroup(weight, self.regroup_factor), inputs
+
+
+def convert(job: ConvertJob, codec: Codec, reader: TensorReader) -> tuple[dict[str, torch.Tensor], list[Audit]]:
+    """The job's output blocks (by backend suffix), and the audit counts of its source tensors: an
+    expert through the pair's transcoder where there is one and it takes this expert, else decoded to
+    the canonical form and encoded."""
+    if isinstance(job, ExpertJob):
+        raw = _read_expert(job, reader)
+        if codec.transcoder is not None:
+            try:
+                slices = codec.transcoder(codec.source_format, raw, job.shape, codec.regroup_factor)
+            except MoeconvError as error:  # any projection's: name the expert
+                raise _expert_refusal(job, error) from None
+            if slices is not None:
+                return slices, _expert_audits(job, codec, raw, {})
+        weights, audits = _expert_canonical(job, codec, raw)
+    else:
+        weights, audits = source_weights(job, codec, reader)
+    return encode(job, codec, weights), audits
+
+
+def source_weights(job: ConvertJob, codec: Codec,
+                   reader: TensorReader) -> tuple[dict[str, QuantizedWeight], list[Audit]]:
+    """The canonical weights the job's source tensors decode to (gate, up and down of an expert; one
+    keyed "linear" of a dense linear), and their audit counts."""
+    if isinstance(job, ExpertJob):
+        return _expert_canonical(job, codec, _read_expert(job, reader))
+    tensors = {suffix: reader.read(piece.entry) for suffix, piece in job.sources.items()}
+    weight = _decoded(codec.decode_source, job.sources, tensors)
+    return {"linear": weight}, [(job.prefix, audit_counts(codec.source_format, tensors, weight))]
+
+
+def encode(job: ConvertJob, codec: Codec, weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
+    """Canonical weights (as `source_weights` keys them) -> the job's output blocks."""
+    if isinstance(job, ExpertJob):
+        return codec.backend.encode_expert(ExpertWeights(**weights), job.shape)
+    return codec.backend.encode_linear(weights["linear"], job.shape)
+
+
+def decode(job: ConvertJob, codec: Codec, blocks: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+    """Inverse of `encode`: the job's output blocks back to canonical weights."""
+    if isinstance(job, ExpertJob):
+        return codec.backend.decode_expert(blocks, job.shape)._asdict()
+    return {"linear": codec.backend.decode_linear(blocks, job.shape)}
+
+
+def _read_expert(job: ExpertJob, reader: TensorReader) -> dict[str, dict[str, torch.Tensor]]:
+    return {projection: {suffix: reader.read(piece.entry) for suffix, piece in linear.items()}
+            for projection, linear in job.sources.items()}
+
+
+def _expert_canonical(job: ExpertJob, codec: Codec, raw: dict[str, dict[str, torch.Tensor]]
+                      ) -> tuple[dict[str, QuantizedWeight], list[Audit]]:
+    """Decoded; an act-order down projection folded with its gate and up (act_order.fold)."""
+    weights = {projection: _decoded(codec.decode_source, job.sources[projection], raw[projection])
+               for projection in ("gate", "up")}
+    down, inputs = _decoded(codec.decode_ordered, job.sources["down"], raw["down"])
+    weights = {**act_order.fold(weights, inputs), "down": down}
+    return weights, _expert_audits(job, codec, raw, weights)
+
+
+def _expert_audits(job: ExpertJob, codec: Codec, raw: dict[str, dict[str, torch.Tensor]],
+                   weights: dict[str, QuantizedWeight]) -> list[Audit]:
+    return [(_linear_name(job.sources[projection]), audit_counts(codec.source_format, tensors, weights.get(projection)))
+            for projection, tensors in raw.items()]
+
+
+def _expert_refusal(job: ExpertJob, error: MoeconvError) -> MoeconvError:
+    """A decoder's or transcoder's refusal, naming the file and the expert."""
+    first = next(iter(job.sources["gate"].values())).entry
+    return MoeconvError(f"{first.file}: {job.module}.{job.expert}: {error}")
+
+
+def _linear_name(linear: dict[str, SourceSlice]) -> str:
+    """The module path of one source linear (its tensors' names without the suffix)."""
+    return next(iter(linear.values())).key.rsplit(".", 1)[0]
+
+
+def _decoded(decode_one: Callable[[dict[str, torch.Tensor]], Any], sources: dict[str, SourceSlice],
+             tensors: dict[str, torch.Tensor]) -> Any:
+    """`decode_one` (one of the codec's) of one source linear; a refusal names the file and the linear."""
+    try:
+        return decode_one(tensors)
+    except MoeconvError as error:
+        raise MoeconvError(f"{next(iter(sources.values())).entry.file}: {_linear_name(sources)}: {error}") from None
