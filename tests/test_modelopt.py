@@ -86,7 +86,7 @@ def test_copied_modelopt_dense_layers_are_not_said_to_be_served(tmp_path):
     """vLLM 0.33's ModelOpt methods read FP8, NVFP4 and MXFP8 only: the triton output keeps ModelOpt's
     int4 attention, so no engine serves it as it is; --backend auto takes compressed-tensors."""
     plan = make_plan(PLAIN, backend="triton")
-    assert plan.serving().engine is None and "ModelOpt W4A16_AWQ" in plan.serving().how
+    assert plan.serving.engine is None and "ModelOpt W4A16_AWQ" in plan.serving.how
     assert make_plan(PLAIN, backend="auto").backend.name == "compressed-tensors"
 
 
