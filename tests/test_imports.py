@@ -1,12 +1,11 @@
 """Only the workers import torch (issue 27): the parts of `convert`'s parent process that plan, journal,
 hash and write take none, and neither do the help screens.
 
-Still importing torch in the parent: the plan (`plan.py`, `survey.py`, `detect.py`, the formats and
-backends it asks for shapes and reads a data sample with) imports torch at module level; `inspect`
-and `convert --dry-run` detect the format from data with torch. The work list the parent walks
-(`worklist.py`) and the dtype tables (`spec.py`, whose torch tables are built on first use) import
-none; the workers' `transform.py` does. The second test below makes torch unimportable and imports
-the parent's modules.
+Still importing torch in the parent: the plan (`plan.py`, `survey.py`, `detect.py`, `transform.py`'s
+`Codec`, the formats and backends it asks for shapes) imports torch at module level, and the
+detection from data (GPTQ's v1/v2 statistic, the act-order `g_idx` scan) computes with torch; so do
+`inspect` and `convert --dry-run`, and `--workers 1` transforms in the parent by design. The second
+test holds the line for the modules already free of it.
 """
 
 from __future__ import annotations
@@ -36,12 +35,14 @@ def test_the_help_screens_import_no_torch(args):
 
 
 # The convert parent's own floors: the executor (worker pool, tree memory), the streaming writer and
-# block hasher, the header reader, the journal and manifest, the audits' totals.
-PARENT_MODULES = ["moeconv.spec", "moeconv.worklist", "moeconv.convert", "moeconv.executor", "moeconv.checkpoint.reader", "moeconv.checkpoint.writer",
-                  "moeconv.checkpoint.manifest", "moeconv.checkpoint.side_files", "moeconv.audit"]
+# block hasher, the header reader, the journal and manifest, the audits' totals, the work list and
+# its dtype tables.
+PARENT_MODULES = ["moeconv.convert", "moeconv.executor", "moeconv.checkpoint.reader", "moeconv.checkpoint.writer",
+                  "moeconv.checkpoint.manifest", "moeconv.checkpoint.side_files", "moeconv.audit", "moeconv.spec",
+                  "moeconv.worklist"]
 BLOCKED = f"""
 import sys
-sys.modules["torch"] = None  # from here on, `import torch` raises ImportError
+sys.modules["torch"] = None  # `import torch` raises ImportError
 for module in {PARENT_MODULES!r}:
     __import__(module)
 print("imported without torch")
