@@ -27,8 +27,7 @@ from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat
 from moeconv.models import Architecture
 from moeconv.spec import FLOAT_DTYPES, TORCH_DTYPES
-from moeconv.survey import (MoELayer, check_dense_g_idx, find_dense_linears, natural_key, refuse_fp8_beside,
-                            survey)
+from moeconv.survey import MoELayer, check_dense_g_idx, find_dense_linears, fp8_block_linears, natural_key, survey
 from moeconv.transform import Codec
 from moeconv.worklist import (CopyJob, ExpertJob, Job, OutputShard, Unit, assign_shards, copy_job, layer_unit,
                               linear_job, single)
@@ -57,6 +56,7 @@ class Plan:
     unquantized_experts: tuple[str, ...] = ()  # experts modules held in float: passed through
     zero_format: str | None = None  # --gptq-zero-format: the user's answer where the data cannot decide
     choice: str | None = None  # --backend auto: what it chose and why, one line
+    fp8_block_modules: tuple[str, ...] = ()  # FP8 block-scaled linears a whole-checkpoint config describes
     jobs: tuple[Job, ...] = field(init=False)  # every shard's, in write order
     layer_jobs: dict[str, tuple[ExpertJob, ...]] = field(init=False)  # MoE layer -> its jobs, by expert
     codec: Codec = field(init=False)
@@ -151,7 +151,7 @@ def _quantization_config(plan: Plan) -> dict[str, Any]:
     if backend.converts_dense_linears:
         return {
             **backend.checkpoint_quantization_config(first, _model_dtype(plan.checkpoint),
-                                                     _unquantized_modules(plan.jobs)),
+                                                     _unquantized_modules(plan.jobs), plan.fp8_block_modules),
             "moeconv": {"backend": backend.name, "layout_version": backend.layout_version,
                         "source_quantization_config": plan.checkpoint.quantization_config},
         }
@@ -320,14 +320,16 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
         with TensorReader() as reader:
             check_dense_g_idx(checkpoint, others, group_index, source_format.group_size, reader,
                               target.converts_dense_linears)
+    fp8: dict[str, str] = {}  # FP8 block-scaled tensors a whole-checkpoint config describes: source -> output name
     if target.converts_dense_linears:
         linears = find_dense_linears(checkpoint, source_format, target, others, factor)
         units += [(linear.prefix, single(linear_job(target, linear, named(linear.prefix)))) for linear in linears]
         converted = {entry.name for linear in linears for entry in linear.tensors.values()}
         others = [name for name in others if name not in converted]
-        refuse_fp8_beside(checkpoint, target, others)
-    units += [(name, single(copy_job(checkpoint.tensors[name], named(name)))) for name in others]
+        fp8 = fp8_block_linears(checkpoint, target, others)
+    units += [(name, single(copy_job(checkpoint.tensors[name], named(fp8.get(name, name))))) for name in others]
     units.sort(key=lambda item: natural_key(item[0]))
     shards = assign_shards([unit for _, unit in units], max_shard_size)
+    fp8_modules = tuple(sorted({named(name).rpartition(".")[0] for name in fp8.values()}, key=natural_key))
     return Plan(checkpoint, source.architecture, source_format, target, tuple(layers), shards, max_shard_size, trust,
-                source.detection, factor, tp, skipped, source.unquantized_experts, zero_format, choice)
+                source.detection, factor, tp, skipped, source.unquantized_experts, zero_format, choice, fp8_modules)

@@ -380,15 +380,41 @@ def _ranges(values: list[int]) -> str:
     return f"{values[0]}..{values[-1]}" if values == list(range(values[0], values[-1] + 1)) else str(values[:8])
 
 
-def refuse_fp8_beside(checkpoint: Checkpoint, backend: Backend, others: list[str]) -> None:
-    """A whole-checkpoint scheme's config describes every linear: FP8 block-scaled linears beside the
-    integer experts (MiniMax, DeepSeek) would be declared either quantized like the experts or float,
-    and an engine would misread them either way. Refused with the way out, not written half-right."""
-    fp8 = next((checkpoint.tensors[name] for name in others if checkpoint.tensors[name].dtype.startswith("F8_")), None)
-    if fp8 is not None:
-        raise MoeconvError(f"{fp8.file}: tensor {fp8.name} is {fp8.dtype}: backend {backend.name!r} writes one "
-                           f"quantization scheme for the whole checkpoint and cannot describe FP8 linears beside "
-                           f"the integer experts yet; --backend triton converts the experts and copies the rest")
+FP8_BLOCK = 128  # DeepSeek-V3's and MiniMax-M2's weight_block_size: one weight_scale_inv per 128x128 block
+
+
+def fp8_block_linears(checkpoint: Checkpoint, backend: Backend, others: list[str]) -> dict[str, str]:
+    """A whole-checkpoint scheme's config describes every linear, so FP8 block-scaled linears beside the
+    integer experts (MiniMax, DeepSeek: `weight` F8_E4M3 and `weight_scale_inv` F32, one scale a 128x128
+    block) are copied as they are under the backend's names and described as such (`fp8_block_suffixes`):
+    source name -> output name (the suffix renamed). A backend that cannot describe them refuses, with
+    the way out; FP8 tensors of any other shape are refused naming them: never declared quantized like the
+    experts or float, which an engine would misread."""
+    fp8 = [checkpoint.tensors[name] for name in others if checkpoint.tensors[name].dtype.startswith("F8_")]
+    if not fp8:
+        return {}
+    suffixes = backend.fp8_block_suffixes
+    if suffixes is None:
+        raise MoeconvError(f"{fp8[0].file}: tensor {fp8[0].name} is {fp8[0].dtype}: backend {backend.name!r} writes "
+                           f"one quantization scheme for the whole checkpoint and cannot describe FP8 linears beside "
+                           f"the integer experts; --backend compressed-tensors writes them as a config group of their "
+                           f"own, --backend triton converts the experts and copies the rest")
+    renames = {}
+    for weight in fp8:
+        prefix, _, suffix = weight.name.rpartition(".")
+        scale = checkpoint.tensors.get(f"{prefix}.weight_scale_inv")
+        grid = tuple(-(-size // FP8_BLOCK) for size in weight.shape)
+        if suffix != "weight" or weight.dtype != "F8_E4M3" or len(weight.shape) != 2 or scale is None or \
+                scale.dtype != "F32" or tuple(scale.shape) != grid:
+            found = "none" if scale is None else f"{scale.dtype}{list(scale.shape)}"
+            raise MoeconvError(
+                f"{weight.file}: tensor {weight.name} is {weight.dtype}{list(weight.shape)} with {prefix}.weight_scale_inv "
+                f"{found}: backend {backend.name!r} describes FP8 linears as a `weight` F8_E4M3 with a F32 "
+                f"`weight_scale_inv` of one scale per {FP8_BLOCK}x{FP8_BLOCK} block (F32{list(grid)} here); "
+                f"--backend triton converts the experts and copies the rest")
+        renames[weight.name] = f"{prefix}.{suffixes['weight']}"
+        renames[scale.name] = f"{prefix}.{suffixes['weight_scale_inv']}"
+    return renames
 
 
 @dataclass(frozen=True)

@@ -133,21 +133,59 @@ def test_gpt_oss_is_refused_as_mxfp4(tmp_path, capsys):
     assert code == 2 and "MXFP4" in err and "not an integer-affine code" in err
 
 
-def test_fp8_linears_beside_integer_experts(tmp_path, capsys):
-    """MiniMax / DeepSeek ship FP8 block-scaled attention beside INT4 experts: the stacked backends copy
-    those tensors byte for byte; a whole-checkpoint scheme refuses rather than describe them wrongly."""
-    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=64, intermediate=64))
-    fp8 = {"model.layers.0.self_attn.kv_b_proj.weight": torch.zeros(64, 64, dtype=torch.float8_e4m3fn),
-           "model.layers.0.self_attn.kv_b_proj.weight_scale_inv": torch.ones(1, 1)}
-    save_file(fp8, str(source / "model-fp8.safetensors"))
+def _with_fp8(source, tensors):
+    save_file(tensors, str(source / "model-fp8.safetensors"))
     index = json.loads((source / "model.safetensors.index.json").read_text())
-    index["weight_map"].update(dict.fromkeys(fp8, "model-fp8.safetensors"))
+    index["weight_map"].update(dict.fromkeys(tensors, "model-fp8.safetensors"))
     (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    return source
+
+
+def test_fp8_linears_beside_integer_experts(tmp_path, capsys):
+    """MiniMax / DeepSeek ship FP8 block-scaled attention (`weight` F8_E4M3, `weight_scale_inv` F32 per
+    128x128 block) beside INT4 experts: the stacked backends copy those tensors byte for byte;
+    compressed-tensors copies them too, as `weight` / `weight_scale`, and describes them in a config group
+    of their own (FP8 block, dynamic per-group activations) beside the experts' W4A16; humming, whose
+    config holds one scheme, refuses naming the tensor and the way out."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=64, intermediate=64))
+    weight = (torch.arange(256 * 192, dtype=torch.float32).reshape(256, 192) % 97 - 48).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[1.5, 0.25], [3.0, 0.125]])  # ceil(256 / 128) x ceil(192 / 128) blocks
+    _with_fp8(source, {"model.layers.0.self_attn.kv_b_proj.weight": weight,
+                       "model.layers.0.self_attn.kv_b_proj.weight_scale_inv": scale})
     moeconv.convert(source, tmp_path / "triton", backend="triton")
     report = moeconv.verify(tmp_path / "triton", level="lossless")
     assert report.ok, report.failures()
+    moeconv.convert(source, tmp_path / "ct", backend="compressed-tensors")
+    report = moeconv.verify(tmp_path / "ct", level="lossless")
+    assert report.ok, report.failures()
+    out = load_file(str(next(path for path in (tmp_path / "ct").glob("*.safetensors")
+                             if "model.layers.0.self_attn.kv_b_proj.weight" in load_file(str(path)))))
+    assert out["model.layers.0.self_attn.kv_b_proj.weight"].view(torch.uint8).equal(weight.view(torch.uint8))
+    assert out["model.layers.0.self_attn.kv_b_proj.weight_scale"].equal(scale)
+    assert "model.layers.0.self_attn.kv_b_proj.weight_scale_inv" not in open_checkpoint(tmp_path / "ct").tensors
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "mixed-precision"
+    experts, fp8 = config["config_groups"]["group_0"], config["config_groups"]["group_1"]
+    assert experts["targets"] == ["Linear"] and experts["weights"]["type"] == "int" and experts["format"] == "pack-quantized"
+    assert fp8["targets"] == ["model.layers.0.self_attn.kv_b_proj"] and fp8["format"] == "float-quantized"
+    assert (fp8["weights"]["type"], fp8["weights"]["num_bits"], fp8["weights"]["strategy"],
+            fp8["weights"]["block_structure"]) == ("float", 8, "block", [128, 128])
+    assert fp8["input_activations"]["dynamic"] is True and fp8["input_activations"]["group_size"] == 128
+    assert "model.layers.0.self_attn.kv_b_proj" not in config["ignore"]
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "humming", "--backend", "humming")
+    assert code == 2 and "F8_E4M3" in err and "kv_b_proj.weight" in err and "--backend compressed-tensors" in err
+
+
+def test_fp8_tensors_that_are_not_block_scaled_linears_are_refused_by_name(tmp_path, capsys):
+    """An FP8 weight whose scale is not one F32 per 128x128 block (here per-tensor) is not described as
+    FP8_BLOCK: refused naming the tensor, nothing written."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=64, intermediate=64))
+    _with_fp8(source, {"model.layers.0.self_attn.kv_b_proj.weight": torch.zeros(256, 192, dtype=torch.float8_e4m3fn),
+                       "model.layers.0.self_attn.kv_b_proj.weight_scale_inv": torch.ones(1, 1)})
     code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "ct", "--backend", "compressed-tensors")
-    assert code == 2 and "F8_E4M3" in err and "kv_b_proj.weight" in err and "--backend triton" in err
+    assert code == 2, err
+    assert "kv_b_proj.weight is F8_E4M3[256, 192] with model.layers.0.self_attn.kv_b_proj.weight_scale_inv F32[1, 1]" in err
+    assert "(F32[2, 2] here)" in err and not (tmp_path / "ct").exists()
 
 
 @pytest.mark.parametrize("fmt", [GPTQ(4, 32, sym=True), CompressedTensors(bits=4, group_size=32)], ids=str)

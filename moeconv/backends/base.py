@@ -60,6 +60,11 @@ class Backend(Protocol):
     # The engine creates the layout's scale parameters in the model dtype and casts the stored scales
     # into them at load (verify then checks the cast). Default: False (the scales are read as stored).
     scales_in_model_dtype: bool
+    # How the output holds FP8 block-scaled linears beside the integer ones (DeepSeek's and MiniMax's `weight`
+    # F8_E4M3 with `weight_scale_inv` F32, one scale a 128x128 block): source suffix -> output suffix, the
+    # bytes copied as they are and the linears described by `checkpoint_quantization_config`. Default: None,
+    # a whole-checkpoint scheme that cannot describe them (a backend that copies dense linears never asks).
+    fp8_block_suffixes: dict[str, str] | None
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         """Why this backend cannot take the layer, or None if it can."""
@@ -92,8 +97,10 @@ class Backend(Protocol):
     def decode_linear(self, tensors: dict[str, torch.Tensor], linear: LinearShape) -> QuantizedWeight: ...
 
     def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,
-                                       unquantized_modules: list[str]) -> dict[str, Any]:
-        """The whole `quantization_config`; `unquantized_modules` are the linears left in float."""
+                                       unquantized_modules: list[str],
+                                       fp8_block_modules: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The whole `quantization_config`; `unquantized_modules` are the linears left in float,
+        `fp8_block_modules` the FP8 block-scaled ones (only for a backend with `fp8_block_suffixes`)."""
 
 
 class BackendDefaults:
@@ -102,6 +109,7 @@ class BackendDefaults:
 
     converts_dense_linears: bool = False
     scales_in_model_dtype: bool = False
+    fp8_block_suffixes: dict[str, str] | None = None
 
     def linear_refusal(self, linear: LinearShape) -> str | None:
         return f"backend {self.name!r} copies dense linears as they are"
@@ -116,5 +124,6 @@ class BackendDefaults:
         raise NotImplementedError(f"backend {self.name!r} copies dense linears as they are")
 
     def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,
-                                       unquantized_modules: list[str]) -> dict[str, Any]:
+                                       unquantized_modules: list[str],
+                                       fp8_block_modules: tuple[str, ...] = ()) -> dict[str, Any]:
         raise NotImplementedError(f"backend {self.name!r} writes a section of moeconv's quantization_config")

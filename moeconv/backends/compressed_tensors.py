@@ -34,6 +34,12 @@ from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_ch
 # The compressed-tensors release vLLM 0.33 pins; the config below is what its QuantizationConfig reads.
 COMPRESSED_TENSORS_TARGET = "0.17.0"
 PACK_QUANTIZED, INT_QUANTIZED = "pack-quantized", "int-quantized"
+FLOAT_QUANTIZED, MIXED_PRECISION = "float-quantized", "mixed-precision"
+# FP8 block-scaled linears (DeepSeek's and MiniMax's `weight` F8_E4M3 + `weight_scale_inv`): compressed-tensors'
+# FP8_BLOCK scheme, the same block grid and the same multiplier (`weight_scale_inv` is what the FP8 codes
+# are multiplied by, as compressed-tensors' `weight_scale` is), activations quantized per token-group of 128
+# at run time (what DeepSeek's fp8 kernels do).
+FP8_BLOCK = 128
 # The token embedding's module name in every family moeconv reads. An embedding is no `Linear` target, so
 # it is never in `ignore` (llm-compressor lists none); SGLang 0.5.23's w8a8_int8 method, which serves
 # compressed-tensors W8A8, answers an ignored embedding with a linear method and refuses to start.
@@ -97,14 +103,18 @@ class CompressedTensorsBackend(PerLinearBackend):
         return from_packed_words(tensors["weight_packed"], tensors.get("weight_zero_point"), tensors["weight_scale"],
                                  linear)
 
+    fp8_block_suffixes = {"weight": "weight", "weight_scale_inv": "weight_scale"}
+
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         return self.checkpoint_quantization_config(layer, None, [])
 
     def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,
-                                       unquantized_modules: list[str]) -> dict[str, Any]:
+                                       unquantized_modules: list[str],
+                                       fp8_block_modules: tuple[str, ...] = ()) -> dict[str, Any]:
         """What compressed-tensors' `QuantizationConfig` reads: one config group for every Linear
         (experts and dense quantized linears share the source's scheme), the float linears ignored
-        (the embedding is not a linear: EMBEDDING)."""
+        (the embedding is not a linear: EMBEDDING), and the FP8 block-scaled linears, if any, in a group
+        of their own that names them (a module name is matched before the `Linear` class)."""
         fmt = _format(layer.activation_bits)
         channelwise = is_channelwise(layer.group_size) or fmt == INT_QUANTIZED
         weights = {"num_bits": layer.bits, "type": "int", "symmetric": layer.symmetric,
@@ -117,12 +127,14 @@ class CompressedTensorsBackend(PerLinearBackend):
             activations = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "group_size": None,
                            "block_structure": None, "dynamic": True, "actorder": None, "observer": None,
                            "observer_kwargs": {}}
+        groups = {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations,
+                              "output_activations": None, "format": fmt}}
+        if fp8_block_modules:
+            groups["group_1"] = _fp8_block_group(fp8_block_modules)
         return {
             "quant_method": "compressed-tensors",
-            "format": fmt,
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": activations, "output_activations": None,
-                                          "format": fmt}},
+            "format": MIXED_PRECISION if fp8_block_modules else fmt,
+            "config_groups": groups,
             "ignore": [name for name in unquantized_modules if name.rpartition(".")[2] != EMBEDDING],
             "quantization_status": "compressed",
             "kv_cache_scheme": None,
@@ -131,6 +143,20 @@ class CompressedTensorsBackend(PerLinearBackend):
             "global_compression_ratio": None,
             "version": COMPRESSED_TENSORS_TARGET,
         }
+
+
+def _fp8_block_group(modules: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        "targets": sorted(modules),
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "group_size": None,
+                    "block_structure": [FP8_BLOCK, FP8_BLOCK], "dynamic": False, "actorder": None,
+                    "observer": "minmax", "observer_kwargs": {}},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
+                              "group_size": FP8_BLOCK, "block_structure": None, "dynamic": True, "actorder": None,
+                              "observer": None, "observer_kwargs": {}},
+        "output_activations": None,
+        "format": FLOAT_QUANTIZED,
+    }
 
 
 def _refusal(what: str, size: int, bits: int, group_size: int, symmetric: bool, activation_bits: int) -> str | None:

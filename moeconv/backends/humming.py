@@ -93,7 +93,8 @@ class HummingBackend(PerLinearBackend):
         return config
 
     def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,
-                                       unquantized_modules: list[str]) -> dict[str, Any]:
+                                       unquantized_modules: list[str],
+                                       fp8_block_modules: tuple[str, ...] = ()) -> dict[str, Any]:
         """Scales keep the source dtype; `bs_dtype` says so when that is not the model dtype (Humming
         otherwise assumes the params dtype). `ignored_layers` is the first key Humming's vLLM config
         reads for linears to leave in float (it would quantize them online otherwise)."""

@@ -104,17 +104,51 @@ def main() -> None:
 MODELOPT = ROOT / "tests" / "data" / "modelopt" / "int4-g32"  # exported by the real ModelOpt 0.47.0
 
 
+def _fp8_attention(source: Path) -> Path:
+    """The source with every o_proj in DeepSeek's FP8 block format (`weight` F8_E4M3, `weight_scale_inv`
+    F32 per 128x128 block) instead of its integer tensors: FP8 linears beside integer experts."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    index_path = source / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    generator = torch.Generator().manual_seed(0)
+    for shard in sorted(source.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        prefixes = {name.rsplit(".", 1)[0] for name in tensors if ".self_attn.o_proj." in name}
+        for prefix in prefixes:
+            old = [name for name in tensors if name.startswith(prefix + ".")]
+            n = tensors[f"{prefix}.scales"].shape[1]
+            k = tensors[f"{prefix}.qweight"].shape[0] * 8  # 4-bit GPTQ
+            for name in old:
+                del tensors[name], index["weight_map"][name]
+            tensors[f"{prefix}.weight"] = (torch.randn(n, k, generator=generator) * 64).to(torch.float8_e4m3fn)
+            tensors[f"{prefix}.weight_scale_inv"] = torch.rand(-(-n // 128), -(-k // 128), generator=generator) / 64
+            index["weight_map"].update(dict.fromkeys((f"{prefix}.weight", f"{prefix}.weight_scale_inv"), shard.name))
+        if prefixes:
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+    return source
+
+
 def _extra_cases(base: Path, cases: list, refusals: dict) -> None:
     """A Mixtral under transformers 5 names (mlp.experts.E.gate_proj: vLLM 0.33 refuses the source, its
-    outputs must carry block_sparse_moe names), and the real ModelOpt int4 export (vLLM 0.33 refuses it)."""
+    outputs must carry block_sparse_moe names), the real ModelOpt int4 export (vLLM 0.33 refuses it), and
+    FP8 block-scaled attention beside INT4 experts (compressed-tensors: a config group of its own)."""
     sym = SOURCES["gptq-sym"]
     t5 = make_checkpoint(base / "mixtral-t5" / "gptq-sym" / "src",
                          SynthSpec(architecture="mixtral", mixtral_naming="hf", source_format=sym))
-    for folder, label, source_name, source, fmt in (
-            ("mixtral-t5", "mixtral (transformers 5 names)", "gptq-sym", t5, sym),
-            ("modelopt", "qwen3_moe (ModelOpt 0.47.0)", "modelopt-int4", MODELOPT, ModelOpt(group_size=32))):
+    fp8 = _fp8_attention(make_checkpoint(base / "fp8-beside" / "gptq-sym" / "src",
+                                         SynthSpec(hidden=256, intermediate=128, source_format=sym)))
+    # The FP8 case's source config (GPTQ) does not describe its FP8 linears, so vLLM refuses the source and
+    # what keeps its dense layers (triton, cpu) alike: only the whole-checkpoint outputs are its point.
+    for folder, label, source_name, source, fmt, backends in (
+            ("mixtral-t5", "mixtral (transformers 5 names)", "gptq-sym", t5, sym, list(REGISTRY)),
+            ("modelopt", "qwen3_moe (ModelOpt 0.47.0)", "modelopt-int4", MODELOPT, ModelOpt(group_size=32),
+             list(REGISTRY)),
+            ("fp8-beside", "qwen3_moe (FP8 block o_proj)", "gptq-sym", fp8, sym, ["compressed-tensors", "humming"])):
         cases.append((label, source_name, "(source)", source, fmt))
-        for backend in REGISTRY:
+        for backend in backends:
             out = base / folder / source_name / backend
             out.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -133,9 +167,10 @@ def _report(cases, results, refusals) -> list[str]:
     for architecture, source_name, backend, path, fmt in cases:
         result = results[str(path)]
         unloaded = [name for name in result.get("unloaded_parameters", []) if not name.endswith(NOT_IN_CHECKPOINTS)]
+        family = architecture.split()[0]  # an extra case ("mixtral (transformers 5 names)") has its family's gaps
         if backend == "(source)" and result["loaded"]:
-            source_gaps.setdefault(architecture, set()).update(unloaded)
-        own = [name for name in unloaded if name not in source_gaps.get(architecture, set())]
+            source_gaps.setdefault(family, set()).update(unloaded)
+        own = [name for name in unloaded if name not in source_gaps.get(family, set())]
         if not result["loaded"]:
             verdict, detail = "refused", result["error"][:140]
         elif not_consumed(result) or (own and backend != "(source)"):
@@ -143,7 +178,7 @@ def _report(cases, results, refusals) -> list[str]:
             detail = f"tensors not consumed {not_consumed(result)[:2]}; unloaded {own[:2]}"
         else:
             verdict = "loads"
-            gaps = sorted(set(unloaded) & source_gaps.get(architecture, set()))
+            gaps = sorted(set(unloaded) & source_gaps.get(family, set()))
             dropped = result["not_consumed_count"] - len(not_consumed(result))
             detail = f"{result['tensors']} tensors, all consumed" + (
                 f" (vLLM's mapper drops the {dropped} trivial g_idx)" if dropped else "") + (
