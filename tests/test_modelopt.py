@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from moeconv.errors import MoeconvError
 from moeconv.formats import ModelOpt, format_from_config
 from moeconv.plan import make_plan
 
-from helpers import converted_weights, run_main
+from helpers import ROOT, converted_weights, packers_python, run_main
 
 DATA = Path(__file__).resolve().parent / "data" / "modelopt"
 PLAIN, AWQ = DATA / "int4-g32", DATA / "int4-awq-g32"
@@ -80,6 +81,20 @@ def test_every_backend_holds_modelopt_s_own_codes_and_scales(truth, backend, tmp
         config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
         assert {"lm_head", "model.layers.0.mlp.gate"} <= set(config["ignore"]), config["ignore"]
         assert config["config_groups"]["group_0"]["weights"]["symmetric"] is True
+
+
+@pytest.mark.packers
+def test_compressed_tensors_output_reads_back_in_the_library(tmp_path):
+    """The real compressed-tensors library (0.20.1, .venv-packers) validates the config and reads every
+    converted linear back as ModelOpt's quantizer made it (float32 scales included)."""
+    python = packers_python()
+    moeconv.convert(PLAIN, tmp_path / "out", backend="compressed-tensors", workers=1)
+    proc = subprocess.run([str(python), str(ROOT / "tests" / "packers" / "ct_readback.py"), str(tmp_path / "out"),
+                           str(DATA / "int4-g32.truth.safetensors")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["problems"] == [] and result["checked"] == len(EXPERTS + DENSE)
 
 
 def test_copied_modelopt_dense_layers_are_not_said_to_be_served(tmp_path):
