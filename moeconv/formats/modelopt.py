@@ -70,7 +70,6 @@ class ModelOpt(FormatDefaults):
     method: str = "modelopt"
     activation_bits = 16  # class attributes, not fields: W4A16 is weight-only and symmetric
     vector_suffixes = (PRE_QUANT_SCALE,)
-    audited_suffixes = (PRE_QUANT_SCALE,)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], where: str) -> ModelOpt:
@@ -144,11 +143,6 @@ class ModelOpt(FormatDefaults):
             raise ValueError("ModelOpt's int4 export is symmetric: it has no zero points to write")
         return {"weight": packing.pack(weight.codes ^ SIGN_FLIP, self.bits, dim=0, container=torch.uint8),
                 "weight_scale": weight.scales.contiguous()}
-
-    def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        """Input channels a pre_quant_scale scales (not 1): the conversion refuses such a linear."""
-        scale = tensors.get(PRE_QUANT_SCALE)
-        return {} if scale is None else {"pre_quant_scaled_channels": int((scale != 1).sum())}
 
     def describe(self) -> dict[str, Any]:
         return {"method": "modelopt", "quant_algo": QUANT_ALGO, "bits": self.bits, "group_size": self.group_size,
