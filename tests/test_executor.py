@@ -7,12 +7,13 @@ import os
 import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import moeconv
-from moeconv.executor import Executor
+from moeconv.executor import Executor, TreeMemory
 from moeconv.synth import SynthSpec, make_checkpoint
 
 
@@ -35,10 +36,15 @@ def test_every_worker_runs_one_torch_thread_and_the_caller_gets_its_own_back(wor
 HELD_MB = 96
 
 
-def _hold(megabytes: int, seconds: float) -> int:
-    """Keeps `megabytes` of private, touched memory for `seconds`; returns this worker's pid."""
+def _hold(megabytes: int, folder: str) -> int:
+    """Keeps `megabytes` of private, touched memory until `folder/release` exists (30 s at most), having
+    said so with a file named by this worker's pid; returns the pid."""
     held = bytes([1]) * (megabytes << 20)
-    time.sleep(seconds)
+    Path(folder, str(os.getpid())).touch()
+    for _ in range(300):
+        if Path(folder, "release").exists():
+            break
+        time.sleep(0.1)
     return os.getpid() + len(held) * 0
 
 
@@ -53,23 +59,30 @@ def _pss_kb(pid: int) -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="Linux smaps_rollup")
-def test_the_tree_memory_counts_every_worker_while_it_holds_memory():
+def test_the_tree_memory_counts_every_worker_while_it_holds_memory(tmp_path):
     with Executor(2) as executor:
         seen: dict[str, int] = {}
 
-        def look() -> None:  # halfway through the hold, read every child's Pss ourselves
-            time.sleep(0.8)
-            children = [int(pid) for task in os.listdir("/proc/self/task")
-                        for pid in open(f"/proc/self/task/{task}/children").read().split()]
-            seen["workers_kb"] = sum(_pss_kb(pid) for pid in children)
-            seen["parent_kb"] = _pss_kb(os.getpid())
+        def look() -> None:  # once both workers hold their memory, read every child's Pss ourselves
+            try:
+                for _ in range(300):
+                    if len([path for path in tmp_path.iterdir() if path.name.isdigit()]) == 2:
+                        break
+                    time.sleep(0.05)
+                children = [int(pid) for task in os.listdir("/proc/self/task")
+                            for pid in open(f"/proc/self/task/{task}/children").read().split()]
+                seen["workers_kb"] = sum(_pss_kb(pid) for pid in children)
+                seen["parent_kb"] = _pss_kb(os.getpid())
+                time.sleep(3 * TreeMemory.INTERVAL)  # the sampler's turns while both still hold
+            finally:
+                (tmp_path / "release").touch()
 
         looker = threading.Thread(target=look)
         looker.start()
-        pids = list(executor.map(_hold, [(HELD_MB, 1.6)] * 2))
+        pids = list(executor.map(_hold, [(HELD_MB, str(tmp_path))] * 2))
         looker.join()
     memory = executor.memory  # sampled every TreeMemory.INTERVAL while the workers lived
-    assert len(set(pids)) == 2  # both workers held their memory at the same time
+    assert len(set(pids)) == 2  # two workers, holding at the same time (each waited for the release)
     parent_mb, workers_mb = seen["parent_kb"] / 1024, seen["workers_kb"] / 1024
     assert workers_mb >= 2 * HELD_MB  # what the test saw itself: both holdings, in the workers
     assert memory.peak_mb >= 0.95 * (parent_mb + workers_mb)
