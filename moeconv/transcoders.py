@@ -21,6 +21,8 @@ from typing import Callable, Mapping, Union
 import torch
 
 from moeconv import packing
+from moeconv.backends.base import FUSED_GEMMS
+from moeconv.backends.triton import WNA16
 from moeconv.canonical import MoELayerShape
 from moeconv.formats.awq import AWQ, NATURAL_FROM_SLOTS
 from moeconv.formats.gptq import GPTQ
@@ -39,12 +41,13 @@ def _stacked_gemms(linears: Mapping[str, Linear], one: Callable[[Linear], tuple]
     """The triton slices from each projection's (qweight bytes, scales, zero bytes or None)."""
     parts = {projection: one(linear) for projection, linear in linears.items()}
     slices = {}
-    for prefix, projections in (("w13", ("gate", "up")), ("w2", ("down",))):
+    for prefix, projections in FUSED_GEMMS.items():
         codes, scales, zeros = zip(*(parts[projection] for projection in projections))
-        slices[f"{prefix}_qweight"] = torch.cat(codes)
-        slices[f"{prefix}_scales"] = _regrouped(torch.cat(scales), factor)
+        names = WNA16[prefix]
+        slices[names.qweight] = torch.cat(codes)
+        slices[names.scales] = _regrouped(torch.cat(scales), factor)
         if zeros[0] is not None:
-            slices[f"{prefix}_qzeros"] = _regrouped(torch.cat(zeros), factor)
+            slices[names.qzeros] = _regrouped(torch.cat(zeros), factor)
     return slices
 
 

@@ -15,7 +15,7 @@ W8A8 INT8 schemes (activation_bits 8) take the int8 layout of vLLM `TritonExpert
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,6 +24,38 @@ from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, N
 from moeconv.spec import TensorSpec
 from moeconv.canonical import MoELayerShape, QuantizedWeight, is_channelwise
 from moeconv.spec import TORCH_DTYPES
+
+
+class WNA16Names(NamedTuple):
+    """The moe_wna16 tensors of one fused GEMM (`w13` or `w2`)."""
+
+    qweight: str
+    scales: str
+    qzeros: str
+
+
+class Int8Names(NamedTuple):
+    """The W8A8 int8 tensors of one fused GEMM."""
+
+    weight: str
+    weight_scale: str
+
+
+# The layout's tensor names, declared once (the backend, transcoders.py, kernels/runners.py and the vLLM
+# plugin read them here): <gemm>_<part>, e.g. w13_qweight, w2_weight_scale.
+WNA16 = {gemm: WNA16Names(*(f"{gemm}_{part}" for part in WNA16Names._fields)) for gemm in FUSED_GEMMS}
+INT8 = {gemm: Int8Names(*(f"{gemm}_{part}" for part in Int8Names._fields)) for gemm in FUSED_GEMMS}
+
+# What one tensor-parallel rank's share of the intermediate size I is in each tensor's split dimension
+# (the vLLM plugin's shards.py): "rows" (output channels), "bytes" (b-bit codes packed along I), "groups"
+# (scale or zero groups along I), or None (not split: whole on every rank).
+SPLITS = {
+    WNA16["w13"].qweight: "rows", WNA16["w13"].scales: "rows", WNA16["w13"].qzeros: "bytes",
+    WNA16["w2"].qweight: "bytes", WNA16["w2"].scales: "groups", WNA16["w2"].qzeros: "groups",
+    INT8["w13"].weight: "rows", INT8["w13"].weight_scale: "rows",
+    INT8["w2"].weight: "rows", INT8["w2"].weight_scale: None,
+}
+GEMM_OF = {name: gemm for gemm in FUSED_GEMMS for name in (*WNA16[gemm], *INT8[gemm])}  # tensor -> its GEMM
 
 
 class TritonBackend(BackendDefaults):
@@ -67,13 +99,13 @@ class TritonBackend(BackendDefaults):
         ):
             groups = in_features // layer.group_size_for(in_features)
             e = layer.experts
-            made_of = FUSED_GEMMS[prefix]
-            specs.append(TensorSpec(f"{prefix}_qweight", (e, out_features, in_features // per_byte), "U8",
+            made_of, names = FUSED_GEMMS[prefix], WNA16[prefix]
+            specs.append(TensorSpec(names.qweight, (e, out_features, in_features // per_byte), "U8",
                                     derives_from=made_of))
-            specs.append(TensorSpec(f"{prefix}_scales", (e, out_features, groups), layer.scale_dtype,
+            specs.append(TensorSpec(names.scales, (e, out_features, groups), layer.scale_dtype,
                                     derives_from=made_of))
             if not layer.symmetric:
-                specs.append(TensorSpec(f"{prefix}_qzeros", (e, out_features // per_byte, groups), "U8",
+                specs.append(TensorSpec(names.qzeros, (e, out_features // per_byte, groups), "U8",
                                         derives_from=made_of))
         return specs
 
@@ -84,12 +116,13 @@ class TritonBackend(BackendDefaults):
                 slices.update(_int8_encode(prefix, rows))
                 continue
             # Pack each projection, then stack the packed rows (gate first): smaller than stacking codes.
-            slices[f"{prefix}_qweight"] = torch.cat(
+            names = WNA16[prefix]
+            slices[names.qweight] = torch.cat(
                 [packing.pack(w.codes, w.bits, dim=1, container=torch.uint8) for w in rows])
-            slices[f"{prefix}_scales"] = torch.cat([w.scales for w in rows])
+            slices[names.scales] = torch.cat([w.scales for w in rows])
             if rows[0].zeros is not None:
                 zeros = torch.cat([w.zeros for w in rows])
-                slices[f"{prefix}_qzeros"] = packing.pack(zeros, rows[0].bits, dim=0, container=torch.uint8)
+                slices[names.qzeros] = packing.pack(zeros, rows[0].bits, dim=0, container=torch.uint8)
         return slices
 
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
@@ -98,13 +131,14 @@ class TritonBackend(BackendDefaults):
             if layer.activation_bits == 8:
                 decoded[prefix] = _int8_decode(prefix, slices, layer)
                 continue
-            codes = packing.unpack(slices[f"{prefix}_qweight"], layer.bits, dim=1)
-            zeros_packed = slices.get(f"{prefix}_qzeros")
+            names = WNA16[prefix]
+            codes = packing.unpack(slices[names.qweight], layer.bits, dim=1)
+            zeros_packed = slices.get(names.qzeros)
             zeros = None if zeros_packed is None else packing.unpack(zeros_packed, layer.bits, dim=0)
             decoded[prefix] = QuantizedWeight(
                 codes=codes,
                 zeros=zeros,
-                scales=slices[f"{prefix}_scales"],
+                scales=slices[names.scales],
                 bits=layer.bits,
                 group_size=layer.group_size_for(codes.shape[1]),
             )
@@ -150,25 +184,27 @@ def _int8_refusal(layer: MoELayerShape) -> str | None:
 def _int8_layer_tensors(layer: MoELayerShape) -> list[TensorSpec]:
     e, h, i = layer.experts, layer.hidden, layer.intermediate
     return [
-        TensorSpec("w13_weight", (e, 2 * i, h), "I8", derives_from=FUSED_GEMMS["w13"]),
-        TensorSpec("w13_weight_scale", (e, 2 * i, 1), "F32", derives_from=FUSED_GEMMS["w13"]),
-        TensorSpec("w2_weight", (e, h, i), "I8", derives_from=FUSED_GEMMS["w2"]),
-        TensorSpec("w2_weight_scale", (e, h, 1), "F32", derives_from=FUSED_GEMMS["w2"]),
+        TensorSpec(INT8["w13"].weight, (e, 2 * i, h), "I8", derives_from=FUSED_GEMMS["w13"]),
+        TensorSpec(INT8["w13"].weight_scale, (e, 2 * i, 1), "F32", derives_from=FUSED_GEMMS["w13"]),
+        TensorSpec(INT8["w2"].weight, (e, h, i), "I8", derives_from=FUSED_GEMMS["w2"]),
+        TensorSpec(INT8["w2"].weight_scale, (e, h, 1), "F32", derives_from=FUSED_GEMMS["w2"]),
     ]
 
 
 def _int8_encode(prefix: str, rows: tuple[QuantizedWeight, ...]) -> dict[str, torch.Tensor]:
     """Rows stacked gate first, as in the moe_wna16 path."""
-    return {f"{prefix}_weight": torch.cat([packing.offset_codes_to_int8(w.codes) for w in rows]),
-            f"{prefix}_weight_scale": torch.cat([w.scales for w in rows]).to(torch.float32)}
+    names = INT8[prefix]
+    return {names.weight: torch.cat([packing.offset_codes_to_int8(w.codes) for w in rows]),
+            names.weight_scale: torch.cat([w.scales for w in rows]).to(torch.float32)}
 
 
 def _int8_decode(prefix: str, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> QuantizedWeight:
-    codes = packing.int8_to_offset_codes(slices[f"{prefix}_weight"]).contiguous()
+    names = INT8[prefix]
+    codes = packing.int8_to_offset_codes(slices[names.weight]).contiguous()
     return QuantizedWeight(
         codes=codes,
         zeros=None,
-        scales=slices[f"{prefix}_weight_scale"].to(TORCH_DTYPES[layer.scale_dtype]),
+        scales=slices[names.weight_scale].to(TORCH_DTYPES[layer.scale_dtype]),
         bits=8,
         group_size=codes.shape[1],
     )

@@ -42,14 +42,18 @@ def _run_triton(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch
     from moeconv.kernels.fused_moe import fused_moe
     from moeconv.kernels.int8_moe import int8_fused_moe
 
+    from moeconv.backends.triton import INT8, WNA16
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     on = {name: tensor.to(device) for name, tensor in tensors.items()}
     if shape.activation_bits == 8:
-        return int8_fused_moe(x.to(device), on["w13_weight"], on["w13_weight_scale"], on["w2_weight"],
-                              on["w2_weight_scale"], topk_weights.to(device), topk_ids.to(device)).cpu()
+        w13, w2 = INT8["w13"], INT8["w2"]
+        return int8_fused_moe(x.to(device), on[w13.weight], on[w13.weight_scale], on[w2.weight],
+                              on[w2.weight_scale], topk_weights.to(device), topk_ids.to(device)).cpu()
+    w13, w2 = WNA16["w13"], WNA16["w2"]
     return fused_moe(
-        x.to(device), on["w13_qweight"], on["w13_scales"], on.get("w13_qzeros"),
-        on["w2_qweight"], on["w2_scales"], on.get("w2_qzeros"),
+        x.to(device), on[w13.qweight], on[w13.scales], on.get(w13.qzeros),
+        on[w2.qweight], on[w2.scales], on.get(w2.qzeros),
         topk_weights.to(device), topk_ids.to(device), bits=shape.bits, group_size=shape.group_size,
     ).cpu()
 

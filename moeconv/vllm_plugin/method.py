@@ -36,7 +36,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 )
 
 from moeconv.backends.compressed_tensors import CompressedTensorsBackend
-from moeconv.backends.triton import TritonBackend
+from moeconv.backends.triton import GEMM_OF, WNA16, TritonBackend
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.errors import MoeconvError
@@ -247,7 +247,7 @@ class _StackedLoading:
         parameters = dict(layer.named_parameters(recurse=False))
         # compressed-tensors' (E, 2) weight_shape of the WNA16 method: [N, K] of every expert's projections,
         # filled with the GEMM's weights (the int8 method has none)
-        shapes = {"w13_qweight": "w13_weight_shape", "w2_qweight": "w2_weight_shape"}
+        shapes = {WNA16[gemm].qweight: f"{gemm}_weight_shape" for gemm in WNA16}
         self.stacked_parameters = {}
         for name, spec in specs.items():
             parameter = parameters[PARAMETERS[name]]
@@ -259,7 +259,7 @@ class _StackedLoading:
 def _projection_shape(name: str, shape: MoELayerShape) -> torch.Tensor:
     """[N, K] of one projection of the GEMM, unsharded, as a compressed-tensors checkpoint's `weight_shape`
     (gate and up are each [I, H]; down is [H, I])."""
-    n, k = (shape.intermediate, shape.hidden) if name.startswith("w13") else (shape.hidden, shape.intermediate)
+    n, k = (shape.intermediate, shape.hidden) if GEMM_OF[name] == "w13" else (shape.hidden, shape.intermediate)
     return torch.tensor([n, k], dtype=torch.int64)
 
 

@@ -20,15 +20,7 @@ from __future__ import annotations
 
 import torch
 
-# (fused GEMM, what one rank's share of I is in this tensor's split dimension: "rows", "bytes" (b-bit
-# codes packed along I), "groups", or None: not split)
-SPLITS = {
-    "w13_qweight": ("w13", "rows"), "w13_scales": ("w13", "rows"), "w13_qzeros": ("w13", "bytes"),
-    "w2_qweight": ("w2", "bytes"), "w2_scales": ("w2", "groups"), "w2_qzeros": ("w2", "groups"),
-    # the int8 W8A8 layout: one code a byte, one scale per output channel
-    "w13_weight": ("w13", "rows"), "w13_weight_scale": ("w13", "rows"),
-    "w2_weight": ("w2", "rows"), "w2_weight_scale": ("w2", None),
-}
+from moeconv.backends.triton import GEMM_OF, INT8, SPLITS, WNA16
 
 
 # The compressed-tensors MoE parameter (vLLM's CompressedTensorsWNA16MoEMethod / W8A8 int8 method, the
@@ -39,12 +31,12 @@ SPLITS = {
 #   w13_weight_zero_point int32 (E, 2I·b/32, G) packs N: byte j of word [e, w, g] is w13_qzeros[e, 4w + j, g];
 #   the int8 layout's tensors are the W8A8 method's parameters under the same names.
 PARAMETERS = {
-    "w13_qweight": "w13_weight_packed", "w2_qweight": "w2_weight_packed",
-    "w13_scales": "w13_weight_scale", "w2_scales": "w2_weight_scale",
-    "w13_qzeros": "w13_weight_zero_point", "w2_qzeros": "w2_weight_zero_point",
-    "w13_weight": "w13_weight", "w13_weight_scale": "w13_weight_scale",
-    "w2_weight": "w2_weight", "w2_weight_scale": "w2_weight_scale",
+    **{stored: f"{gemm}_{parameter}" for gemm, names in WNA16.items()
+       for stored, parameter in zip(names, ("weight_packed", "weight_scale", "weight_zero_point"))},
+    **{stored: stored for names in INT8.values() for stored in names},
 }
+QWEIGHTS = {names.qweight for names in WNA16.values()}
+QZEROS = {names.qzeros for names in WNA16.values()}
 WORD_BYTES = 4
 
 
@@ -53,11 +45,11 @@ def fill(name: str, stored: torch.Tensor, parameter: torch.Tensor, intermediate:
     """Copies rank `rank`'s part of the stacked tensor `name` (the file's, whole) into `parameter` (the
     compressed-tensors parameter of `PARAMETERS`, this rank's): every element copied once, no
     intermediate tensor. Raises ValueError when the part and the parameter differ in shape."""
-    gemm, unit = SPLITS[name]
+    gemm, unit = GEMM_OF[name], SPLITS[name]
     source, target = stored, parameter
-    if name.endswith("_qweight"):
+    if name in QWEIGHTS:
         target = parameter.view(torch.uint8)
-    elif name.endswith("_qzeros"):  # compare in words: (E, words, 4, G) on both sides
+    elif name in QZEROS:  # compare in words: (E, words, 4, G) on both sides
         experts, words, groups = parameter.shape
         if stored.shape[1] % WORD_BYTES:
             raise ValueError(f"{list(stored.shape)} does not pack into int32 words along dim 1")
@@ -69,7 +61,7 @@ def fill(name: str, stored: torch.Tensor, parameter: torch.Tensor, intermediate:
     per_rank = intermediate // tp_size
     size = {"rows": per_rank, "bytes": per_rank * bits // 8, "groups": per_rank // max(group_size, 1)}[unit]
     if gemm == "w13":  # gate rows, then up rows: this rank's range of each, into the halves of the parameter
-        if name.endswith("_qzeros"):
+        if name in QZEROS:
             if size % WORD_BYTES:
                 raise ValueError(f"one rank's {size} packed rows of the gate (and of the up) projection are not "
                                  f"whole int32 words")
