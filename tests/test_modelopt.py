@@ -31,14 +31,21 @@ from helpers import ROOT, converted_weights, packers_python, run_main
 
 DATA = Path(__file__).resolve().parent / "data" / "modelopt"
 PLAIN, AWQ = DATA / "int4-g32", DATA / "int4-awq-g32"
+# block 32 on a 128/64 model; ModelOpt's default block 128 on a 256/128 model (down_proj: one group)
+CONVERTIBLE = {"int4-g32": 32, "int4-g128": 128}
 EXPERTS = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")]
 DENSE = [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
 KEPT = ("lm_head.weight", "model.layers.0.mlp.gate.weight", "model.embed_tokens.weight")
 
 
 @pytest.fixture(scope="module")
-def truth() -> dict[str, torch.Tensor]:
-    return load_file(str(DATA / "int4-g32.truth.safetensors"))
+def truths() -> dict[str, dict[str, torch.Tensor]]:
+    return {name: load_file(str(DATA / f"{name}.truth.safetensors")) for name in CONVERTIBLE}
+
+
+@pytest.fixture(scope="module")
+def truth(truths) -> dict[str, torch.Tensor]:
+    return truths["int4-g32"]
 
 
 def _assert_truth(weights: dict, truth: dict[str, torch.Tensor]) -> None:
@@ -49,27 +56,30 @@ def _assert_truth(weights: dict, truth: dict[str, torch.Tensor]) -> None:
         assert torch.equal(weight.scales.view(torch.int32), truth[f"{prefix}.scales"].view(torch.int32)), prefix
 
 
-def test_the_export_is_read_as_modelopt_int4_and_the_data_confirms_it():
-    report = moeconv.inspect(PLAIN)
+@pytest.mark.parametrize("name", list(CONVERTIBLE))
+def test_the_export_is_read_as_modelopt_int4_and_the_data_confirms_it(name):
+    report = moeconv.inspect(DATA / name)
     detection = report["detection"]
     assert detection["disagreements"] == [] and detection["undecided"] == [], detection
-    assert detection["detected"] == ModelOpt(group_size=32).describe() == report["config_format"]
+    assert detection["detected"] == ModelOpt(group_size=CONVERTIBLE[name]).describe() == report["config_format"]
     assert "no expert linear stores a pre_quant_scale" in detection["evidence"]
     assert report["scale_dtype"] == "F32"
     # config.json names only the method and algorithm; the group size is in hf_quant_config.json
-    assert "group_size" not in json.loads((PLAIN / "config.json").read_text())["quantization_config"]
+    assert "group_size" not in json.loads((DATA / name / "config.json").read_text())["quantization_config"]
 
 
+@pytest.mark.parametrize("name", list(CONVERTIBLE))
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_every_backend_holds_modelopt_s_own_codes_and_scales(truth, backend, tmp_path):
+def test_every_backend_holds_modelopt_s_own_codes_and_scales(truths, name, backend, tmp_path):
     """Experts (and, where the backend converts them, the attention linears): bit-exact against
     ModelOpt's quantizer; 16-bit layers byte for byte; ModelOpt's hf_quant_config.json not copied."""
-    moeconv.convert(PLAIN, tmp_path / "out", backend=backend, workers=1)
-    weights = converted_weights(tmp_path / "out", PLAIN, backend)
+    source_dir = DATA / name
+    moeconv.convert(source_dir, tmp_path / "out", backend=backend, workers=1)
+    weights = converted_weights(tmp_path / "out", source_dir, backend)
     converts_dense = backend in ("compressed-tensors", "humming")
     assert sorted(weights) == sorted(EXPERTS + (DENSE if converts_dense else [])), sorted(weights)
-    _assert_truth(weights, truth)
-    output, source = open_checkpoint(tmp_path / "out"), open_checkpoint(PLAIN)
+    _assert_truth(weights, truths[name])
+    output, source = open_checkpoint(tmp_path / "out"), open_checkpoint(source_dir)
     with TensorReader() as reader:
         kept = KEPT if converts_dense else KEPT + tuple(f"{p}.{s}" for p in DENSE for s in ("weight", "weight_scale"))
         for name in kept:  # copied: the bytes as ModelOpt wrote them

@@ -10,10 +10,10 @@ of a transformers-5 MoE fails: see below), never in the main venv. From the repo
     .venv-modelopt/bin/python tests/packers/make_modelopt.py tests/data/modelopt [NAME ...]
 
 About a minute on 2 cores, all on CPU. Each variant is a random bf16 Qwen3MoeForCausalLM (seeded; one MoE
-layer of 2 experts, hidden 128, moe_intermediate 64; a 16-token WordLevel tokenizer built offline), saved
+layer of 2 experts, hidden 128 and moe_intermediate 64, or 256 and 128; a 16-token WordLevel tokenizer built offline), saved
 and loaded back with `from_pretrained` (ModelOpt's exporter reads `config.architectures`), quantized with
 `mtq.quantize(model, CFG, forward_loop)` on 4 seeded random batches, CFG one of ModelOpt's presets with
-the int4 block size set to 32 (VARIANTS), and exported into `OUT/NAME/`. Both presets export as
+its int4 block size set (VARIANTS: 32, and ModelOpt's default 128 on a wider model), and exported into `OUT/NAME/`. Both presets export as
 `quant_method: modelopt`, `quant_algo: W4A16_AWQ` (ModelOpt calls any 4-bit integer block quantizer
 int4_awq, convert_hf_config.py / quant_utils.get_quantization_format), so:
 
@@ -56,27 +56,25 @@ from pathlib import Path
 
 import torch
 
-BLOCK = 32
-VARIANTS = {  # name -> (ModelOpt preset, whether its output has a truth: no pre_quant_scale to refuse)
-    "int4-g32": ("INT4_BLOCKWISE_WEIGHT_ONLY_CFG", True),
-    "int4-awq-g32": ("INT4_AWQ_CFG", False),
+# name -> (ModelOpt preset, int4 block size, (hidden, moe_intermediate), whether the output has a truth: no
+# pre_quant_scale to refuse). g128 is ModelOpt's default block; its down projection (K = 128) has one group.
+VARIANTS = {
+    "int4-g32": ("INT4_BLOCKWISE_WEIGHT_ONLY_CFG", 32, (128, 64), True),
+    "int4-awq-g32": ("INT4_AWQ_CFG", 32, (128, 64), False),
+    "int4-g128": ("INT4_BLOCKWISE_WEIGHT_ONLY_CFG", 128, (256, 128), True),
 }
 VOCAB = 16
 
 
-def build_float_model(folder: Path) -> None:
+def build_float_model(folder: Path, hidden: int, intermediate: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (
-        PreTrainedTokenizerFast,
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-    )
+    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(hidden_size=128, moe_intermediate_size=64, intermediate_size=128, num_experts=2,
-                            num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                            head_dim=32, vocab_size=VOCAB, max_position_embeddings=64, decoder_sparse_step=1,
-                            mlp_only_layers=[], tie_word_embeddings=False)
+    config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=intermediate, intermediate_size=hidden,
+                            num_experts=2, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=hidden // 4, vocab_size=VOCAB, max_position_embeddings=64,
+                            decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
     Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
     words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -84,15 +82,15 @@ def build_float_model(folder: Path) -> None:
                             eos_token="t2").save_pretrained(folder)
 
 
-def preset(name: str) -> dict:
-    """ModelOpt's preset with its int4 block size set to BLOCK (the tiny model's K is 64 and 128)."""
+def preset(name: str, block: int) -> dict:
+    """ModelOpt's preset with its int4 block size set to `block`."""
     import modelopt.torch.quantization as mtq
 
     config = copy.deepcopy(getattr(mtq, name))
     found = 0
     for entry in config["quant_cfg"]:
         if isinstance(entry, dict) and entry.get("quantizer_name") == "*weight_quantizer":
-            entry["cfg"]["block_sizes"] = {**entry["cfg"]["block_sizes"], -1: BLOCK}
+            entry["cfg"]["block_sizes"] = {**entry["cfg"]["block_sizes"], -1: block}
             found += 1
     if found != 1:
         raise SystemExit(f"make_modelopt: {name} has {found} weight quantizer entries, not one")
@@ -106,7 +104,7 @@ def calibrate(model) -> None:
             model(torch.randint(0, VOCAB, (2, 16), generator=generator))
 
 
-def truth(model, floats: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+def truth(model, floats: dict[str, torch.Tensor], block: int) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """Every quantized linear as ModelOpt's quantizer reads its float weight (see the module doc), and how
     many of its codes ModelOpt's own fake quantization rounds the other way."""
     from modelopt.torch.export.quant_utils import get_scaling_factor
@@ -116,8 +114,8 @@ def truth(model, floats: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
     for prefix, weight in floats.items():
         quantizer = modules[prefix].weight_quantizer
         n, k = weight.shape
-        scales = get_scaling_factor(quantizer).reshape(n, k // BLOCK)
-        per_column = scales[:, torch.arange(k) // BLOCK]
+        scales = get_scaling_factor(quantizer).reshape(n, k // block)
+        per_column = scales[:, torch.arange(k) // block]
         steps = (weight / per_column).round().clamp(-8, 7)
         found[f"{prefix}.codes"] = (steps + 8).to(torch.uint8)
         found[f"{prefix}.zeros"] = torch.full(scales.shape, 8, dtype=torch.uint8)
@@ -144,13 +142,14 @@ def make(root: Path, names: list[str]) -> None:
     made["versions"] = {"nvidia-modelopt": modelopt.__version__, "transformers": transformers.__version__,
                         "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
-        float_dir = Path(tmp) / "float"
-        build_float_model(float_dir)
-        digest = hashlib.sha256((float_dir / "model.safetensors").read_bytes()).hexdigest()
         for name in names:
-            cfg_name, has_truth = VARIANTS[name]
+            cfg_name, block, (hidden, intermediate), has_truth = VARIANTS[name]
+            float_dir = Path(tmp) / f"float-{hidden}-{intermediate}"
+            if not float_dir.exists():
+                build_float_model(float_dir, hidden, intermediate)
+            digest = hashlib.sha256((float_dir / "model.safetensors").read_bytes()).hexdigest()
             model = Qwen3MoeForCausalLM.from_pretrained(float_dir, dtype=torch.bfloat16)
-            model = mtq.quantize(model, preset(cfg_name), calibrate)
+            model = mtq.quantize(model, preset(cfg_name, block), calibrate)
             floats = {prefix: module.weight.detach().clone() for prefix, module in model.named_modules()
                       if getattr(getattr(module, "weight_quantizer", None), "is_enabled", False)}
             out = root / name
@@ -159,10 +158,10 @@ def make(root: Path, names: list[str]) -> None:
             for tokenizer_file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                 if (float_dir / tokenizer_file).exists():
                     shutil.copy(float_dir / tokenizer_file, out / tokenizer_file)
-            record = {"preset": cfg_name, "block_size": BLOCK, "float_sha256": digest}
+            record = {"preset": cfg_name, "block_size": block, "float_sha256": digest}
             (root / f"{name}.truth.safetensors").unlink(missing_ok=True)
             if has_truth:
-                found, ties = truth(model, floats)
+                found, ties = truth(model, floats, block)
                 save_file(found, str(root / f"{name}.truth.safetensors"))
                 record["fake_quant_ties"] = ties
             made[name] = record
