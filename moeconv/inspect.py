@@ -71,7 +71,8 @@ def _verdict(backend, layers, source_format) -> dict[str, Any]:
         "regroup_factor": factor,
         "reason": reason or next((f"{m}: {r}" for m, r in refusals.items() if r), None),
         "layers": {module: refusal or "ok" for module, refusal in refusals.items()},
-        "serving": serving(backend, source_format, replace(first, group_size=first.group_size // factor))._asdict(),
+        "serving": serving(backend, source_format, replace(first, group_size=first.group_size // factor),
+                           factor=factor)._asdict(),
     }
 
 

@@ -57,6 +57,9 @@ class Plan:
     zero_format: str | None = None  # --gptq-zero-format: the user's answer where the data cannot decide
     choice: str | None = None  # --backend auto: what it chose and why, one line
     fp8_block_modules: tuple[str, ...] = ()  # FP8 block-scaled linears a whole-checkpoint config describes
+    # The backend whose layout the dense quantized linears are written in: the backend itself when it
+    # converts them, the one it names for this source (Backend.dense_linear_backend), or None: copied.
+    dense_backend: Backend | None = None
     jobs: tuple[Job, ...] = field(init=False)  # every shard's, in write order
     layer_jobs: dict[str, tuple[ExpertJob, ...]] = field(init=False)  # MoE layer -> its jobs, by expert
     codec: Codec = field(init=False)
@@ -89,7 +92,7 @@ class Plan:
             "format": self.source_format.describe(),
             "source": self.checkpoint.identity(),
         })
-        answer("serving", serving(self.backend, self.source_format, first))
+        answer("serving", serving(self.backend, self.source_format, first, self.dense_backend is not None))
         answer("scale_cast", engine_scale_cast(self.backend, first.scale_dtype, _model_dtype(self.checkpoint)))
 
     @property
@@ -155,12 +158,18 @@ def _quantization_config(plan: Plan) -> dict[str, Any]:
             "moeconv": {"backend": backend.name, "layout_version": backend.layout_version,
                         "source_quantization_config": plan.checkpoint.quantization_config},
         }
+    dense = {}
+    if plan.dense_backend is not None:  # the converted dense linears' own config, in their layout's scheme
+        dense = {"dense_backend": plan.dense_backend.name, "dense_quantization_config":
+                 plan.dense_backend.checkpoint_quantization_config(first, _model_dtype(plan.checkpoint),
+                                                                   _unquantized_modules(plan.jobs))}
     return {
         "quant_method": "moeconv",
         "backend": backend.name,
         "layout_version": backend.layout_version,
         **backend.quantization_config(first),
         "source_quantization_config": plan.checkpoint.quantization_config,
+        **dense,
     }
 
 
@@ -234,7 +243,7 @@ def _choose_auto(layers: list[MoELayer], source_format: SourceFormat) -> tuple[B
             continue
         first = layers[0].shape
         shape = replace(first, group_size=first.group_size // factor)
-        served = serving(candidate, source_format, shape)
+        served = serving(candidate, source_format, shape, factor=factor)
         if served.engine is None:
             unserved.append((candidate, factor, served))
             skipped.append((candidate.name, f"no engine serves its output: {served.how}"))
@@ -257,13 +266,18 @@ def _choice_line(backend: Backend, factor: int, layer: MoELayerShape, why: str,
     return f"--backend auto takes {backend.name}: {why}{regrouped}{passed}"
 
 
-def unserved_dense_layers(backend: Backend, source_format: SourceFormat) -> str | None:
+def unserved_dense_layers(backend: Backend, source_format: SourceFormat, converted: bool | None = None,
+                          factor: int = 1) -> str | None:
     """Why no engine loads the output's dense layers, when the backend copies them as they are and vLLM
     0.33 refuses their format: asymmetric GPTQ (its GPTQ is symmetric only; measured with `make
     test-engines`), ModelOpt's int4 (its ModelOpt methods read FP8, NVFP4 and MXFP8 only: LINEAR_ALGOS in
-    vllm/model_executor/layers/quantization/modelopt.py)."""
+    vllm/model_executor/layers/quantization/modelopt.py). `converted`: whether the plan converts them
+    (Plan.dense_backend); None, before planning: whether the backend would at regroup `factor` (a backend
+    that names another one for them converts them unregrouped only: _dense_backend)."""
     fmt = source_format
-    if backend.converts_dense_linears:
+    if converted is None:
+        converted = backend.converts_dense_linears or (backend.dense_linear_backend(fmt) is not None and factor == 1)
+    if converted:
         return None
     if fmt.method == "gptq" and not fmt.symmetric:
         return "the dense layers keep the source's asymmetric GPTQ, which vLLM 0.33 does not load"
@@ -272,10 +286,12 @@ def unserved_dense_layers(backend: Backend, source_format: SourceFormat) -> str 
     return None
 
 
-def serving(backend: Backend, source_format: SourceFormat, layer: MoELayerShape) -> Serving:
-    """The backend's own answer, unless the dense layers it copies are what no engine loads."""
+def serving(backend: Backend, source_format: SourceFormat, layer: MoELayerShape,
+            dense_converted: bool | None = None, factor: int = 1) -> Serving:
+    """The backend's own answer, unless the dense layers it copies are what no engine loads
+    (unserved_dense_layers: `dense_converted`, `factor`)."""
     served = backend.serving(layer)
-    reason = unserved_dense_layers(backend, source_format)
+    reason = unserved_dense_layers(backend, source_format, dense_converted, factor)
     if served.engine and reason:
         return Serving(None, f"{reason} (moeconv's vLLM plugin refuses this output at start-up); for vLLM use "
                              "--backend compressed-tensors")
@@ -316,20 +332,40 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     units: list[tuple[str, Unit]] = [(layer.module, layer_unit(target, layer, named(layer.module))) for layer in layers]
     others = [name for name in checkpoint.tensors if name not in expert_names]
     group_index = source_format.group_index_suffix
+    dense, linears = _dense_backend(checkpoint, target, source_format, others, factor)
     if group_index:
         with TensorReader() as reader:
-            check_dense_g_idx(checkpoint, others, group_index, source_format.group_size, reader,
-                              target.converts_dense_linears)
+            check_dense_g_idx(checkpoint, others, group_index, source_format.group_size, reader, dense is not None)
     fp8: dict[str, str] = {}  # FP8 block-scaled tensors a whole-checkpoint config describes: source -> output name
-    if target.converts_dense_linears:
-        linears = find_dense_linears(checkpoint, source_format, target, others, factor)
-        units += [(linear.prefix, single(linear_job(target, linear, named(linear.prefix)))) for linear in linears]
+    if dense is not None:
+        units += [(linear.prefix, single(linear_job(dense, linear, named(linear.prefix)))) for linear in linears]
         converted = {entry.name for linear in linears for entry in linear.tensors.values()}
         others = [name for name in others if name not in converted]
-        fp8 = fp8_block_linears(checkpoint, target, others)
+        if dense is target:
+            fp8 = fp8_block_linears(checkpoint, target, others)
     units += [(name, single(copy_job(checkpoint.tensors[name], named(fp8.get(name, name))))) for name in others]
     units.sort(key=lambda item: natural_key(item[0]))
     shards = assign_shards([unit for _, unit in units], max_shard_size)
     fp8_modules = tuple(sorted({named(name).rpartition(".")[0] for name in fp8.values()}, key=natural_key))
     return Plan(checkpoint, source.architecture, source_format, target, tuple(layers), shards, max_shard_size, trust,
-                source.detection, factor, tp, skipped, source.unquantized_experts, zero_format, choice, fp8_modules)
+                source.detection, factor, tp, skipped, source.unquantized_experts, zero_format, choice, fp8_modules,
+                dense)
+
+
+def _dense_backend(checkpoint: Checkpoint, target: Backend, source_format: SourceFormat, names: list[str],
+                   factor: int) -> tuple[Backend | None, list]:
+    """What writes the dense quantized linears (Plan.dense_backend), and those linears (survey.DenseLinear).
+    A backend that names another one for them (Backend.dense_linear_backend) copies them as before where
+    that one cannot take one of them, the layers are regrouped (their groups stay the source's) or FP8
+    linears sit beside them (the dense config would have to describe those too): the output then says
+    that no engine serves it (Plan.serving)."""
+    if target.converts_dense_linears:
+        return target, find_dense_linears(checkpoint, source_format, target, names, factor)
+    name = target.dense_linear_backend(source_format)
+    if name is None or factor > 1 or any(checkpoint.tensors[other].dtype.startswith("F8_") for other in names):
+        return None, []
+    dense = get_backend(name)
+    try:
+        return dense, find_dense_linears(checkpoint, source_format, dense, names, factor)
+    except MoeconvError:
+        return None, []

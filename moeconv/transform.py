@@ -84,14 +84,14 @@ def encode(job: ConvertJob, codec: Codec, weights: dict[str, QuantizedWeight]) -
     """Canonical weights (as `source_weights` keys them) -> the job's output blocks."""
     if isinstance(job, ExpertJob):
         return codec.backend.encode_expert(ExpertWeights(**weights), job.shape)
-    return codec.backend.encode_linear(weights["linear"], job.shape)
+    return job.encoder.encode_linear(weights["linear"], job.shape)
 
 
 def decode(job: ConvertJob, codec: Codec, blocks: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
     """Inverse of `encode`: the job's output blocks back to canonical weights."""
     if isinstance(job, ExpertJob):
         return codec.backend.decode_expert(blocks, job.shape)._asdict()
-    return {"linear": codec.backend.decode_linear(blocks, job.shape)}
+    return {"linear": job.encoder.decode_linear(blocks, job.shape)}
 
 
 def _read_expert(job: ExpertJob, reader: TensorReader) -> dict[str, dict[str, torch.Tensor]]:

@@ -78,6 +78,7 @@ class LinearJob:
     shape: LinearShape
     sources: dict[str, SourceSlice]  # by source suffix
     slots: dict[str, OutputSlot]  # by backend suffix
+    encoder: Backend  # the backend whose linear layout it is written in (Plan.dense_backend)
     copies = False
 
     @property
@@ -169,7 +170,7 @@ def linear_job(backend: Backend, linear: DenseLinear, prefix: str) -> LinearJob:
     slots = {spec.name: OutputSlot(spec.renamed(f"{prefix}.{spec.name}"), 0, spec.shape, names)
              for spec in backend.linear_tensors(linear.shape)}
     return LinearJob(linear.prefix, linear.shape, {suffix: SourceSlice(entry) for suffix, entry in linear.tensors.items()},
-                     slots)
+                     slots, backend)
 
 
 def layer_unit(backend: Backend, layer: MoELayer, module: str) -> Unit:

@@ -157,16 +157,16 @@ def test_package_attributes_are_the_api_functions_after_submodule_imports():
     assert moeconv.verify.__module__ == "moeconv.api" and moeconv.inspect.__module__ == "moeconv.api"
 
 
-def test_convert_says_when_the_copied_dense_layers_are_not_servable(monkeypatch, tmp_path, capsys):
-    """triton and cpu outputs keep the source's dense linears: from asymmetric GPTQ, vLLM 0.33 loads none
-    of them (measured in make test-engines), and convert says so, with the way out."""
+def test_convert_says_which_engine_serves_an_asymmetric_gptq_source(monkeypatch, tmp_path, capsys):
+    """vLLM 0.33 loads no asymmetric GPTQ linear: a triton output writes the dense ones in compressed-tensors
+    (served through the plugin, measured in make test-engines); a cpu output is served by no engine."""
     from moeconv.formats import GPTQ
 
     source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(4, 32, sym=False), hidden=64, intermediate=64))
     code, out, _ = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "out", "--backend", "triton", "-q")
-    serve = out.splitlines()[-1]
-    assert code == 0 and serve.startswith("serve: not served as it is: the dense layers keep the source's asymmetric "
-                                          "GPTQ") and serve.endswith("for vLLM use --backend compressed-tensors")
+    assert code == 0 and out.splitlines()[-1] == (
+        f"serve: vLLM 0.33 through moeconv's plugin: pip install moeconv in vLLM's environment (it registers the "
+        f"plugin), then vllm serve {tmp_path / 'out'}")
     code, out, _ = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "ct", "--backend", "compressed-tensors",
                             "-q")
     assert code == 0 and out.splitlines()[-1] == f"serve: stock vLLM 0.33: vllm serve {tmp_path / 'ct'}"

@@ -83,16 +83,20 @@ def test_auto_chooses_what_an_engine_serves_regrouping_to_fit(tmp_path, capsys):
 
 
 def test_auto_prefers_a_served_layout_over_an_unserved_one(tmp_path, capsys):
-    """Asymmetric GPTQ: a triton output keeps the dense layers in asymmetric GPTQ, which vLLM refuses, so
-    auto takes compressed-tensors; a cpu output is said to be unserved."""
+    """Asymmetric GPTQ: a triton output writes the dense layers in compressed-tensors (vLLM refuses
+    asymmetric GPTQ linears), so auto takes triton, served through the plugin; a channel-wise triton output
+    is not served yet, so auto skips it for compressed-tensors; a cpu output is said to be unserved."""
     source = make_checkpoint(tmp_path / "asym", SynthSpec(source_format=GPTQ(4, 32, sym=False)))
     plan = make_plan(source, backend="auto")
-    assert plan.backend.name == "compressed-tensors"
-    assert [name for name, _ in plan.skipped_backends] == ["triton"]
-    assert "no engine serves its output: the dense layers keep the source's asymmetric GPTQ" in plan.skipped_backends[0][1]
+    assert plan.backend.name == "triton" and plan.dense_backend.name == "compressed-tensors"
+    assert plan.choice == "--backend auto takes triton: served by vLLM 0.33 through moeconv's plugin"
+    channelwise = make_checkpoint(tmp_path / "channel", SynthSpec(source_format=GPTQ(4, -1, sym=True)))
+    plan = make_plan(channelwise, backend="auto")
+    assert plan.backend.name == "compressed-tensors" and [name for name, _ in plan.skipped_backends] == ["triton"]
+    assert "no engine serves its output: moeconv's vLLM plugin does not serve channel-wise" in plan.skipped_backends[0][1]
     assert plan.choice == "--backend auto takes compressed-tensors: served by stock vLLM 0.33; skipped triton " \
                           "(reasons: --dry-run --json)"
-    dry = json.loads(cli("convert", source, "--backend", "auto", "--dry-run", "--json").stdout)
+    dry = json.loads(cli("convert", channelwise, "--backend", "auto", "--dry-run", "--json").stdout)
     assert dry["auto_choice"] == plan.choice and dry["skipped_backends"][0]["backend"] == "triton"
     assert dry["serving"] == {"engine": "stock vLLM 0.33", "how": "vllm serve {output}"}
     code, out, _ = run_main(capsys, "convert", source, "-o", tmp_path / "cpu", "--backend", "cpu", "-q")

@@ -153,13 +153,13 @@ def test_missing_tensor_fails_structure(damaged):
 
 def test_changed_passthrough_tensor_fails(damaged):
     _, out = damaged
-    entry = open_checkpoint(out).tensors["model.layers.0.self_attn.q_proj.qweight"]
+    entry = open_checkpoint(out).tensors["model.embed_tokens.weight"]
     with open(entry.file, "r+b") as handle:
         handle.seek(entry.begin)
         handle.write(b"\x00\x00\x00\x00")
     reseal(out, entry.file)
     report = verify(out, level="lossless")
-    assert any("model.layers.0.self_attn.q_proj.qweight differs from the source" in f for f in report.failures())
+    assert any("model.embed_tokens.weight differs from the source" in f for f in report.failures())
 
 
 def test_config_disagreeing_with_conversion_fails(damaged):
@@ -259,7 +259,7 @@ def test_a_tampered_source_copy_fails(converted, tmp_path):
     copy_source, copy_out = tmp_path / "src", tmp_path / "out"
     shutil.copytree(source, copy_source, symlinks=True)
     shutil.copytree(out, copy_out)
-    name = "model.layers.0.self_attn.q_proj.qweight"
+    name = "model.embed_tokens.weight"
     changed = []
     for folder in (copy_source, copy_out):
         entry = open_checkpoint(folder).tensors[name]

@@ -72,7 +72,10 @@ HOSTILE = {  # what the issue lists, and its neighbours: each must be refused, n
     "bits missing": (lambda c: {k: v for k, v in c.items() if k != "bits"}, "has no bits"),
     "layout_version bool": (lambda c: {**c, "layout_version": True}, "layout version True"),
     "layout unknown": (lambda c: {**c, "layout": "marlin"}, "triton layout 'marlin'"),
-    "backend cpu": (lambda c: {**c, "backend": "cpu"}, "backend 'cpu' outputs are not served"),
+    "backend cpu": (lambda c: {**c, "backend": "cpu"}, "backend 'cpu' outputs hold the blocked layout vLLM's CPU "
+                                                       "experts build in their own post-load step"),
+    "backend humming": (lambda c: {**c, "backend": "humming"}, "backend 'humming' outputs are not served by this "
+                                                               "plugin (only 'triton')"),
     "source missing": (lambda c: {k: v for k, v in c.items() if k != "source_quantization_config"},
                        "has no source_quantization_config"),
     "source a list": (lambda c: {**c, "source_quantization_config": ["gptq"]}, "must be an object, not list"),

@@ -30,6 +30,9 @@ def _rows(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
 
 def _columns(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
     g = weight.group_size
+    if weight.scales.shape[1] == 1:  # channel-wise: each slice of K keeps the one group of its channel
+        return QuantizedWeight(weight.codes[:, start:stop].contiguous(), weight.zeros, weight.scales, weight.bits,
+                               stop - start)
     return QuantizedWeight(weight.codes[:, start:stop].contiguous(),
                            None if weight.zeros is None else weight.zeros[:, start // g:stop // g].contiguous(),
                            weight.scales[:, start // g:stop // g].contiguous(), weight.bits, g)
@@ -51,19 +54,19 @@ def _ct_parameters(expert: ExpertWeights, bits: int, sym: bool, group_size: int)
 
 
 @settings(max_examples=40, deadline=None)
-@given(bits=st.sampled_from([4, 8]), sym=st.booleans(), group_size=st.sampled_from([32, 64]),
+@given(bits=st.sampled_from([4, 8]), sym=st.booleans(), group_size=st.sampled_from([32, 64, -1]),
        tp=st.sampled_from([1, 2, 4]), per_rank_groups=st.integers(1, 2), seed=st.integers(0, 2**31 - 1))
 def test_each_rank_fills_the_compressed_tensors_parameters_of_its_slice(bits, sym, group_size, tp, per_rank_groups,
                                                                         seed):
     """`fill` copies rank r's part of each stacked triton tensor into the parameter vLLM's compressed-tensors
     MoE method holds, and the result is what that parameter holds when vLLM loads the compressed-tensors
     encoding of the rank's own slice of the canonical weights (gate and up rows [r·I/T, (r+1)·I/T),
-    down's input columns likewise)."""
+    down's input columns likewise; channel-wise, the one scale and zero of each channel on every rank)."""
     gen = torch.Generator().manual_seed(seed)
-    hidden, intermediate = 64, tp * per_rank_groups * group_size
-    expert = ExpertWeights(*(random_canonical(gen, bits, sym, intermediate, hidden, hidden // group_size)
-                             for _ in range(2)),
-                           random_canonical(gen, bits, sym, hidden, intermediate, intermediate // group_size))
+    hidden, intermediate = 64, tp * per_rank_groups * abs(group_size) * (32 if group_size == -1 else 1)
+    groups = (lambda k: 1) if group_size == -1 else (lambda k: k // group_size)
+    expert = ExpertWeights(*(random_canonical(gen, bits, sym, intermediate, hidden, groups(hidden)) for _ in range(2)),
+                           random_canonical(gen, bits, sym, hidden, intermediate, groups(intermediate)))
     shape = MoELayerShape(1, hidden, intermediate, bits, group_size, sym, "F16", tp=tp)
     assert TritonBackend().refusal(shape) is None
     full = {name: tensor.unsqueeze(0) for name, tensor in TritonBackend().encode_expert(expert, shape).items()}

@@ -102,6 +102,11 @@ class Backend(Protocol):
         """The whole `quantization_config`; `unquantized_modules` are the linears left in float,
         `fp8_block_modules` the FP8 block-scaled ones (only for a backend with `fp8_block_suffixes`)."""
 
+    def dense_linear_backend(self, source_format: Any) -> str | None:
+        """For a backend that copies dense linears: the registered backend (one that converts dense
+        linears) whose layout its output writes the source's dense quantized linears in instead, when
+        the engine it targets cannot load them as the source stores them. Default: None (copied)."""
+
 
 class BackendDefaults:
     """The default of every member of `Backend` a backend may leave out, declared once: dense linears
@@ -110,6 +115,9 @@ class BackendDefaults:
     converts_dense_linears: bool = False
     scales_in_model_dtype: bool = False
     fp8_block_suffixes: dict[str, str] | None = None
+
+    def dense_linear_backend(self, source_format: Any) -> str | None:
+        return None
 
     def linear_refusal(self, linear: LinearShape) -> str | None:
         return f"backend {self.name!r} copies dense linears as they are"

@@ -65,6 +65,13 @@ class TritonBackend(BackendDefaults):
     targets = {"kernel": "vLLM 0.33.0 TritonWNA16Experts / TritonExperts layouts",
                "engine": "vLLM 0.33 with moeconv's plugin (moeconv/vllm_plugin): stock vLLM has no loader for stacked experts"}
 
+    def dense_linear_backend(self, source_format: Any) -> str | None:
+        """vLLM 0.33's GPTQ is symmetric only (`AutoGPTQConfig`), so an asymmetric GPTQ source's attention,
+        shared experts and dense MLPs are written in compressed-tensors pack-quantized with TRUE zero points
+        (the `compressed-tensors` backend's linears), which vLLM serves; the plugin reads them with the
+        config's `dense_quantization_config`."""
+        return "compressed-tensors" if source_format.method == "gptq" and not source_format.symmetric else None
+
     def serving(self, layer: MoELayerShape) -> Serving:
         if layer.activation_bits != 8 and is_channelwise(layer.group_size):
             return Serving(None, "moeconv's vLLM plugin does not serve channel-wise moe_wna16 scales yet; "

@@ -72,11 +72,12 @@ def build(plan: Any, files: dict[str, dict[str, Any]], written: dict[str, dict[s
 def derived(plan: Any) -> dict[str, Any]:
     """The sections that follow from the plan alone (what verify, having planned from the source,
     expects to find)."""
-    transform = f"{plan.source_format.method}->{plan.backend.name}"
     tensors: dict[str, dict[str, Any]] = {}
     for job in plan.jobs:
+        encoder = getattr(job, "encoder", plan.backend)  # a dense linear's layout may be another backend's
+        transform = "copy" if job.copies else f"{plan.source_format.method}->{encoder.name}"
         for slot in job.slots.values():
-            entry = tensors.setdefault(slot.tensor.name, {"transform": "copy" if job.copies else transform,
+            entry = tensors.setdefault(slot.tensor.name, {"transform": transform,
                                                           "sources": []})
             entry["sources"] += slot.sources
     return {

@@ -44,7 +44,10 @@ class StackedLayout:
     group_size: int  # a power of two, or CHANNELWISE
     has_zp: bool
     scale_dtype: str  # the stored scales' safetensors dtype (F16, BF16, F32)
-    source: dict[str, Any]  # the source's own quantization_config, which the dense layers keep
+    source: dict[str, Any]  # the source's own quantization_config, which copied dense layers keep
+    # the dense linears' config when moeconv converted them (an asymmetric GPTQ source's, in
+    # compressed-tensors: `dense_quantization_config`); None: they are the source's, copied
+    dense: dict[str, Any] | None = None
 
     @property
     def channelwise(self) -> bool:
@@ -66,7 +69,11 @@ def _parse(config: Any) -> StackedLayout:
         raise PluginRefusal(f"{WHERE} must be an object, not {type(config).__name__}")
     backend = config.get("backend")
     if backend != TritonBackend.name:
-        raise PluginRefusal(f"backend {backend!r} outputs are not served by this plugin yet (only 'triton')")
+        if backend == "cpu":  # docs/FORMAT.md, "What the plugin does not serve, and why"
+            raise PluginRefusal("backend 'cpu' outputs hold the blocked layout vLLM's CPU experts build in their "
+                                "own post-load step, which vLLM 0.33 takes from no file; serve the triton output "
+                                "of the same source (on a CPU build vLLM's oracle picks its CPU experts)")
+        raise PluginRefusal(f"backend {backend!r} outputs are not served by this plugin (only 'triton')")
     version = config.get("layout_version")
     if isinstance(version, bool) or version != TritonBackend.layout_version:
         raise PluginRefusal(f"layout version {version!r}; this plugin reads triton layout "
@@ -98,7 +105,23 @@ def _parse(config: Any) -> StackedLayout:
             raise PluginRefusal("the config names no scale_dtype (an output of an older moeconv): reconvert")
         if not isinstance(scale_dtype, str) or scale_dtype not in FLOAT_DTYPES:
             raise PluginRefusal(f"{WHERE}: scale_dtype {scale_dtype!r} is not one of {', '.join(FLOAT_DTYPES)}")
-    return StackedLayout(layout, bits, group_size, has_zp, scale_dtype, _source_config(config))
+    return StackedLayout(layout, bits, group_size, has_zp, scale_dtype, _source_config(config), _dense_config(config))
+
+
+DENSE_BACKEND = "compressed-tensors"  # the one layout moeconv converts a triton output's dense linears to
+
+
+def _dense_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The converted dense linears' config: absent, or a compressed-tensors config object named by
+    `dense_backend` (moeconv.backends.triton.TritonBackend.dense_linear_backend)."""
+    backend, dense = config.get("dense_backend"), config.get("dense_quantization_config")
+    if backend is None and dense is None:
+        return None
+    if backend != DENSE_BACKEND or not isinstance(dense, dict) or dense.get("quant_method") != DENSE_BACKEND:
+        raise PluginRefusal(f"{WHERE}: dense_backend {backend!r} with a dense_quantization_config that is not a "
+                            f"{DENSE_BACKEND} config object; the plugin reads dense linears converted to "
+                            f"{DENSE_BACKEND} only (reconvert)")
+    return dense
 
 
 def _source_config(config: dict[str, Any]) -> dict[str, Any]:

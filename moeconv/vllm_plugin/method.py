@@ -22,7 +22,6 @@ import torch
 import vllm
 from compressed_tensors.quantization import QuantizationArgs
 from vllm.config import get_current_vllm_config
-from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.fused_moe.oracle import int_wna16
@@ -65,7 +64,7 @@ class MoeconvConfig(QuantizationConfig):
         if sys.byteorder != "little":  # the int32 parameters are filled byte for byte, as vLLM's own views assume
             raise PluginRefusal("the stacked layouts are served on little-endian hosts only")
         self.stacked = parse(config)
-        self.dense = _dense_config(self.stacked.source)
+        self.dense = _dense_config(self.stacked.dense or self.stacked.source)
         self._stored: dict[str, dict[str, tuple[str, tuple[int, ...], Path]]] | None = None
         self.verify_on_load = integrity.requested()
         self._digests: integrity.TensorDigests | None = None
@@ -142,7 +141,9 @@ class MoeconvConfig(QuantizationConfig):
 
 
 def _dense_config(source: dict[str, Any]) -> QuantizationConfig:
-    """The source's own quantization config, for the linears moeconv copied unchanged. Act-order flags
+    """The dense linears' quantization config: the one moeconv wrote them in when it converted them
+    (compressed-tensors, for an asymmetric GPTQ source), else the source's own, for the linears moeconv
+    copied unchanged. Act-order flags
     (GPTQ's desc_act, compressed-tensors' actorder) are cleared: moeconv copies a dense linear only when
     its g_idx is k // g (plan.check_dense_g_idx), and an act-order down projection of the experts was
     folded into static groups."""
@@ -234,7 +235,11 @@ class _StackedLoading:
     def _create_stacked(self, create, layer: RoutedExperts, num_experts: int, hidden_size: int,
                         intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
         config: MoeconvConfig = self.moeconv_config
-        tp_size = self.moe.tp_size
+        tp_size = self.moe.tp_size  # the MoE layer's own split: tensor x data parallel ranks when no EP
+        if self.moe.use_ep:  # each rank would hold a subset of the experts: dim 0 is not sliced (shards.py)
+            raise PluginRefusal(f"{layer.layer_name}: expert parallelism (--enable-expert-parallel, "
+                                f"{self.moe.ep_size} ranks) is not served by this plugin yet; serve without it "
+                                f"(tensor parallelism is), or convert with --backend compressed-tensors")
         shape = _layer_shape(config.stacked, num_experts, hidden_size, intermediate_size_per_partition * tp_size, tp_size)
         for backend in (TritonBackend(), CompressedTensorsBackend()):  # the file's layout, then the method's packing
             reason = backend.refusal(shape)
@@ -243,7 +248,7 @@ class _StackedLoading:
         specs = {spec.name: spec for spec in TritonBackend().layer_tensors(shape)}
         _check_files(config, layer, specs)
         create(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra_weight_attrs)
-        rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
+        rank = self.moe.tp_rank if tp_size > 1 else 0  # the rank within that split, as vLLM's loaders use
         parameters = dict(layer.named_parameters(recurse=False))
         # compressed-tensors' (E, 2) weight_shape of the WNA16 method: [N, K] of every expert's projections,
         # filled with the GEMM's weights (the int8 method has none)

@@ -8,7 +8,8 @@ tensor (E experts on dim 0; packed dimensions in bytes, b bits a code):
   w13_qweight (E, 2I, H·b/8), w13_scales (E, 2I, H/g): the two row ranges, gate's then up's;
   w13_qzeros  (E, 2I·b/8, H/g): the same ranges in packed rows (I/T·b/8 each);
   w2_qweight  (E, H, I·b/8): columns [r·I/T·b/8, ...); w2_scales and w2_qzeros (E, ·, I/g): columns
-              [r·I/T/g, ...);
+              [r·I/T/g, ...), or, channel-wise (one group over I), the whole tensor on every rank (each
+              rank's down projection keeps the one scale of each output channel, as vLLM loads it);
   the int8 W8A8 layout: w13_weight (E, 2I, H) and w13_weight_scale (E, 2I, 1) the two row ranges,
               w2_weight (E, H, I) its columns, w2_weight_scale (E, H, 1) whole on every rank.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from moeconv.backends.triton import GEMM_OF, INT8, SPLITS, WNA16
+from moeconv.canonical import is_channelwise
 
 
 # The compressed-tensors MoE parameter (vLLM's CompressedTensorsWNA16MoEMethod / W8A8 int8 method, the
@@ -55,11 +57,11 @@ def fill(name: str, stored: torch.Tensor, parameter: torch.Tensor, intermediate:
             raise ValueError(f"{list(stored.shape)} does not pack into int32 words along dim 1")
         target = parameter.view(torch.uint8).view(experts, words, groups, WORD_BYTES).permute(0, 1, 3, 2)
         source = stored.view(stored.shape[0], stored.shape[1] // WORD_BYTES, WORD_BYTES, stored.shape[2])
-    if tp_size == 1 or unit is None:
+    if tp_size == 1 or unit is None or (unit == "groups" and is_channelwise(group_size)):
         _copy(target, source)
         return
     per_rank = intermediate // tp_size
-    size = {"rows": per_rank, "bytes": per_rank * bits // 8, "groups": per_rank // max(group_size, 1)}[unit]
+    size = {"rows": per_rank, "bytes": per_rank * bits // 8, "groups": per_rank // group_size if unit == "groups" else 0}[unit]
     if gemm == "w13":  # gate rows, then up rows: this rank's range of each, into the halves of the parameter
         if name in QZEROS:
             if size % WORD_BYTES:

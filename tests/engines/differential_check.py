@@ -16,13 +16,23 @@ both then run the same post-processing and the same kernel. Where the oracle has
 layer, both must refuse it (the plugin with one `moeconv:` line).
 
 Prints one JSON line per pair and choice.
+
+Tensor parallelism: with MOECONV_DIFFERENTIAL_TP=T (T > 1) the script runs itself T times, one process
+per rank (gloo, on the CPU; MOECONV_DIFFERENTIAL_RANK set for each), and every rank compares its own part:
+the plugin's slicing of each stacked tensor (moeconv/vllm_plugin/shards.py) against the parameters stock
+vLLM's own loaders fill for that rank from the reference. Each line then carries `rank`. With
+MOECONV_DIFFERENTIAL_EP=1 as well, vLLM's expert parallelism is on (each rank holds half the experts):
+stock vLLM loads the reference, and the plugin must refuse the output in one `moeconv:` line.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import socket
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -32,7 +42,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from vllm_load import _Capability, _patch_platform, build_and_load, one_line  # noqa: E402
+import vllm_load  # noqa: E402
+from vllm_load import _Capability, _patch_platform, one_line  # noqa: E402
+
+TP = int(os.environ.get("MOECONV_DIFFERENTIAL_TP", "1"))
+RANK = os.environ.get("MOECONV_DIFFERENTIAL_RANK")  # set in a rank's own process
+build_and_load = vllm_load.build_and_load
+if TP > 1 and RANK is not None:
+    build_and_load = functools.partial(vllm_load.build_and_load, tp=TP, rank=int(RANK),
+                                       port=int(os.environ["MOECONV_DIFFERENTIAL_PORT"]),
+                                       expert_parallel=os.environ.get("MOECONV_DIFFERENTIAL_EP") == "1")
 
 # choice -> (compute capability the platform reports, whether it is a CPU platform, --moe-backend)
 CHOICES = {
@@ -117,7 +136,24 @@ class _Recorder(logging.Handler):
         LOGGED.append(record.getMessage())
 
 
+def _ranks() -> None:
+    """One process per tensor-parallel rank, all started at once (they meet in init_distributed_environment);
+    their JSON lines, rank 0's first."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "MOECONV_DIFFERENTIAL_RANK": str(rank),
+                                   "MOECONV_DIFFERENTIAL_PORT": str(port)}) for rank in range(TP)]
+    outputs = [process.communicate()[0] for process in ranks]
+    for output in outputs:
+        sys.stdout.write(output)
+    sys.exit(max(process.returncode for process in ranks))
+
+
 def main() -> None:
+    if TP > 1 and RANK is None:
+        return _ranks()
     from vllm.plugins import load_general_plugins
 
     from moeconv.vllm_plugin.method import LOGGER_NAME
@@ -132,7 +168,8 @@ def main() -> None:
         for pair in sys.argv[1:]:
             reference, output = (Path(part) for part in pair.split("=", 1))
             result = compare(reference, output, moe_backend)
-            print(json.dumps({"choice": choice, "reference": str(reference), "output": str(output), **result}),
+            rank = {} if RANK is None else {"rank": int(RANK), "tp": TP}
+            print(json.dumps({"choice": choice, "reference": str(reference), "output": str(output), **rank, **result}),
                   flush=True)
 
 

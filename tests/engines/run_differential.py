@@ -10,12 +10,17 @@ parameters of every MoE layer before `process_weights_after_loading` must be byt
 shapes, dtypes, values) to stock vLLM's, and both must have chosen the same backend: the one the table
 shows. Prints a markdown table; exits 1 when a check fails.
 
+MOECONV_DIFFERENTIAL_TP=2: the same at tensor-parallel size 2 (two gloo processes on the CPU, each rank's
+parameters against stock vLLM's for that rank; intermediate size doubled so each rank holds what the
+single-rank run holds). MOECONV_DIFFERENTIAL_CHOICES=a,b: only those oracle choices.
+
     .venv/bin/python tests/engines/run_differential.py [--keep DIR]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -39,7 +44,9 @@ SOURCES = {  # the formats stock vLLM 0.33 loads (its GPTQ is symmetric only)
     "ct-channelwise": CompressedTensors(bits=4, group_size=-1, symmetric=True),
     "ct-w8a8": CompressedTensors(format="int-quantized", bits=8, group_size=-1, activation_bits=8),
 }
-SHAPE = {"hidden": 128, "intermediate": 128}  # Marlin's tiles: hidden % 128, intermediate % group size
+TP = int(os.environ.get("MOECONV_DIFFERENTIAL_TP", "1"))
+# Marlin's tiles: hidden % 128, intermediate per rank % group size
+SHAPE = {"hidden": 128, "intermediate": 128 * TP}
 NO_BACKEND = None
 
 
@@ -64,6 +71,8 @@ def expected_backend(choice: str, name: str, fmt) -> str | None:
 
 
 CHOICES = ("capability 9.0", "capability 8.0", "--moe-backend triton", "CPU platform")
+if os.environ.get("MOECONV_DIFFERENTIAL_CHOICES"):
+    CHOICES = tuple(os.environ["MOECONV_DIFFERENTIAL_CHOICES"].split(","))
 # (source, choice) pairs whose result says nothing about the MoE layers: there the GPTQ 8-bit source's
 # dense linears (kept by the triton output, not by the compressed-tensors reference) meet the harness's
 # CUDA linear-kernel tables, whose Marlin refuses 8-bit GPTQ before any MoE layer is built; vLLM's CPU
@@ -87,15 +96,16 @@ def main() -> None:
         done = subprocess.run([str(ENGINE_PYTHON), str(ENGINES / "differential_check.py"), *pairs],
                               capture_output=True, text=True, timeout=3600)
         results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-        if len(results) != len(pairs) * len(CHOICES):
-            sys.exit(f"differential_check.py answered {len(results)} of {len(pairs) * len(CHOICES)}:\n"
+        if len(results) != len(pairs) * len(CHOICES) * TP:
+            sys.exit(f"differential_check.py answered {len(results)} of {len(pairs) * len(CHOICES) * TP}:\n"
                      f"{done.stderr[-3000:]}")
         print("| source | stock vLLM loads | oracle choice | backend (stock = plugin) | MoE parameters | "
               "differ | verdict |")
         print("|---|---|---|---|---|---|---|")
         for result in results:
             name, fmt, reference = names[result["output"]]
-            label = f"| {name} | {reference} | {result['choice']} |"
+            rank = f" (rank {result['rank']} of {result['tp']})" if "rank" in result else ""
+            label = f"| {name} | {reference} | {result['choice']}{rank} |"
             expected = expected_backend(result["choice"], name, fmt)
             if (name, result["choice"]) in NOT_COMPARABLE:
                 print(f"{label} | | | not compared: {NOT_COMPARABLE[name, result['choice']]} |")
@@ -119,7 +129,8 @@ def main() -> None:
                     problems.append(f"{key}: {result[key][:3]}")
             if not result["moe_parameters"]:
                 problems.append("no MoE parameters compared")
-            if not result["plugin_logged"] or not result["plugin_logged"][0].startswith("moeconv: MoE layers on"):
+            logs = result.get("rank", 0) == 0  # vLLM logs a "local"-scope line on each host's first rank only
+            if logs and (not result["plugin_logged"] or not result["plugin_logged"][0].startswith("moeconv: MoE layers on")):
                 problems.append(f"the plugin logged no line naming {expected}")
             failures += [f"{name}, {result['choice']}: {problem}" for problem in problems]
             print(f"{label} {', '.join(result['plugin_backends'])} | {result['moe_parameters']} | "

@@ -1,9 +1,9 @@
 """`make test-engines`, second part: moeconv's vLLM plugin serving `--backend triton` outputs.
 
 Runs in the main venv; tests/engines/plugin_check.py and vllm_load.py run in .venv-engines
-(vllm==0.33.0 with moeconv installed, `make engines`). For every architecture x source format whose
-dense layers vLLM 0.33 loads, a synthetic source is converted with `--backend triton` and checked by
-plugin_check.py with `--moe-backend triton`: vLLM's model class and loader consume every tensor through
+(vllm==0.33.0 with moeconv installed, `make engines`). For every architecture x source format (an
+asymmetric GPTQ source's dense linears written in compressed-tensors, which vLLM loads), a synthetic
+source is converted with `--backend triton` and checked by plugin_check.py with `--moe-backend triton`: vLLM's model class and loader consume every tensor through
 the plugin, after vLLM's own post-load step for its Triton backend the tensors the kernel reads are the
 file's stacked tensors byte for byte, and vLLM's own Triton MoE kernel (moe_wna16, or int8 W8A8) on them
 matches the float64 reference of the source (run_differential.py compares the parameters with stock
@@ -11,10 +11,11 @@ vLLM's for every oracle choice). Then:
 
   * load time: a Qwen3-MoE-shaped GPTQ source with many experts and its triton output, each loaded by
     vLLM's `load_weights` (stock vLLM for the source, the plugin for the output), tensors and seconds;
-  * refusals at start-up, with the reason: a `cpu` output (not served by the plugin yet), the real
-    GPTQModel act-order checkpoint's output (asymmetric GPTQ dense layers, which vLLM 0.33 refuses),
-    and a triton output whose config was edited (a string has_zp; a group size its files do not hold,
-    refused from the headers before any parameter is allocated); and, with MOECONV_VERIFY_ON_LOAD=1, a
+  * the real GPTQModel act-order checkpoint's output (asymmetric GPTQ, its down projections' act-order
+    folded), served like the synthetic ones;
+  * refusals at start-up, with the reason: a `cpu` output (not served by the plugin yet), and a triton
+    output whose config was edited (a string has_zp; a group size its files do not hold, refused from
+    the headers before any parameter is allocated); and, with MOECONV_VERIFY_ON_LOAD=1, a
     triton output as written (loads) and copies with one byte of one tensor flipped, a stacked expert
     tensor and a dense attention weight (each refused, naming that tensor and its shard).
 
@@ -50,8 +51,9 @@ SYNTH_GAPS = ("q_norm.weight", "k_norm.weight", "qkv_proj.bias")
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES = ROOT / "tests" / "engines"
 ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "kimi_k2", "glm4_moe", "minimax_m2")
-SOURCES = {  # the formats whose dense linears vLLM 0.33 loads (its GPTQ is symmetric only)
+SOURCES = {  # asymmetric GPTQ: its dense linears are written in compressed-tensors (vLLM's GPTQ is symmetric only)
     "gptq-sym": GPTQ(4, 32, sym=True),
+    "gptq-asym": GPTQ(4, 32, sym=False),
     "gptq-8bit-sym": GPTQ(8, 32, sym=True),
     "awq": AWQ(4, 32),
     "ct-sym": CompressedTensors(bits=4, group_size=32, symmetric=True),
@@ -61,8 +63,7 @@ SOURCES = {  # the formats whose dense linears vLLM 0.33 loads (its GPTQ is symm
 MANY_EXPERTS = SynthSpec(architecture="qwen3_moe", source_format=GPTQ(4, 32, sym=True), layers=4, experts=128,
                          hidden=64, intermediate=64)
 EXPECTED_REFUSALS = {
-    "cpu backend output": "backend 'cpu' outputs are not served by this plugin yet",
-    "act-order (GPTQModel, asymmetric)": "the dense layers keep the source's 'gptq' quantization",
+    "cpu backend output": "backend 'cpu' outputs hold the blocked layout vLLM's CPU experts build",
     'config edited: has_zp "false"': "moeconv: the output's quantization_config: has_zp must be true or false",
     "config edited: group_size 16, files hold 32": "w13_scales: the file holds F16[4, 128, 4], the config and "
                                                    "the model's sizes say F16[4, 128, 8]",
@@ -166,6 +167,9 @@ def main() -> None:
                                          SynthSpec(architecture=architecture, source_format=fmt))
                 out = moeconv.convert(source, base / architecture / name / "triton", backend="triton").output
                 pairs[(architecture, name)] = (source, out)
+        act_order = ROOT / "tests" / "data" / "gptqmodel_act_order" / "down_only"
+        pairs[("qwen3_moe", "GPTQModel act-order, asymmetric")] = (
+            act_order, moeconv.convert(act_order, base / "act-order" / "triton", backend="triton").output)
         results = _engine("plugin_check.py", *[f"{s}={o}" for s, o in pairs.values()])
         print("| architecture | source | tensors | Triton kernel tensors after vLLM's post-load step = file | "
               "backend | vLLM Triton kernel vs float64 source | verdict |")
@@ -191,12 +195,8 @@ def main() -> None:
             print(f"| {label} ({MANY_EXPERTS.layers} layers x {MANY_EXPERTS.experts} experts) | {result['tensors']} | "
                   f"{result['load_seconds']:.3f} |")
 
-        (base / "act-order").mkdir(parents=True, exist_ok=True)
         gptq = pairs[("qwen3_moe", "gptq-sym")][0]
-        refused = {"cpu backend output": moeconv.convert(gptq, base / "qwen3_moe" / "gptq-sym" / "cpu", backend="cpu").output,
-                   "act-order (GPTQModel, asymmetric)": moeconv.convert(
-                       ROOT / "tests" / "data" / "gptqmodel_act_order" / "down_only", base / "act-order" / "triton",
-                       backend="triton").output}
+        refused = {"cpu backend output": moeconv.convert(gptq, base / "qwen3_moe" / "gptq-sym" / "cpu", backend="cpu").output}
         triton = pairs[("qwen3_moe", "gptq-sym")][1]
         for index, (label, change) in enumerate(EDITS.items()):
             refused[label] = _edited(triton, base / "edited" / str(index), change)

@@ -111,27 +111,36 @@ def load(checkpoint: Path) -> dict:
     return build_and_load(checkpoint)[1]
 
 
-def build_and_load(checkpoint: Path, moe_backend: str = "auto") -> tuple[torch.nn.Module, dict]:
+def build_and_load(checkpoint: Path, moe_backend: str = "auto", tp: int = 1, rank: int = 0,
+                   port: int = 29533, expert_parallel: bool = False) -> tuple[torch.nn.Module, dict]:
     """The model vLLM builds for the checkpoint (`moe_backend`: vLLM's --moe-backend), after its own
     loader ran twice (two sentinels), and what the loading showed; `load_seconds` is the faster of the
-    two `load_weights` passes."""
+    two `load_weights` passes. `tp` > 1: this process is tensor-parallel rank `rank` of `tp` (gloo, the
+    ranks meeting at 127.0.0.1:`port`), and the model holds that rank's part, as vLLM builds it
+    (`expert_parallel`: vLLM's --enable-expert-parallel, the experts split over the ranks)."""
     import time
 
-    from vllm.config import DeviceConfig, KernelConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import (
+        DeviceConfig, KernelConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config,
+    )
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model
 
     model_config = ModelConfig(model=str(checkpoint), dtype="float16", enforce_eager=True)
+    # Expert parallelism: vLLM's MoE layers read the flag from the parallel config and their sizes from
+    # the process groups (initialized below with `tp` ranks); the config's own tensor-parallel size stays 1,
+    # because a larger one sends VllmConfig into compile-pass set-up that needs vLLM's CUDA ops.
+    parallel = {"parallel_config": ParallelConfig(enable_expert_parallel=True)} if expert_parallel else {}
     vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"),
-                             load_config=LoadConfig(), kernel_config=KernelConfig(moe_backend=moe_backend))
+                             load_config=LoadConfig(), kernel_config=KernelConfig(moe_backend=moe_backend), **parallel)
     with set_current_vllm_config(vllm_config):
         from vllm.distributed import parallel_state
 
         if not parallel_state.model_parallel_is_initialized():
-            init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:29533",
-                                         local_rank=0, backend="gloo")
-            initialize_model_parallel(1, 1)
+            init_distributed_environment(world_size=tp, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                         local_rank=rank, backend="gloo")
+            initialize_model_parallel(tp, 1)
         model = initialize_model(vllm_config=vllm_config)
         loader = DefaultModelLoader(LoadConfig())
         consumed: set[str] = set()
