@@ -151,3 +151,15 @@ def test_each_rank_holds_its_slice_of_a_w8a8_expert(tp, seed):
             parameter = torch.full((1, *expected[name].shape), -1, dtype=expected[name].dtype)
             fill(name, tensor, parameter, intermediate, 8, -1, tp, rank)
             assert torch.equal(parameter[0], expected[name]), (name, rank)
+
+
+@pytest.mark.parametrize("experts", [[2, 3], [1, 3], [3, 0]])
+def test_expert_parallel_slots_hold_their_global_experts(experts):
+    """Expert parallelism: slot s of the rank's parameter holds global expert experts[s] of the stacked
+    tensor, whole (a consecutive run, or any order vLLM's expert map places)."""
+    stored = torch.arange(4 * 6 * 2, dtype=torch.int64).reshape(4, 6, 2)
+    parameter = torch.full((2, 6, 2), -1, dtype=torch.int64)
+    fill("w13_scales", stored, parameter, 3, 4, 32, 1, 0, torch.tensor(experts))
+    assert parameter.tolist() == [stored[e].tolist() for e in experts]
+    with pytest.raises(ValueError, match="are not among the 4 stored"):
+        fill("w13_scales", stored, parameter, 3, 4, 32, 1, 0, torch.tensor([3, 4]))

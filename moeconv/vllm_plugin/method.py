@@ -236,11 +236,10 @@ class _StackedLoading:
                         intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
         config: MoeconvConfig = self.moeconv_config
         tp_size = self.moe.tp_size  # the MoE layer's own split: tensor x data parallel ranks when no EP
-        if self.moe.use_ep:  # each rank would hold a subset of the experts: dim 0 is not sliced (shards.py)
-            raise PluginRefusal(f"{layer.layer_name}: expert parallelism (--enable-expert-parallel, "
-                                f"{self.moe.ep_size} ranks) is not served by this plugin yet; serve without it "
-                                f"(tensor parallelism is), or convert with --backend compressed-tensors")
-        shape = _layer_shape(config.stacked, num_experts, hidden_size, intermediate_size_per_partition * tp_size, tp_size)
+        # Expert parallelism: this rank holds some of the experts (its `num_experts`), the files all of them.
+        stored_experts = layer.global_num_experts if self.moe.use_ep else num_experts
+        shape = _layer_shape(config.stacked, stored_experts, hidden_size, intermediate_size_per_partition * tp_size,
+                             tp_size)
         for backend in (TritonBackend(), CompressedTensorsBackend()):  # the file's layout, then the method's packing
             reason = backend.refusal(shape)
             if reason:
@@ -305,7 +304,8 @@ def _stacked_loader(layer: RoutedExperts, name: str, spec, shape: MoELayerShape,
             raise PluginRefusal(f"{layer.layer_name}.{name}: the file holds {loaded_weight.dtype}"
                                 f"{list(loaded_weight.shape)}, this layer expects {expected}{list(spec.shape)}")
         try:
-            fill(name, loaded_weight, param.data, shape.intermediate, stacked.bits, stacked.group_size, shape.tp, rank)
+            fill(name, loaded_weight, param.data, shape.intermediate, stacked.bits, stacked.group_size, shape.tp, rank,
+                 _local_experts(layer))
         except ValueError as error:
             raise PluginRefusal(f"{layer.layer_name}.{name}: {error} (rank {rank} of {shape.tp})") from None
         for companion, value in companions:
@@ -313,6 +313,16 @@ def _stacked_loader(layer: RoutedExperts, name: str, spec, shape: MoELayerShape,
         return True
 
     return load
+
+
+def _local_experts(layer: RoutedExperts) -> torch.Tensor | None:
+    """Under expert parallelism, the global index of the expert each of this rank's slots holds (vLLM's own
+    expert map: global index -> local slot, -1 where another rank holds it); else None (all of them)."""
+    if not layer.use_ep:
+        return None
+    expert_map = layer._expert_map.cpu()
+    held = (expert_map >= 0).nonzero().squeeze(1)
+    return held[expert_map[held].argsort()]
 
 
 class StackedWNA16Method(_StackedLoading, CompressedTensorsWNA16MoEMethod):

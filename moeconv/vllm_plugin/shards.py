@@ -13,6 +13,9 @@ tensor (E experts on dim 0; packed dimensions in bytes, b bits a code):
   the int8 W8A8 layout: w13_weight (E, 2I, H) and w13_weight_scale (E, 2I, 1) the two row ranges,
               w2_weight (E, H, I) its columns, w2_weight_scale (E, H, 1) whole on every rank.
 
+Under expert parallelism (vLLM's --enable-expert-parallel) I is not split; each rank's parameters hold
+its share of the experts on dim 0, whole, in the order vLLM's expert map gives (`fill`'s `experts`).
+
 Whether a layer splits at all (I divisible by T, whole bytes and whole groups per rank) is the
 backend's own `refusal` with `tp` set, the same check `convert --tp` and `inspect` make.
 """
@@ -43,11 +46,15 @@ WORD_BYTES = 4
 
 
 def fill(name: str, stored: torch.Tensor, parameter: torch.Tensor, intermediate: int, bits: int, group_size: int,
-         tp_size: int, rank: int) -> None:
+         tp_size: int, rank: int, experts: torch.Tensor | None = None) -> None:
     """Copies rank `rank`'s part of the stacked tensor `name` (the file's, whole) into `parameter` (the
     compressed-tensors parameter of `PARAMETERS`, this rank's): every element copied once, no
-    intermediate tensor. Raises ValueError when the part and the parameter differ in shape."""
+    intermediate tensor. `experts` (expert parallelism): the global index of the expert each of the
+    parameter's slots holds, in slot order; a run of consecutive experts is a view, any other choice one
+    gather of those experts. Raises ValueError when the part and the parameter differ in shape."""
     gemm, unit = GEMM_OF[name], SPLITS[name]
+    if experts is not None:
+        stored = _experts(stored, experts)
     source, target = stored, parameter
     if name in QWEIGHTS:
         target = parameter.view(torch.uint8)
@@ -73,6 +80,15 @@ def fill(name: str, stored: torch.Tensor, parameter: torch.Tensor, intermediate:
             _copy(target[:, index * size:(index + 1) * size], source[:, start + rank * size:start + (rank + 1) * size])
         return
     _copy(target, source[..., rank * size:(rank + 1) * size])  # w2: this rank's input columns (groups)
+
+
+def _experts(stored: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    if not len(experts) or int(experts.max()) >= stored.shape[0] or int(experts.min()) < 0:
+        raise ValueError(f"experts {experts.tolist()[:4]}... are not among the {stored.shape[0]} stored")
+    first = int(experts[0])
+    if torch.equal(experts, torch.arange(first, first + len(experts), dtype=experts.dtype)):
+        return stored.narrow(0, first, len(experts))
+    return stored.index_select(0, experts)
 
 
 def _copy(target: torch.Tensor, source: torch.Tensor) -> None:

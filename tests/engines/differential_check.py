@@ -21,8 +21,8 @@ Tensor parallelism: with MOECONV_DIFFERENTIAL_TP=T (T > 1) the script runs itsel
 per rank (gloo, on the CPU; MOECONV_DIFFERENTIAL_RANK set for each), and every rank compares its own part:
 the plugin's slicing of each stacked tensor (moeconv/vllm_plugin/shards.py) against the parameters stock
 vLLM's own loaders fill for that rank from the reference. Each line then carries `rank`. With
-MOECONV_DIFFERENTIAL_EP=1 as well, vLLM's expert parallelism is on (each rank holds half the experts):
-stock vLLM loads the reference, and the plugin must refuse the output in one `moeconv:` line.
+MOECONV_DIFFERENTIAL_EP=1 as well, vLLM's expert parallelism is on (each rank holds its share of the
+experts, placed by vLLM's expert map), and the same comparison runs.
 """
 
 from __future__ import annotations
