@@ -12,7 +12,8 @@ shows. Prints a markdown table; exits 1 when a check fails.
 
 MOECONV_DIFFERENTIAL_TP=2: the same at tensor-parallel size 2 (two gloo processes on the CPU, each rank's
 parameters against stock vLLM's for that rank; intermediate size doubled so each rank holds what the
-single-rank run holds). MOECONV_DIFFERENTIAL_CHOICES=a,b: only those oracle choices.
+single-rank run holds); with MOECONV_DIFFERENTIAL_EP=1 as well, vLLM's expert parallelism on.
+MOECONV_DIFFERENTIAL_CHOICES=a,b: only those oracle choices.
 
     .venv/bin/python tests/engines/run_differential.py [--keep DIR]
 """
