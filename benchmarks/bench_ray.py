@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--smoke", action="store_true", help="a tiny checkpoint, one repeat, one CPU")
     args = parser.parse_args()
-    convert = importlib.import_module("moeconv.convert").convert
+    convert = importlib.import_module("moeconv.conversion").convert
     source = args.source
     if source is None:
         hidden, intermediate, experts = (256, 128, 8) if args.smoke else (2048, 768, 128)

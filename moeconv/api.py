@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from moeconv.checkpoint.reader import Checkpoint, open_checkpoint
-from moeconv.convert import ConvertReport
-from moeconv.convert import convert as _execute
-from moeconv.inspect import inspect_checkpoint
+from moeconv.conversion import ConvertReport
+from moeconv.conversion import convert as _execute
+from moeconv.inspection import inspect_checkpoint
 from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
 from moeconv.source import resolve_source
 
 if TYPE_CHECKING:  # verify's module imports Triton (its reference kernels): 0.3 s that convert does not need
-    from moeconv.verify import VerifyReport
+    from moeconv.verification import VerifyReport
 
 
 def open_source(source: str | Path, revision: str | None = None, local_files_only: bool = False) -> Checkpoint:
@@ -71,7 +71,7 @@ def verify(output: str | Path, *, source: str | Path | None = None, sample: int 
     is the verdict. `source` (a folder or a Hub
     id) defaults to the one recorded in the output's manifest; a different checkpoint is refused.
     workers / executor / ray_address: where the bit-exact checks run, as for `convert`."""
-    from moeconv.verify import verify as _verify
+    from moeconv.verification import verify as _verify
 
     return _verify(Path(output), source=source, sample=sample, level=level, tokens=tokens,
                    numerics_layers=numerics_layers, workers=workers, executor=executor, ray_address=ray_address)

@@ -6,9 +6,7 @@ Results go to stdout, progress and errors to stderr. Exit codes: 0 ok, 1 verific
 
 from __future__ import annotations
 
-import json
 import re
-import shlex
 import shutil
 import sys
 import tempfile
@@ -18,14 +16,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn, TransferSpeedColumn)
-from rich.table import Table
 
+from moeconv import render
 from moeconv.backends import backend_help
 from moeconv.errors import MoeconvError, human_bytes
+from moeconv.render import err, out
 
 
 class _Commands(typer.core.TyperGroup):
@@ -77,8 +75,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-out = Console(emoji=False)  # a path's `:thumbsup:` is printed as it is, never as an emoji
-err = Console(stderr=True, emoji=False)
 
 
 def _version(value: bool) -> None:
@@ -103,19 +99,6 @@ def parse_size(text: str) -> int:
     if not match or match[2].upper() not in _SIZE_UNITS:
         raise typer.BadParameter(f"{text!r} is not a size like 5GB, 500MB or 1000000")
     return int(float(match[1]) * _SIZE_UNITS[match[2].upper()])
-
-
-def _print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
-
-
-def _key_values(title: str, rows: list[tuple[str, Any]]) -> Table:
-    table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column(style="bold", overflow="fold")
-    table.add_column(overflow="fold")  # wrap long paths and tensor names rather than cut them
-    for key, value in rows:  # keys may carry markup; values are data (paths, tensor names: "[" is literal)
-        table.add_row(key, escape(str(value)))
-    return table
 
 
 SOURCE = typer.Argument(..., metavar="SRC", help="Checkpoint folder, or a Hugging Face id (org/model).")
@@ -144,62 +127,9 @@ def inspect(
 
     report = inspect_source(source, revision=revision, local_files_only=local_files_only, tp=tp)
     if as_json:
-        _print_json(report)
+        render.print_json(report)
     else:
-        _print_inspect(report, str(source))
-
-
-def _print_inspect(report: dict[str, Any], title: str) -> None:
-    fmt = report["format"]
-    shapes = report["expert_shapes"]
-    rows = [
-        ("architecture", report["architecture"]),
-        ("format", ", ".join(f"{k}={v}" for k, v in fmt.items())),
-        ("MoE layers", f"{len(report['moe_layers'])} ({report['moe_layers'][0]} ...)"),
-        ("experts per layer", report["experts_per_layer"]),
-        ("expert shapes (out x in)", f"gate/up {shapes['gate'][0]}x{shapes['gate'][1]}, "
-                                     f"down {shapes['down'][0]}x{shapes['down'][1]}"),
-        ("scale dtype", report["scale_dtype"]),
-        ("total / expert bytes", f"{human_bytes(report['total_bytes'])} / {human_bytes(report['expert_bytes'])}"),
-        ("tensors / shards", f"{report['tensors']} / {len(report['shards'])}"),
-    ]
-    detection = report["detection"]
-    rows.append(("format evidence", "; ".join(detection["evidence"]) or "-"))
-    for disagreement in detection["disagreements"]:
-        rows.append(("[red]config disagrees[/]", disagreement))
-    for undecided in detection.get("undecided", []):
-        rows.append(("[yellow]undecided[/]", escape(undecided)))
-    for advice in detection.get("advice", []):
-        rows.append(("[yellow]what to do[/]", escape(advice)))
-    for module, case in report["act_order"].items():
-        rows.append((f"{'[red]' if case.startswith('refused') else ''}act-order {module}", case))
-    for name, verdict in report["backends"].items():
-        served = verdict["serving"]
-        serve = f"served by {served['engine']}" if served["engine"] else f"not served as it is: {served['how']}"
-        if verdict["eligible"]:
-            text = f"eligible; {serve}"
-        elif verdict["eligible_with_regroup"]:
-            text = f"eligible with --regroup (group size / {verdict['regroup_factor']}): {verdict['reason']}; {serve}"
-        else:
-            text = f"NOT eligible: {verdict['reason']}"
-        rows.append((f"backend {name} (tp={report['tp']})", text))
-    rows.append((f"backend auto (tp={report['tp']})", report["auto"]))
-    rows += _audit_rows(report)
-    out.print(_key_values(title, rows))
-
-
-def _audit_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
-    """The audits' lines of a report (inspect, convert or verify JSON), when there is anything to say."""
-    rows = []
-    if report.get("suspicious_zero_slots"):
-        found = report["suspicious_zero_slots"]
-        rows.append(("v1 zero slots stored as all ones",
-                     f"{found['count']} (decoded as zero 0, GPTQModel's convention; first: {found['first_tensor']})"))
-    if report.get("nonfinite_scales"):
-        found = report["nonfinite_scales"]
-        rows.append(("[red]NaN or infinite scales[/]",
-                     f"{found['count']} (converted as they are; no kernel can use them; first: {found['first_tensor']})"))
-    return rows
+        render.print_inspect(report, str(source))
 
 
 @app.command(cls=_Command, short_help="Convert a checkpoint into a backend's layout.")
@@ -234,7 +164,7 @@ def convert(
     """Convert a checkpoint into a backend's layout (docs/FORMAT.md); what the backend does not convert is
     copied byte for byte. An interrupted conversion resumes when the same command is run again."""
     from moeconv.api import plan as make_plan
-    from moeconv.convert import check_output_folder, convert as run_conversion
+    from moeconv.conversion import check_output_folder, convert as run_conversion
 
     _removed_device(device)
     if output is None and not dry_run:
@@ -250,15 +180,15 @@ def convert(
                      zero_format=zero_format)
     if plan.choice:
         err.print(escape(plan.choice), highlight=False, soft_wrap=True)
-    for note in _detection_notes(plan):
+    for note in render.detection_notes(plan):
         err.print(escape(note), highlight=False, soft_wrap=True)
     if dry_run:
         summary = plan.summary()
         if as_json:
-            _print_json(summary)
+            render.print_json(summary)
         else:
-            _print_plan(summary)
-            _print_next_steps(plan, output or Path("OUT"), converted=False)
+            render.print_plan(summary)
+            render.print_next_steps(plan, output or Path("OUT"), converted=False)
         return
     with _progress("converting", plan.checkpoint.total_bytes, quiet) as advance:
         try:
@@ -270,7 +200,7 @@ def convert(
     for name, reason in report.skipped_files.items():
         err.print(escape(f"note: {name} not copied: {reason}"), highlight=False, soft_wrap=True)
     if as_json:
-        _print_json(report.to_json())
+        render.print_json(report.to_json())
         return
     rows = [
         ("output", report.output),
@@ -281,26 +211,14 @@ def convert(
         ("bytes in / out", f"{human_bytes(plan.checkpoint.total_bytes)} / {human_bytes(plan.output_bytes)}"),
         ("ran on", report.device),
         ("time", f"{report.seconds:.2f} s ({human_bytes(plan.checkpoint.total_bytes / max(report.seconds, 1e-9))}/s)"),
-        ("peak memory", _memory_line(report)),
+        ("peak memory", render.memory_line(report)),
     ]
-    rows += _audit_rows(report.to_json())
-    out.print(_key_values("converted", rows))
-    _print_next_steps(plan, report.output)
+    rows += render.audit_rows(report.to_json())
+    out.print(render.key_values("converted", rows))
+    render.print_next_steps(plan, report.output)
 
 
-def _memory_line(report) -> str:
-    """The whole process tree's peak (PSS: shared pages counted once), its largest worker, this process's."""
-    parts = []
-    if report.tree_peak_pss_mb is not None:
-        worker = (f", largest worker {report.largest_worker_pss_mb:.0f} MB"
-                  if report.largest_worker_pss_mb is not None else "")
-        parts.append(f"{report.tree_peak_pss_mb:.0f} MB, the whole process tree (PSS{worker})")
-    if report.peak_rss_mb is not None:
-        parts.append(f"this process {report.peak_rss_mb:.0f} MB (RSS)")
-    return "; ".join(parts) or "-"
-
-
-# What each verify phase's bar says it counts (moeconv.verify.PHASE_UNITS has the units).
+# What each verify phase's bar says it counts (moeconv.verification.PHASE_UNITS has the units).
 VERIFY_PHASES = {"digests": "verify: digests of the output's files",
                  "tensor-digests": "verify: digests of the output's tensors",
                  "source-digests": "verify: digests of the source's shards",
@@ -312,7 +230,7 @@ VERIFY_PHASES = {"digests": "verify: digests of the output's files",
 def _progress_for_verify(quiet: bool):
     """verify learns each phase's total only when it starts it: `progress(0, total, phase)`, then
     `progress(n)` for each advance. One bar per phase, each counting what its label says."""
-    from moeconv.verify import PHASE_UNITS
+    from moeconv.verification import PHASE_UNITS
 
     state: dict[str, Any] = {}
     with ExitStack() as stack:
@@ -368,17 +286,6 @@ def _progress(description: str, total: int, quiet: bool, unit: str = "bytes"):
 LINE_SECONDS = 5.0
 
 
-def _print_next_steps(plan, output: Path, converted: bool = True) -> None:
-    """The report's last lines: how to check the output, and which engine serves it (or that none does)."""
-    serving = plan.serving
-    quoted = shlex.quote(str(output))
-    if converted:
-        out.print(f"next: moeconv verify {quoted}", highlight=False, soft_wrap=True, markup=False)
-    line = (f"serve: {serving.engine}: {serving.how.format(output=quoted)}" if serving.engine
-            else f"serve: not served as it is: {serving.how}")
-    out.print(line, highlight=False, soft_wrap=True, markup=False)
-
-
 def _removed_device(value: str | None) -> None:
     """`--device cuda` was removed (docs/BENCHMARKS.md says why); `--device cpu`, what always runs, is accepted."""
     if value is not None and value != "cpu":
@@ -395,24 +302,6 @@ def _zero_format(value: str | None) -> str | None:
     if value.lower() not in formats:
         raise typer.BadParameter(f"{value!r}: choose v1 or v2", param_hint="'--gptq-zero-format'")
     return formats[value.lower()]
-
-
-def _detection_notes(plan) -> list[str]:
-    """What the data could not decide, and which side a --trust flag followed."""
-    detection = plan.detection
-    if detection is None:
-        return []
-    notes = [f"decided by you, not by the data: {what}" for what in detection.decided_by_user]
-    cast = plan.scale_cast
-    if cast:
-        stored, model = (str(dtype).removeprefix("torch.") for dtype in cast)
-        notes.append(f"note: the scales are {stored} but the model dtype is {model}: vLLM creates this schema's "
-                     f"scale parameters in {model} and casts them at load, which changes the scales {model} cannot "
-                     f"hold exactly (verify counts them); serve with --dtype {stored} to keep them exact")
-    if detection.disagreements and plan.trust:
-        notes += [f"following the {plan.trust} (--trust-{plan.trust}): {disagreement}"
-                  for disagreement in detection.disagreements]
-    return notes
 
 
 @app.command(cls=_Command, short_help="Check a converted checkpoint against its source.")
@@ -438,82 +327,19 @@ def verify(
     """Check a converted checkpoint: structure and checksums, bit-exact decode against the source, and
     the Triton kernel against a float64 reference. Exit code 0 only if every check passes."""
     from moeconv.errors import VerificationFailed
-    from moeconv.verify import verify as run_verification
+    from moeconv.verification import verify as run_verification
 
     with _progress_for_verify(quiet) as progress:
         report = run_verification(output, source=source, sample=sample, level=level, tokens=tokens,
                                   numerics_layers=numerics_layers, progress=progress, workers=workers,
                                   executor=executor, ray_address=ray_address)
     if as_json:
-        _print_json(report.to_json())
+        render.print_json(report.to_json())
     else:
-        _print_verify(report)
+        render.print_verify(report)
     if not report.ok:
         failures = report.failures()
         raise VerificationFailed(f"{output}: {len(failures)} check(s) failed; first: {failures[0]}")
-
-
-def _print_verify(report) -> None:
-    """The report's rows, the per-layer table, the failures, and a last line with the verdict."""
-    level = report.level
-    structure = "ok" if not report.structure_problems else f"{len(report.structure_problems)} problem(s)"
-    lossless = level != "structure" and not report.structure_problems
-    numerics = report.numerics_device is not None
-    not_run = ("not run (the structure check failed)" if report.structure_problems
-               else f"not run (--level {level})" if level != "numerics" else "not run")
-    out.print(_key_values(f"verify {report.output}", [
-        ("source", report.source),
-        *[("decided by the user, not the data", escape(what)) for what in report.decided_by_user],
-        ("structure, index, configs, digests", structure),
-        ("source shards hashed as recorded", f"{report.source_files_checked - len(report.source_problems)}"
-                                             f"/{report.source_files_checked}" if lossless else not_run),
-        ("levels proven (docs/FORMAT.md)", ", ".join(report.proven) or "none"),
-        ("pass-through tensors byte-identical", f"{report.passthrough_checked - len(report.passthrough_problems)}"
-                                                f"/{report.passthrough_checked}" if lossless else not_run),
-        *([("dense linears bit-exact", f"{report.dense_linears_checked - len(report.dense_linear_problems)}"
-                                       f"/{report.dense_linears_checked}")] if report.dense_linears_checked else []),
-        ("kernel device", report.numerics_device or not_run),
-        *([("tolerance (relative error)", f"{report.tolerance:g}")] if numerics else []),
-        *_audit_rows({"nonfinite_scales": report.nonfinite_scales}),
-    ]))
-    table = Table(title_justify="left", caption_justify="left")
-    table.add_column("MoE layer", overflow="fold")  # long module names wrap; the numbers never do
-    headers = ("bit-exact", "rel err", "max abs", "time", "result") if numerics else ("bit-exact", "time", "result")
-    for header in headers:
-        table.add_column(header, no_wrap=True)
-    for layer in report.layers:
-        errors = ["-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
-                  "-" if layer.max_abs_error is None else f"{layer.max_abs_error:.1e}"]
-        table.add_row(escape(layer.module), f"{layer.experts_exact}/{layer.experts_checked}",
-                      *(errors if numerics else []), f"{layer.seconds:.2f} s",
-                      "[green]ok[/]" if layer.ok else "[red]FAIL[/]")
-    if numerics:
-        scale = max((layer.max_abs_reference for layer in report.layers if layer.max_abs_reference is not None),
-                    default=0.0)
-        table.caption = escape(f"rel err = ||out - ref|| / ||ref||, against a float64 reference of the source, is what "
-                               f"is checked (<= {report.tolerance:g}); max abs is the largest single difference, for "
-                               f"scale: the reference's outputs reach |ref| = {scale:.2g}")
-    if report.layers:
-        out.print(table)
-    for problem in report.failures()[:20]:
-        err.print(f"[red]x[/] {escape(problem)}", highlight=False, soft_wrap=True)
-    out.print(_verdict(report), highlight=False, soft_wrap=True, markup=False)
-
-
-def _verdict(report) -> str:
-    """One line: passed or failed, and what was checked."""
-    if not report.ok:
-        return f"verdict: FAILED, {len(report.failures())} check(s) failed (listed above)"
-    checked = ["structure and digests"]
-    if report.source_files_checked:
-        checked.append(f"{report.source_files_checked} source shard(s) as recorded")
-    if report.layers:
-        experts = sum(layer.experts_checked for layer in report.layers)
-        checked.append(f"{experts} expert(s) in {len(report.layers)} MoE layer(s) bit-exact against the source")
-    kernels = sum(layer.relative_error is not None for layer in report.layers)
-    if kernels:
-        checked.append(f"kernel within {report.tolerance:g} on {kernels} layer(s)")
-    return f"verdict: ok ({', '.join(checked)}; --level {report.level})"
 
 
 @app.command(cls=_Command, short_help="Make, convert and verify a small synthetic checkpoint.")
@@ -523,11 +349,11 @@ def demo(
 ) -> None:
     """Build a small synthetic GPTQ MoE checkpoint, convert it to the Triton layout and verify it."""
     from moeconv.api import inspect as inspect_source
-    from moeconv.convert import convert as run_conversion
+    from moeconv.conversion import convert as run_conversion
     from moeconv.formats import GPTQ
     from moeconv.plan import make_plan
     from moeconv.synth import SynthSpec, make_checkpoint
-    from moeconv.verify import verify as run_verification
+    from moeconv.verification import verify as run_verification
 
     with tempfile.TemporaryDirectory(prefix="moeconv-demo-") as scratch:
         root = Path(workdir or scratch)
@@ -537,29 +363,18 @@ def demo(
                          layers=3, dense_layers=1, experts=8, hidden=256, intermediate=128)
         source = make_checkpoint(root / "source", spec, max_shard_size=1_000_000)
         err.print(f"made a synthetic {spec.architecture} checkpoint (GPTQ v1 4-bit asymmetric, g=32): {source}")
-        _print_inspect(inspect_source(source), str(source))
+        render.print_inspect(inspect_source(source), str(source))
         plan = make_plan(source, backend="triton", max_shard_size=1_000_000)
         report = run_conversion(plan, root / "converted")
         err.print(f"converted to the triton layout in {report.seconds:.2f} s: {report.output}")
         result = run_verification(report.output, numerics_layers=None)
-        _print_verify(result)
+        render.print_verify(result)
         if not result.ok:
             from moeconv.errors import VerificationFailed
 
             raise VerificationFailed(f"demo: verification failed: {result.failures()[0]}")
         out.print("[bold green]demo ok[/]: every expert bit-exact, kernel within tolerance, "
                   "every other tensor byte-identical.")
-
-
-def _print_plan(summary: dict[str, Any]) -> None:
-    rows = [(key, summary[key]) for key in ("source", "backend", "layout_version", "architecture", "moe_layers")]
-    rows.append(("format", ", ".join(f"{k}={v}" for k, v in summary["format"].items())))
-    rows.append(("bytes in / out", f"{human_bytes(summary['source_bytes'])} / {human_bytes(summary['output_bytes'])}"))
-    out.print(_key_values("plan (nothing written)", rows))
-    table = Table("shard", "bytes", "tensors", title_justify="left")
-    for shard in summary["shards"]:
-        table.add_row(escape(shard["file"]), human_bytes(shard["bytes"]), str(shard["tensors"]))
-    out.print(table)
 
 
 def main() -> None:

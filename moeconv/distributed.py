@@ -2,7 +2,7 @@
 (`verify --executor ray`): on one machine or many.
 
 The driver plans from headers and keeps the journal; each task converts one output shard exactly as
-the local executor does (the caller's task, moeconv.convert.convert_shard_alone: the same jobs, the
+the local executor does (the caller's task, moeconv.conversion.convert_shard_alone: the same jobs, the
 same bytes), writing it under its temporary name in the staging folder and renaming it when whole,
 and returns its digest, its source fingerprint and its audit counts. So every node must see the source and the output's
 parent folder at the same paths (shared storage), and a task is idempotent: a retry (Ray retries a

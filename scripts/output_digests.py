@@ -36,7 +36,7 @@ def digests(folder: Path) -> dict[str, str]:
 
 
 def main(out: str) -> None:
-    from moeconv.convert import convert
+    from moeconv.conversion import convert
     from moeconv.plan import make_plan
 
     results: dict[str, object] = {}

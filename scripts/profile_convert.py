@@ -37,7 +37,7 @@ def main() -> None:
     reader = importlib.import_module("moeconv.checkpoint.reader")
     writer = importlib.import_module("moeconv.checkpoint.writer")
     plan_module = importlib.import_module("moeconv.plan")
-    convert = importlib.import_module("moeconv.convert")
+    convert = importlib.import_module("moeconv.conversion")
     timed(reader.TensorReader, "_read", "pread")
     timed(reader, "fingerprint", "source fingerprint (sha256)")
     timed(writer.ShardWriter, "write", "pwrite")

@@ -148,11 +148,16 @@ def test_help_and_version_do_not_import_torch():
 
 def test_package_attributes_are_the_api_functions_after_submodule_imports():
     import importlib
+    import pkgutil
+    import types
 
     import moeconv
 
-    importlib.import_module("moeconv.convert")
-    importlib.import_module("moeconv.verify")
+    modules = {info.name for info in pkgutil.iter_modules(moeconv.__path__)}
+    assert not modules & set(moeconv.__all__), "a module named after an API function would shadow it"
+    for name in ("conversion", "verification", "inspection", "plan"):
+        assert isinstance(importlib.import_module(f"moeconv.{name}"), types.ModuleType)
+        assert isinstance(getattr(moeconv, name), types.ModuleType)
     assert callable(moeconv.convert) and moeconv.convert.__module__ == "moeconv.api"
     assert moeconv.verify.__module__ == "moeconv.api" and moeconv.inspect.__module__ == "moeconv.api"
 

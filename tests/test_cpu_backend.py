@@ -27,7 +27,7 @@ from moeconv.kernels.cpu_reference import blocked_linear, cpu_fused_moe, quantiz
 from moeconv.plan import make_plan
 from moeconv.synth import SynthSpec, make_checkpoint, quantize, random_weight
 from moeconv.kernels.runners import W8A8_NUMERICS_TOLERANCE
-from moeconv.verify import verify
+from moeconv.verification import verify
 
 
 from helpers import cli, reseal

@@ -60,7 +60,7 @@ def test_verify_progress_counts_what_each_phase_says(tmp_path, capsys):
     source-digests: the source's shard bytes; source: the source tensor
     bytes compared (for triton, every source tensor: experts decoded, the rest byte-compared); kernel: one per
     MoE layer checked. Each phase advances to its total."""
-    from moeconv.verify import verify
+    from moeconv.verification import verify
 
     source = make_checkpoint(tmp_path / "src", SynthSpec())
     assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0

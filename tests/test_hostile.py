@@ -436,7 +436,7 @@ def test_a_full_disk_is_one_line_naming_the_output_and_the_space_needed(pristine
 def test_a_shard_that_fails_its_flush_leaves_nothing_open_and_resumes(pristine, tmp_path, capsys, monkeypatch):
     """The first shard's fsync (on the finishing thread, while the next shard is being filled) fails as
     a full disk: one line, no descriptor left open, and the rerun writes the same bytes."""
-    convert_module = importlib.import_module("moeconv.convert")  # the module, not the package's function
+    convert_module = importlib.import_module("moeconv.conversion")  # the module, not the package's function
     real = convert_module._finish_shard
     calls = {"n": 0}
 
@@ -464,7 +464,7 @@ def test_a_shard_that_fails_its_flush_leaves_nothing_open_and_resumes(pristine, 
 def test_not_enough_free_space_is_refused_up_front(pristine, tmp_path, capsys, monkeypatch):
     import shutil as shutil_module
 
-    convert_module = importlib.import_module("moeconv.convert")  # the module, not the package's function
+    convert_module = importlib.import_module("moeconv.conversion")  # the module, not the package's function
 
     usage = shutil_module.disk_usage(tmp_path)
     monkeypatch.setattr(convert_module.shutil, "disk_usage", lambda path: usage._replace(free=1000))
@@ -490,7 +490,7 @@ def test_a_source_changed_after_an_interruption_refuses_to_resume(pristine, tmp_
     """A converted tensor (hashed as it was read) or a pass-through one (compared with the output's
     bytes) changed in place, same size and modification time: the resume refuses in one line."""
     source = _copy(pristine, tmp_path / "src")
-    convert_module = importlib.import_module("moeconv.convert")  # the module, not the package's function
+    convert_module = importlib.import_module("moeconv.conversion")  # the module, not the package's function
     real = convert_module._write_metadata
 
     def interrupted(*args):
@@ -666,7 +666,7 @@ def test_side_file_bytes_count_in_the_free_space_check(pristine, tmp_path, capsy
     source = _copy(pristine, tmp_path / "src")
     (source / "tokenizer.json").write_bytes(b" " * 5_000_000)
     needed = make_plan(source).output_bytes
-    convert_module = importlib.import_module("moeconv.convert")
+    convert_module = importlib.import_module("moeconv.conversion")
     usage = shutil_module.disk_usage(tmp_path)
     monkeypatch.setattr(convert_module.shutil, "disk_usage", lambda path: usage._replace(free=needed + 1_000_000))
     code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
@@ -707,7 +707,7 @@ def test_a_failed_side_file_copy_never_survives(pristine, tmp_path, capsys, monk
 
 @pytest.mark.parametrize("stop", ["refusal", "interrupt"])
 def test_the_lock_file_goes_away_on_every_exit(pristine, tmp_path, capsys, monkeypatch, stop):
-    convert_module = importlib.import_module("moeconv.convert")
+    convert_module = importlib.import_module("moeconv.conversion")
 
     def fail(*args):
         if stop == "interrupt":

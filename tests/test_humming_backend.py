@@ -20,7 +20,7 @@ from moeconv.formats.compressed_tensors import INT_QUANTIZED
 from moeconv.plan import make_plan
 from moeconv.worklist import LinearJob
 from moeconv.synth import SynthSpec, make_checkpoint, quantize, random_weight
-from moeconv.verify import verify
+from moeconv.verification import verify
 
 
 from helpers import cli

@@ -37,7 +37,7 @@ def test_the_help_screens_import_no_torch(args):
 # The convert parent's own floors: the executor (worker pool, tree memory), the streaming writer and
 # block hasher, the header reader, the journal and manifest, the audits' totals, the work list and
 # its dtype tables.
-PARENT_MODULES = ["moeconv.convert", "moeconv.executor", "moeconv.checkpoint.reader", "moeconv.checkpoint.writer",
+PARENT_MODULES = ["moeconv.conversion", "moeconv.executor", "moeconv.checkpoint.reader", "moeconv.checkpoint.writer",
                   "moeconv.checkpoint.manifest", "moeconv.checkpoint.side_files", "moeconv.audit", "moeconv.spec",
                   "moeconv.worklist"]
 BLOCKED = f"""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import moeconv
-from moeconv.convert import staging_folder
+from moeconv.conversion import staging_folder
 from moeconv.formats import GPTQ
 from moeconv.synth import SynthSpec, make_checkpoint
 

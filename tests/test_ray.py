@@ -107,7 +107,7 @@ def _dies_once(plan, index, staging):
     with open(attempts, "a") as record:
         record.write("x")
     if index == target and attempts.read_text() == "x":
-        convert_module = importlib.import_module("moeconv.convert")
+        convert_module = importlib.import_module("moeconv.conversion")
         real, jobs = convert_module._run_job, []
 
         def run_then_die(*args):
@@ -117,7 +117,7 @@ def _dies_once(plan, index, staging):
             return real(*args)
 
         convert_module._run_job = run_then_die
-    return importlib.import_module("moeconv.convert").convert_shard_alone(plan, index, staging)
+    return importlib.import_module("moeconv.conversion").convert_shard_alone(plan, index, staging)
 
 
 def test_a_worker_killed_mid_task_is_retried_to_the_same_bytes(local_ray, source, tmp_path):
@@ -125,7 +125,7 @@ def test_a_worker_killed_mid_task_is_retried_to_the_same_bytes(local_ray, source
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the task body lives in this file
     plan = make_plan(source, max_shard_size=150_000)
-    report = importlib.import_module("moeconv.convert").convert(
+    report = importlib.import_module("moeconv.conversion").convert(
         plan, tmp_path / "ray", executor=distributed.RayShards(_dies_once))
     target = max(range(len(plan.shards)), key=lambda number: len(plan.shards[number].jobs))
     assert len(plan.shards[target].jobs) > 2
@@ -232,7 +232,7 @@ def test_an_unexpected_failure_in_a_task_is_one_line(local_ray, source, tmp_path
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the task body lives in this file
     plan = make_plan(source, max_shard_size=150_000)
     with pytest.raises(MoeconvError) as refusal:
-        importlib.import_module("moeconv.convert").convert(
+        importlib.import_module("moeconv.conversion").convert(
             plan, tmp_path / "out", executor=distributed.RayShards(body, max_retries=0))
     assert expected in str(refusal.value) and "\n" not in str(refusal.value), str(refusal.value)
     assert not (tmp_path / "out").exists()

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from moeconv.checkpoint.reader import open_checkpoint
-from moeconv.convert import convert
+from moeconv.conversion import convert
 from moeconv.errors import MoeconvError
 from moeconv.plan import make_plan
 from moeconv.synth import SynthSpec, make_checkpoint
 from moeconv.kernels.runners import NUMERICS_TOLERANCE
-from moeconv.verify import verify
+from moeconv.verification import verify
 
 from helpers import cli, reseal
 

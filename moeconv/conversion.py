@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from moeconv._version import __version__
 from moeconv.audit import Audits
 from moeconv.checkpoint import manifest
+from moeconv.checkpoint.journal import Journal
 from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
-from moeconv.checkpoint.schema import is_plain_file_name
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
 from moeconv.checkpoint.writer import (
-    DIGEST_KEY, TENSOR_DIGESTS_KEY, BlockHasher, ShardWriter, copy_into, file_digest, write_at,
+    DIGEST_KEY, BlockHasher, ShardWriter, copy_into, file_digest, write_at,
 )
 from moeconv.errors import MoeconvError, Unfinished, human_bytes
 from moeconv.executor import Executor, peak_rss_mb, worker_descriptor, worker_reader
@@ -167,7 +167,7 @@ def _source_fingerprint(shard: OutputShard, fingerprints: dict[str, bytes]) -> s
     return digest.hexdigest()
 
 
-def _check_unchanged_source(plan: Plan, shard: OutputShard, staging: Path, journal: _Journal) -> None:
+def _check_unchanged_source(plan: Plan, shard: OutputShard, staging: Path, journal: Journal) -> None:
     """A finished shard is kept only if the source it came from has not changed since: its conversion
     jobs' source slices hash as recorded, and its pass-through tensors equal the output's bytes."""
     changed = None
@@ -214,7 +214,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
     with _exclusive(output):
         check_output_folder(output)  # again, under the lock: another writer may have finished it
         try:
-            journal = _Journal.open(staging, plan.identity)
+            journal = Journal.open(staging, plan.identity)
             _check_free_space(plan, staging, journal, sides.nbytes)
             audits = Audits()
             hashing = SourceDigests(source.files)
@@ -337,7 +337,7 @@ def convert_shard_alone(plan: Plan, index: int, staging: str) -> ShardDone:
         return convert_shard(plan, plan.shards[index], Path(staging), executor, None)
 
 
-def _check_free_space(plan: Plan, staging: Path, journal: _Journal, side_bytes: int) -> None:
+def _check_free_space(plan: Plan, staging: Path, journal: Journal, side_bytes: int) -> None:
     """Refuse up front when the shards still to write and the side files cannot fit."""
     done = sum(info["bytes"] for info in journal.done.values())
     needed = plan.output_bytes + side_bytes - done
@@ -347,86 +347,6 @@ def _check_free_space(plan: Plan, staging: Path, journal: _Journal, side_bytes: 
             shutil.rmtree(staging, ignore_errors=True)
         raise MoeconvError(f"{staging.parent}: {human_bytes(free)} free, but the conversion needs "
                            f"{human_bytes(needed)} more there; free some space or choose another -o")
-
-
-def _read_journal(path: Path) -> dict[str, Any] | None:
-    """The journal, or None when there is none or it is damaged (then nothing there is trusted and
-    the conversion starts over: every shard is rewritten, so the result is still exact)."""
-    try:
-        recorded = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    done = recorded.get("done") if isinstance(recorded, dict) else None
-    if not isinstance(done, dict) or not all(
-            is_plain_file_name(name) and isinstance(info, dict) and isinstance(info.get("bytes"), int)
-            and isinstance(info.get(DIGEST_KEY), str) and isinstance(info.get("source"), str)
-            and isinstance(info.get(TENSOR_DIGESTS_KEY), dict) for name, info in done.items()):
-        return None
-    return recorded
-
-
-class _Journal:
-    """The staging folder's record of finished shards, replaced atomically after each one."""
-
-    NAME = "moeconv-progress.json"
-
-    def __init__(self, staging: Path, job: dict[str, Any]):
-        self.staging, self.job = staging, job
-        self.done: dict[str, dict[str, Any]] = {}
-        self.reused: list[str] = []
-
-    @classmethod
-    def open(cls, staging: Path, job: dict[str, Any]) -> _Journal:
-        journal = cls(staging, job)
-        path = staging / cls.NAME
-        recorded = _read_journal(path)
-        if recorded is not None:
-            if recorded.get("job") != job:
-                before = recorded["job"] if isinstance(recorded.get("job"), dict) else {}
-                changed = sorted(key for key in job if before.get(key) != job[key])
-                raise MoeconvError(
-                    f"{staging}: an unfinished conversion with a different {', '.join(changed)} is there; "
-                    f"rerun with the same source and arguments to resume it, or remove that folder")
-            for name, info in recorded["done"].items():
-                file = staging / name
-                if file.is_file() and file.stat().st_size == info["bytes"] and file_digest(file) == info[DIGEST_KEY]:
-                    journal.done[name] = info
-                    journal.reused.append(name)
-            for leftover in staging.iterdir():  # partial shards, side files and configs of the last run
-                if leftover.name not in journal.done and leftover.name != cls.NAME:
-                    if leftover.is_dir() and not leftover.is_symlink():
-                        shutil.rmtree(leftover)
-                    else:
-                        leftover.unlink()
-        else:
-            shutil.rmtree(staging, ignore_errors=True)  # no journal yet: nothing finished there
-            staging.mkdir(parents=True)
-        journal._save()
-        return journal
-
-    def files(self) -> dict[str, dict[str, Any]]:
-        """Each finished shard's size, digest and tensors' digests, as the manifest records them."""
-        return {name: {key: info[key] for key in ("bytes", DIGEST_KEY, TENSOR_DIGESTS_KEY)}
-                for name, info in self.done.items()}
-
-    def is_done(self, name: str) -> bool:
-        return name in self.done
-
-    def mark_done(self, name: str, digest: str, source: str, tensors: dict[str, str]) -> None:
-        """`source`: the fingerprint of the source tensors the shard was converted from (see
-        `_source_fingerprint`), so that a resume notices a source changed in between; `tensors`: each
-        tensor's digest, which the manifest records."""
-        self.done[name] = {"bytes": (self.staging / name).stat().st_size, DIGEST_KEY: digest, "source": source,
-                           TENSOR_DIGESTS_KEY: tensors}
-        self._save()
-
-    def _save(self) -> None:
-        temporary = self.staging / (self.NAME + ".tmp")
-        temporary.write_text(json.dumps({"job": self.job, "done": self.done}, indent=2))
-        os.replace(temporary, self.staging / self.NAME)
-
-    def remove(self) -> None:
-        (self.staging / self.NAME).unlink()
 
 
 def _fill_shard(plan: Plan, shard: OutputShard, path: Path, advance: Progress, audits: Audits,

@@ -1,0 +1,201 @@
+"""How the CLI shows its reports with Rich: tables and notes on stdout (`out`), the verdict's
+problems on stderr (`err`); `--json` documents are printed by `print_json`. Only report dicts and
+plans come in; nothing here calls the library."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from moeconv.errors import human_bytes
+
+out = Console(emoji=False)  # a path's `:thumbsup:` is printed as it is, never as an emoji
+err = Console(stderr=True, emoji=False)
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def key_values(title: str, rows: list[tuple[str, Any]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold", overflow="fold")
+    table.add_column(overflow="fold")  # wrap long paths and tensor names rather than cut them
+    for key, value in rows:  # keys may carry markup; values are data (paths, tensor names: "[" is literal)
+        table.add_row(key, escape(str(value)))
+    return table
+
+
+def print_inspect(report: dict[str, Any], title: str) -> None:
+    fmt = report["format"]
+    shapes = report["expert_shapes"]
+    rows = [
+        ("architecture", report["architecture"]),
+        ("format", ", ".join(f"{k}={v}" for k, v in fmt.items())),
+        ("MoE layers", f"{len(report['moe_layers'])} ({report['moe_layers'][0]} ...)"),
+        ("experts per layer", report["experts_per_layer"]),
+        ("expert shapes (out x in)", f"gate/up {shapes['gate'][0]}x{shapes['gate'][1]}, "
+                                     f"down {shapes['down'][0]}x{shapes['down'][1]}"),
+        ("scale dtype", report["scale_dtype"]),
+        ("total / expert bytes", f"{human_bytes(report['total_bytes'])} / {human_bytes(report['expert_bytes'])}"),
+        ("tensors / shards", f"{report['tensors']} / {len(report['shards'])}"),
+    ]
+    detection = report["detection"]
+    rows.append(("format evidence", "; ".join(detection["evidence"]) or "-"))
+    for disagreement in detection["disagreements"]:
+        rows.append(("[red]config disagrees[/]", disagreement))
+    for undecided in detection.get("undecided", []):
+        rows.append(("[yellow]undecided[/]", escape(undecided)))
+    for advice in detection.get("advice", []):
+        rows.append(("[yellow]what to do[/]", escape(advice)))
+    for module, case in report["act_order"].items():
+        rows.append((f"{'[red]' if case.startswith('refused') else ''}act-order {module}", case))
+    for name, verdict in report["backends"].items():
+        served = verdict["serving"]
+        serve = f"served by {served['engine']}" if served["engine"] else f"not served as it is: {served['how']}"
+        if verdict["eligible"]:
+            text = f"eligible; {serve}"
+        elif verdict["eligible_with_regroup"]:
+            text = f"eligible with --regroup (group size / {verdict['regroup_factor']}): {verdict['reason']}; {serve}"
+        else:
+            text = f"NOT eligible: {verdict['reason']}"
+        rows.append((f"backend {name} (tp={report['tp']})", text))
+    rows.append((f"backend auto (tp={report['tp']})", report["auto"]))
+    rows += audit_rows(report)
+    out.print(key_values(title, rows))
+
+
+def audit_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The audits' lines of a report (inspect, convert or verify JSON), when there is anything to say."""
+    rows = []
+    if report.get("suspicious_zero_slots"):
+        found = report["suspicious_zero_slots"]
+        rows.append(("v1 zero slots stored as all ones",
+                     f"{found['count']} (decoded as zero 0, GPTQModel's convention; first: {found['first_tensor']})"))
+    if report.get("nonfinite_scales"):
+        found = report["nonfinite_scales"]
+        rows.append(("[red]NaN or infinite scales[/]",
+                     f"{found['count']} (converted as they are; no kernel can use them; first: {found['first_tensor']})"))
+    return rows
+
+
+def memory_line(report) -> str:
+    """The whole process tree's peak (PSS: shared pages counted once), its largest worker, this process's."""
+    parts = []
+    if report.tree_peak_pss_mb is not None:
+        worker = (f", largest worker {report.largest_worker_pss_mb:.0f} MB"
+                  if report.largest_worker_pss_mb is not None else "")
+        parts.append(f"{report.tree_peak_pss_mb:.0f} MB, the whole process tree (PSS{worker})")
+    if report.peak_rss_mb is not None:
+        parts.append(f"this process {report.peak_rss_mb:.0f} MB (RSS)")
+    return "; ".join(parts) or "-"
+
+
+def print_next_steps(plan, output: Path, converted: bool = True) -> None:
+    """The report's last lines: how to check the output, and which engine serves it (or that none does)."""
+    serving = plan.serving
+    quoted = shlex.quote(str(output))
+    if converted:
+        out.print(f"next: moeconv verify {quoted}", highlight=False, soft_wrap=True, markup=False)
+    line = (f"serve: {serving.engine}: {serving.how.format(output=quoted)}" if serving.engine
+            else f"serve: not served as it is: {serving.how}")
+    out.print(line, highlight=False, soft_wrap=True, markup=False)
+
+
+def detection_notes(plan) -> list[str]:
+    """What the data could not decide, and which side a --trust flag followed."""
+    detection = plan.detection
+    if detection is None:
+        return []
+    notes = [f"decided by you, not by the data: {what}" for what in detection.decided_by_user]
+    cast = plan.scale_cast
+    if cast:
+        stored, model = (str(dtype).removeprefix("torch.") for dtype in cast)
+        notes.append(f"note: the scales are {stored} but the model dtype is {model}: vLLM creates this schema's "
+                     f"scale parameters in {model} and casts them at load, which changes the scales {model} cannot "
+                     f"hold exactly (verify counts them); serve with --dtype {stored} to keep them exact")
+    if detection.disagreements and plan.trust:
+        notes += [f"following the {plan.trust} (--trust-{plan.trust}): {disagreement}"
+                  for disagreement in detection.disagreements]
+    return notes
+
+
+def print_verify(report) -> None:
+    """The report's rows, the per-layer table, the failures, and a last line with the verdict."""
+    level = report.level
+    structure = "ok" if not report.structure_problems else f"{len(report.structure_problems)} problem(s)"
+    lossless = level != "structure" and not report.structure_problems
+    numerics = report.numerics_device is not None
+    not_run = ("not run (the structure check failed)" if report.structure_problems
+               else f"not run (--level {level})" if level != "numerics" else "not run")
+    out.print(key_values(f"verify {report.output}", [
+        ("source", report.source),
+        *[("decided by the user, not the data", escape(what)) for what in report.decided_by_user],
+        ("structure, index, configs, digests", structure),
+        ("source shards hashed as recorded", f"{report.source_files_checked - len(report.source_problems)}"
+                                             f"/{report.source_files_checked}" if lossless else not_run),
+        ("levels proven (docs/FORMAT.md)", ", ".join(report.proven) or "none"),
+        ("pass-through tensors byte-identical", f"{report.passthrough_checked - len(report.passthrough_problems)}"
+                                                f"/{report.passthrough_checked}" if lossless else not_run),
+        *([("dense linears bit-exact", f"{report.dense_linears_checked - len(report.dense_linear_problems)}"
+                                       f"/{report.dense_linears_checked}")] if report.dense_linears_checked else []),
+        ("kernel device", report.numerics_device or not_run),
+        *([("tolerance (relative error)", f"{report.tolerance:g}")] if numerics else []),
+        *audit_rows({"nonfinite_scales": report.nonfinite_scales}),
+    ]))
+    table = Table(title_justify="left", caption_justify="left")
+    table.add_column("MoE layer", overflow="fold")  # long module names wrap; the numbers never do
+    headers = ("bit-exact", "rel err", "max abs", "time", "result") if numerics else ("bit-exact", "time", "result")
+    for header in headers:
+        table.add_column(header, no_wrap=True)
+    for layer in report.layers:
+        errors = ["-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
+                  "-" if layer.max_abs_error is None else f"{layer.max_abs_error:.1e}"]
+        table.add_row(escape(layer.module), f"{layer.experts_exact}/{layer.experts_checked}",
+                      *(errors if numerics else []), f"{layer.seconds:.2f} s",
+                      "[green]ok[/]" if layer.ok else "[red]FAIL[/]")
+    if numerics:
+        scale = max((layer.max_abs_reference for layer in report.layers if layer.max_abs_reference is not None),
+                    default=0.0)
+        table.caption = escape(f"rel err = ||out - ref|| / ||ref||, against a float64 reference of the source, is what "
+                               f"is checked (<= {report.tolerance:g}); max abs is the largest single difference, for "
+                               f"scale: the reference's outputs reach |ref| = {scale:.2g}")
+    if report.layers:
+        out.print(table)
+    for problem in report.failures()[:20]:
+        err.print(f"[red]x[/] {escape(problem)}", highlight=False, soft_wrap=True)
+    out.print(verdict(report), highlight=False, soft_wrap=True, markup=False)
+
+
+def verdict(report) -> str:
+    """One line: passed or failed, and what was checked."""
+    if not report.ok:
+        return f"verdict: FAILED, {len(report.failures())} check(s) failed (listed above)"
+    checked = ["structure and digests"]
+    if report.source_files_checked:
+        checked.append(f"{report.source_files_checked} source shard(s) as recorded")
+    if report.layers:
+        experts = sum(layer.experts_checked for layer in report.layers)
+        checked.append(f"{experts} expert(s) in {len(report.layers)} MoE layer(s) bit-exact against the source")
+    kernels = sum(layer.relative_error is not None for layer in report.layers)
+    if kernels:
+        checked.append(f"kernel within {report.tolerance:g} on {kernels} layer(s)")
+    return f"verdict: ok ({', '.join(checked)}; --level {report.level})"
+
+
+def print_plan(summary: dict[str, Any]) -> None:
+    rows = [(key, summary[key]) for key in ("source", "backend", "layout_version", "architecture", "moe_layers")]
+    rows.append(("format", ", ".join(f"{k}={v}" for k, v in summary["format"].items())))
+    rows.append(("bytes in / out", f"{human_bytes(summary['source_bytes'])} / {human_bytes(summary['output_bytes'])}"))
+    out.print(key_values("plan (nothing written)", rows))
+    table = Table("shard", "bytes", "tensors", title_justify="left")
+    for shard in summary["shards"]:
+        table.add_row(escape(shard["file"]), human_bytes(shard["bytes"]), str(shard["tensors"]))
+    out.print(table)

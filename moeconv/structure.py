@@ -1,0 +1,214 @@
+"""verify's first level, structure: the output folder against its manifest (every file, its size and
+block digest, each shard's tensors' digests, the manifest's own seal), the tensors against the plan's
+shapes and dtypes, the JSON files against what this plan writes, the copied side files against the
+source's; and the source's shards against the digests recorded as the conversion read them."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any, Callable
+
+from moeconv.checkpoint import manifest as manifests
+from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
+from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, read_json
+from moeconv.checkpoint.side_files import side_files
+from moeconv.checkpoint.writer import DIGEST_KEY, TENSOR_DIGESTS_KEY, file_digest, range_digests
+from moeconv.errors import MoeconvError
+from moeconv.plan import Plan
+
+
+def check_reading(plan: Plan) -> list[str]:
+    """The source's own data against the reading the output was made with: an output converted under
+    --trust-config over a config the data contradicts is not certified (decoding the source with the
+    same reading would only agree with itself)."""
+    if plan.detection is None or plan.trust == "data":
+        return []
+    return [f"the source's tensors contradict the reading this output was converted with: {disagreement}"
+            for disagreement in plan.detection.disagreements]
+
+
+def check_seal(manifest: dict[str, Any]) -> list[str]:
+    """The manifest against its own digest (manifests.self_digest)."""
+    recorded = manifest.get(manifests.SELF_DIGEST_KEY)
+    if recorded is None:
+        return [f"{MANIFEST_NAME}: records no digest of itself, of the configs or of the source's data (written by "
+                f"a moeconv before 2026-12-02); convert again"]
+    if recorded != manifests.self_digest(manifest):
+        return [f"{MANIFEST_NAME}: its content differs from its own recorded digest (changed after the conversion)"]
+    return []
+
+
+_SECTIONS = ("files", "metadata_files", "copied_files")  # the manifest's lists of the files the output holds
+
+
+def check_files(output: Path, manifest: dict[str, Any], advance: Callable[..., None]) -> list[str]:
+    """Every file of the output folder against the manifest: each listed one a regular file (not a link)
+    of the recorded size and digest, and nothing else there."""
+    problems, listed = [], {MANIFEST_NAME}
+    for key in _SECTIONS:
+        files = manifests.recorded_files(manifest, key)
+        if files is None:
+            problems.append(f"{MANIFEST_NAME}: {key} must map plain file names to their bytes and {DIGEST_KEY}")
+            continue
+        for name, recorded in files.items():
+            listed.add(name)
+            path = output / name
+            try:
+                info = os.lstat(path)
+            except FileNotFoundError:
+                problems.append(f"{name}: listed in {MANIFEST_NAME} but missing")
+                continue
+            if not stat.S_ISREG(info.st_mode):
+                problems.append(f"{name}: not a regular file (a link or a folder), but {MANIFEST_NAME} lists a file")
+            elif info.st_size != recorded["bytes"] or file_digest(path) != recorded[DIGEST_KEY]:
+                problems.append(f"{name}: digest or size differs from {MANIFEST_NAME}")
+            advance(info.st_size)
+    for path in sorted(output.iterdir()):
+        if path.name not in listed:
+            problems.append(f"{path.name}: in the output folder but not written by the conversion (not in "
+                            f"{MANIFEST_NAME})")
+        if path.name not in listed or path.name == MANIFEST_NAME:
+            advance(path.stat().st_size if path.is_file() else 0)
+    return problems
+
+
+def check_tensor_digests(entries: list, manifest: dict[str, Any], advance: Callable[..., None]) -> list[str]:
+    """Each tensor of the output's shards (reader.TensorEntry) against the digest the manifest records
+    for it (writer.tensor_digest, hashed from the file: the bytes an engine reads for it)."""
+    recorded = manifests.recorded_tensor_digests(manifest)
+    if recorded is None:
+        return [f"{MANIFEST_NAME}: records no digest per tensor (manifest_version {manifests.MANIFEST_VERSION}: "
+                f"files -> shard -> {TENSOR_DIGESTS_KEY}; written by a moeconv before 2026-12-02); convert again"]
+    problems = []
+    held = {entry.name for entry in entries}
+    problems += [f"{MANIFEST_NAME}: records a digest for {name} in {shard}, which holds no such tensor"
+                 for name, (shard, _) in sorted(recorded.items()) if name not in held]
+    by_file: dict[Path, list] = {}
+    for entry in entries:
+        by_file.setdefault(entry.file, []).append(entry)
+    for path, inside in by_file.items():
+        digests = range_digests(path, {entry.name: (entry.begin, entry.end) for entry in inside})
+        for entry in inside:
+            shard, digest = recorded.get(entry.name, (None, None))
+            if shard != path.name:
+                problems.append(f"{path.name}: tensor {entry.name}: {MANIFEST_NAME} records no digest for it "
+                                f"in this shard")
+            elif digests[entry.name] != digest:
+                problems.append(f"{path.name}: tensor {entry.name}: its bytes differ from {MANIFEST_NAME}'s digest")
+            advance(entry.nbytes)
+    return problems
+
+
+def _first_difference(have: Any, want: Any, where: str) -> str | None:
+    """The dotted path of the first place two JSON values differ (None when equal)."""
+    if isinstance(have, dict) and isinstance(want, dict):
+        for key in sorted(set(have) | set(want)):
+            if key not in have or key not in want:
+                return f"{where}.{key}".lstrip(".")
+            found = _first_difference(have[key], want[key], f"{where}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(have, list) and isinstance(want, list) and len(have) == len(want):
+        return next((found for i, (a, b) in enumerate(zip(have, want))
+                     if (found := _first_difference(a, b, f"{where}[{i}]"))), None)
+    return None if (type(have), have) == (type(want), want) else where.lstrip(".") or "(the whole file)"
+
+
+def _field_problems(name: str, have: Any, want: Any, what: str) -> list[str]:
+    """One problem naming the first differing field of a JSON file, if any."""
+    found = _first_difference(have, want, "")
+    return [] if found is None else [f"{name}: field {found} differs from {what}"]
+
+
+def _check_json_files(plan: Plan, output: Path, manifest: dict[str, Any]) -> list[str]:
+    """config.json field by field against the source's config (the quantization block aside, which must
+    describe this conversion); the index, quantize_config.json and the manifest's derived sections
+    against what this plan writes."""
+    problems = []
+    try:
+        config = read_json(output / "config.json")
+    except MoeconvError as error:
+        problems.append(str(error))
+    else:
+        quantization = plan.quantization_config
+        if config.get("quantization_config") != quantization:
+            problems.append("config.json: quantization_config does not describe this conversion")
+        expected = manifests.output_config(plan)
+        problems += _field_problems("config.json", {**config, "quantization_config": quantization}, expected,
+                                    "what the source's config.json gives")
+    for name, want in ((QUANTIZE_CONFIG_NAME, plan.quantization_config), (INDEX_NAME, manifests.output_index(plan))):
+        try:
+            have = read_json(output / name)
+        except MoeconvError as error:
+            problems.append(str(error))
+            continue
+        if name == QUANTIZE_CONFIG_NAME and have != want:
+            problems.append(f"{QUANTIZE_CONFIG_NAME}: does not match config.json's quantization_config")
+        elif name == INDEX_NAME:
+            problems += _field_problems(name, have, want, "the index of this conversion")
+    derived = json.loads(json.dumps(manifests.derived(plan)))
+    problems += _field_problems(MANIFEST_NAME, {key: manifest.get(key) for key in derived}, derived,
+                                "what this conversion records")
+    return problems
+
+
+def _check_side_files(plan: Plan, output: Path, manifest: dict[str, Any]) -> list[str]:
+    """The copied files against the source's files of those names, and the source folder's other files
+    against those recorded as skipped (convert's own selection, side_files.py)."""
+    expected = side_files(plan.checkpoint, skip_unsafe=True)
+    copied = manifests.recorded_files(manifest, "copied_files") or {}
+    skipped = manifest.get("skipped_files") if isinstance(manifest.get("skipped_files"), dict) else {}
+    problems = []
+    for side in expected.copied:
+        if side.name not in copied:
+            problems.append(f"{side.name}: a file of the source that the output lacks (not in {MANIFEST_NAME})")
+        elif file_digest(side.path) != copied[side.name][DIGEST_KEY]:
+            problems.append(f"{side.name}: differs from the source's {side.path}")
+    names = {side.name for side in expected.copied}
+    problems += [f"{name}: copied into the output, but the source has no such file to copy"
+                 for name in sorted(set(copied) - names)]
+    if set(skipped) != set(expected.skipped):
+        problems.append(f"{MANIFEST_NAME}: skipped_files {sorted(skipped)} != the source folder's "
+                        f"{sorted(expected.skipped)}")
+    return problems
+
+
+def check_source_digests(checkpoint: Any, manifest: dict[str, Any],
+                          advance: Callable[..., None]) -> tuple[list[str], int]:
+    """Every source shard against the digest recorded while the conversion read it."""
+    recorded = manifests.recorded_files(manifest["source"], "file_digests")
+    if recorded is None:
+        return [f"{MANIFEST_NAME}: source.file_digests must map the source's shards to their bytes and "
+                f"{DIGEST_KEY}"], 0
+    problems = []
+    if set(recorded) != {path.name for path in checkpoint.files}:
+        problems.append(f"{MANIFEST_NAME}: source.file_digests {sorted(recorded)} != the source's shards")
+    for path in checkpoint.files:
+        if path.name in recorded and (path.stat().st_size != recorded[path.name]["bytes"]
+                                      or file_digest(path) != recorded[path.name][DIGEST_KEY]):
+            problems.append(f"{path}: the source shard's data differs from what the conversion read "
+                            f"(its digest in {MANIFEST_NAME})")
+        advance(path.stat().st_size)
+    return problems, len(checkpoint.files)
+
+
+def check_structure(plan: Plan, output: Path, manifest: dict[str, Any], tensors: dict[str, TensorEntry]) -> list[str]:
+    problems = []
+    expected = {t.name: t for shard in plan.shards for t in shard.tensors}
+    for name, want in expected.items():
+        have = tensors.get(name)
+        if have is None:
+            problems.append(f"tensor {name} is missing")
+        elif (have.dtype, have.shape) != (want.dtype, want.shape):
+            problems.append(f"{have.file.name}: tensor {name} is {have.dtype}{list(have.shape)}, "
+                            f"expected {want.dtype}{list(want.shape)}")
+    problems += [f"{tensors[name].file.name}: unexpected tensor {name}" for name in sorted(set(tensors) - set(expected))]
+    shard_files = {entry.file.name for entry in tensors.values()}
+    files = manifests.recorded_files(manifest) or {}
+    if shard_files != set(files):
+        problems.append(f"{MANIFEST_NAME}: files {sorted(files)} != index's {sorted(shard_files)}")
+    return problems + _check_json_files(plan, output, manifest) + _check_side_files(plan, output, manifest)
