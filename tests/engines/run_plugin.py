@@ -168,6 +168,7 @@ def main() -> None:
                 out = moeconv.convert(source, base / architecture / name / "triton", backend="triton").output
                 pairs[(architecture, name)] = (source, out)
         act_order = ROOT / "tests" / "data" / "gptqmodel_act_order" / "down_only"
+        (base / "act-order").mkdir(parents=True, exist_ok=True)
         pairs[("qwen3_moe", "GPTQModel act-order, asymmetric")] = (
             act_order, moeconv.convert(act_order, base / "act-order" / "triton", backend="triton").output)
         results = _engine("plugin_check.py", *[f"{s}={o}" for s, o in pairs.values()])
