@@ -17,7 +17,7 @@ from moeconv.inspection import inspect_checkpoint
 from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
 from moeconv.source import resolve_source
 
-if TYPE_CHECKING:  # verify's module imports Triton (its reference kernels): 0.3 s that convert does not need
+if TYPE_CHECKING:  # verify's module imports Triton (its reference kernels), which convert does not need
     from moeconv.verification import VerifyReport
 
 

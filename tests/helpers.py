@@ -32,7 +32,9 @@ def packers_python() -> Path:
 
 
 def synth(path: Path, **fields) -> Path:
-    return make_checkpoint(path, SynthSpec(**fields), max_shard_size=fields.pop("max_shard_size", 150_000))
+    """A synthetic checkpoint of SynthSpec(**fields), in shards of at most `max_shard_size` bytes."""
+    max_shard_size = fields.pop("max_shard_size", 150_000)  # not a SynthSpec field: taken out first
+    return make_checkpoint(path, SynthSpec(**fields), max_shard_size=max_shard_size)
 
 
 def cli(*args: str):

@@ -77,7 +77,7 @@ class HummingBackend(PerLinearBackend):
         (group size 0 then means the whole K: the same (N, 1) scales). The group size is written as
         `weight_scale_group_size`, not its alias `group_size`: Humming's loader also parses the config
         as an INPUT schema, where `group_size` means the activation-scale group, and then refuses the
-        layer (seen with humming-kernels 0.1.20 on an H200, 2026-11-30)."""
+        layer (docs/BENCHMARKS.md, "Humming's own loader")."""
         config: dict[str, Any] = {
             "quant_method": "humming",
             "b_dtype": f"uint{layer.bits}",

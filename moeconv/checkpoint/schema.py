@@ -21,8 +21,8 @@ from moeconv.spec import DTYPE_SIZES
 
 MAX_JSON_BYTES = 64 * 1024**2  # configs and indexes; Kimi-K2's index is about 20 MB
 MAX_HEADER_BYTES = 100 * 1024**2
-# Planning costs memory per tensor (about 1.4 kB each; a 1e6-tensor header set took 4.5 GB and 400 s),
-# so a checkpoint may list at most this many: planning then stays under about 1.35 GB (docs/BENCHMARKS.md),
+# Planning costs memory per tensor (measured in docs/BENCHMARKS.md, "Many listed tensors"), so a
+# checkpoint may list at most this many: planning then stays under about 1.35 GB,
 # with room above the largest MoE checkpoints in GPTQ with g_idx (Kimi-K2: 61 layers x 384 experts x 3
 # linears x 4 tensors, about 285k; 60 layers of 512 experts, about 370k).
 MAX_TENSORS = 600_000

@@ -65,10 +65,6 @@ class ShardWriter:
         os.pwrite(self._fd, len(encoded).to_bytes(8, "little") + encoded, 0)
         os.ftruncate(self._fd, self.size)
 
-    def start_of(self, name: str) -> int:
-        """The file offset of tensor `name`'s first byte."""
-        return self._data_start + self._layout[name][0]
-
     def tensor_ranges(self) -> list[tuple[str, int, int]]:
         """Each tensor's name and byte range [begin, end) in the file, in file order."""
         return [(name, self._data_start + start, self._data_start + start + nbytes)
@@ -87,10 +83,6 @@ class ShardWriter:
     def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> None:
         """Write `tensor`'s bytes at byte `offset` inside tensor `name`."""
         write_at(self._fd, tensor, self.claim(name, offset, tensor.numel() * tensor.element_size()))
-
-    def copy_range(self, name: str, source: Path, begin: int, end: int) -> None:
-        """Copy bytes [begin, end) of `source` as the whole of tensor `name`, in the kernel where possible."""
-        copy_into(self._fd, self.claim(name, 0, end - begin), source, begin, end, name)
 
     def __enter__(self) -> ShardWriter:
         return self
