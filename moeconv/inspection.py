@@ -50,8 +50,9 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
         "tensors": len(checkpoint.tensors),
         "shards": [{"file": path.name, "bytes": path.stat().st_size} for path in checkpoint.files],
         "tp": tp,
-        "backends": {name: _verdict(backend, layers, source_format) for name, backend in all_backends().items()},
-        "auto": _auto(layers, source_format),
+        "backends": {name: _verdict(backend, layers, source_format, checkpoint.quantization_config)
+                     for name, backend in all_backends().items()},
+        "auto": _auto(layers, source_format, checkpoint.quantization_config),
     }
     audits = _audit(source_format, layers)
     for kind in audits.totals:
@@ -59,7 +60,7 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
     return report
 
 
-def _verdict(backend, layers, source_format) -> dict[str, Any]:
+def _verdict(backend, layers, source_format, source_config) -> dict[str, Any]:
     """Whether the backend takes the checkpoint (as it is, or after --regroup), with each layer's reason,
     and which engine would serve its output."""
     factor, reason = eligibility(backend, layers, allow_regroup=True)
@@ -72,14 +73,14 @@ def _verdict(backend, layers, source_format) -> dict[str, Any]:
         "reason": reason or next((f"{m}: {r}" for m, r in refusals.items() if r), None),
         "layers": {module: refusal or "ok" for module, refusal in refusals.items()},
         "serving": serving(backend, source_format, replace(first, group_size=first.group_size // factor),
-                           factor=factor)._asdict(),
+                           factor=factor, source_config=source_config)._asdict(),
     }
 
 
-def _auto(layers, source_format) -> str:
+def _auto(layers, source_format, source_config) -> str:
     """What `convert --backend auto` would choose, and why (or why nothing fits)."""
     try:
-        return choose_backend("auto", layers, True, source_format)[3]
+        return choose_backend("auto", layers, True, source_format, source_config)[3]
     except MoeconvError as refusal:
         return str(refusal)
 

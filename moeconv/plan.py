@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -24,7 +24,7 @@ from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import Checkpoint, TensorReader, collection_paused, open_checkpoint
 from moeconv.detect import Detection
 from moeconv.errors import MoeconvError
-from moeconv.formats import SourceFormat
+from moeconv.formats import SourceFormat, autoround
 from moeconv.models import Architecture
 from moeconv.spec import FLOAT_DTYPES, TORCH_DTYPES
 from moeconv.survey import MoELayer, check_dense_g_idx, find_dense_linears, fp8_block_linears, natural_key, survey
@@ -92,7 +92,8 @@ class Plan:
             "format": self.source_format.describe(),
             "source": self.checkpoint.identity(),
         })
-        answer("serving", serving(self.backend, self.source_format, first, self.dense_backend is not None))
+        answer("serving", serving(self.backend, self.source_format, first, self.dense_backend is not None,
+                                  source_config=self.checkpoint.quantization_config))
         answer("scale_cast", engine_scale_cast(self.backend, first.scale_dtype, _model_dtype(self.checkpoint)))
 
     @property
@@ -215,8 +216,8 @@ def eligibility(backend: Backend, layers: list[MoELayer], allow_regroup: bool) -
     return 1, reason
 
 
-def choose_backend(name: str, layers: list[MoELayer], allow_regroup: bool,
-                   source_format: SourceFormat) -> tuple[Backend, int, tuple, str | None]:
+def choose_backend(name: str, layers: list[MoELayer], allow_regroup: bool, source_format: SourceFormat,
+                   source_config: Mapping[str, Any] | None = None) -> tuple[Backend, int, tuple, str | None]:
     """The backend, its regroup factor, and (for "auto") each skipped backend with its reason and one line
     saying what was chosen and why."""
     if name != "auto":
@@ -228,10 +229,11 @@ def choose_backend(name: str, layers: list[MoELayer], allow_regroup: bool,
             others = f"; backends that take it: {', '.join(eligible)}" if eligible else ""
             raise MoeconvError(f"backend {name!r} does not support this checkpoint: {reason}{others}")
         return backend, factor, (), None
-    return _choose_auto(layers, source_format)
+    return _choose_auto(layers, source_format, source_config)
 
 
-def _choose_auto(layers: list[MoELayer], source_format: SourceFormat) -> tuple[Backend, int, tuple, str]:
+def _choose_auto(layers: list[MoELayer], source_format: SourceFormat,
+                 source_config: Mapping[str, Any] | None) -> tuple[Backend, int, tuple, str]:
     """`--backend auto` means "what I can serve": the first backend, in the registry's order, that takes
     every layer (regrouping losslessly when that is what makes it fit) and whose output an engine loads;
     failing that, the first that takes it, said to be unserved."""
@@ -243,7 +245,7 @@ def _choose_auto(layers: list[MoELayer], source_format: SourceFormat) -> tuple[B
             continue
         first = layers[0].shape
         shape = replace(first, group_size=first.group_size // factor)
-        served = serving(candidate, source_format, shape, factor=factor)
+        served = serving(candidate, source_format, shape, factor=factor, source_config=source_config)
         if served.engine is None:
             unserved.append((candidate, factor, served))
             skipped.append((candidate.name, f"no engine serves its output: {served.how}"))
@@ -267,18 +269,22 @@ def _choice_line(backend: Backend, factor: int, layer: MoELayerShape, why: str,
 
 
 def unserved_dense_layers(backend: Backend, source_format: SourceFormat, converted: bool | None = None,
-                          factor: int = 1) -> str | None:
+                          factor: int = 1, source_config: Mapping[str, Any] | None = None) -> str | None:
     """Why no engine loads the output's dense layers, when the backend copies them as they are and vLLM
     0.33 refuses their format: asymmetric GPTQ (its GPTQ is symmetric only; measured with `make
     test-engines`), ModelOpt's int4 (its ModelOpt methods read FP8, NVFP4 and MXFP8 only: LINEAR_ALGOS in
-    vllm/model_executor/layers/quantization/modelopt.py). `converted`: whether the plan converts them
+    vllm/model_executor/layers/quantization/modelopt.py), an AutoRound config vLLM's INC method does not
+    read (formats/autoround.py: vllm_refusal). `converted`: whether the plan converts them
     (Plan.dense_backend); None, before planning: whether the backend would at regroup `factor` (a backend
-    that names another one for them converts them unregrouped only: _dense_backend)."""
+    that names another one for them converts them unregrouped only: _dense_backend). `source_config`: the
+    source's quantization_config, which copied dense layers keep."""
     fmt = source_format
     if converted is None:
         converted = backend.converts_dense_linears or (backend.dense_linear_backend(fmt) is not None and factor == 1)
     if converted:
         return None
+    if source_config is not None and (refusal := autoround.vllm_refusal(source_config)):
+        return f"the dense layers keep the source's {refusal}"
     if fmt.method == "gptq" and not fmt.symmetric:
         return "the dense layers keep the source's asymmetric GPTQ, which vLLM 0.33 does not load"
     if fmt.method == "modelopt":
@@ -287,11 +293,12 @@ def unserved_dense_layers(backend: Backend, source_format: SourceFormat, convert
 
 
 def serving(backend: Backend, source_format: SourceFormat, layer: MoELayerShape,
-            dense_converted: bool | None = None, factor: int = 1) -> Serving:
+            dense_converted: bool | None = None, factor: int = 1,
+            source_config: Mapping[str, Any] | None = None) -> Serving:
     """The backend's own answer, unless the dense layers it copies are what no engine loads
-    (unserved_dense_layers: `dense_converted`, `factor`)."""
+    (unserved_dense_layers: `dense_converted`, `factor`, `source_config`)."""
     served = backend.serving(layer)
-    reason = unserved_dense_layers(backend, source_format, dense_converted, factor)
+    reason = unserved_dense_layers(backend, source_format, dense_converted, factor, source_config)
     if served.engine and reason:
         return Serving(None, f"{reason} (moeconv's vLLM plugin refuses this output at start-up); for vLLM use "
                              "--backend compressed-tensors")
@@ -322,7 +329,8 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
         raise MoeconvError(f"{checkpoint.root}: {next(iter(refusals.values()))}; {len(refusals)} of "
                            f"{len(source.layers)} MoE layers use act-order that cannot be folded")
     source_format, layers = source.source_format, list(source.layers)
-    target, factor, skipped, choice = choose_backend(backend, layers, regroup, source_format)
+    target, factor, skipped, choice = choose_backend(backend, layers, regroup, source_format,
+                                                     checkpoint.quantization_config)
     if factor > 1:
         layers = [replace(layer, shape=replace(layer.shape, group_size=layer.shape.group_size // factor))
                   for layer in layers]

@@ -76,6 +76,7 @@ class SynthSpec:
     mixtral_naming: str = "legacy"  # "legacy": block_sparse_moe.experts.E.w1; "hf": mlp.experts.E.gate_proj
     expert_order: str = "index-first"  # or "modelopt": experts.gate_proj.E.<suffix>
     mtp_layers: int = 0  # qwen3_5_moe: MTP layers (mtp.layers.N.mlp.experts.E.*), left in float as shipped
+    quantized_router: bool = False  # the router quantized like the experts (AutoAWQ's and older AutoRound's Qwen3-MoE)
     seed: int = 0
 
 
@@ -175,7 +176,10 @@ def _build(spec: SynthSpec) -> tuple[_Builder, dict[str, Any]]:
             moe, names = f"{p}.block_sparse_moe", ("w1", "w3", "w2")
         else:
             moe, names = f"{p}.mlp", _HF_NAMES
-        b.dense(f"{moe}.gate.weight", (spec.experts, h), dtype=torch.float32 if family == "deepseek" else None)
+        if spec.quantized_router:
+            b.quantized(f"{moe}.gate", spec.experts, h)
+        else:
+            b.dense(f"{moe}.gate.weight", (spec.experts, h), dtype=torch.float32 if family == "deepseek" else None)
         if arch in _ROUTER_BIAS:
             b.dense(f"{moe}.gate.e_score_correction_bias", (spec.experts,), dtype=torch.float32)
         b.experts(f"{moe}.experts", names)

@@ -24,7 +24,7 @@ import moeconv
 from moeconv.backends import REGISTRY as BACKENDS
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.errors import MoeconvError
-from moeconv.formats import AWQ, GPTQ, format_from_config
+from moeconv.formats import AWQ, GPTQ, autoround, format_from_config
 from moeconv import transform
 from moeconv.plan import make_plan
 from moeconv.worklist import ExpertJob
@@ -44,6 +44,7 @@ CONVERTIBLE = {
     "awq-sym-g32": AWQ(4, 32, zero_point=False),  # quant_method awq, qzeros all 8
     "ar-gptq-sym-g128": GPTQ(4, 128, sym=True, checkpoint_format="gptq"),
     "ar-awq-asym-g128": AWQ(4, 128, zero_point=True),
+    "ar-gptq-sym-g32-keep16": GPTQ(4, 32, sym=True, checkpoint_format="gptq"),  # extra_config: o_proj at 16 bits
 }
 # Every backend on the group-32 fixtures; the two group-128 ones split the backends between them (each
 # conversion costs a second or two, and the test suite has a budget).
@@ -196,6 +197,30 @@ def test_per_layer_quantized_overrides_are_refused_naming_the_layer(name, capsys
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("backend", ALL)
+def test_a_dense_linear_extra_config_keeps_16_bit_passes_through_on_every_backend(truths, backend, tmp_path):
+    """AutoRound 0.16.1 asked to keep o_proj at 16 bits writes extra_config {"bits": 16} and its bf16 weight:
+    every backend copies it byte for byte (humming and compressed-tensors convert the other attention
+    linears, which match the quantizer), and compressed-tensors lists it in `ignore`."""
+    name, kept = "ar-gptq-sym-g32-keep16", "model.layers.0.self_attn.o_proj"
+    assert _config(name)["extra_config"][kept] == {"bits": 16}
+    moeconv.convert(DATA / name, tmp_path / "out", backend=backend, workers=1)
+    weights = converted_weights(tmp_path / "out", DATA / name, backend)
+    _assert_truth(weights, truths[name])
+    dense = {prefix for prefix in weights if ".self_attn." in prefix}
+    assert dense == ({f"model.layers.0.self_attn.{p}_proj" for p in "qkv"}
+                     if backend in ("humming", "compressed-tensors") else set()), sorted(weights)
+    source, output = open_checkpoint(DATA / name), open_checkpoint(tmp_path / "out")
+    assert source.tensors[f"{kept}.weight"].dtype == output.tensors[f"{kept}.weight"].dtype == "BF16"
+    assert not [tensor for tensor in output.tensors if tensor.startswith(kept + ".") and tensor != f"{kept}.weight"]
+    with TensorReader() as reader:
+        assert torch.equal(reader.read(output.tensors[f"{kept}.weight"]).view(torch.int16),
+                           reader.read(source.tensors[f"{kept}.weight"]).view(torch.int16))
+    if backend == "compressed-tensors":
+        config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+        assert {kept, "model.layers.0.mlp.gate", "lm_head"} <= set(config["ignore"]), config["ignore"]
+
+
 def test_sixteen_bit_overrides_pass_through(tmp_path):
     """An extra_config entry at 16 bits (AutoRound's routers and head) needs no scheme of its own."""
     config = {**_config("ar-gptq-sym-g32"), "extra_config": {"model.layers.0.self_attn.o_proj": {"bits": 16}}}
@@ -229,3 +254,19 @@ def test_the_intel_alias_and_old_packing_names_read_the_same_words():
         assert format_from_config({**config, **change}, "config.json") == want
     awq = format_from_config(_config("ar-awq-asym-g32"), "config.json")
     assert format_from_config({**_config("ar-awq-asym-g32"), "packing_format": "auto_round:awq"}, "c") == awq
+
+
+@pytest.mark.parametrize("name, served", [("ar-gptq-sym-g32", True), ("ar-awq-asym-g32", True),
+                                          ("ar-plain-asym-g32", False)])
+def test_outputs_that_keep_autoround_dense_layers_are_served_where_vllm_reads_their_packing(name, served):
+    """triton keeps the dense linears in the source's own config, which vLLM 0.33 serves with its INC method
+    for the auto_gptq / auto_awq packings only (`make test-engines`: the plain auto_round packing is refused,
+    "Unsupported packing_format: auto_round", the source as its triton output); compressed-tensors converts
+    them and is served either way."""
+    triton = make_plan(DATA / name, backend="triton").serving
+    assert (triton.engine is not None) == served, triton
+    if not served:
+        assert "packing_format 'auto_round'" in triton.how and "--backend compressed-tensors" in triton.how
+    assert make_plan(DATA / name, backend="compressed-tensors").serving.engine == "stock vLLM 0.33"
+    relabelled = {**_config(name), "quant_method": "intel/auto-round"}  # vLLM's INC does not take the alias
+    assert autoround.vllm_refusal(relabelled) is not None and autoround.vllm_refusal(_config("awq-sym-g32")) is None

@@ -211,3 +211,46 @@ def test_a_float_down_proj_beside_int4_gate_up_is_refused_by_every_backend(tmp_p
         assert "model.layers.0.mlp.experts.0.down_proj.weight is BF16[64, 64]" in line
         assert "mixed precision inside one MoE layer" in line and "no backend takes it" in line
         assert not (tmp_path / "out").exists()
+
+
+def _gptq_v1_symmetric_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes of a GPTQ 4-bit qweight (K/8, N): input 8r + i in nibble i of row r (the format's own
+    definition, written out here rather than read through moeconv's decoder)."""
+    words = qweight.to(torch.int64) & 0xFFFFFFFF
+    nibbles = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=1)  # (K/8, 8, N)
+    return nibbles.reshape(-1, qweight.shape[1]).T.to(torch.uint8)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu", "compressed-tensors", "humming"])
+def test_a_quantized_router_is_converted_or_copied_never_dropped(backend, tmp_path, capsys):
+    """A Qwen3-MoE whose router mlp.gate is GPTQ-quantized like its experts (AutoAWQ without an exclusion,
+    AutoRound before its predefined `.gate` exclusion; AutoRound 0.16.1 itself always keeps it 16-bit):
+    triton and cpu copy its tensors byte for byte, compressed-tensors converts it (and does not list it in
+    `ignore`), humming refuses it by name where its packing cannot hold 8 outputs."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(experts=8, layers=1, quantized_router=True,
+                                                         source_format=GPTQ(4, 32, sym=True)))
+    router = "model.layers.0.mlp.gate"
+    stored = load_file(str(next(source.glob("*.safetensors"))))
+    assert f"{router}.qweight" in stored and f"{router}.weight" not in stored
+    if backend == "humming":
+        code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "--backend", backend)
+        assert code == 2 and f"{router}: backend 'humming' cannot convert this 8x128 linear" in err, err
+        assert not (tmp_path / "out").exists()
+        return
+    moeconv.convert(source, tmp_path / "out", backend=backend, workers=1)
+    written = {}
+    for shard in (tmp_path / "out").glob("*.safetensors"):
+        written.update(load_file(str(shard)))
+    kept = {name: tensor for name, tensor in written.items() if name.startswith(router + ".")}
+    if backend in ("triton", "cpu"):
+        assert sorted(kept) == sorted(name for name in stored if name.startswith(router + "."))
+        assert all(torch.equal(kept[name].view(torch.uint8), stored[name].view(torch.uint8)) for name in kept)
+        return
+    assert sorted(kept) == [f"{router}.weight_packed", f"{router}.weight_scale", f"{router}.weight_shape"]
+    codes = _gptq_v1_symmetric_codes(stored[f"{router}.qweight"])  # (8, 128)
+    packed = kept[f"{router}.weight_packed"].to(torch.int64) & 0xFFFFFFFF  # (N, K/8): k in nibble k % 8
+    unpacked = torch.stack([(packed >> (4 * i)) & 0xF for i in range(8)], dim=2).reshape(8, -1)
+    assert torch.equal(unpacked.to(torch.uint8), codes)  # symmetric: offset-binary codes, the zero 8 implied
+    assert torch.equal(kept[f"{router}.weight_scale"], stored[f"{router}.scales"].T.contiguous())
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert not any("mlp.gate" in entry for entry in config["ignore"]), config["ignore"]

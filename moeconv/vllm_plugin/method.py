@@ -25,7 +25,7 @@ from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.fused_moe.oracle import int_wna16
-from vllm.model_executor.layers.quantization import get_quantization_config
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_int8 import (  # noqa: E501
     CompressedTensorsW8A8Int8MoEMethod,
@@ -163,12 +163,25 @@ def _dense_config(source: dict[str, Any]) -> QuantizationConfig:
             if isinstance(group, dict) and isinstance(group.get("weights"), dict) else group
             for name, group in groups.items()}}
     try:
-        return get_quantization_config(method).from_config(source)
+        return get_quantization_config(_vllm_method(method, source)).from_config(source)
     except (ValueError, KeyError, TypeError, AttributeError, AssertionError) as error:
         first = (str(error).splitlines() or [type(error).__name__])[0]
         raise PluginRefusal(f"the dense layers keep the source's {method!r} quantization, which vLLM "
                             f"{vllm.__version__} refuses ({first}); convert with --backend compressed-tensors "
                             f"instead") from None
+
+
+def _vllm_method(method: str, source: dict[str, Any]) -> str:
+    """The name vLLM serves the source's quant_method under. A producer's own name that vLLM does not
+    register (AutoRound's 'auto-round') is claimed by one of vLLM's configs through its
+    `override_quantization_method`, as vLLM's ModelConfig resolves it ('auto-round' -> 'inc')."""
+    if method in QUANTIZATION_METHODS:
+        return method
+    for name in QUANTIZATION_METHODS:
+        claimed = get_quantization_config(name).override_quantization_method(source, None, hf_config=None)
+        if claimed is not None:
+            return claimed
+    return method
 
 
 def _layer_shape(stacked: StackedLayout, experts: int, hidden: int, intermediate: int, tp: int) -> MoELayerShape:

@@ -6,7 +6,10 @@ it; the sources and all outputs are then loaded by vLLM on the CPU in one proces
 (markdown) and exits 1 when an output that should load (compressed-tensors; humming from symmetric
 sources) does not, or leaves a checkpoint tensor unconsumed or a parameter unloaded.
 
-    .venv/bin/python tests/engines/run_matrix.py [--keep DIR]
+    .venv/bin/python tests/engines/run_matrix.py [--keep DIR] [--only GROUP ...]
+
+`--only` runs only the named groups of real and special checkpoints (EXTRA_GROUPS: the synthetic
+matrix is skipped), e.g. `--only autoround` for the AutoRound 0.16.1 fixtures and their outputs.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 import moeconv
 from moeconv.backends import REGISTRY
 from moeconv.errors import MoeconvError
-from moeconv.formats import AWQ, GPTQ, CompressedTensors, ModelOpt
+from moeconv.formats import AWQ, GPTQ, CompressedTensors, ModelOpt, format_from_config
 from moeconv.synth import SynthSpec, make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,10 +65,15 @@ def not_consumed(result: dict) -> list[str]:
     return [name for name in result["not_consumed"] if not name.endswith(".g_idx")]
 
 
-def command_line(doc: str, engine_python: Path = ENGINE_PYTHON, make_target: str = "make engines") -> argparse.Namespace:
-    """The engine scripts' one option (`--keep DIR`), once the engine's venv is there."""
+def command_line(doc: str, engine_python: Path = ENGINE_PYTHON, make_target: str = "make engines",
+                 groups: tuple[str, ...] = ()) -> argparse.Namespace:
+    """The engine scripts' option (`--keep DIR`; `--only GROUP ...` where the script has `groups`), once
+    the engine's venv is there."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--keep", type=Path, help="write the checkpoints here instead of a temporary folder")
+    if groups:
+        parser.add_argument("--only", nargs="+", choices=groups, metavar="GROUP",
+                            help=f"run only these groups, not the synthetic matrix: {', '.join(groups)}")
     args = parser.parse_args()
     if not engine_python.exists():
         sys.exit(f"{engine_python} is missing: run `{make_target}` first")
@@ -73,11 +81,11 @@ def command_line(doc: str, engine_python: Path = ENGINE_PYTHON, make_target: str
 
 
 def main() -> None:
-    args = command_line(__doc__)
+    args = command_line(__doc__, groups=tuple(EXTRA_GROUPS))
     with tempfile.TemporaryDirectory(prefix="moeconv-engines-") as scratch:
         base = args.keep or Path(scratch)
         cases, refusals = [], {}
-        for architecture in ARCHITECTURES:
+        for architecture in ARCHITECTURES if not args.only else ():
             for source_name, fmt in SOURCES.items():
                 source = make_checkpoint(base / architecture / source_name / "src",
                                          SynthSpec(architecture=architecture, source_format=fmt))
@@ -90,7 +98,8 @@ def main() -> None:
                         refusals[(architecture, source_name, backend)] = str(refusal)
                         continue
                     cases.append((architecture, source_name, backend, out, fmt))
-        _extra_cases(base, cases, refusals)
+        for group in args.only or EXTRA_GROUPS:
+            EXTRA_GROUPS[group](base, cases, refusals)
         done = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "vllm_load.py"),
                                *[str(case[3]) for case in cases]], capture_output=True, text=True, timeout=3600)
         results = {json.loads(line)["checkpoint"]: json.loads(line) for line in done.stdout.splitlines()
@@ -102,6 +111,7 @@ def main() -> None:
 
 
 MODELOPT = ROOT / "tests" / "data" / "modelopt" / "int4-g32"  # exported by the real ModelOpt 0.47.0
+AUTOROUND = ROOT / "tests" / "data" / "autoround"  # written by the real AutoRound 0.16.1
 
 
 def _fp8_attention(source: Path) -> Path:
@@ -131,32 +141,64 @@ def _fp8_attention(source: Path) -> Path:
     return source
 
 
-def _extra_cases(base: Path, cases: list, refusals: dict) -> None:
+def _convert_all(base: Path, cases: list, refusals: dict, folder: str, label: str, source_name: str, source: Path,
+                 fmt, backends) -> None:
+    """The source and its output on each of `backends` (or moeconv's refusal) as cases of the matrix."""
+    cases.append((label, source_name, "(source)", source, fmt))
+    for backend in backends:
+        out = base / folder / source_name / backend
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            moeconv.convert(source, out, backend=backend)
+        except MoeconvError as refusal:
+            refusals[(label, source_name, backend)] = str(refusal)
+            continue
+        cases.append((label, source_name, backend, out, fmt))
+
+
+def _mixtral_t5(base: Path, cases: list, refusals: dict) -> None:
     """A Mixtral under transformers 5 names (mlp.experts.E.gate_proj: vLLM 0.33 refuses the source, its
-    outputs must carry block_sparse_moe names), the real ModelOpt int4 export (vLLM 0.33 refuses it), and
-    FP8 block-scaled attention beside INT4 experts (compressed-tensors: a config group of its own)."""
+    outputs must carry block_sparse_moe names)."""
     sym = SOURCES["gptq-sym"]
     t5 = make_checkpoint(base / "mixtral-t5" / "gptq-sym" / "src",
                          SynthSpec(architecture="mixtral", mixtral_naming="hf", source_format=sym))
+    _convert_all(base, cases, refusals, "mixtral-t5", "mixtral (transformers 5 names)", "gptq-sym", t5, sym,
+                 list(REGISTRY))
+
+
+def _modelopt(base: Path, cases: list, refusals: dict) -> None:
+    """The real ModelOpt int4 export (vLLM 0.33 refuses it)."""
+    _convert_all(base, cases, refusals, "modelopt", "qwen3_moe (ModelOpt 0.47.0)", "modelopt-int4", MODELOPT,
+                 ModelOpt(group_size=32), list(REGISTRY))
+
+
+def _fp8_beside(base: Path, cases: list, refusals: dict) -> None:
+    """FP8 block-scaled attention beside INT4 experts (compressed-tensors: a config group of its own). The
+    source config (GPTQ) does not describe its FP8 linears, so vLLM refuses the source and what keeps its
+    dense layers (triton, cpu) alike: only the whole-checkpoint outputs are its point."""
+    sym = SOURCES["gptq-sym"]
     fp8 = _fp8_attention(make_checkpoint(base / "fp8-beside" / "gptq-sym" / "src",
                                          SynthSpec(hidden=256, intermediate=128, source_format=sym)))
-    # The FP8 case's source config (GPTQ) does not describe its FP8 linears, so vLLM refuses the source and
-    # what keeps its dense layers (triton, cpu) alike: only the whole-checkpoint outputs are its point.
-    for folder, label, source_name, source, fmt, backends in (
-            ("mixtral-t5", "mixtral (transformers 5 names)", "gptq-sym", t5, sym, list(REGISTRY)),
-            ("modelopt", "qwen3_moe (ModelOpt 0.47.0)", "modelopt-int4", MODELOPT, ModelOpt(group_size=32),
-             list(REGISTRY)),
-            ("fp8-beside", "qwen3_moe (FP8 block o_proj)", "gptq-sym", fp8, sym, ["compressed-tensors", "humming"])):
-        cases.append((label, source_name, "(source)", source, fmt))
-        for backend in backends:
-            out = base / folder / source_name / backend
-            out.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                moeconv.convert(source, out, backend=backend)
-            except MoeconvError as refusal:
-                refusals[(label, source_name, backend)] = str(refusal)
-                continue
-            cases.append((label, source_name, backend, out, fmt))
+    _convert_all(base, cases, refusals, "fp8-beside", "qwen3_moe (FP8 block o_proj)", "gptq-sym", fp8, sym,
+                 ["compressed-tensors", "humming"])
+
+
+def _autoround(base: Path, cases: list, refusals: dict) -> None:
+    """Every checkpoint the real AutoRound 0.16.1 wrote (tests/data/autoround: its own format in each
+    packing, its AWQ export, extra_config overrides, a partial last group) and its outputs; those moeconv
+    refuses (per-layer bits, K % g != 0) are loaded as sources only, to show what vLLM makes of them."""
+    for fixture in sorted(path for path in AUTOROUND.iterdir() if (path / "config.json").exists()):
+        config = json.loads((fixture / "config.json").read_text())["quantization_config"]
+        try:
+            fmt = format_from_config(config, str(fixture / "config.json"))
+        except MoeconvError:
+            fmt = None  # moeconv refuses the config itself: every backend says so
+        _convert_all(base, cases, refusals, "autoround", "qwen3_moe (AutoRound 0.16.1)", fixture.name, fixture,
+                     fmt, list(REGISTRY))
+
+
+EXTRA_GROUPS = {"mixtral-t5": _mixtral_t5, "modelopt": _modelopt, "fp8-beside": _fp8_beside,
+                "autoround": _autoround}
 
 
 def _report(cases, results, refusals) -> list[str]:

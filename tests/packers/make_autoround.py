@@ -63,12 +63,14 @@ class Variant:
 
 MIXED = {"model.layers.0.self_attn.q_proj": {"bits": 8, "group_size": 64},  # a dense linear at 8 bits, g64
          "model.layers.0.self_attn.o_proj": {"bits": 16}}  # a dense linear kept 16-bit
+KEEP16 = {"model.layers.0.self_attn.o_proj": {"bits": 16}}  # only a dense linear kept 16-bit: no scheme differs
 
 VARIANTS = {
     "ar-gptq-sym-g32": Variant("auto_round", True, 32),  # packing_format auto_round:auto_gptq
     "ar-plain-asym-g32": Variant("auto_round", False, 32),  # RTN's asymmetric default: plain auto_round
     "ar-awq-asym-g32": Variant("auto_round:auto_awq", False, 32),
     "ar-gptq-sym-g32-mixed": Variant("auto_round", True, 32, layer_config=MIXED),
+    "ar-gptq-sym-g32-keep16": Variant("auto_round", True, 32, layer_config=KEEP16),
     "awq-sym-g32": Variant("auto_awq", True, 32),  # quant_method awq, zero_point false, qzeros all 8
     "ar-gptq-sym-g128": Variant("auto_round", True, 128, WIDE),
     "ar-awq-asym-g128": Variant("auto_round:auto_awq", False, 128, WIDE),  # (its AWQ packer needs K >= g)
