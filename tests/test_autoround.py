@@ -24,7 +24,7 @@ import moeconv
 from moeconv.backends import REGISTRY as BACKENDS
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.errors import MoeconvError
-from moeconv.formats import AWQ, GPTQ, autoround, format_from_config
+from moeconv.formats import AWQ, GPTQ, format_from_config
 from moeconv import transform
 from moeconv.plan import make_plan
 from moeconv.worklist import ExpertJob
@@ -256,17 +256,19 @@ def test_the_intel_alias_and_old_packing_names_read_the_same_words():
     assert format_from_config({**_config("ar-awq-asym-g32"), "packing_format": "auto_round:awq"}, "c") == awq
 
 
-@pytest.mark.parametrize("name, served", [("ar-gptq-sym-g32", True), ("ar-awq-asym-g32", True),
-                                          ("ar-plain-asym-g32", False)])
-def test_outputs_that_keep_autoround_dense_layers_are_served_where_vllm_reads_their_packing(name, served):
-    """triton keeps the dense linears in the source's own config, which vLLM 0.33 serves with its INC method
-    for the auto_gptq / auto_awq packings only (`make test-engines`: the plain auto_round packing is refused,
-    "Unsupported packing_format: auto_round", the source as its triton output); compressed-tensors converts
-    them and is served either way."""
-    triton = make_plan(DATA / name, backend="triton").serving
-    assert (triton.engine is not None) == served, triton
-    if not served:
-        assert "packing_format 'auto_round'" in triton.how and "--backend compressed-tensors" in triton.how
+@pytest.mark.parametrize("name", ["ar-gptq-sym-g32", "ar-awq-asym-g32", "ar-plain-asym-g32"])
+def test_outputs_that_keep_autoround_dense_layers_are_served_where_vllm_reads_their_config(name, tmp_path):
+    """triton copies symmetric GPTQ and AWQ dense linears in the source's own config, which vLLM 0.33 serves
+    with its INC method for quant_method 'auto-round' with the auto_gptq / auto_awq packings only (`make
+    test-engines`: 'Unsupported packing_format: auto_round'; 'Invalid quantization method' for the
+    intel/auto-round alias); the plain packing's asymmetric dense linears are written in compressed-tensors.
+    So every triton output here is served, and the same checkpoint under the alias is not."""
+    assert make_plan(DATA / name, backend="triton").serving.engine is not None
     assert make_plan(DATA / name, backend="compressed-tensors").serving.engine == "stock vLLM 0.33"
-    relabelled = {**_config(name), "quant_method": "intel/auto-round"}  # vLLM's INC does not take the alias
-    assert autoround.vllm_refusal(relabelled) is not None and autoround.vllm_refusal(_config("awq-sym-g32")) is None
+    alias = _relabel(DATA / name, tmp_path / "alias", {**_config(name), "quant_method": "intel/auto-round"})
+    plan = make_plan(alias, backend="triton")
+    if plan.dense_backend is None:  # copied: under a name vLLM does not read
+        assert plan.serving.engine is None and "'intel/auto-round'" in plan.serving.how, plan.serving
+        assert "--backend compressed-tensors" in plan.serving.how
+    else:
+        assert name == "ar-plain-asym-g32" and plan.serving.engine is not None

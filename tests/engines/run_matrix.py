@@ -89,15 +89,7 @@ def main() -> None:
             for source_name, fmt in SOURCES.items():
                 source = make_checkpoint(base / architecture / source_name / "src",
                                          SynthSpec(architecture=architecture, source_format=fmt))
-                cases.append((architecture, source_name, "(source)", source, fmt))
-                for backend in REGISTRY:
-                    out = base / architecture / source_name / backend
-                    try:
-                        moeconv.convert(source, out, backend=backend)
-                    except MoeconvError as refusal:
-                        refusals[(architecture, source_name, backend)] = str(refusal)
-                        continue
-                    cases.append((architecture, source_name, backend, out, fmt))
+                _convert_all(base, cases, refusals, architecture, architecture, source_name, source, fmt, list(REGISTRY))
         for group in args.only or EXTRA_GROUPS:
             EXTRA_GROUPS[group](base, cases, refusals)
         done = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "vllm_load.py"),
