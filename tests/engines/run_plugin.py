@@ -202,7 +202,7 @@ def main() -> None:
         for index, (label, change) in enumerate(EDITS.items()):
             refused[label] = _edited(triton, base / "edited" / str(index), change)
         print("\n| output | plugin at start-up |\n|---|---|")
-        for (label, path), result in zip(refused.items(), _engine("vllm_load.py", *map(str, refused.values()))):
+        for label, result in zip(refused, _engine("vllm_load.py", *map(str, refused.values()))):
             error = result.get("error", "")
             print(f"| {label} | {'loaded' if result['loaded'] else 'refused: ' + error[:160]} |")
             if result["loaded"] or EXPECTED_REFUSALS[label] not in error:

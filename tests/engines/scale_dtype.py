@@ -84,7 +84,7 @@ def measure(checkpoint: Path, dtype: str) -> dict:
         loader = DefaultModelLoader(LoadConfig())
         loaded, shadow = {}, {}
         for shadow_pass[0] in (False, True):  # the second pass loads float64 copies into float64 parameters
-            for name, parameter in scales.items():
+            for parameter in scales.values():
                 parameter.data = torch.full_like(parameter.data, float("nan"),
                                                  dtype=torch.float64 if shadow_pass[0] else parameter.dtype)
             held = []

@@ -146,7 +146,7 @@ def build_and_load(checkpoint: Path, quantization: str | None = None) -> tuple[t
         held = []
         _wrap_loaders(model, yielded, consumed)
 
-        def weights():
+        def weights(held=held, yielded=yielded):  # this pass's, bound (the generator runs within it)
             for name, tensor in loader._get_all_weights(model_config, model):
                 held.append(tensor)  # keeps the storage alive, so its address names the tensor
                 yielded[tensor.untyped_storage().data_ptr()] = name

@@ -153,7 +153,7 @@ def build_and_load(checkpoint: Path, moe_backend: str = "auto", tp: int = 1, ran
             held = []
             _wrap_loaders(model, yielded, consumed)
 
-            def weights():
+            def weights(held=held, yielded=yielded):  # this pass's, bound (the generator runs within it)
                 for name, tensor in DefaultModelLoader.get_all_weights(loader, model_config, model):
                     held.append(tensor)  # keeps the storage alive, so its address names the tensor
                     yielded[tensor.untyped_storage().data_ptr()] = name
