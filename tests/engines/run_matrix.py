@@ -189,8 +189,18 @@ def _autoround(base: Path, cases: list, refusals: dict) -> None:
                      fmt, list(REGISTRY))
 
 
+def _quantized_router(base: Path, cases: list, refusals: dict) -> None:
+    """A Qwen3-MoE whose router mlp.gate is GPTQ-quantized like its experts (as AutoAWQ and older AutoRound
+    write; vLLM's Qwen3-MoE hands its gate the quant config): 8 experts, so that GPTQ can pack its rows."""
+    sym = SOURCES["gptq-sym"]
+    source = make_checkpoint(base / "quantized-router" / "gptq-sym" / "src",
+                             SynthSpec(experts=8, quantized_router=True, source_format=sym))
+    _convert_all(base, cases, refusals, "quantized-router", "qwen3_moe (quantized mlp.gate)", "gptq-sym", source,
+                 sym, list(REGISTRY))
+
+
 EXTRA_GROUPS = {"mixtral-t5": _mixtral_t5, "modelopt": _modelopt, "fp8-beside": _fp8_beside,
-                "autoround": _autoround}
+                "autoround": _autoround, "quantized-router": _quantized_router}
 
 
 def _report(cases, results, refusals) -> list[str]:
