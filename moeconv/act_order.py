@@ -19,11 +19,13 @@ static groups, and vLLM 0.33 no longer loads act-order at all. A g_idx is one of
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
 
 STATIC, RELABELLED, PERMUTED, IRREGULAR = "static", "relabelled", "permuted", "irregular"
 FOLDED = "down folded into gate/up"  # a layer whose down projections are PERMUTED: folded
@@ -43,6 +45,8 @@ class GroupOrder:
 def group_order(g_idx: torch.Tensor | None, group_size: int) -> GroupOrder:
     """Classify one linear's g_idx (None: a format without one, static). `group_size` is the effective
     one (K for channel-wise)."""
+    import torch
+
     if g_idx is None:
         return GroupOrder(STATIC)
     labels = g_idx.to(torch.int64).reshape(-1)

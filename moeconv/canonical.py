@@ -7,8 +7,10 @@ to one. Equality of canonical forms is what "lossless" means in `verify`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
 
 SUPPORTED_BITS = (2, 4, 8)
 PROJECTIONS = ("gate", "up", "down")  # an expert's three linears, in the canonical order
@@ -46,6 +48,8 @@ class QuantizedWeight:
     group_size: int
 
     def __post_init__(self) -> None:
+        import torch
+
         n, k = self.codes.shape
         assert self.codes.dtype == torch.uint8, self.codes.dtype
         assert self.bits in SUPPORTED_BITS, self.bits
@@ -70,12 +74,19 @@ class QuantizedWeight:
 
     def effective_zeros(self) -> torch.Tensor:
         """The zero points with the implicit symmetric one made explicit."""
+        import torch
+
         if self.zeros is not None:
             return self.zeros
         return torch.full(self.scales.shape, 1 << (self.bits - 1), dtype=torch.uint8)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The dense (N, K) weight, computed in `dtype` (use float32/float64 for references)."""
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense (N, K) weight, computed in `dtype` (float32 if None; float32/float64 for references)."""
+        import torch
+
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
         codes = self.codes.to(dtype)
         zeros = self.effective_zeros().to(dtype).repeat_interleave(self.group_size, dim=1)
         scales = self.scales.to(dtype).repeat_interleave(self.group_size, dim=1)
@@ -100,6 +111,8 @@ class QuantizedWeight:
 
 
 def _tensor_mismatch(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    import torch
+
     if a.dtype != b.dtype or a.shape != b.shape:
         return f"{a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
     # Compare bytes, not values: NaN scales and -0.0 must round-trip too.
@@ -172,6 +185,8 @@ def regroup(weight: QuantizedWeight, factor: int) -> QuantizedWeight:
 def coarsen(weight: QuantizedWeight, factor: int, name: str) -> QuantizedWeight:
     """Inverse of `regroup`: groups `factor` times wider. Raises ValueError naming the tensor when the
     `factor` scales or zero points of a wider group are not all the same (bytes no regrouping made)."""
+    import torch
+
     if factor == 1:
         return weight
     n, groups = weight.scales.shape

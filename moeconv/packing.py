@@ -13,16 +13,18 @@ on the host's byte order. Only widths that divide the container are supported (2
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
-_CONTAINER_BITS = {torch.int32: 32, torch.uint8: 8}
+_CONTAINER_BITS = {"int32": 32, "uint8": 8}  # by torch dtype name
 
 
 def values_per_container(bits: int, container: torch.dtype) -> int:
-    width = _CONTAINER_BITS[container]
+    width = _CONTAINER_BITS[str(container).removeprefix("torch.")]
     if width % bits:
         raise ValueError(f"{bits}-bit values do not tile a {width}-bit container")
     return width // bits
@@ -33,6 +35,8 @@ def pack(codes: torch.Tensor, bits: int, dim: int, container: torch.dtype) -> to
 
     Works in place along `dim` (slots become a new axis after it), so no transposed copies are made.
     """
+    import torch
+
     per = values_per_container(bits, container)
     dim = dim % codes.dim()
     if codes.shape[dim] % per:
@@ -60,6 +64,8 @@ def _pack_slots(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 def _bytes_to_words(packed_bytes: torch.Tensor, dim: int, allow_view: bool = True) -> torch.Tensor:
     """Bytes -> int32 words along `dim`, byte i at bits [8i, 8i + 8). The top byte enters as a
     signed value so that its shift cannot overflow int32."""
+    import torch
+
     if allow_view and _LITTLE_ENDIAN and dim == packed_bytes.dim() - 1:
         # reshape(-1) first: size-1 dims may carry strides that view() refuses
         words = packed_bytes.contiguous().reshape(-1).view(torch.int32)
@@ -73,6 +79,8 @@ def _bytes_to_words(packed_bytes: torch.Tensor, dim: int, allow_view: bool = Tru
 def words_to_bytes(words: torch.Tensor, dim: int, allow_view: bool = True) -> torch.Tensor:
     """int32 words -> bytes along `dim`, least significant first. The shifts: an arithmetic right
     shift of a negative int32 only copies the sign into bits the 0xFF mask removes."""
+    import torch
+
     if allow_view and _LITTLE_ENDIAN and dim == words.dim() - 1:
         return words.contiguous().reshape(-1).view(torch.uint8).reshape(*words.shape[:-1], words.shape[-1] * 4)
     split = torch.stack([((words >> (8 * i)) & 0xFF).to(torch.uint8) for i in range(4)], dim + 1)
@@ -82,6 +90,8 @@ def words_to_bytes(words: torch.Tensor, dim: int, allow_view: bool = True) -> to
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Inverse of `pack`: uint8 codes, `dim` grown by the number of values per container.
     Words are split into bytes, then bytes into values with uint8 shifts."""
+    import torch
+
     values_per_container(bits, packed.dtype)  # refuses widths that do not tile the container
     dim = dim % packed.dim()
     if packed.dtype is torch.int32:
@@ -103,6 +113,8 @@ def repeated_word(value: int, bits: int) -> int:
 
 def add_to_words(words: torch.Tensor, addend: int) -> torch.Tensor:
     """int32 words + addend modulo 2^32 (carries cross slots, exactly as integer arithmetic does)."""
+    import torch
+
     total = (words.to(torch.int64) + addend) & 0xFFFFFFFF
     return torch.where(total >= 1 << 31, total - (1 << 32), total).to(torch.int32)
 
@@ -110,9 +122,13 @@ def add_to_words(words: torch.Tensor, addend: int) -> torch.Tensor:
 def int8_to_offset_codes(weight: torch.Tensor) -> torch.Tensor:
     """Signed int8 w -> uint8 codes w + 128: the two's-complement byte with its top bit flipped
     (a byte reinterpreted as a byte, so no byte-order question arises)."""
+    import torch
+
     return weight.view(torch.uint8) ^ 0x80
 
 
 def offset_codes_to_int8(codes: torch.Tensor) -> torch.Tensor:
     """Inverse of `int8_to_offset_codes`."""
+    import torch
+
     return (codes ^ 0x80).view(torch.int8)

@@ -14,8 +14,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
-
 from moeconv import act_order, transcoders
 from moeconv._version import __version__
 from moeconv.backends import all_backends, auto_order, get_backend
@@ -26,7 +24,7 @@ from moeconv.detect import Detection
 from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat, autoround
 from moeconv.models import Architecture
-from moeconv.spec import FLOAT_DTYPES, TORCH_DTYPES
+from moeconv.spec import FLOAT_DTYPES, TORCH_NAMES
 from moeconv.survey import MoELayer, check_dense_g_idx, find_dense_linears, fp8_block_linears, natural_key, survey
 from moeconv.transform import Codec
 from moeconv.worklist import (CopyJob, ExpertJob, Job, OutputShard, Unit, assign_shards, copy_job, layer_unit,
@@ -66,7 +64,7 @@ class Plan:
     quantization_config: dict[str, Any] = field(init=False)  # config.json's, and quantize_config.json
     identity: dict[str, Any] = field(init=False)  # everything that decides the bytes: a resumed run must match it
     serving: Serving = field(init=False)  # which engine serves the output, and how (`{output}`), or why none does
-    scale_cast: tuple[torch.dtype, torch.dtype] | None = field(init=False)  # at the config's model dtype
+    scale_cast: tuple[str, str] | None = field(init=False)  # torch dtype names, at the config's model dtype
 
     def __post_init__(self) -> None:
         answer = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen: set once here)
@@ -174,16 +172,15 @@ def _quantization_config(plan: Plan) -> dict[str, Any]:
     }
 
 
-_ENGINE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_ENGINE_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def engine_scale_cast(backend: Backend, scale_dtype: str,
-                      model_dtype: str | None) -> tuple[torch.dtype, torch.dtype] | None:
-    """(stored scale dtype, the dtype the engine casts them to) when the backend's engine creates
-    scale parameters in the model dtype and that differs from the scales' own (`scale_dtype`, a
-    safetensors code); else None."""
-    model = _ENGINE_DTYPES.get(model_dtype) if isinstance(model_dtype, str) else None  # a config may hold anything
-    stored = TORCH_DTYPES[scale_dtype]
+def engine_scale_cast(backend: Backend, scale_dtype: str, model_dtype: str | None) -> tuple[str, str] | None:
+    """(stored scale dtype, the dtype the engine casts them to), as torch dtype names, when the backend's
+    engine creates scale parameters in the model dtype and that differs from the scales' own
+    (`scale_dtype`, a safetensors code); else None."""
+    model = model_dtype if model_dtype in _ENGINE_DTYPES else None  # a config may hold anything
+    stored = TORCH_NAMES[scale_dtype]
     if not backend.scales_in_model_dtype or model is None or model == stored:
         return None
     return stored, model

@@ -117,7 +117,7 @@ def detection_notes(plan) -> list[str]:
     notes = [f"decided by you, not by the data: {what}" for what in detection.decided_by_user]
     cast = plan.scale_cast
     if cast:
-        stored, model = (str(dtype).removeprefix("torch.") for dtype in cast)
+        stored, model = cast
         notes.append(f"note: the scales are {stored} but the model dtype is {model}: vLLM creates this schema's "
                      f"scale parameters in {model} and casts them at load, which changes the scales {model} cannot "
                      f"hold exactly (verify counts them); serve with --dtype {stored} to keep them exact")

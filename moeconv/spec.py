@@ -16,8 +16,8 @@ from typing import Any
 DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 FLOAT_DTYPES = ("F16", "BF16", "F32")  # the dtypes scales come in
-_TORCH_NAMES = {"U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "F16": "float16",
-                "BF16": "bfloat16", "F32": "float32", "F64": "float64", "BOOL": "bool"}
+TORCH_NAMES = {"U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "F16": "float16",
+               "BF16": "bfloat16", "F32": "float32", "F64": "float64", "BOOL": "bool"}  # code -> torch dtype name
 
 
 def __getattr__(name: str) -> Any:
@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
         import torch
 
         tables = globals()
-        tables["TORCH_DTYPES"] = {code: getattr(torch, dtype) for code, dtype in _TORCH_NAMES.items()}
+        tables["TORCH_DTYPES"] = {code: getattr(torch, dtype) for code, dtype in TORCH_NAMES.items()}
         tables["SAFETENSORS_DTYPES"] = {dtype: code for code, dtype in tables["TORCH_DTYPES"].items()}
         return tables[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,9 +16,7 @@ shifts on bytes, put in natural order with one gather, and packed in pairs along
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Union
-
-import torch
+from typing import TYPE_CHECKING, Callable, Mapping, Union
 
 from moeconv import packing
 from moeconv.backends.base import FUSED_GEMMS
@@ -27,9 +25,12 @@ from moeconv.canonical import MoELayerShape
 from moeconv.formats.awq import AWQ, NATURAL_FROM_SLOTS
 from moeconv.formats.gptq import GPTQ
 
-Linear = Mapping[str, torch.Tensor]  # one source linear's tensors, by suffix
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
+
+Linear = Mapping[str, "torch.Tensor"]  # one source linear's tensors, by suffix
 # A transcoder may decline one expert (None): that expert then takes the canonical route.
-Transcoder = Callable[[object, Mapping[str, Linear], MoELayerShape, int], Union[dict[str, torch.Tensor], None]]
+Transcoder = Callable[[object, Mapping[str, Linear], MoELayerShape, int], Union[dict[str, "torch.Tensor"], None]]
 
 
 def _regrouped(tensor: torch.Tensor, factor: int) -> torch.Tensor:
@@ -39,6 +40,8 @@ def _regrouped(tensor: torch.Tensor, factor: int) -> torch.Tensor:
 
 def _stacked_gemms(linears: Mapping[str, Linear], one: Callable[[Linear], tuple], factor: int) -> dict[str, torch.Tensor]:
     """The triton slices from each projection's (qweight bytes, scales, zero bytes or None)."""
+    import torch
+
     parts = {projection: one(linear) for projection, linear in linears.items()}
     slices = {}
     for prefix, projections in FUSED_GEMMS.items():
@@ -86,6 +89,8 @@ def _pairs(codes: torch.Tensor) -> torch.Tensor:
 
 
 def awq_to_triton(fmt: AWQ, linears: Mapping[str, Linear], layer: MoELayerShape, factor: int) -> dict[str, torch.Tensor]:
+    import torch
+
     def one(linear: Linear) -> tuple:
         weight = linear["qweight"]
         # Pair the rows (K) plane by plane before interleaving the columns: half the bytes after one pass.

@@ -12,9 +12,7 @@ and the backend encodes the expert's slice of every layer tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from moeconv import act_order
 from moeconv.audit import count as audit_counts
@@ -25,6 +23,9 @@ from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat
 from moeconv.transcoders import Transcoder
 from moeconv.worklist import ConvertJob, ExpertJob, SourceSlice
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
 
 Audit = tuple[str, dict[str, int]]  # (source linear, audit counts)
 

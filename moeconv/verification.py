@@ -261,8 +261,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
             advance(1)
     report.nonfinite_scales = audits.report("nonfinite_scales")
     if cast is not None:
-        report.engine_scale_cast = {"stored": str(cast[0]).removeprefix("torch."),
-                                    "model": str(cast[1]).removeprefix("torch."), **audits.casts}
+        report.engine_scale_cast = {"stored": cast[0], "model": cast[1], **audits.casts}
     if report.ok:
         report.proven["lossless"] = PROOFS["lossless"] + ([f"(only {sample} random experts per layer were "
                                                             f"decoded: --sample)"] if sample else [])
@@ -335,14 +334,14 @@ def _outputs_of(job: ConvertJob, tensors: dict[str, TensorEntry]) -> dict[str, T
 
 
 def _check_task(codec: Codec, job: ConvertJob, outputs: dict[str, TensorEntry],
-                cast: tuple[torch.dtype, torch.dtype] | None) -> tuple[list[tuple[str | None, str]], Audits]:
+                cast: tuple[str, str] | None) -> tuple[list[tuple[str | None, str]], Audits]:
     """`_check_job` in a worker (moeconv.executor): its problems, and what its audits found."""
     audits = Audits()
     return _check_job(codec, job, outputs, worker_reader(), audits, cast), audits
 
 
 def _check_job(codec: Codec, job: ConvertJob, tensors: dict[str, TensorEntry], reader: TensorReader,
-               audits: Audits, cast: tuple[torch.dtype, torch.dtype] | None) -> list[tuple[str | None, str]]:
+               audits: Audits, cast: tuple[str, str] | None) -> list[tuple[str | None, str]]:
     """(projection, mismatch) for every canonical weight whose output bytes do not decode to exactly
     what the source format's decoder gives; (None, why) when the layout cannot be decoded at all."""
     try:
@@ -354,7 +353,7 @@ def _check_job(codec: Codec, job: ConvertJob, tensors: dict[str, TensorEntry], r
         audits.record(name, found)
     if cast is not None:
         for weight in source.values():
-            audits.record_cast(weight.scales, cast[1])
+            audits.record_cast(weight.scales, getattr(torch, cast[1]))
     return [(key if isinstance(job, ExpertJob) else None, problem) for key, weight in source.items()
             if (problem := converted[key].mismatch(weight))]
 

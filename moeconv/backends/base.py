@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
 from moeconv.spec import TensorSpec
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
 
 
 # The two GEMMs of a fused MoE layer and the canonical projections each is made of (gate rows first).

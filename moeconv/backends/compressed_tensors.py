@@ -21,15 +21,16 @@ Words are built with explicit shifts (moeconv.packing), so the bytes do not depe
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from moeconv import packing
 from moeconv.spec import TensorSpec
 from moeconv.backends.base import Serving, vllm_serve
 from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words, per_rank_refusal
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
 
 # The compressed-tensors release vLLM 0.33 pins; the config below is what its QuantizationConfig reads.
 COMPRESSED_TENSORS_TARGET = "0.17.0"
@@ -83,6 +84,8 @@ class CompressedTensorsBackend(PerLinearBackend):
         return specs
 
     def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, torch.Tensor]:
+        import torch
+
         if linear.activation_bits == 8:
             return {"weight": packing.offset_codes_to_int8(weight.codes), "weight_scale": weight.scales.contiguous()}
         codes, zeros = packed_words(weight)

@@ -36,15 +36,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from moeconv import packing
 from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics, Serving
 from moeconv.spec import TensorSpec
 from moeconv.canonical import MoELayerShape, QuantizedWeight, coarsen, is_channelwise, regroup
-from moeconv.spec import TORCH_DTYPES
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
 
 BLOCK_N = 32  # output channels per block: two 16-channel halves of one AVX-512 register each
 MAX_BLOCK_K = 128
@@ -173,6 +173,8 @@ class Int4BlockedLayout:
         return specs
 
     def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
+        import torch
+
         slices, g = {}, layer_group_size(layer)
         for prefix, projections in _projections(expert):
             blocked = [block_int4(regroup(weight, weight.group_size // g)) for weight in projections]
@@ -181,6 +183,8 @@ class Int4BlockedLayout:
         return slices
 
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
+        from moeconv.spec import TORCH_DTYPES
+
         scale_dtype = TORCH_DTYPES[layer.scale_dtype]
         decoded = []
         for prefix, _, in_features in _gemms(layer):
@@ -230,6 +234,8 @@ class Int8VnniLayout:
         return specs
 
     def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
+        import torch
+
         slices = {}
         for prefix, projections in _projections(expert):
             names = vnni_suffixes(prefix)
@@ -239,6 +245,8 @@ class Int8VnniLayout:
         return slices
 
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
+        from moeconv.spec import TORCH_DTYPES
+
         scale_dtype = TORCH_DTYPES[layer.scale_dtype]
         decoded = []
         for prefix, out_features, in_features in _gemms(layer):
@@ -277,6 +285,8 @@ def _projections(expert: ExpertWeights) -> tuple[tuple[str, tuple[QuantizedWeigh
 
 def block_int4(weight: QuantizedWeight) -> BlockedInt4:
     """Canonical (N, K) 4-bit weight -> blocked tensors, with explicit shifts only."""
+    import torch
+
     n, k = weight.codes.shape
     block_k = block_k_for(weight.group_size)
     nc, kc = n // BLOCK_N, k // block_k
@@ -297,6 +307,8 @@ def block_int4(weight: QuantizedWeight) -> BlockedInt4:
 def unblock_int4(blocked: BlockedInt4, names: BlockedInt4, group_size: int, scale_dtype: torch.dtype,
                  symmetric: bool) -> QuantizedWeight:
     """Inverse of `block_int4`; checks every byte that the canonical form does not carry."""
+    import torch
+
     nc, kc, block_bytes = blocked.qweight.shape
     block_k = (block_bytes - COMPENSATION_BYTES) * 2 // BLOCK_N
     nibbles = blocked.qweight[..., : block_bytes - COMPENSATION_BYTES]
@@ -324,6 +336,8 @@ def unblock_int4(blocked: BlockedInt4, names: BlockedInt4, group_size: int, scal
 def pack_int8_vnni(weight: torch.Tensor) -> torch.Tensor:
     """Signed int8 (N, K) -> int8 (N, K + 4): per 32-channel block, byte q·128 + n·4 + ki = w[n, 4q + ki],
     then the block's 32 compensation values as little-endian int32 (explicit shifts)."""
+    import torch
+
     n, k = weight.shape
     quads = weight.view(torch.uint8).view(n // BLOCK_N, BLOCK_N, k // VNNI, VNNI).transpose(1, 2)  # (nb, q, n, ki)
     compensation = packing.unpack(int8_compensation(weight).view(n // BLOCK_N, BLOCK_N), 8, dim=-1)
@@ -334,6 +348,8 @@ def pack_int8_vnni(weight: torch.Tensor) -> torch.Tensor:
 def unpack_int8_vnni(packed: torch.Tensor, name: str) -> torch.Tensor:
     """Inverse of `pack_int8_vnni`; raises ValueError naming the tensor when a compensation value is not
     128·Σ_k w of its channel."""
+    import torch
+
     n, row_bytes = packed.shape
     k = row_bytes - COMPENSATION_BYTES_PER_ROW
     blocks = packed.view(torch.uint8).reshape(n // BLOCK_N, BLOCK_N * row_bytes)
@@ -350,11 +366,15 @@ def unpack_int8_vnni(packed: torch.Tensor, name: str) -> torch.Tensor:
 def int8_compensation(weight: torch.Tensor) -> torch.Tensor:
     """int32 (N,): 128·Σ_k w[n, k], what the u8·s8 dot product of q + 128 with w has in excess of q·w
     (int32 arithmetic, wrapping as the kernel's accumulators do)."""
+    import torch
+
     return ACTIVATION_ZERO_POINT * weight.sum(dim=1, dtype=torch.int32)
 
 
 def _exact_scales(scales32: torch.Tensor, scale_dtype: torch.dtype, name: str) -> torch.Tensor:
     """The fp32 scales back in the source dtype; refuses any that dtype cannot hold exactly."""
+    import torch
+
     scales = scales32.to(scale_dtype)
     if not torch.equal(scales.to(torch.float32).view(torch.int32), scales32.view(torch.int32)):
         raise ValueError(f"{name}: scales that are not exactly {scale_dtype} values")
@@ -364,6 +384,8 @@ def _exact_scales(scales32: torch.Tensor, scale_dtype: torch.dtype, name: str) -
 def _compensation(codes: torch.Tensor, zeros: torch.Tensor, group_size: int, block_k: int) -> torch.Tensor:
     """int32 (N/32, K/block_k, 32): Σ over each K block of (code − zero) = Σ code − block_k · zero,
     per channel (a K block lies inside one group)."""
+    import torch
+
     n, k = codes.shape
     code_sums = codes.view(n, k // block_k, block_k).sum(dim=-1, dtype=torch.int32)
     block_zeros = zeros.to(torch.int32).repeat_interleave(group_size // block_k, dim=1)

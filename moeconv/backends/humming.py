@@ -17,14 +17,15 @@ activations) stays at load time (§4.6).
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from moeconv.spec import TensorSpec
 from moeconv.backends.base import Serving, vllm_serve
 from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words, per_rank_refusal
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
 
 # Humming's pack kernels work on runs of 32 values (upstream asserts L % 32 == 0).
 PACK_RUN = 32

@@ -5,12 +5,15 @@ linear is laid out (`linear_tensors`, `encode_linear`, `decode_linear`) and what
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from moeconv import packing
 from moeconv.backends.base import BackendDefaults, ExpertWeights, Numerics
 from moeconv.spec import TensorSpec
 from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
 
 
 class PerLinearBackend(BackendDefaults):
@@ -66,6 +69,8 @@ def projection_shapes(layer: MoELayerShape) -> tuple[LinearShape, LinearShape, L
 def packed_words(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The word layout both schemas use: codes packed along K into int32 (N, K·b/32), value j of each
     word at bits [j·b, j·b + b); TRUE zero points packed along N the same way (N·b/32, G), or None."""
+    import torch
+
     codes = packing.pack(weight.codes, weight.bits, dim=1, container=torch.int32)
     zeros = None if weight.zeros is None else packing.pack(weight.zeros, weight.bits, dim=0, container=torch.int32)
     return codes, zeros

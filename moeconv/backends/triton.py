@@ -15,15 +15,15 @@ W8A8 INT8 schemes (activation_bits 8) take the int8 layout of vLLM `TritonExpert
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from moeconv import packing
 from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics, Serving, vllm_serve
 from moeconv.spec import TensorSpec
 from moeconv.canonical import MoELayerShape, QuantizedWeight, is_channelwise
-from moeconv.spec import TORCH_DTYPES
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
 
 
 class WNA16Names(NamedTuple):
@@ -117,6 +117,8 @@ class TritonBackend(BackendDefaults):
         return specs
 
     def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
+        import torch
+
         slices = {}
         for prefix, rows in (("w13", (expert.gate, expert.up)), ("w2", (expert.down,))):
             if layer.activation_bits == 8:
@@ -200,12 +202,16 @@ def _int8_layer_tensors(layer: MoELayerShape) -> list[TensorSpec]:
 
 def _int8_encode(prefix: str, rows: tuple[QuantizedWeight, ...]) -> dict[str, torch.Tensor]:
     """Rows stacked gate first, as in the moe_wna16 path."""
+    import torch
+
     names = INT8[prefix]
     return {names.weight: torch.cat([packing.offset_codes_to_int8(w.codes) for w in rows]),
             names.weight_scale: torch.cat([w.scales for w in rows]).to(torch.float32)}
 
 
 def _int8_decode(prefix: str, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> QuantizedWeight:
+    from moeconv.spec import TORCH_DTYPES
+
     names = INT8[prefix]
     codes = packing.int8_to_offset_codes(slices[names.weight]).contiguous()
     return QuantizedWeight(

@@ -10,9 +10,7 @@ itself), which are read only to check that they are that constant.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping
 
 from moeconv import packing
 from moeconv.canonical import QuantizedWeight
@@ -33,6 +31,9 @@ from moeconv.formats.base import (
     groups_of,
 )
 
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
+
 SYMMETRIC_WORD = packing.repeated_word(8, 4) - (1 << 32)  # 0x88888888 as the int32 it is stored as
 SAMPLE_LINEARS = 96  # linears whose qzeros detection reads at most (a few KB each)
 
@@ -52,6 +53,8 @@ def _natural_columns(words: torch.Tensor) -> torch.Tensor:
     int32 transpose moves 8 codes; transposing the unpacked bytes was most of the decode's time), then
     slot NATURAL_FROM_SLOTS[j] of word (m, r) is column 8m + j (the arithmetic shift's sign bits fall
     outside the 0xF mask)."""
+    import torch
+
     transposed = words.T.contiguous()
     planes = [((transposed >> (4 * slot)) & 0xF).to(torch.uint8) for slot in NATURAL_FROM_SLOTS]
     return torch.stack(planes, dim=1).reshape(-1, words.shape[0])
@@ -142,6 +145,8 @@ class AWQ(FormatDefaults):
         )
 
     def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
+        import torch
+
         tensors = {
             "qweight": packing.pack(_interleave(weight.codes.T), self.bits, dim=1, container=torch.int32),
             "scales": weight.scales.T.contiguous(),

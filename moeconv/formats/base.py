@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from moeconv.canonical import CHANNELWISE, QuantizedWeight, effective_group_size, groups_of, is_channelwise  # noqa: F401
 from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
 
 
 class HeaderEntry(Protocol):
@@ -22,7 +23,7 @@ class HeaderEntry(Protocol):
 
 
 Linear = tuple[dict[str, HeaderEntry], int, int]  # one expert linear: tensors by suffix, out_features, in_features
-Read = Callable[[HeaderEntry], torch.Tensor]  # a stored tensor's values, for the detections that read data
+Read = Callable[[HeaderEntry], "np.ndarray"]  # a stored tensor's values, for the detections that read data
 
 
 @dataclass

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping
 
 from moeconv import act_order, packing
 from moeconv.canonical import QuantizedWeight
@@ -39,6 +37,9 @@ from moeconv.checkpoint.schema import section
 from moeconv.formats.base import (Detection, FormatDefaults, Linear, Read, SourceFormat, checked_group_size, config_bool, config_int,
                                   effective_group_size, group_size_from_shapes, groups_of)
 from moeconv.models import ARCHITECTURES
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
 
 PACK_QUANTIZED = "pack-quantized"
 INT_QUANTIZED = "int-quantized"
@@ -207,6 +208,8 @@ class CompressedTensors(FormatDefaults):
         return QuantizedWeight(codes=codes, zeros=zeros, scales=scales, bits=self.bits, group_size=group_size), inputs
 
     def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
+        import torch
+
         if not self.packed:
             return {"weight": packing.offset_codes_to_int8(weight.codes), "weight_scale": weight.scales.contiguous()}
         tensors = {

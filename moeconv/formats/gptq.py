@@ -14,9 +14,7 @@ ones to look at, and `suspicious_zero_slots` counts them for the reports.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping
 
 from moeconv import act_order, packing
 from moeconv.canonical import QuantizedWeight
@@ -36,6 +34,9 @@ from moeconv.formats.base import (
     group_size_from_shapes,
     groups_of,
 )
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
 
 V1, V2 = "gptq", "gptq_v2"
 
@@ -131,6 +132,8 @@ class GPTQ(FormatDefaults):
 
     def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         """Writes what GPTQModel writes: v1 zeros as true-zero words minus the repeated-ones word."""
+        import torch
+
         true_words = packing.pack(weight.effective_zeros().T, self.bits, dim=1, container=torch.int32)
         return {
             "qweight": packing.pack(weight.codes.T, self.bits, dim=0, container=torch.int32),
@@ -224,6 +227,8 @@ CONTRADICTING = 0.1  # most share of the sampled linears that may, each on its o
 
 def _gptq_from_data(linears: list[Linear], bits: int, group_size: int, configured: SourceFormat,
                     read: Read, detection: Detection) -> GPTQ:
+    import torch
+
     with_zeros = [linear for linear in linears[:SAMPLE_LINEARS] if "qzeros" in linear[0]]
     if not with_zeros:
         detection.evidence.append("no qzeros: symmetric")
@@ -258,6 +263,8 @@ def _gptq_version(linears: list[Linear], bits: int, group_size: int, label: str,
     for weights centred on zero, one code off under the wrong one. Nothing else in GPTQ's output tells
     the two apart (both readings are valid min/max quantizations of weights one step apart), so a
     checkpoint whose weights are not centred on zero, in every linear alike, is left undecided."""
+    import torch
+
     readings = [GPTQ(bits, group_size, sym=False, checkpoint_format=version) for version in (V1, V2)]
     offsets, per_linear, read_bytes = [], [], 0
     for tensors, _, _ in linears:

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from moeconv import packing
 from moeconv.canonical import QuantizedWeight
@@ -48,6 +46,9 @@ from moeconv.formats.base import (
     groups_of,
 )
 from moeconv.spec import TensorSpec
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
 
 QUANT_ALGO = "W4A16_AWQ"
 PRE_QUANT_SCALE = "pre_quant_scale"
@@ -139,6 +140,8 @@ class ModelOpt(FormatDefaults):
                                group_size=effective_group_size(codes.shape[1], self.group_size))
 
     def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
+        import torch
+
         if not weight.symmetric:
             raise ValueError("ModelOpt's int4 export is symmetric: it has no zero points to write")
         return {"weight": packing.pack(weight.codes ^ SIGN_FLIP, self.bits, dim=0, container=torch.uint8),
