@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -169,8 +170,11 @@ def _fp8_beside(base: Path, cases: list, refusals: dict) -> None:
     source config (GPTQ) does not describe its FP8 linears, so vLLM refuses the source and what keeps its
     dense layers (triton, cpu) alike: only the whole-checkpoint outputs are its point."""
     sym = SOURCES["gptq-sym"]
-    fp8 = _fp8_attention(make_checkpoint(base / "fp8-beside" / "gptq-sym" / "src",
-                                         SynthSpec(hidden=256, intermediate=128, source_format=sym)))
+    plain = make_checkpoint(base / "fp8-beside" / "gptq-sym" / "plain",
+                            SynthSpec(hidden=256, intermediate=128, source_format=sym))
+    # loaded first: what the synthetic source itself lacks (q_norm, k_norm), also when --only skips the matrix
+    cases.append(("qwen3_moe (FP8 block o_proj)", "gptq-sym before the FP8 o_proj", "(source)", plain, sym))
+    fp8 = _fp8_attention(Path(shutil.copytree(plain, base / "fp8-beside" / "gptq-sym" / "src")))
     _convert_all(base, cases, refusals, "fp8-beside", "qwen3_moe (FP8 block o_proj)", "gptq-sym", fp8, sym,
                  ["compressed-tensors", "humming"])
 
