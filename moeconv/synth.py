@@ -23,6 +23,7 @@ from moeconv.checkpoint.writer import ShardWriter
 from moeconv.formats import GPTQ, SourceFormat
 from moeconv.formats.base import effective_group_size
 from moeconv.spec import SAFETENSORS_DTYPES, TensorSpec
+from moeconv.worklist import shard_groups
 
 EDGE_GROUP_FRACTION = 0.08  # share of groups pushed to one sign (zero point 0 or 2^b − 1)
 
@@ -256,15 +257,7 @@ def make_checkpoint(path: Path, spec: SynthSpec = SynthSpec(), max_shard_size: i
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     builder, config = _build(spec)
-    shards: list[list[_Unit]] = [[]]
-    size = 0
-    for unit in builder.units:
-        unit_bytes = sum(tensor.nbytes for tensor in unit[0])
-        if shards[-1] and size + unit_bytes > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(unit)
-        size += unit_bytes
+    shards = shard_groups(builder.units, lambda unit: sum(tensor.nbytes for tensor in unit[0]), max_shard_size)
     weight_map, total = {}, 0
     for index, units in enumerate(shards):
         file_name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import TYPE_CHECKING, NamedTuple, Union
+from typing import TYPE_CHECKING, Callable, NamedTuple, TypeVar, Union
 
 from moeconv.spec import DTYPE_SIZES, TensorSpec
 
@@ -130,19 +130,29 @@ class Unit(NamedTuple):
     tensors: list[TensorSpec]
 
 
-def assign_shards(units: list[Unit], max_shard_size: int) -> tuple[OutputShard, ...]:
-    """Greedy, in name order. A unit (a layer's jobs, a linear, a pass-through tensor) stays in one
-    shard, since its jobs share stacked tensors; a unit larger than the limit gets a shard of its own
-    (as transformers does for a tensor larger than max_shard_size)."""
-    groups: list[list[Unit]] = [[]]
+Item = TypeVar("Item")
+
+
+def shard_groups(units: list[Item], nbytes: Callable[[Item], int], max_shard_size: int) -> list[list[Item]]:
+    """Greedy, in the given order: a unit stays in one shard, the next shard starts when the unit would
+    pass the limit, and a unit larger than the limit gets a shard of its own (as transformers does for a
+    tensor larger than max_shard_size). The plan's sharding, and synth's for its checkpoints."""
+    groups: list[list[Item]] = [[]]
     size = 0
     for unit in units:
-        unit_bytes = sum(tensor.nbytes for tensor in unit.tensors)
+        unit_bytes = nbytes(unit)
         if groups[-1] and size + unit_bytes > max_shard_size:
             groups.append([])
             size = 0
         groups[-1].append(unit)
         size += unit_bytes
+    return groups
+
+
+def assign_shards(units: list[Unit], max_shard_size: int) -> tuple[OutputShard, ...]:
+    """In name order. A unit (a layer's jobs, a linear, a pass-through tensor) stays in one shard,
+    since its jobs share stacked tensors (`shard_groups`)."""
+    groups = shard_groups(units, lambda unit: sum(tensor.nbytes for tensor in unit.tensors), max_shard_size)
     count = len(groups)
     return tuple(
         OutputShard(
