@@ -84,8 +84,6 @@ class QuantizedWeight:
         """The dense (N, K) weight, computed in `dtype` (float32 if None; float32/float64 for references)."""
         import torch
 
-        import torch
-
         dtype = torch.float32 if dtype is None else dtype
         codes = self.codes.to(dtype)
         zeros = self.effective_zeros().to(dtype).repeat_interleave(self.group_size, dim=1)

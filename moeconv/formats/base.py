@@ -11,6 +11,7 @@ from moeconv.spec import TensorSpec
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
     import torch
+    import numpy as np
 
 
 class HeaderEntry(Protocol):
