@@ -3,9 +3,10 @@ bytecode caches.
 
     python benchmarks/bench_startup.py [--repeats 5] [--workdir bench-data] [--json out.json]
 
-Modes, each a fresh `python -m moeconv convert TINY -o OUT -q` process, run in turn so that a change
-of load hits every mode alike; the median of each is reported, with `python -c "import torch"` in
-the same mode for scale:
+Modes, each a fresh `python -m moeconv convert TINY -o OUT -q` process (and a `python -m moeconv
+inspect TINY`), run in turn so that a change of load hits every mode alike; the median of each is
+reported, wall and CPU seconds (user + system of the process and the workers it waited for), with
+`python -c "import torch"` in the same mode for scale:
 - `warm`: the bytecode caches as they are (moeconv's and the environment's `.pyc` files).
 - `no-moeconv-pyc`: a fresh copy of the `moeconv` package without `__pycache__`, run with
   PYTHONDONTWRITEBYTECODE=1, so moeconv's own modules are compiled from source every time; the
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -53,13 +55,16 @@ def environment(mode: str, workdir: Path) -> dict[str, str]:
     return env
 
 
-def timed(command: list[str], env: dict[str, str]) -> float:
+def timed(command: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the child and its waited-for descendants)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise SystemExit(f"{command} failed: {done.stderr}")
-    return seconds
+    return seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
@@ -68,9 +73,12 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("bench-data"))
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--workers", default="", help="comma-separated --workers values (default: moeconv's own)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--smoke", action="store_true", help="one repeat of the warm mode (checks the script runs)")
     args = parser.parse_args()
-    modes = ("warm",) if args.smoke else MODES
+    modes = ("warm",) if args.smoke else tuple(mode for mode in args.modes.split(",") if mode)
+    if set(modes) - set(MODES):
+        parser.error(f"--modes: expected some of {', '.join(MODES)}")
     repeats = 1 if args.smoke else args.repeats
     workdir = args.workdir.absolute() / "startup"
     source = workdir / "tiny"
@@ -78,7 +86,7 @@ def main() -> None:
         make_checkpoint(source, SynthSpec(hidden=128, intermediate=64, experts=4, layers=1))
     envs = {mode: environment(mode, workdir) for mode in modes}
     out = workdir / "out"
-    runs: dict[tuple[str, str], list[float]] = {}
+    runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for _ in range(repeats):
         for mode in modes:
             for workers in [w for w in args.workers.split(",") if w] or [""]:
@@ -86,19 +94,24 @@ def main() -> None:
                 command = [sys.executable, "-m", "moeconv", "convert", str(source), "-o", str(out), "-q",
                            *(["--workers", workers] if workers else [])]
                 runs.setdefault((mode, workers or "default"), []).append(timed(command, envs[mode]))
+            runs.setdefault((mode, "inspect"), []).append(
+                timed([sys.executable, "-m", "moeconv", "inspect", str(source)], envs[mode]))
             runs.setdefault((mode, "import torch"), []).append(
                 timed([sys.executable, "-c", "import torch"], envs[mode]))
     shutil.rmtree(out, ignore_errors=True)
     results = [{"date": time.strftime("%Y-%m-%d"),
                 "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
                 "load_average_at_end": os.getloadavg()[0], "mode": mode, "what": what,
-                "median_seconds": round(statistics.median(times), 3), "runs": [round(t, 3) for t in times]}
+                "median_seconds": round(statistics.median(wall for wall, _ in times), 3),
+                "median_cpu_seconds": round(statistics.median(cpu for _, cpu in times), 3),
+                "runs": [round(wall, 3) for wall, _ in times], "cpu_runs": [round(cpu, 3) for _, cpu in times]}
                for (mode, what), times in runs.items()]
     for result in results:
-        command = "python -c 'import torch'" if result["what"] == "import torch" else \
-            f"convert tiny, --workers {result['what']}"
-        print(f"| {result['date']} | {result['mode']} | {command} | {result['median_seconds']:.2f} s | "
-              f"{', '.join(f'{t:.2f}' for t in result['runs'])} |", flush=True)
+        command = {"import torch": "python -c 'import torch'", "inspect": "inspect tiny"}.get(
+            result["what"], f"convert tiny, --workers {result['what']}")
+        print(f"| {result['date']} | {result['mode']} | {command} | {result['median_seconds']:.2f} s "
+              f"({', '.join(f'{t:.2f}' for t in result['runs'])}) | {result['median_cpu_seconds']:.2f} s "
+              f"({', '.join(f'{t:.2f}' for t in result['cpu_runs'])}) |", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

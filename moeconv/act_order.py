@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
 
@@ -33,36 +35,35 @@ FOLDED = "down folded into gate/up"  # a layer whose down projections are PERMUT
 
 @dataclass(frozen=True, eq=False)
 class GroupOrder:
-    """What a g_idx is (see the module doc), with the permutation that makes it static:
+    """What a g_idx is (see the module doc), with the permutation that makes it static (int64 arrays):
     `groups` (RELABELLED): canonical group j is stored group groups[j];
     `channels` (PERMUTED): canonical input i is stored input channels[i]."""
 
     kind: str
-    groups: torch.Tensor | None = None
-    channels: torch.Tensor | None = None
+    groups: np.ndarray | None = None
+    channels: np.ndarray | None = None
 
 
-def group_order(g_idx: torch.Tensor | None, group_size: int) -> GroupOrder:
+def group_order(g_idx: np.ndarray | torch.Tensor | None, group_size: int) -> GroupOrder:
     """Classify one linear's g_idx (None: a format without one, static). `group_size` is the effective
-    one (K for channel-wise)."""
-    import torch
-
+    one (K for channel-wise). Numpy, so that the parent classifies without torch (a CPU tensor is read
+    as an array)."""
     if g_idx is None:
         return GroupOrder(STATIC)
-    labels = g_idx.to(torch.int64).reshape(-1)
-    in_features = labels.numel()
+    labels = np.asarray(g_idx).astype(np.int64).reshape(-1)
+    in_features = labels.size
     groups = in_features // group_size
-    static = torch.arange(in_features, dtype=torch.int64) // group_size
-    if torch.equal(labels, static):
+    static = np.arange(in_features, dtype=np.int64) // group_size
+    if np.array_equal(labels, static):
         return GroupOrder(STATIC)
     if in_features % group_size or bool((labels < 0).any()) or bool((labels >= groups).any()):
         return GroupOrder(IRREGULAR)
     blocks = labels.reshape(groups, group_size)
-    if bool((blocks == blocks[:, :1]).all()) and torch.equal(blocks[:, 0].sort().values, torch.arange(groups)):
-        return GroupOrder(RELABELLED, groups=blocks[:, 0].contiguous())
-    if not bool((torch.bincount(labels, minlength=groups) == group_size).all()):
+    if bool((blocks == blocks[:, :1]).all()) and np.array_equal(np.sort(blocks[:, 0]), np.arange(groups)):
+        return GroupOrder(RELABELLED, groups=np.ascontiguousarray(blocks[:, 0]))
+    if not bool((np.bincount(labels, minlength=groups) == group_size).all()):
         return GroupOrder(IRREGULAR)
-    return GroupOrder(PERMUTED, channels=torch.sort(labels, stable=True).indices)
+    return GroupOrder(PERMUTED, channels=np.argsort(labels, kind="stable"))
 
 
 def describe(kind: str, projection: str) -> str:
@@ -91,12 +92,16 @@ def static_form(codes: torch.Tensor, zeros: torch.Tensor | None, scales: torch.T
     """A linear's codes (N, K), zeros and scales (N, G) as stored, read with its g_idx: the same in
     static groups (relabelled groups reordered), and for act-order the input permutation P under which
     that holds (the stored linear is W[:, P]; None otherwise). Irregular groups are refused."""
+    import torch
+
     order = group_order(g_idx, group_size)
     if order.kind == IRREGULAR:
         raise MoeconvError(describe(order.kind, "linear"))
     if order.kind == RELABELLED:
-        scales = scales[:, order.groups].contiguous()
-        zeros = None if zeros is None else zeros[:, order.groups].contiguous()
-    if order.kind == PERMUTED:
-        codes = codes[:, order.channels].contiguous()
-    return codes, zeros, scales, order.channels
+        groups = torch.from_numpy(order.groups)
+        scales = scales[:, groups].contiguous()
+        zeros = None if zeros is None else zeros[:, groups].contiguous()
+    if order.kind != PERMUTED:
+        return codes, zeros, scales, None
+    channels = torch.from_numpy(order.channels)
+    return codes[:, channels].contiguous(), zeros, scales, channels

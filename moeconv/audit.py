@@ -10,22 +10,39 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:  # the counts run where tensors are (the workers); the totals need no torch
     import torch
 
     from moeconv.canonical import QuantizedWeight
 
 
-def count(source_format: Any, tensors: dict[str, torch.Tensor], weight: QuantizedWeight | None) -> dict[str, int]:
-    """The audit counts of one source linear (its raw tensors by suffix, and its canonical form if decoded)."""
-    import torch
-
+def count(source_format: Any, tensors: dict[str, np.ndarray | torch.Tensor],
+          weight: QuantizedWeight | None) -> dict[str, int]:
+    """The audit counts of one source linear (its raw tensors by suffix, and its canonical form if decoded):
+    torch tensors in the workers, numpy arrays where `inspect` reads them without torch."""
     found = source_format.audit(tensors)
     scales = weight.scales if weight is not None else next(
-        (tensor for tensor in tensors.values() if tensor.is_floating_point()), None)
+        (tensor for tensor in tensors.values() if _is_floating(tensor)), None)
     if scales is not None:
-        found["nonfinite_scales"] = int((~torch.isfinite(scales)).sum())
+        found["nonfinite_scales"] = int((~np.isfinite(_floats(scales))).sum())
     return found
+
+
+def _is_floating(values: np.ndarray | torch.Tensor) -> bool:
+    return values.dtype.kind == "f" if isinstance(values, np.ndarray) else values.is_floating_point()
+
+
+def _floats(values: np.ndarray | torch.Tensor) -> np.ndarray:
+    """The values as a numpy float array (a torch dtype numpy lacks, BF16 or FP8, widened to float32: exact)."""
+    if isinstance(values, np.ndarray):
+        return values
+    import torch
+
+    if values.dtype not in (torch.float16, torch.float32, torch.float64):
+        values = values.float()
+    return values.numpy()
 
 
 class Audits:

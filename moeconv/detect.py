@@ -70,7 +70,7 @@ def detect(linears: Iterable[Linear], configured: SourceFormat) -> Detection:
                                           f"one way moeconv reads from data ({', '.join(REGISTRY)})")
         return detection
     with TensorReader() as reader:
-        detection.detected = claimed[0].from_data(linears, configured, reader.read, detection)
+        detection.detected = claimed[0].from_data(linears, configured, reader.read_array, detection)
     _compare(configured, detection)
     return detection
 

@@ -93,7 +93,7 @@ def _audit(source_format, layers) -> Audits:
         for layer in layers:
             for expert in layer.experts:
                 for linear in expert.values():
-                    small = {suffix: reader.read(entry) for suffix, entry in linear.items()
+                    small = {suffix: reader.read_array(entry) for suffix, entry in linear.items()
                              if suffix in source_format.audited_suffixes or entry.dtype in FLOAT_DTYPES}
                     name = next(iter(linear.values())).name.rsplit(".", 1)[0]
                     audits.record(name, audit_counts(source_format, small, None))

@@ -237,7 +237,7 @@ def scan_act_order(layers: list[MoELayer], suffix: str,
                     continue
                 in_features = layer.shape.intermediate if projection == "down" else layer.shape.hidden
                 group_size = effective_group_size(in_features, layer.shape.group_size)
-                kind = act_order.group_order(reader.read(entry), group_size).kind
+                kind = act_order.group_order(reader.read_array(entry), group_size).kind
                 kinds[projection][kind].append(entry.name)
         bad = [(projection, kind, names) for projection in PROJECTIONS for kind, names in kinds[projection].items()
                if kind == act_order.IRREGULAR or (kind == act_order.PERMUTED and projection != "down")]
@@ -261,8 +261,8 @@ def check_dense_g_idx(checkpoint: Checkpoint, names: list[str], suffix: str, gro
         if not name.endswith(f".{suffix}"):
             continue
         entry = checkpoint.tensors[name]
-        g_idx = reader.read(entry)
-        kind = act_order.group_order(g_idx, effective_group_size(g_idx.numel(), group_size)).kind
+        g_idx = reader.read_array(entry)
+        kind = act_order.group_order(g_idx, effective_group_size(g_idx.size, group_size)).kind
         if kind == act_order.STATIC or (converts and kind == act_order.RELABELLED):
             continue
         what = act_order.describe(kind, "linear") if converts else (

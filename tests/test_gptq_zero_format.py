@@ -97,3 +97,35 @@ def test_real_gptq_output_the_data_cannot_decide_stops_and_converts_exactly_once
     code, out, err = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "--json")
     assert code == 0, err
     assert json.loads(out)["decided_by_user"], out
+
+
+# The statistic's numbers as `inspect` printed them when it computed them with torch (main at aa014db,
+# recorded on 2026-12-02 before the detection moved to numpy): the numpy statistic must print the same.
+TORCH_EVIDENCE = {
+    ("b4_g32", "v1"): "trimmed mean over 256 interior groups of 2 linears of (mean code − zero): v1 reading +0.06, "
+                      "v2 reading +1.06 (± 0.04)",
+    ("b4_g32", "v2"): "trimmed mean over 256 interior groups of 2 linears of (mean code − zero): v1 reading -0.94, "
+                      "v2 reading +0.06 (± 0.04)",
+    ("b4_g32", "autogptq"): "trimmed mean over 128 interior groups of 1 linears of (mean code − zero): v1 reading "
+                            "-0.01, v2 reading +0.99 (± 0.05)",
+    ("b4_g32_offset", "v2"): "trimmed mean over 128 interior groups of 1 linears of (mean code − zero): v1 reading "
+                             "-0.57, v2 reading +0.43 (± 0.05)",
+    ("b8_g32", "v1"): "trimmed mean over 6144 interior groups of 24 linears of (mean code − zero): v1 reading +0.04, "
+                      "v2 reading +1.04 (± 0.11)",
+    ("b8_g32", "v2"): "trimmed mean over 6144 interior groups of 24 linears of (mean code − zero): v1 reading -0.96, "
+                      "v2 reading +0.04 (± 0.11)",
+}
+
+
+@pytest.mark.parametrize("case, variant", list(TORCH_EVIDENCE))
+def test_the_numpy_statistic_prints_what_the_torch_one_printed(capsys, case, variant):
+    """Same numbers, same decision (DECIDED, or undecided for the offset case), on the real GPTQ output."""
+    code, out, err = run_main(capsys, "inspect", DATA / case / variant, "--json")
+    assert code == 0, err
+    detection = json.loads(out)["detection"]
+    assert TORCH_EVIDENCE[case, variant] in detection["evidence"]
+    decided = {(c, v): fmt for c, v, fmt in DECIDED}
+    if (case, variant) in decided:
+        assert detection["detected"]["checkpoint_format"] == decided[case, variant] and not detection["undecided"]
+    else:
+        assert detection["undecided"] and TORCH_EVIDENCE[case, variant] in detection["undecided"][0]

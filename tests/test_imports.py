@@ -1,17 +1,14 @@
-"""Only the workers import torch (issue 27): the parts of `convert`'s parent process that plan, journal,
-hash and write take none, and neither do the help screens.
-
-Still importing torch in the parent: the plan (`plan.py`, `survey.py`, `detect.py`, `transform.py`'s
-`Codec`, the formats and backends it asks for shapes) imports torch at module level, and the
-detection from data (GPTQ's v1/v2 statistic, the act-order `g_idx` scan) computes with torch; so do
-`inspect` and `convert --dry-run`, and `--workers 1` transforms in the parent by design. The second
-test holds the line for the modules already free of it.
+"""Only the workers import torch (issue 27): `convert`'s parent process plans (the survey, the data
+detection, the act-order scan: numpy on the bytes read), journals, hashes and writes without it, and
+so do `inspect`, `convert --dry-run` and the help screens. `--workers 1` transforms in the parent, by
+design, so that run imports torch there.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -36,15 +33,20 @@ def test_the_help_screens_import_no_torch(args):
 
 # The convert parent's own floors: the executor (worker pool, tree memory), the streaming writer and
 # block hasher, the header reader, the journal and manifest, the audits' totals, the work list and
-# its dtype tables.
+# its dtype tables; the plan and what it asks (survey, detection, formats, backends, the codec's
+# modules), inspect, the API and the CLI.
 PARENT_MODULES = ["moeconv.conversion", "moeconv.executor", "moeconv.checkpoint.reader", "moeconv.checkpoint.writer",
                   "moeconv.checkpoint.manifest", "moeconv.checkpoint.side_files", "moeconv.audit", "moeconv.spec",
-                  "moeconv.worklist"]
+                  "moeconv.worklist", "moeconv.plan", "moeconv.survey", "moeconv.detect", "moeconv.transform",
+                  "moeconv.transcoders", "moeconv.act_order", "moeconv.canonical", "moeconv.packing",
+                  "moeconv.formats", "moeconv.inspection", "moeconv.api", "moeconv.cli"]
 BLOCKED = f"""
 import sys
 sys.modules["torch"] = None  # `import torch` raises ImportError
 for module in {PARENT_MODULES!r}:
     __import__(module)
+from moeconv.backends import all_backends
+all_backends()  # every registered backend's module
 print("imported without torch")
 """
 
@@ -77,3 +79,33 @@ def test_the_command_ends_without_the_teardown_and_its_output_and_exit_codes_who
         assert done.returncode == 2 and done.stderr.startswith("error: ") and "not empty" in done.stderr, done.stderr
         done = subprocess.run([*command, "inspect", "--help"], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and done.stdout.rstrip().endswith("Show this message and exit."), done.stdout
+
+
+ACT_ORDER = Path(__file__).parent / "data" / "gptqmodel_act_order" / "down_only"  # real GPTQModel output
+RUN = """
+import sys
+from moeconv.cli import main
+sys.argv = ["moeconv", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as done:
+    print("exit:", done.code)
+print("torch loaded:", "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("args, parent_imports_torch", [
+    (["inspect", str(ACT_ORDER)], False),
+    (["convert", str(ACT_ORDER), "-o", "{out}", "--dry-run"], False),
+    (["convert", str(ACT_ORDER), "-o", "{out}", "--workers", "2", "-q"], False),
+    (["convert", str(ACT_ORDER), "-o", "{out}", "--workers", "1", "-q"], True),  # transforms in-process, by design
+], ids=["inspect", "dry-run", "workers-2", "workers-1"])
+def test_the_parent_imports_torch_only_when_it_transforms_itself(tmp_path, args, parent_imports_torch):
+    """An asymmetric act-order GPTQ checkpoint, so the parent reads data: the v1/v2 statistic, the sampled
+    g_idx, every expert g_idx (the fold), the audits."""
+    args = [arg.format(out=tmp_path / "out") for arg in args]
+    done = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=300)
+    assert "exit: 0" in done.stdout, done.stdout + done.stderr
+    assert f"torch loaded: {parent_imports_torch}" in done.stdout, done.stdout + done.stderr
+    if "--dry-run" not in args and args[0] == "convert":
+        assert (tmp_path / "out" / "moeconv.json").is_file()

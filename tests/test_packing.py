@@ -67,3 +67,17 @@ def test_byte_split_view_equals_the_shifts(shape, seed):
     assert torch.equal(packing._bytes_to_words(by_shifts, 1, allow_view=False), words)
     assert torch.equal(packing._bytes_to_words(by_shifts, 1), words)
 
+
+
+@given(bits=st.sampled_from([2, 4, 8]), rows=st.integers(1, 5), columns=st.integers(1, 6), axis=st.sampled_from([0, 1]),
+       addend=st.sampled_from([0, 0x11111111, 0x01010101, -0x11111111]), seed=st.integers(0, 2**31))
+def test_the_numpy_unpack_of_words_is_the_torch_one(bits, rows, columns, axis, addend, seed):
+    """What the parent's detection reads without torch (unpack_words, add_to_word_array) against the
+    torch unpack and add_to_words the codecs use, on any int32 words (sign bit and borrows included)."""
+    words = torch.randint(-2**31, 2**31, (rows, columns), dtype=torch.int64,
+                          generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    shifted = packing.add_to_word_array(words.numpy(), addend)
+    assert shifted.dtype.name == "int32" and (shifted == packing.add_to_words(words, addend).numpy()).all()
+    values = packing.unpack_words(shifted, bits, axis)
+    expected = packing.unpack(torch.from_numpy(shifted), bits, axis).numpy()
+    assert values.dtype.name == "uint8" and values.shape == expected.shape and (values == expected).all()

@@ -22,6 +22,8 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+import numpy as np
+
 from moeconv.checkpoint.schema import (MAX_HEADER_BYTES, MAX_TENSORS, check_tensor_count, header_entries, open_regular,
                                        parse_header, read_json_object, section, weight_map)
 from moeconv.errors import MoeconvError
@@ -31,6 +33,10 @@ if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not
     import torch
 
 INDEX_NAME = "model.safetensors.index.json"
+# safetensors code -> numpy dtype, for the values the parent reads to detect the format (read_array);
+# BF16, which numpy lacks, is read as its 16 bits and widened to float32 exactly.
+NUMPY_DTYPES = {"U8": np.uint8, "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "F16": np.float16,
+                "F32": np.float32, "F64": np.float64, "BOOL": np.bool_, "BF16": np.uint16}
 
 
 @dataclass(frozen=True)
@@ -257,11 +263,7 @@ class TensorReader:
                 self._files[path] = open_regular(path)
             return self._files[path]
 
-    def _read(self, entry: TensorEntry, begin: int, length: int, shape: tuple[int, ...]) -> torch.Tensor:
-        import torch
-
-        from moeconv.spec import TORCH_DTYPES
-
+    def _bytes(self, entry: TensorEntry, begin: int, length: int) -> bytearray:
         fd = self._descriptor(entry.file)
         data = bytearray(length)
         view, position = memoryview(data), begin
@@ -270,6 +272,14 @@ class TensorReader:
             if count <= 0:
                 raise MoeconvError(f"{entry.file}: ended early while reading tensor {entry.name}")
             view, position = view[count:], position + count
+        return data
+
+    def _read(self, entry: TensorEntry, begin: int, length: int, shape: tuple[int, ...]) -> torch.Tensor:
+        import torch
+
+        from moeconv.spec import TORCH_DTYPES
+
+        data = self._bytes(entry, begin, length)
         if not length:
             return torch.empty(shape, dtype=TORCH_DTYPES[entry.dtype], device="cpu")
         return torch.frombuffer(data, dtype=TORCH_DTYPES[entry.dtype]).reshape(shape)
@@ -279,6 +289,19 @@ class TensorReader:
         if self.fingerprints is not None:
             self.fingerprints[entry.name] = fingerprint(tensor)
         return tensor
+
+    def read_array(self, entry: TensorEntry) -> np.ndarray:
+        """A whole tensor as a numpy array, without torch: what the parent reads to detect the format
+        (BF16 comes back as the float32 values it holds, exactly)."""
+        if entry.dtype not in NUMPY_DTYPES:
+            raise MoeconvError(f"{entry.file}: tensor {entry.name} is {entry.dtype}, which detection does not read")
+        data = self._bytes(entry, entry.begin, entry.nbytes)
+        if self.fingerprints is not None:
+            self.fingerprints[entry.name] = zlib.crc32(data).to_bytes(4, "little")
+        values = np.frombuffer(data, dtype=NUMPY_DTYPES[entry.dtype]).reshape(entry.shape)
+        if entry.dtype == "BF16":
+            values = (values.astype(np.uint32) << 16).view(np.float32)
+        return values
 
     def read_slice(self, entry: TensorEntry, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
         """The `shape`-shaped block of `entry`'s dtype that starts `offset` bytes into its data."""

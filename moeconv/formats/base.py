@@ -10,6 +10,7 @@ from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import numpy as np
     import torch
     import numpy as np
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
+import numpy as np
+
 from moeconv import act_order, packing
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
@@ -147,11 +149,11 @@ class GPTQ(FormatDefaults):
         """v1 asymmetric: a true zero of 0 has no clean v1 encoding (see module doc)."""
         return not self.sym and self.checkpoint_format == V1
 
-    def suspicious_zero_slots(self, qzeros: torch.Tensor) -> int:
+    def suspicious_zero_slots(self, qzeros: np.ndarray | torch.Tensor) -> int:
         """v1 asymmetric only: stored zero slots that are all ones, i.e. true zero 0 (see module doc)."""
         if not self.has_ambiguous_zeros:
             return 0
-        return int((packing.unpack(qzeros, self.bits, dim=1) == (1 << self.bits) - 1).sum())
+        return int((packing.unpack_words(np.asarray(qzeros), self.bits, axis=1) == (1 << self.bits) - 1).sum())
 
     vector_suffixes = ("g_idx",)
     group_index_suffix = "g_idx"  # act-order's group of each input channel (act_order.py)
@@ -227,15 +229,13 @@ CONTRADICTING = 0.1  # most share of the sampled linears that may, each on its o
 
 def _gptq_from_data(linears: list[Linear], bits: int, group_size: int, configured: SourceFormat,
                     read: Read, detection: Detection) -> GPTQ:
-    import torch
-
     with_zeros = [linear for linear in linears[:SAMPLE_LINEARS] if "qzeros" in linear[0]]
     if not with_zeros:
         detection.evidence.append("no qzeros: symmetric")
         return GPTQ(bits, group_size, sym=True, checkpoint_format=_configured_version(configured))
     words: set[int] = set()
     for tensors, _, _ in with_zeros:
-        words |= {int(value) & 0xFFFFFFFF for value in torch.unique(read(tensors["qzeros"])).tolist()}
+        words |= {int(value) & 0xFFFFFFFF for value in np.unique(read(tensors["qzeros"])).tolist()}
         if len(words) > 1:
             break
     v1_filler = packing.repeated_word((1 << (bits - 1)) - 1, bits)
@@ -262,27 +262,32 @@ def _gptq_version(linears: list[Linear], bits: int, group_size: int, label: str,
     Per group, (mean code − zero) · scale is the group's mean weight: near 0 under the right reading
     for weights centred on zero, one code off under the wrong one. Nothing else in GPTQ's output tells
     the two apart (both readings are valid min/max quantizations of weights one step apart), so a
-    checkpoint whose weights are not centred on zero, in every linear alike, is left undecided."""
-    import torch
-
-    readings = [GPTQ(bits, group_size, sym=False, checkpoint_format=version) for version in (V1, V2)]
+    checkpoint whose weights are not centred on zero, in every linear alike, is left undecided.
+    Computed with numpy on the words as read (the parent plans without torch): the codes and zero
+    points as `decode` gives them for both readings (qweight unpacked along K, then transposed; the
+    zero words with v1's repeated-ones word added back or not), the group means exact (integer sums)."""
     offsets, per_linear, read_bytes = [], [], 0
     for tensors, _, _ in linears:
-        values = {suffix: read(entry) for suffix, entry in tensors.items() if suffix != "g_idx"}
-        v1, v2 = (reading.decode(values) for reading in readings)
-        g = effective_group_size(v2.in_features, group_size)
-        mean_codes = v2.codes.float().reshape(v2.out_features, -1, g).mean(dim=-1)
+        qweight, qzeros = read(tensors["qweight"]), read(tensors["qzeros"])
+        codes = packing.unpack_words(qweight, bits, axis=0).T  # (N, K)
+        v1_zeros, v2_zeros = (packing.unpack_words(packing.add_to_word_array(qzeros, offset), bits, axis=1).T
+                              for offset in (packing.repeated_word(1, bits), 0))  # (N, G) each
+        out_features, in_features = codes.shape
+        g = effective_group_size(in_features, group_size)
+        sums = codes.reshape(out_features, -1, g).sum(axis=-1, dtype=np.int64)
+        mean_codes = sums.astype(np.float32) / np.float32(g)
         # Only groups whose two readings are one code apart and inside the range: a zero at an edge
         # (all-positive or all-negative groups) wraps or borrows under one reading, which would move
         # those groups from one tail to the other and bias a trimmed statistic.
-        interior = (v1.zeros.int() - v2.zeros.int() == 1) & (v2.zeros > 0) & (v1.zeros < (1 << bits) - 1)
-        offsets.append((mean_codes - v2.zeros.float())[interior])
+        interior = ((v1_zeros.astype(np.int32) - v2_zeros.astype(np.int32) == 1) & (v2_zeros > 0)
+                    & (v1_zeros < (1 << bits) - 1))
+        offsets.append((mean_codes - v2_zeros.astype(np.float32))[interior])
         if len(offsets[-1]) > 1:
             per_linear.append(_trimmed_mean(offsets[-1]))
-        read_bytes += values["qweight"].numel() * 4
-        if _trimmed_mean(torch.cat(offsets))[1] < STANDARD_ERROR or read_bytes > SAMPLE_BYTES:
+        read_bytes += qweight.size * 4
+        if _trimmed_mean(np.concatenate(offsets))[1] < STANDARD_ERROR or read_bytes > SAMPLE_BYTES:
             break
-    v2, error = _trimmed_mean(torch.cat(offsets))
+    v2, error = _trimmed_mean(np.concatenate(offsets))
     v1 = v2 - 1.0  # on these groups the v1 reading's zero point is the stored one plus one
     groups = sum(len(o) for o in offsets)
     numbers = (f"trimmed mean over {groups} interior groups of {len(per_linear)} linears of (mean code − zero): "
@@ -306,15 +311,16 @@ def _show_version(version: str) -> str:
     return "gptq (v1)" if version == V1 else "gptq_v2"
 
 
-def _trimmed_mean(values: torch.Tensor) -> tuple[float, float]:
-    """(mean of the central 1 − 2·TRIM share, its standard error)."""
+def _trimmed_mean(values: np.ndarray) -> tuple[float, float]:
+    """(mean of the central 1 − 2·TRIM share, its standard error from the sample standard deviation);
+    float32 values, summed in float64."""
     if len(values) < 2:
         return float("nan"), float("inf")
-    ordered = values.sort().values
+    ordered = np.sort(values)
     cut = int(len(ordered) * TRIM)
     central = ordered[cut:len(ordered) - cut] if len(ordered) > 2 * cut else ordered
-    spread = float(central.std()) if len(central) > 1 else float("inf")
-    return float(central.mean()), spread / max(1, len(central)) ** 0.5 * 1.2
+    spread = float(central.std(dtype=np.float64, ddof=1)) if len(central) > 1 else float("inf")
+    return float(central.mean(dtype=np.float64)), spread / max(1, len(central)) ** 0.5 * 1.2
 
 
 def _check_act_order(sample: list[Linear], read: Read, detection: Detection) -> None:
@@ -323,7 +329,7 @@ def _check_act_order(sample: list[Linear], read: Read, detection: Detection) -> 
         if "g_idx" not in tensors:
             continue
         g_idx = read(tensors["g_idx"])
-        groups = int(g_idx.max()) + 1 if g_idx.numel() else 1  # g from the data: the config's may be wrong
+        groups = int(g_idx.max()) + 1 if g_idx.size else 1  # g from the data: the config's may be wrong
         if act_order.group_order(g_idx, max(1, in_features // groups)).kind != act_order.STATIC:
             detection.act_order = (f"{tensors['g_idx'].file}: {tensors['g_idx'].name} is not k // group_size: "
                                    f"act-order (desc_act)")
