@@ -12,7 +12,6 @@ from moeconv.spec import TensorSpec
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
     import numpy as np
     import torch
-    import numpy as np
 
 
 class HeaderEntry(Protocol):
