@@ -129,16 +129,13 @@ def _in_worker(function: Callable, task: tuple) -> tuple[Any, float | None]:
     return function(*task), peak_rss_mb()
 
 
-def _start_worker() -> None:
+def _start_worker(parent: int) -> None:
+    """Dies with the parent, first: a worker holds the parent's lock on the output (inherited by the
+    fork), so a worker that outlived a `kill -9` of its parent would refuse the user's resume. Then one
+    intra-op thread (OpenMP / MKL read these when torch first starts them) for every --workers value:
+    the workers together keep at most one thread per worker busy."""
     import signal
 
-    # One intra-op thread (OpenMP / MKL read these when torch first starts them) for every --workers
-    # value: the workers together keep at most one thread per worker busy.
-    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[variable] = "1"
-    import torch
-
-    torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
@@ -146,6 +143,13 @@ def _start_worker() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
     except (OSError, AttributeError):
         pass
+    if os.getppid() != parent:  # the parent died before PR_SET_PDEATHSIG was set
+        os._exit(1)
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[variable] = "1"
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def default_workers() -> int:
@@ -166,7 +170,7 @@ class Executor:
             import multiprocessing
 
             self._pool = ProcessPoolExecutor(max_workers=self.workers, initializer=_start_worker,
-                                             mp_context=multiprocessing.get_context("fork"))
+                                             initargs=(os.getpid(),), mp_context=multiprocessing.get_context("fork"))
             # Fork every worker now, before the caller starts threads of its own (the shard hashers).
             for started in [self._pool.submit(os.getpid) for _ in range(self.workers)]:
                 started.result()
