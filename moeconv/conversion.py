@@ -269,7 +269,7 @@ class ShardDone:
     """What converting one output shard leaves for the journal and the report."""
 
     file_name: str
-    digest: str  # writer.combined_digest of the finished file
+    digest: str  # writer.shard_digest of the finished file (made of its tensors' digests)
     source: str  # _source_fingerprint: what a resume compares
     audits: Audits
     tensor_digests: dict[str, str]  # each tensor's digest (writer.tensor_digest), by name
@@ -368,7 +368,7 @@ def _fill_shard(plan: Plan, shard: OutputShard, path: Path, advance: Progress, a
         final = [writer.size] * (len(tasks) + 1)
         for index in range(len(tasks) - 1, -1, -1):
             final[index] = min(final[index + 1], *tasks[index][3].values())
-        hasher = BlockHasher(temporary, tensors=writer.tensor_ranges())
+        hasher = BlockHasher(temporary, writer.data_start, writer.tensor_ranges())
         fingerprints: dict[str, bytes] = {}
         try:
             for index, (job, (counts, read)) in enumerate(zip(shard.jobs, executor.map(_run_job, tasks))):

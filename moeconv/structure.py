@@ -1,5 +1,5 @@
 """verify's first level, structure: the output folder against its manifest (every file, its size and
-block digest, each shard's tensors' digests, the manifest's own seal), the tensors against the plan's
+digest, each shard's tensors' digests (hashed once: a shard's digest is made of them), the manifest's own seal), the tensors against the plan's
 shapes and dtypes, the JSON files against what this plan writes, the copied side files against the
 source's; and the source's shards against the digests recorded as the conversion read them."""
 
@@ -15,7 +15,8 @@ from moeconv.checkpoint import manifest as manifests
 from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, read_json
 from moeconv.checkpoint.side_files import side_files
-from moeconv.checkpoint.writer import DIGEST_KEY, TENSOR_DIGESTS_KEY, file_digest, range_digests
+from moeconv.checkpoint.writer import (DIGEST_KEY, SHARD_DIGEST_KEY, TENSOR_DIGESTS_KEY, file_digest, range_digests,
+                                      shard_file_digests)
 from moeconv.errors import MoeconvError
 from moeconv.plan import Plan
 
@@ -41,17 +42,42 @@ def check_seal(manifest: dict[str, Any]) -> list[str]:
     return []
 
 
+def check_version(manifest: dict[str, Any]) -> list[str]:
+    """The manifest's version: older ones record other digests (docs/FORMAT.md), which verify does not take."""
+    found = manifest.get("manifest_version")
+    if found == manifests.MANIFEST_VERSION:
+        return []
+    return [f"{MANIFEST_NAME}: manifest_version {found}, not {manifests.MANIFEST_VERSION} (files -> shard -> "
+            f"{SHARD_DIGEST_KEY}, made of its {TENSOR_DIGESTS_KEY}; written by an older moeconv); convert again"]
+
+
 _SECTIONS = ("files", "metadata_files", "copied_files")  # the manifest's lists of the files the output holds
 
 
-def check_files(output: Path, manifest: dict[str, Any], advance: Callable[..., None]) -> list[str]:
+def _digest_of(path: Path, key: str, tensors: dict[str, dict[str, str]]) -> str | None:
+    """A listed file's digest as its section records it; a shard's tensors' digests, hashed on the way
+    (each byte once), go into `tensors` by file name. None for a shard whose header cannot be read or
+    whose tensors leave bytes uncovered."""
+    if key != "files":
+        return file_digest(path)
+    try:
+        digest, tensors[path.name] = shard_file_digests(path)
+    except ValueError:
+        return None
+    return digest
+
+
+def check_files(output: Path, manifest: dict[str, Any], advance: Callable[..., None],
+                tensors: dict[str, dict[str, str]] | None = None) -> list[str]:
     """Every file of the output folder against the manifest: each listed one a regular file (not a link)
-    of the recorded size and digest, and nothing else there."""
+    of the recorded size and digest, and nothing else there. `tensors` receives each shard's tensors'
+    digests (for check_tensor_digests, which then reads nothing again)."""
     problems, listed = [], {MANIFEST_NAME}
+    tensors = {} if tensors is None else tensors
     for key in _SECTIONS:
-        files = manifests.recorded_files(manifest, key)
+        files, digest_key = manifests.recorded_files(manifest, key), manifests.digest_key_of(key)
         if files is None:
-            problems.append(f"{MANIFEST_NAME}: {key} must map plain file names to their bytes and {DIGEST_KEY}")
+            problems.append(f"{MANIFEST_NAME}: {key} must map plain file names to their bytes and {digest_key}")
             continue
         for name, recorded in files.items():
             listed.add(name)
@@ -63,7 +89,7 @@ def check_files(output: Path, manifest: dict[str, Any], advance: Callable[..., N
                 continue
             if not stat.S_ISREG(info.st_mode):
                 problems.append(f"{name}: not a regular file (a link or a folder), but {MANIFEST_NAME} lists a file")
-            elif info.st_size != recorded["bytes"] or file_digest(path) != recorded[DIGEST_KEY]:
+            elif info.st_size != recorded["bytes"] or _digest_of(path, key, tensors) != recorded[digest_key]:
                 problems.append(f"{name}: digest or size differs from {MANIFEST_NAME}")
             advance(info.st_size)
     for path in sorted(output.iterdir()):
@@ -75,9 +101,11 @@ def check_files(output: Path, manifest: dict[str, Any], advance: Callable[..., N
     return problems
 
 
-def check_tensor_digests(entries: list, manifest: dict[str, Any], advance: Callable[..., None]) -> list[str]:
+def check_tensor_digests(entries: list, manifest: dict[str, Any], advance: Callable[..., None],
+                         hashed: dict[str, dict[str, str]] | None = None) -> list[str]:
     """Each tensor of the output's shards (reader.TensorEntry) against the digest the manifest records
-    for it (writer.tensor_digest, hashed from the file: the bytes an engine reads for it)."""
+    for it (writer.tensor_digest, hashed from the file: the bytes an engine reads for it); `hashed`: the
+    digests check_files took while checking the shards' own, by file name, which are not hashed again."""
     recorded = manifests.recorded_tensor_digests(manifest)
     if recorded is None:
         return [f"{MANIFEST_NAME}: records no digest per tensor (manifest_version {manifests.MANIFEST_VERSION}: "
@@ -90,7 +118,9 @@ def check_tensor_digests(entries: list, manifest: dict[str, Any], advance: Calla
     for entry in entries:
         by_file.setdefault(entry.file, []).append(entry)
     for path, inside in by_file.items():
-        digests = range_digests(path, {entry.name: (entry.begin, entry.end) for entry in inside})
+        digests = (hashed or {}).get(path.name, {})
+        if any(entry.name not in digests for entry in inside):
+            digests = range_digests(path, {entry.name: (entry.begin, entry.end) for entry in inside})
         for entry in inside:
             shard, digest = recorded.get(entry.name, (None, None))
             if shard != path.name:

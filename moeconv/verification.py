@@ -169,7 +169,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
         manifest = manifests.read(output)
     except MoeconvError as error:
         return VerifyReport(str(output), str(source or ""), structure_problems=[str(error)], level=level)
-    sealed = structure.check_seal(manifest)
+    sealed = structure.check_seal(manifest) or structure.check_version(manifest)
     if sealed:  # nothing it says (backend, arguments, source) can be planned from
         return VerifyReport(str(output), str(source or ""), structure_problems=sealed, level=level)
     recorded, arguments = manifest["source"], manifest["arguments"]
@@ -195,7 +195,8 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     report.decided_by_user = list(plan.detection.decided_by_user) if plan.detection else []
     advance = progress or (lambda amount, total=None, phase=None: None)
     advance(0, sum(path.stat().st_size for path in output.iterdir() if path.is_file()), "digests")
-    report.structure_problems = structure.check_reading(plan) + structure.check_files(output, manifest, advance)
+    hashed: dict[str, dict[str, str]] = {}  # each shard's tensors' digests, taken once for the shard's digest
+    report.structure_problems = structure.check_reading(plan) + structure.check_files(output, manifest, advance, hashed)
     try:
         converted = open_checkpoint(output)
     except MoeconvError as error:  # a damaged shard or index
@@ -205,7 +206,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     # each tensor too: a damaged shard is then named with the tensors whose bytes changed
     entries = list(converted.tensors.values())
     advance(0, sum(entry.nbytes for entry in entries), "tensor-digests")
-    report.structure_problems += structure.check_tensor_digests(entries, manifest, advance)
+    report.structure_problems += structure.check_tensor_digests(entries, manifest, advance, hashed)
     if report.structure_problems:
         return report
     report.proven["structure"] = PROOFS["structure"]

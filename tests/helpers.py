@@ -67,6 +67,20 @@ def blocks_sha256(data: bytes, block: int) -> str:
     return hashlib.sha256(b"".join(hashlib.sha256(piece).digest() for piece in pieces)).hexdigest()
 
 
+def shard_sha256(data: bytes, block: int = 64 << 20) -> str:
+    """An output shard's digest written out from its definition in docs/FORMAT.md (manifest version 3):
+    sha256 over the sha256 of the bytes before the first tensor's data, then each tensor's block digest
+    (64 MiB pieces from its first byte) as 32 bytes, in the order of the tensors' offsets; the tensors
+    must cover every byte after the header."""
+    ranges = sorted(tensor_ranges(data).values())
+    data_start = 8 + int.from_bytes(data[:8], "little")
+    assert [begin for begin, _ in ranges] == [data_start] + [end for _, end in ranges[:-1]]
+    assert (ranges[-1][1] if ranges else data_start) == len(data)
+    parts = [hashlib.sha256(data[:data_start]).digest()]
+    parts += [bytes.fromhex(blocks_sha256(data[begin:end], block)) for begin, end in ranges]
+    return hashlib.sha256(b"".join(parts)).hexdigest()
+
+
 def tensor_ranges(data: bytes) -> dict[str, tuple[int, int]]:
     """Each tensor's absolute byte range in a safetensors file's bytes, read from its header here (8-byte
     little-endian length, JSON, data_offsets from the end of the header)."""
@@ -93,11 +107,13 @@ def reseal(folder: Path, *changed: Path, edit=None) -> None:
         edit(manifest)
     for file in changed:
         section = next(key for key in ("files", "metadata_files", "copied_files") if file.name in manifest[key])
-        manifest[section][file.name] = {"bytes": file.stat().st_size, DIGEST_KEY: file_digest(file)}
-        if section == "files":  # a shard: its tensors' digests too
+        if section == "files":  # a shard: its digest and its tensors'
             data = file.read_bytes()
+            manifest[section][file.name] = {"bytes": len(data), "sha256_header_and_tensors": shard_sha256(data)}
             manifest[section][file.name]["tensor_digests"] = {
                 name: blocks_sha256(data[begin:end], 64 << 20) for name, (begin, end) in tensor_ranges(data).items()}
+        else:
+            manifest[section][file.name] = {"bytes": file.stat().st_size, DIGEST_KEY: file_digest(file)}
     manifest[SELF_DIGEST_KEY] = self_digest(manifest)
     path.write_text(json.dumps(manifest))
 

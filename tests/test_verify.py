@@ -132,8 +132,13 @@ def test_a_wrong_tensor_digest_in_a_resealed_manifest_fails_structure(damaged):
     assert report.structure_problems == [f"{shard}: tensor {name}: its bytes differ from moeconv.json's digest"]
     reseal(out, edit=lambda m: [m.pop("manifest_version")] + [f.pop("tensor_digests") for f in m["files"].values()])
     assert verify(out, level="structure").structure_problems == [
-        "moeconv.json: records no digest per tensor (manifest_version 2: files -> shard -> tensor_digests; written "
-        "by a moeconv before 2026-12-02); convert again"]
+        "moeconv.json: manifest_version None, not 3 (files -> shard -> sha256_header_and_tensors, made of its "
+        "tensor_digests; written by an older moeconv); convert again"]
+    # a version 2 manifest (a shard's digest over its 64 MiB blocks, beside its tensors'): the same one line
+    reseal(out, edit=lambda m: m.update({"manifest_version": 2}))
+    assert verify(out, level="structure").structure_problems == [
+        "moeconv.json: manifest_version 2, not 3 (files -> shard -> sha256_header_and_tensors, made of its "
+        "tensor_digests; written by an older moeconv); convert again"]
 
 
 def test_missing_tensor_fails_structure(damaged):

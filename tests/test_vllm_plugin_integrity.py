@@ -107,6 +107,11 @@ def test_a_manifest_without_tensor_digests_or_changed_after_writing_is_refused(o
     reseal(copy, edit=version_1)
     with pytest.raises(PluginRefusal, match="records no digest per tensor .*: reconvert, or load without"):
         TensorDigests(copy)
+    manifest.write_text(json.dumps(data))
+    TensorDigests(copy)  # as written: taken
+    reseal(copy, edit=lambda content: content.update({"manifest_version": 2}))  # version 2: the same refusal
+    with pytest.raises(PluginRefusal, match="records no digest per tensor .*: reconvert, or load without"):
+        TensorDigests(copy)
     manifest.write_text(json.dumps({**data, "tool_version": "0"}))  # edited, not resealed
     with pytest.raises(PluginRefusal, match="differs from its own recorded digest"):
         TensorDigests(copy)

@@ -1,31 +1,78 @@
 """The streaming writer's pieces."""
 
+import os
+
 import pytest
 
-from moeconv.checkpoint.writer import BlockHasher, file_digest
+from moeconv.checkpoint import writer as writer_module
+from moeconv.checkpoint.writer import BlockHasher, ShardWriter, file_digest, shard_file_digests
+from moeconv.spec import TensorSpec
 
-from helpers import blocks_sha256
+from helpers import blocks_sha256, shard_sha256, tensor_ranges
+
+
+def _shard(path, size):
+    """A shard whose tensors are an empty one, one inside a 1000-byte block, one across blocks, one
+    ending the file; its header written, its data not yet (zeros)."""
+    sizes = {"a": 0, "b": min(size, 300), "c": max(0, min(size, 2500) - 300), "d": max(0, size - 2500)}
+    with ShardWriter(path, [TensorSpec(name, (n,), "U8") for name, n in sizes.items()], {"format": "pt"}) as shard:
+        ranges = shard.tensor_ranges()
+        for name, n in sizes.items():
+            shard.claim(name, 0, n)
+    return ranges
 
 
 @pytest.mark.parametrize("size", [0, 1, 999, 1000, 1001, 256 * 4099])
-def test_block_hasher_and_file_digest_equal_the_definition(tmp_path, size):
-    path = tmp_path / "f"
+def test_block_hasher_and_shard_digest_equal_the_definition(tmp_path, size, monkeypatch):
+    path = tmp_path / "f.safetensors"
+    ranges = _shard(path, size)
+    begin = ranges[0][1]
     data = (bytes(range(256)) * (size // 256 + 1))[:size]
-    path.write_bytes(b"\0" * len(data))
-    # tensors: an empty one, one inside a block, one across blocks, one ending the file (file order)
-    tensors = [("a", 0, 0), ("b", 0, min(size, 300)), ("c", min(size, 300), min(size, 2500)),
-               ("d", min(size, 2500), size)]
-    hasher = BlockHasher(path, threads=3, block=1000, tensors=tensors)
+    written_back = []
+    monkeypatch.setattr(writer_module, "start_writeback", lambda fd, start, length: written_back.append(
+        (start, start + length)))
+    hasher = BlockHasher(path, begin, ranges, threads=3, block=1000)
     with open(path, "r+b") as handle:
         for start in range(0, len(data), 70_000):  # written front to back, announced piece by piece
-            handle.seek(start)
+            handle.seek(begin + start)
             handle.write(data[start:start + 70_000])
             handle.flush()
-            hasher.advance(min(start + 70_000, len(data)))
-    expected = blocks_sha256(data, 1000)
-    digest, tensor_digests = hasher.finish(len(data))
-    assert digest == expected == file_digest(path, threads=2, block=1000)
-    assert tensor_digests == {name: blocks_sha256(data[begin:end], 1000) for name, begin, end in tensors}
-    assert file_digest(path, threads=1) == blocks_sha256(data, 64 * 1024 * 1024)
-    if size:
-        assert expected != blocks_sha256(data[:-1] + bytes([data[-1] ^ 1]), 1000)
+            hasher.advance(begin + min(start + 70_000, len(data)))
+    content = path.read_bytes()
+    expected = shard_sha256(content, 1000)
+    digest, tensor_digests = hasher.finish(len(content))
+    assert (digest, tensor_digests) == (expected, {
+        name: blocks_sha256(content[b:e], 1000) for name, (b, e) in tensor_ranges(content).items()})
+    assert shard_file_digests(path, threads=2, block=1000) == (digest, tensor_digests)
+    assert shard_file_digests(path)[0] == shard_sha256(content)
+    assert file_digest(path, threads=1) == blocks_sha256(content, 64 * 1024 * 1024)  # a non-shard file's
+    # every byte was handed to the kernel's writeback once, header included
+    covered = sorted(written_back)
+    assert covered[0][0] == 0 and covered[-1][1] == len(content)
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+    # a flipped byte anywhere, header or data, changes the shard's digest
+    metadata = content.index(b'"pt"') + 1  # a header byte that leaves the header readable
+    for position in sorted({0, 9, metadata, begin - 1, begin, len(content) - 1} - {len(content)}):
+        changed = bytearray(content)
+        changed[position] ^= 1
+        path.write_bytes(bytes(changed))
+        try:
+            assert shard_file_digests(path, block=1000)[0] != expected
+        except ValueError:  # the header no longer reads, or no longer tiles the data: refused, not passed
+            assert position < begin and position != metadata
+
+
+def test_bytes_no_tensor_covers_are_refused(tmp_path):
+    path = tmp_path / "f.safetensors"
+    ranges = _shard(path, 3000)
+    with open(path, "ab") as handle:
+        handle.write(b"x")  # after the last tensor
+    with pytest.raises(ValueError, match="1 bytes after the last tensor's data"):
+        shard_file_digests(path)
+    hasher = BlockHasher(path, ranges[0][1], ranges, threads=1)
+    with pytest.raises(ValueError, match="after the last tensor"):
+        hasher.finish(os.path.getsize(path))
+    gap = [ranges[0], ranges[1], (ranges[2][0], ranges[2][1] + 1, ranges[2][2]), ranges[3]]
+    hasher = BlockHasher(path, ranges[0][1], gap, threads=1)
+    with pytest.raises(ValueError, match="tensor c starts at byte"):
+        hasher.finish(os.path.getsize(path) - 1)

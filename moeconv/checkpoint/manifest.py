@@ -15,14 +15,15 @@ from typing import Any
 
 from moeconv._version import __version__
 from moeconv.checkpoint.schema import is_plain_file_name, read_json_object, section
-from moeconv.checkpoint.writer import BLOCK_BYTES, DIGEST_KEY, TENSOR_DIGESTS_KEY
+from moeconv.checkpoint.writer import BLOCK_BYTES, DIGEST_KEY, SHARD_DIGEST_KEY, TENSOR_DIGESTS_KEY
 from moeconv.errors import MoeconvError
 
 MANIFEST_NAME = "moeconv.json"
 QUANTIZE_CONFIG_NAME = "quantize_config.json"
 SELF_DIGEST_KEY = "manifest_sha256"
-# 2: each shard's `tensor_digests` (docs/FORMAT.md). Manifests without the field are version 1.
-MANIFEST_VERSION = 2
+# 2: each shard's `tensor_digests` (docs/FORMAT.md); manifests without the field are version 1.
+# 3: each shard's digest is made of its tensors' (`sha256_header_and_tensors`, writer.shard_digest).
+MANIFEST_VERSION = 3
 
 
 def output_config(plan: Any) -> dict[str, Any]:
@@ -47,7 +48,7 @@ def build(plan: Any, files: dict[str, dict[str, Any]], written: dict[str, dict[s
           copied: dict[str, dict[str, Any]], skipped: dict[str, str],
           source_digests: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The manifest of `plan`'s output (a moeconv.plan.Plan). `files`: each shard's bytes and digest
-    (writer.combined_digest) and its tensors' (`tensor_digests`: writer.tensor_digest); `written`: the
+    (SHARD_DIGEST_KEY: writer.shard_digest) and its tensors' (`tensor_digests`: writer.tensor_digest); `written`: the
     index's and configs'; `copied`: the source's side files
     copied as they are; `skipped`: the source's files left out, with why; `source_digests`: each
     source shard's bytes and digest, hashed as the conversion ran."""
@@ -89,6 +90,8 @@ def derived(plan: Any) -> dict[str, Any]:
         "format_decision": {"evidence": plan.detection.evidence if plan.detection else [],
                             "decided_by_user": plan.detection.decided_by_user if plan.detection else []},
         "file_digest": f"{DIGEST_KEY}: sha256 of the sha256 digests of each {BLOCK_BYTES >> 20} MiB block, in order",
+        "shard_digest": f"{SHARD_DIGEST_KEY}: sha256 of the sha256 of the bytes before the first tensor's data, then "
+                        f"each tensor's {TENSOR_DIGESTS_KEY} entry (32 bytes), in file-offset order",
         "tensors": tensors,
     }
 
@@ -106,19 +109,24 @@ def read(output: Path) -> dict[str, Any]:
     return manifest
 
 
+def digest_key_of(section: str) -> str:
+    """The digest a section records for each of its files: the shards' is made of their tensors'."""
+    return SHARD_DIGEST_KEY if section == "files" else DIGEST_KEY
+
+
 def recorded_files(manifest: dict[str, Any], key: str = "files") -> dict[str, dict[str, Any]] | None:
     """The files a section lists (name -> bytes and digest): `files` the shards, `metadata_files` the
     index and configs, `copied_files` the side files; None when that section is malformed."""
-    files = manifest.get(key)
+    files, digest_key = manifest.get(key), digest_key_of(key)
     if not isinstance(files, dict) or not all(
             is_plain_file_name(name) and isinstance(recorded, dict) and isinstance(recorded.get("bytes"), int)
-            and isinstance(recorded.get(DIGEST_KEY), str) for name, recorded in files.items()):
+            and isinstance(recorded.get(digest_key), str) for name, recorded in files.items()):
         return None
     return files
 
 
 def recorded_tensor_digests(manifest: dict[str, Any]) -> dict[str, tuple[str, str]] | None:
-    """Each output tensor's shard and digest (`files` -> shard -> `tensor_digests`, manifest version 2);
+    """Each output tensor's shard and digest (`files` -> shard -> `tensor_digests`, manifest version 3);
     None when the manifest is of an older version or that section is malformed."""
     files = recorded_files(manifest)
     if files is None or manifest.get("manifest_version") != MANIFEST_VERSION:

@@ -65,6 +65,11 @@ class ShardWriter:
         os.pwrite(self._fd, len(encoded).to_bytes(8, "little") + encoded, 0)
         os.ftruncate(self._fd, self.size)
 
+    @property
+    def data_start(self) -> int:
+        """Where the first tensor's data starts (after the 8-byte length, the header and its padding)."""
+        return self._data_start
+
     def tensor_ranges(self) -> list[tuple[str, int, int]]:
         """Each tensor's name and byte range [begin, end) in the file, in file order."""
         return [(name, self._data_start + start, self._data_start + start + nbytes)
@@ -133,9 +138,10 @@ def copy_into(fd: int, position: int, source: Path, begin: int, end: int, name: 
             begin, position = begin + copied, position + copied
 
 
-BLOCK_BYTES = 64 * 1024 * 1024  # the unit of a file digest (docs/FORMAT.md, moeconv.json)
-DIGEST_KEY = "sha256_64mib_blocks"  # the digest's name in the manifest and the resume journal
-TENSOR_DIGESTS_KEY = "tensor_digests"  # a shard's tensors' digests (DIGEST_KEY's rule, over each tensor's bytes)
+BLOCK_BYTES = 64 * 1024 * 1024  # the unit of a block digest (docs/FORMAT.md, moeconv.json)
+DIGEST_KEY = "sha256_64mib_blocks"  # a non-shard file's digest (index, configs, side files, source shards)
+SHARD_DIGEST_KEY = "sha256_header_and_tensors"  # an output shard's digest, made of its tensors' (shard_digest)
+TENSOR_DIGESTS_KEY = "tensor_digests"  # a shard's tensors' digests (the block digest of each tensor's bytes)
 _READ_BYTES = 8 * 1024 * 1024
 
 
@@ -153,10 +159,57 @@ def _hash_block(fd: int, start: int, end: int, buffer: bytearray) -> bytes:
 
 
 def combined_digest(block_digests: Sequence[bytes]) -> str:
-    """A file's digest: the sha256 of its BLOCK_BYTES blocks' sha256 digests, concatenated in order.
-    Not the sha256 of the file, because one sha256 stream is one core (about 1 GB/s): blocks are
+    """A block digest: the sha256 of the BLOCK_BYTES blocks' sha256 digests, concatenated in order.
+    Not the sha256 of the bytes, because one sha256 stream is one core (about 1 GB/s): blocks are
     hashed on every core, so hashing keeps up with a conversion on many cores."""
     return hashlib.sha256(b"".join(block_digests)).hexdigest()
+
+
+def shard_digest(header_sha256: bytes, tensor_digests: Sequence[str]) -> str:
+    """An output shard's digest (SHARD_DIGEST_KEY, docs/FORMAT.md): the sha256 of the sha256 of the bytes
+    before the first tensor's data (the 8-byte length, the header JSON and its padding) followed by each
+    tensor's digest (hex, as recorded) as 32 bytes, in file-offset order. The tensors tile the rest of the
+    file (`tiling`), so every byte is covered, and each byte is hashed once: for its tensor."""
+    return hashlib.sha256(header_sha256 + b"".join(bytes.fromhex(digest) for digest in tensor_digests)).hexdigest()
+
+
+def tiling(ranges: Sequence[tuple[str, int, int]], data_start: int, size: int) -> list[tuple[str, int, int]]:
+    """`ranges` ((name, begin, end), absolute) in file-offset order, checked to cover [data_start, size)
+    exactly: no gap, no overlap, nothing after the last tensor (else ValueError naming the place)."""
+    ordered = sorted(ranges, key=lambda item: (item[1], item[2]))
+    position = data_start
+    for name, begin, end in ordered:
+        if begin != position or end < begin:
+            raise ValueError(f"tensor {name} starts at byte {begin}, not at {position} where the previous data "
+                             f"ends (a gap or an overlap)")
+        position = end
+    if position != size:
+        raise ValueError(f"{size - position} bytes after the last tensor's data (at {position}), covered by no tensor")
+    return ordered
+
+
+def header_ranges(path: Path) -> tuple[int, list[tuple[str, int, int]]]:
+    """A safetensors file's data start and its tensors' absolute byte ranges, from its header (ValueError
+    when the header cannot be read)."""
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) != 8:
+            raise ValueError("shorter than a safetensors header")
+        length = int.from_bytes(prefix, "little")
+        if length > min(Path(path).stat().st_size - 8, 100 << 20):
+            raise ValueError(f"header length {length} exceeds the file")
+        header = json.loads(handle.read(length))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    data_start, ranges = 8 + length, []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
+            raise ValueError(f"tensor {name}: no valid data_offsets")
+        ranges.append((name, data_start + offsets[0], data_start + offsets[1]))
+    return data_start, ranges
 
 
 class _Hashers:
@@ -176,7 +229,7 @@ class _Hashers:
         if buffer is None:
             buffer = self._local.buffer = bytearray(_READ_BYTES)
         digest = _hash_block(fd, start, end, buffer)
-        if writeback:
+        if writeback and end > start:
             start_writeback(fd, start, end - start)
         return digest
 
@@ -223,44 +276,48 @@ class _Stream:
 
 
 class BlockHasher:
-    """The digest (`combined_digest`) of a file that is written in pieces, and of each of its tensors:
-    `advance(n)` says the first n bytes are final, and each whole block below n is hashed on a pool of
-    threads while the writer goes on, then handed to the kernel to start writing back to disk (the
-    final fsync then waits for little). Hashing thus overlaps the conversion and scales with cores
-    instead of re-reading the file at the end in one stream. `tensors`: (name, begin, end) in file
-    order, whose own digests (`tensor_digest`: blocks counted from the tensor's first byte) are hashed
-    the same way, from the same final bytes (a second sha256 of each byte, on the same threads)."""
+    """The digest of an output shard that is written in pieces (`shard_digest`), and each of its tensors'
+    (the block digest of the tensor's bytes, pieces counted from its first byte): `advance(n)` says the
+    first n bytes are final, and each whole piece of a tensor below n, and each tensor wholly below n, is
+    hashed on a pool of threads while the writer goes on, then handed to the kernel to start writing back
+    to disk (the final fsync then waits for little). Hashing thus overlaps the conversion and scales with
+    cores instead of re-reading the file at the end in one stream; each byte is hashed once (the file's
+    digest is made of its tensors'). `tensors`: (name, begin, end), which must tile [data_start, end of
+    file); the bytes before `data_start` (length, header, padding) are hashed at `finish`."""
 
-    def __init__(self, path: Path, threads: int | None = None, block: int = BLOCK_BYTES,
-                 tensors: Sequence[tuple[str, int, int]] = ()):
+    def __init__(self, path: Path, data_start: int, tensors: Sequence[tuple[str, int, int]],
+                 threads: int | None = None, block: int = BLOCK_BYTES):
         self._fd = os.open(path, os.O_RDONLY)
         self._hashers = _Hashers(threads or hash_threads())
-        self._file = _Stream(0, 1 << 62, block)
-        self._tensors = [(name, _Stream(begin, end, block)) for name, begin, end in tensors]
+        self._data_start = data_start
+        self._header = _Stream(0, data_start, 1 << 62)
+        self._tensors = [(name, _Stream(begin, end, block))
+                         for name, begin, end in sorted(tensors, key=lambda item: (item[1], item[2]))]
         self._next = 0  # the first tensor not yet wholly final
 
     def advance(self, upto: int) -> None:
-        self._file.advance(self._hashers, self._fd, upto, writeback=True)
         index = self._next
         while index < len(self._tensors) and self._tensors[index][1].begin < upto:
             stream = self._tensors[index][1]
             if stream.end <= upto:
-                stream.finish(self._hashers, self._fd, writeback=False)
+                stream.finish(self._hashers, self._fd, writeback=True)
                 if index == self._next:
                     self._next += 1
             else:
-                stream.advance(self._hashers, self._fd, upto, writeback=False)
+                stream.advance(self._hashers, self._fd, upto, writeback=True)
             index += 1
 
     def finish(self, size: int) -> tuple[str, dict[str, str]]:
-        """The digest of the first `size` bytes (the whole file), and each tensor's digest by name."""
+        """The shard's digest (its `size` bytes: the whole file), and each tensor's digest by name."""
         try:
+            tiling([(name, stream.begin, stream.end) for name, stream in self._tensors], self._data_start, size)
             self.advance(size)
-            self._file.end = size
-            self._file.finish(self._hashers, self._fd, writeback=True)
+            self._header.finish(self._hashers, self._fd, writeback=True)
             for _, stream in self._tensors:
-                stream.finish(self._hashers, self._fd, writeback=False)
-            return self._file.digest(), {name: stream.digest() for name, stream in self._tensors}
+                stream.finish(self._hashers, self._fd, writeback=True)
+            tensors = {name: stream.digest() for name, stream in self._tensors}
+            header = self._header.pieces[0].result()
+            return shard_digest(header, [tensors[name] for name, _ in self._tensors]), tensors
         finally:
             self.cancel()
 
@@ -291,7 +348,8 @@ def _sync_file_range():
 
 
 def file_digest(path: Path, threads: int | None = None, block: int = BLOCK_BYTES) -> str:
-    """`combined_digest` of a finished file, its blocks hashed in parallel, never the whole file in memory."""
+    """The block digest (`combined_digest`) of a finished file that is not an output shard, its blocks
+    hashed in parallel, never the whole file in memory."""
     return range_digests(path, {"": (0, Path(path).stat().st_size)}, threads, block)[""]
 
 
@@ -309,6 +367,18 @@ def range_digests(path: Path, ranges: dict[str, tuple[int, int]], threads: int |
     finally:
         hashers.close()
         os.close(fd)
+
+
+def shard_file_digests(path: Path, threads: int | None = None, block: int = BLOCK_BYTES) -> tuple[str, dict[str, str]]:
+    """A finished shard's digest (`shard_digest`) and its tensors' digests, each byte read and hashed once;
+    ValueError when its header cannot be read or its tensors do not tile its data (a gap, an overlap,
+    bytes after the last tensor: the shard digest would not cover them)."""
+    data_start, ranges = header_ranges(path)
+    ordered = tiling(ranges, data_start, Path(path).stat().st_size)
+    tensors = range_digests(path, {name: (begin, end) for name, begin, end in ordered}, threads, block)
+    with open(path, "rb") as handle:
+        header = hashlib.sha256(handle.read(data_start)).digest()
+    return shard_digest(header, [tensors[name] for name, _, _ in ordered]), tensors
 
 
 def tensor_digest(data: memoryview | bytes, threads: int | None = None, block: int = BLOCK_BYTES) -> str:

@@ -2,7 +2,7 @@
 is checked against the digest `moeconv.json` records for it, before the plugin copies it or the model's
 own loader takes it.
 
-The manifest (version 2, docs/FORMAT.md) records each shard's tensors' digests (`tensor_digests`:
+The manifest (version 3, docs/FORMAT.md) records each shard's tensors' digests (`tensor_digests`:
 moeconv.checkpoint.writer.tensor_digest, the sha256 of the sha256 digests of the tensor's 64 MiB
 pieces). The check hashes exactly the bytes the loader read for the tensor (the memory-mapped tensor
 itself, pieces on up to 8 threads, about 1 GB/s a core), so a flipped byte anywhere in it stops start-up
