@@ -166,8 +166,14 @@ class Executor:
         self.memory: TreeMemory | None = None
         self._pool = None
         self._default_threads: int | None = None
-        if self.workers > 1:  # this process needs no torch: each worker imports its own
+        if self.workers > 1:
             import multiprocessing
+
+            # Imported here, before the fork, so that every worker shares this process's torch pages
+            # instead of importing its own: on the 16-core host, 16 workers importing torch each took the
+            # tree from 1.0 to 5.4 GB and the conversion from 6.3 to 11.1 s (docs/BENCHMARKS.md). Planning
+            # (inspect, --dry-run, the survey) still runs without it.
+            import torch  # noqa: F401
 
             self._pool = ProcessPoolExecutor(max_workers=self.workers, initializer=_start_worker,
                                              initargs=(os.getpid(),), mp_context=multiprocessing.get_context("fork"))

@@ -1,7 +1,8 @@
-"""Only the workers import torch (issue 27): `convert`'s parent process plans (the survey, the data
-detection, the act-order scan: numpy on the bytes read), journals, hashes and writes without it, and
-so do `inspect`, `convert --dry-run` and the help screens. `--workers 1` transforms in the parent, by
-design, so that run imports torch there.
+"""Planning needs no torch (issue 27): the survey, the data detection and the act-order scan run in
+numpy on the bytes read, so `inspect`, `convert --dry-run` and the help screens never import it.
+`convert` imports it once the plan is made, before it forks its workers, so that they share its pages
+(each importing its own cost 5.4 GB and 5 s on 16 cores: docs/BENCHMARKS.md); with `--workers 1` it
+transforms in the parent.
 """
 
 from __future__ import annotations
@@ -97,10 +98,12 @@ print("torch loaded:", "torch" in sys.modules)
 @pytest.mark.parametrize("args, parent_imports_torch", [
     (["inspect", str(ACT_ORDER)], False),
     (["convert", str(ACT_ORDER), "-o", "{out}", "--dry-run"], False),
-    (["convert", str(ACT_ORDER), "-o", "{out}", "--workers", "2", "-q"], False),
-    (["convert", str(ACT_ORDER), "-o", "{out}", "--workers", "1", "-q"], True),  # transforms in-process, by design
+    # Before forking workers, so that they share its pages (docs/BENCHMARKS.md); with one worker it
+    # transforms in-process.
+    (["convert", str(ACT_ORDER), "-o", "{out}", "--workers", "2", "-q"], True),
+    (["convert", str(ACT_ORDER), "-o", "{out}", "--workers", "1", "-q"], True),
 ], ids=["inspect", "dry-run", "workers-2", "workers-1"])
-def test_the_parent_imports_torch_only_when_it_transforms_itself(tmp_path, args, parent_imports_torch):
+def test_planning_never_imports_torch_and_convert_imports_it_before_its_workers(tmp_path, args, parent_imports_torch):
     """An asymmetric act-order GPTQ checkpoint, so the parent reads data: the v1/v2 statistic, the sampled
     g_idx, every expert g_idx (the fold), the audits."""
     args = [arg.format(out=tmp_path / "out") for arg in args]
