@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from moeconv._version import __version__
 from moeconv.audit import Audits
@@ -53,6 +53,7 @@ class ConvertReport:
     # PSS a single worker reached (None for Ray tasks: not this machine's tree).
     tree_peak_pss_mb: float | None = None
     largest_worker_pss_mb: float | None = None
+    tree_cpu_seconds: float | None = None  # CPU (user + system) the tree used meanwhile
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -68,6 +69,7 @@ class ConvertReport:
             "worker_peak_rss_mb": self.worker_peak_rss_mb,
             "tree_peak_pss_mb": _rounded(self.tree_peak_pss_mb),
             "largest_worker_pss_mb": _rounded(self.largest_worker_pss_mb),
+            "tree_cpu_seconds": _rounded(self.tree_cpu_seconds),
             "suspicious_zero_slots": self.suspicious_zero_slots,
             "nonfinite_scales": self.nonfinite_scales,
         }
@@ -193,7 +195,7 @@ def _check_unchanged_source(plan: Plan, shard: OutputShard, staging: Path, journ
 
 
 def convert(plan: Plan, output: Path, progress: Progress | None = None, workers: int | None = None,
-            executor: str | Any = "local", ray_address: str | None = None,
+            executor: str | ShardRunner = "local", ray_address: str | None = None,
             skip_unsafe_files: bool = False) -> ConvertReport:
     """Writes the plan's output at `output`. Resumable: an interrupted run (Ctrl-C, kill -9, power
     loss) leaves its finished shards and a journal in the staging folder; running again with the
@@ -248,10 +250,24 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
                          [side.name for side in sides.copied], sides.skipped,
                          audits.report("suspicious_zero_slots"), audits.report("nonfinite_scales"), journal.reused,
                          peak_rss_mb(), runner.worker_peak_rss_mb, runner.device,
-                         getattr(runner, "tree_peak_pss_mb", None), getattr(runner, "largest_worker_pss_mb", None))
+                         runner.tree_peak_pss_mb, runner.largest_worker_pss_mb, runner.tree_cpu_seconds)
 
 
-def _runner(executor: str | Any, workers: int | None, ray_address: str | None) -> Any:
+class ShardRunner(Protocol):
+    """What runs a plan's shards (LocalShards, distributed.RayShards, or a caller's own) and what it
+    says of the run afterwards (None where it cannot tell: Ray tasks are not this machine's tree)."""
+
+    device: str
+    worker_peak_rss_mb: float | None
+    tree_peak_pss_mb: float | None
+    largest_worker_pss_mb: float | None
+    tree_cpu_seconds: float | None
+
+    def run(self, plan: Plan, shards: list[OutputShard], staging: Path, advance: Progress) -> Iterator[ShardDone]:
+        ...
+
+
+def _runner(executor: str | ShardRunner, workers: int | None, ray_address: str | None) -> ShardRunner:
     """What runs the shards: LocalShards, distributed.RayShards, or the caller's own."""
     if not isinstance(executor, str):
         return executor
@@ -285,6 +301,7 @@ class LocalShards:
         self.worker_peak_rss_mb: float | None = None
         self.tree_peak_pss_mb: float | None = None  # this process and its workers (executor.TreeMemory)
         self.largest_worker_pss_mb: float | None = None
+        self.tree_cpu_seconds: float | None = None
 
     def run(self, plan: Plan, shards: list[OutputShard], staging: Path, advance: Progress) -> Iterator[ShardDone]:
         """Each shard is finished (its last blocks hashed, fsync, rename) on a thread while the workers
@@ -313,6 +330,7 @@ class LocalShards:
                 self.worker_peak_rss_mb = executor.worker_peak_rss_mb
         # After close: the sampler's last look was taken while the workers still lived.
         self.tree_peak_pss_mb, self.largest_worker_pss_mb = executor.memory.peak_mb, executor.memory.largest_worker_mb
+        self.tree_cpu_seconds = executor.memory.cpu_seconds
 
 
 def _finished(digests: Any, shard: OutputShard, fingerprints: dict[str, bytes], audits: Audits) -> ShardDone:

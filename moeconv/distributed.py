@@ -88,7 +88,8 @@ class RayShards:
     def __init__(self, task: Callable, address: str | None = None, max_retries: int = 3):
         self.address, self.task, self.max_retries = address, task, max_retries
         self.device = "ray"
-        self.worker_peak_rss_mb = None
+        # conversion.ShardRunner's accounts of the machine's process tree: Ray's tasks run elsewhere
+        self.worker_peak_rss_mb = self.tree_peak_pss_mb = self.largest_worker_pss_mb = self.tree_cpu_seconds = None
 
     def run(self, plan: Any, shards: list, staging: Path, advance: Progress) -> Iterator[Any]:
         """The finished shards (convert.ShardDone), in the order their tasks finish."""

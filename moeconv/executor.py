@@ -2,10 +2,12 @@
 
 Processes, not threads: on a 16-core host, threads stopped scaling at 2 to 4 workers (each job took
 13x longer with 16 threads: the GIL; docs/BENCHMARKS.md), and the jobs share nothing but files,
-which every worker opens itself (`worker_reader`, `worker_descriptor`). Workers are forked, so the
-task functions and the plan objects need no import in the child; each runs one torch thread, ignores
-SIGINT (the parent stops the pool) and dies with the parent (no orphan writes on after a kill -9).
-One worker runs the tasks in this process. Everything runs on the CPU: a GPU path was measured slower
+which every worker opens itself (`worker_reader`, `worker_descriptor`). Workers are forked from
+multiprocessing's fork server, which `start_workers` starts before planning: it imports torch (3 to 5 s
+on the 16-core host) while this process plans, the workers share its pages, and the process that plans,
+hashes and writes never imports torch. Each worker runs one torch thread, ignores SIGINT (the parent
+stops the pool) and dies with the parent (no orphan writes on after a kill -9). One worker runs the
+tasks in this process. Everything runs on the CPU: a GPU path was measured slower
 than these workers and removed (docs/BENCHMARKS.md).
 """
 
@@ -82,10 +84,22 @@ def descendants(pid: int | str = "self") -> list[int]:
     return found
 
 
+def cpu_seconds(pid: int | str = "self") -> float | None:
+    """The CPU time (user + system) a process has used so far (Linux /proc/PID/stat), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class TreeMemory:
-    """The memory of this process and every process below it (the workers), sampled on a thread every
-    `interval` seconds and once more at `stop`: the peak of their summed PSS, and the largest PSS a
-    single one of them had. A peak shorter than the interval can be missed: a lower bound of the peak."""
+    """The memory of this process and every process below it (the workers, the fork server they come
+    from), sampled on a thread every `interval` seconds and once more at `stop`: the peak of their summed
+    PSS, the largest PSS a single one of them had, and the CPU seconds the tree used meanwhile (each
+    process's from the first sample, the workers' whole). A peak shorter than the interval can be
+    missed, and a process's last CPU after the last sample is: lower bounds."""
 
     INTERVAL = 0.1
 
@@ -95,15 +109,35 @@ class TreeMemory:
         self.interval = interval
         self.peak_mb: float | None = None  # the whole tree's
         self.largest_worker_mb: float | None = None
+        self._cpu_first: dict[int, float] = {}
+        self._cpu_last: dict[int, float] = {}
         self._stopped = threading.Event()
+        self._take_cpu(os.getpid(), descendants(), first=True)
         self._thread = threading.Thread(target=self._run, name="moeconv-memory", daemon=True)
         self._thread.start()
 
+    @property
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds of the tree since this sampler started (None where /proc is not readable)."""
+        if not self._cpu_last:
+            return None
+        return sum(last - self._cpu_first.get(pid, 0.0) for pid, last in self._cpu_last.items())
+
+    def _take_cpu(self, parent: int, below: list[int], first: bool = False) -> None:
+        for pid in (parent, *below):
+            used = cpu_seconds(pid)
+            if used is not None:
+                if first:
+                    self._cpu_first[pid] = used
+                self._cpu_last[pid] = used
+
     def sample(self) -> None:
+        below = descendants()
+        self._take_cpu(os.getpid(), below)
         parent = pss_mb()
         if parent is None:  # no smaps_rollup (not Linux, or before 4.14): nothing to report
             return
-        workers = [found for found in map(pss_mb, descendants()) if found is not None]
+        workers = [found for found in map(pss_mb, below) if found is not None]
         self.peak_mb = max(self.peak_mb or 0.0, parent + sum(workers))
         if workers:
             self.largest_worker_mb = max(self.largest_worker_mb or 0.0, *workers)
@@ -129,27 +163,57 @@ def _in_worker(function: Callable, task: tuple) -> tuple[Any, float | None]:
     return function(*task), peak_rss_mb()
 
 
-def _start_worker(parent: int) -> None:
-    """Dies with the parent, first: a worker holds the parent's lock on the output (inherited by the
-    fork), so a worker that outlived a `kill -9` of its parent would refuse the user's resume. Then one
-    intra-op thread (OpenMP / MKL read these when torch first starts them) for every --workers value:
-    the workers together keep at most one thread per worker busy."""
+def _start_worker(driver: int) -> None:
+    """Dies with the fork server, first, which leaves when the driver (the process that runs the pool)
+    does: a worker that outlived a `kill -9` of the driver would write on into the folder the user's
+    resume works in. Then one intra-op thread for every --workers value (`worker_boot` set it in the
+    server; a server that could not import it leaves it to here)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    server = os.getppid()
     try:
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
     except (OSError, AttributeError):
         pass
-    if os.getppid() != parent:  # the parent died before PR_SET_PDEATHSIG was set
+    if os.getppid() != server or not _alive(driver):  # gone before PR_SET_PDEATHSIG was set
         os._exit(1)
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[variable] = "1"
     import torch
 
     torch.set_num_threads(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _forkserver_context() -> Any:
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["moeconv.worker_boot"])
+    return context
+
+
+def start_workers(workers: int | None = None) -> None:
+    """Starts, now, the fork server the workers of this process's next pools are forked from (once per
+    process; it lives until this process ends): called before planning, it imports torch beside the
+    planning instead of after it. Nothing for one worker (it runs the tasks in this process)."""
+    if (workers or default_workers()) > 1:
+        from multiprocessing import forkserver
+
+        _forkserver_context()
+        forkserver.ensure_running()
 
 
 def default_workers() -> int:
@@ -163,23 +227,20 @@ class Executor:
     def __init__(self, workers: int | None = None):
         self.workers = workers or default_workers()
         self.worker_peak_rss_mb: float | None = None  # the largest worker's (pages shared with the parent included)
-        self.memory: TreeMemory | None = None
+        self.memory = TreeMemory()  # this process and the workers, from their start while they live
         self._pool = None
         self._default_threads: int | None = None
         if self.workers > 1:
-            import multiprocessing
-
-            # Imported here, before the fork, so that every worker shares this process's torch pages
-            # instead of importing its own: on the 16-core host, 16 workers importing torch each took the
-            # tree from 1.0 to 5.4 GB and the conversion from 6.3 to 11.1 s (docs/BENCHMARKS.md). Planning
-            # (inspect, --dry-run, the survey) still runs without it.
-            import torch  # noqa: F401
-
-            self._pool = ProcessPoolExecutor(max_workers=self.workers, initializer=_start_worker,
-                                             initargs=(os.getpid(),), mp_context=multiprocessing.get_context("fork"))
-            # Fork every worker now, before the caller starts threads of its own (the shard hashers).
-            for started in [self._pool.submit(os.getpid) for _ in range(self.workers)]:
-                started.result()
+            try:
+                start_workers(self.workers)
+                self._pool = ProcessPoolExecutor(max_workers=self.workers, initializer=_start_worker,
+                                                 initargs=(os.getpid(),), mp_context=_forkserver_context())
+                # Every worker now: the pool starts them as tasks arrive, and one that is idle is reused.
+                for started in [self._pool.submit(os.getpid) for _ in range(self.workers)]:
+                    started.result()
+            except BaseException:
+                self.close()
+                raise
         else:
             # One intra-op thread, as in every worker: with torch's default (every core) a single
             # worker kept about 13 cores busy on a 16-core host for the work of one.
@@ -187,7 +248,6 @@ class Executor:
 
             self._default_threads = torch.get_num_threads()
             torch.set_num_threads(1)
-        self.memory = TreeMemory()  # this process and the workers, while they live
 
     def map(self, function: Callable, tasks: Iterable[tuple]) -> Iterator[Any]:
         if self._pool is None:
@@ -209,8 +269,7 @@ class Executor:
         return result
 
     def close(self) -> None:
-        if self.memory is not None:
-            self.memory.stop()  # its last sample while the workers still live
+        self.memory.stop()  # its last sample while the workers still live
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         _close_descriptor()

@@ -31,7 +31,7 @@ from moeconv.checkpoint.manifest import MANIFEST_NAME
 from moeconv.checkpoint.reader import TensorEntry, TensorReader, open_checkpoint, read_json, same_bytes
 from moeconv.errors import MoeconvError
 from moeconv.kernels.runners import LAYER_KERNELS, NUMERICS_TOLERANCE
-from moeconv.executor import Executor, worker_reader
+from moeconv.executor import Executor, start_workers, worker_reader
 from moeconv import structure, transform
 from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, engine_scale_cast, make_plan
 from moeconv.survey import MoELayer
@@ -172,6 +172,8 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     sealed = structure.check_seal(manifest) or structure.check_version(manifest)
     if sealed:  # nothing it says (backend, arguments, source) can be planned from
         return VerifyReport(str(output), str(source or ""), structure_problems=sealed, level=level)
+    if level != "structure" and executor == "local":
+        start_workers(workers)  # the lossless checkers' torch imports while the digests are taken
     recorded, arguments = manifest["source"], manifest["arguments"]
     if source is None:
         source = recorded.get("path")

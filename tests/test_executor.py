@@ -58,6 +58,15 @@ def _pss_kb(pid: int) -> int:
     raise AssertionError(f"no Pss line for {pid}")
 
 
+def _below(pid: int) -> list[int]:
+    """The test's own walk of the kernel's children lists: every process below `pid`."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        for child in map(int, open(f"/proc/{pid}/task/{task}/children").read().split()):
+            found += [child, *_below(child)]
+    return found
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="Linux smaps_rollup")
 def test_the_tree_memory_counts_every_worker_while_it_holds_memory(tmp_path):
     with Executor(2) as executor:
@@ -69,9 +78,8 @@ def test_the_tree_memory_counts_every_worker_while_it_holds_memory(tmp_path):
                     if len([path for path in tmp_path.iterdir() if path.name.isdigit()]) == 2:
                         break
                     time.sleep(0.05)
-                children = [int(pid) for task in os.listdir("/proc/self/task")
-                            for pid in open(f"/proc/self/task/{task}/children").read().split()]
-                seen["workers_kb"] = sum(_pss_kb(pid) for pid in children)
+                below = _below(os.getpid())  # the workers, and the fork server they come from
+                seen["workers_kb"] = sum(_pss_kb(pid) for pid in below)
                 seen["parent_kb"] = _pss_kb(os.getpid())
                 time.sleep(3 * TreeMemory.INTERVAL)  # the sampler's turns while both still hold
             finally:
@@ -106,3 +114,35 @@ def test_the_report_gives_the_tree_memory_in_json_and_in_words(tmp_path, capsys)
     code, out, _ = run_main(capsys, "convert", source, "-o", tmp_path / "words", "--workers", "2", "-q")
     row = next(line for line in out.splitlines() if "peak memory" in line)
     assert code == 0 and re.search(r"peak memory\s*│\s*\d+ MB, the whole process tree", row), out
+
+
+def _spin(seconds: float) -> int:
+    """Busy for `seconds` of this worker's own CPU time; returns the pid."""
+    begin = time.process_time()
+    while time.process_time() - begin < seconds:
+        pass
+    return os.getpid()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="Linux /proc/PID/stat")
+def test_the_tree_cpu_counts_the_workers_cpu():
+    with Executor(2) as executor:
+        pids = list(executor.map(_spin, [(0.6,)] * 2))
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert executor.memory.cpu_seconds >= 2 * 0.6 * 0.9  # ticks are 10 ms: within a tick per process
+    assert executor.memory.cpu_seconds < 2 * 0.6 + 10  # not everything since boot
+
+
+def _boot_and_parent() -> tuple[bool, bool, int]:
+    import sys
+
+    return "moeconv.worker_boot" in sys.modules, "torch" in sys.modules, os.getppid()
+
+
+def test_workers_are_forked_from_a_server_that_imported_torch_for_them():
+    """The workers share the fork server's pages: torch and the transform were imported there, before
+    the fork (worker_boot), and the process that runs the pool need not import torch."""
+    with Executor(2) as executor:
+        reported = list(executor.map(_boot_and_parent, [()] * 4))
+    assert all(booted and has_torch for booted, has_torch, _ in reported)
+    assert {parent for _, _, parent in reported} != {os.getpid()}  # the fork server's children, not ours
