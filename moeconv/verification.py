@@ -83,6 +83,7 @@ class VerifyReport:
     # What the source's data could not decide and the user chose at conversion (--gptq-zero-format,
     # --trust-config): lossless then means "exact under that choice", not "the data confirms it".
     decided_by_user: list[str] = field(default_factory=list)
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # wall time of each PHASE_UNITS phase run
 
     @property
     def ok(self) -> bool:
@@ -195,7 +196,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     report = VerifyReport(str(output), str(checkpoint.root), targets=manifest["targets"], level=level,
                           tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
     report.decided_by_user = list(plan.detection.decided_by_user) if plan.detection else []
-    advance = progress or (lambda amount, total=None, phase=None: None)
+    advance = _PhaseClock(report.phase_seconds, progress or (lambda amount, total=None, phase=None: None))
     advance(0, sum(path.stat().st_size for path in output.iterdir() if path.is_file()), "digests")
     hashed: dict[str, dict[str, str]] = {}  # each shard's tensors' digests, taken once for the shard's digest
     report.structure_problems = structure.check_reading(plan) + structure.check_files(output, manifest, advance, hashed)
@@ -271,6 +272,24 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
         if level == "numerics" and any(layer.relative_error is not None for layer in report.layers):
             report.proven["numerics"] = PROOFS["numerics"]
     return report
+
+
+class _PhaseClock:
+    """verify's progress callback, passed through, that also times each phase (from its start to the
+    next one's, or to the last call) into `seconds`."""
+
+    def __init__(self, seconds: dict[str, float], progress: Callable[..., None]):
+        self.seconds, self.progress, self.phase, self.started = seconds, progress, None, 0.0
+
+    def __call__(self, amount: int, total: int | None = None, phase: str | None = None) -> None:
+        now = time.perf_counter()
+        if phase is not None:
+            self.phase, self.started = phase, now
+            self.progress(amount, total, phase)
+        else:
+            self.progress(amount)
+        if self.phase is not None:
+            self.seconds[self.phase] = round(now - self.started, 3)
 
 
 def _recorded_shard_size(arguments: dict[str, Any]) -> int:
