@@ -8,7 +8,7 @@
 builds can travel to a machine without the repository's history. `run` converts SRC with every build
 in turn (round-robin, so that a drifting page cache or a busy neighbour hits every build alike), each a
 fresh `python -m moeconv convert` process with only that build on its path, after a `cp -r` + `sync`
-of SRC in the same round. Per row: the whole process's wall time, the conversion as the build reports
+of SRC in the same round (the copied files fsynced: `sync FILE...`, as bench_convert.py). Per row: the whole process's wall time, the conversion as the build reports
 it, and the CPU seconds of the process and every process below it that it waited for (getrusage), beside
 the tree CPU seconds the build reports itself where it does (a fork server's workers are not waited for
 by the process): CPU seconds show added work even where the cores hide it.
@@ -62,7 +62,7 @@ def run(source: Path, builds: Path, backends: list[str], workers: str, repeats: 
         for backend in backends:
             for name in names:
                 shutil.rmtree(copy_target, ignore_errors=True)
-                copy_wall, _, _ = timed(["sh", "-c", f"cp -r '{source}' '{copy_target}' && sync"])
+                copy_wall, _, _ = timed(["sh", "-c", f"cp -r '{source}' '{copy_target}' && sync '{copy_target}'/*"])
                 shutil.rmtree(copy_target, ignore_errors=True)
                 shutil.rmtree(output, ignore_errors=True)
                 env = dict(os.environ, PYTHONPATH=str((builds / name).resolve()))

@@ -4,7 +4,7 @@
 # every backend at the default worker count), `scaling` (worker counts for a
 # transcoded and a canonical-route backend), `awq` (the same for an AWQ source), `scaling7` (the
 # worker-count table and every backend on that 7 GB source), `awq7` (a 7 GB AWQ source on three backends,
-# then verify's structure and lossless levels timed on its triton output).
+# then verify's structure and lossless levels timed on its triton output), `builds` (commits compared).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -12,6 +12,18 @@ export PYTHONPATH=$PWD
 nproc; free -g | head -2; df -h . | tail -1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case $phase in
+  builds)
+    # Which commit made the 16-core conversion slower (docs/BENCHMARKS.md, 2026-12-03): the builds
+    # exported to .builds (benchmarks/bench_builds.py export ...) on one 4 GB GPTQ source, then verify's
+    # phases on the newest build's output.
+    python3 benchmarks/bench_convert.py --size-gb 4 --backends triton --repeats 1 --json "$out/head-triton.json"
+    src=$(ls -d bench-data/qwen3-like-gptq-*)
+    python3 benchmarks/bench_builds.py run "$src" --builds .builds --backends triton,compressed-tensors \
+      --repeats 1 --json "$out/builds.json"
+    rm -rf /tmp/verified
+    python3 -m moeconv convert "$src" -o /tmp/verified -q --json > "$out/head-convert.json"
+    python3 -m moeconv verify /tmp/verified --level lossless -q --json > "$out/verify.json" || echo "verify exit $?"
+    python3 -c "import json; print(json.load(open('$out/verify.json'))['phase_seconds'])" ;;
   awq7)
     python3 benchmarks/bench_convert.py --size-gb 7 --format awq --backends triton,humming,compressed-tensors \
       --repeats 1 --json "$out/awq7-backends.json"
