@@ -236,19 +236,23 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
             report.dense_linear_problems += [f"{job.prefix}: {problem}" for _, problem in problems]
             advance(_input_bytes([job]))
         report.dense_linears_checked = len(linears)
-        for layer, jobs, experts in zip(plan.layers, layer_jobs, layer_experts):
-            started = time.perf_counter()
-            result = LayerResult(layer.module, tolerance=kernel.tolerance(layer.shape))
-            tasks = [(codec, jobs[e], _outputs_of(jobs[e], converted.tensors), cast) for e in experts]
-            for e, (problems, found) in zip(experts, executor.map(_check_task, tasks)):
-                audits.merge(found)
-                result.lossless_failures += [f"expert {e}{f' {key}' if key else ''}: {problem}"
-                                             for key, problem in problems]
-                result.experts_exact += not problems
-                result.experts_checked += 1
-                advance(_input_bytes([jobs[e]]))
-            result.seconds = time.perf_counter() - started
-            report.layers.append(result)
+        # Every layer's experts in one stream of tasks, so the workers never wait for a layer's last
+        # expert before the next layer starts; a layer's seconds run from its first task's hand-over
+        # (the previous layer's last result) to its last result.
+        report.layers = [LayerResult(layer.module, tolerance=kernel.tolerance(layer.shape)) for layer in plan.layers]
+        checks = [(index, e) for index, experts in enumerate(layer_experts) for e in experts]
+        tasks = ((codec, layer_jobs[index][e], _outputs_of(layer_jobs[index][e], converted.tensors), cast)
+                 for index, e in checks)
+        started = time.perf_counter()
+        for (index, e), (problems, found) in zip(checks, executor.map(_check_task, tasks)):
+            result, job = report.layers[index], layer_jobs[index][e]
+            audits.merge(found)
+            result.lossless_failures += [f"expert {e}{f' {key}' if key else ''}: {problem}" for key, problem in problems]
+            result.experts_exact += not problems
+            result.experts_checked += 1
+            advance(_input_bytes([job]))
+            now = time.perf_counter()
+            result.seconds, started = result.seconds + (now - started), now
         # The kernel check last, in its own phase: on a CPU the Triton interpreter takes seconds a layer.
         checked = [] if level != "numerics" else report.layers[:numerics_layers]
         if checked:
