@@ -24,7 +24,7 @@ from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
 from moeconv.checkpoint.writer import (
-    DIGEST_KEY, BlockHasher, ShardWriter, copy_into, file_digest, write_at,
+    DIGEST_KEY, BlockHasher, ShardWriter, byte_size, copy_into, file_digest, write_at,
 )
 from moeconv.errors import MoeconvError, Unfinished, human_bytes
 from moeconv.executor import Executor, peak_rss_mb, worker_descriptor, worker_reader
@@ -309,7 +309,7 @@ class LocalShards:
         shard is yielded (and so journaled) only once finished."""
         from concurrent.futures import ThreadPoolExecutor
 
-        with Executor(self.workers) as executor, \
+        with Executor(self.workers, needs_torch=plan.workers_need_torch) as executor, \
                 ThreadPoolExecutor(1, thread_name_prefix="moeconv-finish") as finisher:
             finishing = None
             try:
@@ -351,7 +351,7 @@ def convert_shard(plan: Plan, shard: OutputShard, staging: Path, executor: Execu
 
 def convert_shard_alone(plan: Plan, index: int, staging: str) -> ShardDone:
     """Output shard `index` converted in this process alone: the body of a Ray task (distributed.py)."""
-    with Executor(1) as executor:
+    with Executor(1, needs_torch=plan.workers_need_torch) as executor:
         return convert_shard(plan, plan.shards[index], Path(staging), executor, None)
 
 
@@ -427,11 +427,11 @@ def _run_job(job, codec, path: Path, positions: dict[str, int]) -> tuple[list, d
         entry = job.source.entry
         copy_into(fd, positions[""], entry.file, entry.begin, entry.end, entry.name)
         return [], {}
-    from moeconv import transform  # torch and the codecs: a worker's, not the parent's
+    from moeconv import transform  # the codecs (torch where a job needs it): a worker's, not the parent's
 
     blocks, counts = transform.convert(job, codec, reader)
     for suffix, data in blocks.items():
-        if data.numel() * data.element_size() != job.slots[suffix].nbytes:
+        if byte_size(data) != job.slots[suffix].nbytes:
             raise ValueError(f"{job.slots[suffix].tensor.name}: the backend made {tuple(data.shape)}, "
                              f"not the planned {job.slots[suffix].shape}")
         write_at(fd, data, positions[suffix])

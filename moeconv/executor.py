@@ -14,6 +14,7 @@ than these workers and removed (docs/BENCHMARKS.md).
 from __future__ import annotations
 
 import os
+import sys
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -163,28 +164,29 @@ def _in_worker(function: Callable, task: tuple) -> tuple[Any, float | None]:
     return function(*task), peak_rss_mb()
 
 
-def _start_worker(driver: int) -> None:
-    """Dies with the fork server, first, which leaves when the driver (the process that runs the pool)
-    does: a worker that outlived a `kill -9` of the driver would write on into the folder the user's
+def _start_worker(driver: int, torch_needed: bool) -> None:
+    """Dies with its parent, first (the fork server, which leaves when the driver does, or the driver
+    itself): a worker that outlived a `kill -9` of the driver would write on into the folder the user's
     resume works in. Then one intra-op thread for every --workers value (`worker_boot` set it in the
-    server; a server that could not import it leaves it to here)."""
+    server; a server that could not import it leaves it to here), for torch now or if a job imports it."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    server = os.getppid()
+    parent = os.getppid()
     try:
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
     except (OSError, AttributeError):
         pass
-    if os.getppid() != server or not _alive(driver):  # gone before PR_SET_PDEATHSIG was set
+    if os.getppid() != parent or not _alive(driver):  # gone before PR_SET_PDEATHSIG was set
         os._exit(1)
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[variable] = "1"
-    import torch
+    if torch_needed or "torch" in sys.modules:  # a driver that had imported it forked it along
+        import torch
 
-    torch.set_num_threads(1)
+        torch.set_num_threads(1)
 
 
 def _alive(pid: int) -> bool:
@@ -222,9 +224,14 @@ def default_workers() -> int:
 
 
 class Executor:
-    """`map(function, tasks)`: function(*task) for each task, in order, at most 2 x workers in flight."""
+    """`map(function, tasks)`: function(*task) for each task, in order, at most 2 x workers in flight.
+    needs_torch: whether the tasks need it. Workers that do are forked from the fork server (`start_workers`),
+    which imported it for all of them; workers that do not are forked from this process, which has no
+    torch to share, and start at once."""
 
-    def __init__(self, workers: int | None = None):
+    def __init__(self, workers: int | None = None, needs_torch: bool = True):
+        import multiprocessing
+
         self.workers = workers or default_workers()
         self.worker_peak_rss_mb: float | None = None  # the largest worker's (pages shared with the parent included)
         self.memory = TreeMemory()  # this process and the workers, from their start while they live
@@ -232,16 +239,18 @@ class Executor:
         self._default_threads: int | None = None
         if self.workers > 1:
             try:
-                start_workers(self.workers)
+                if needs_torch:
+                    start_workers(self.workers)
+                context = _forkserver_context() if needs_torch else multiprocessing.get_context("fork")
                 self._pool = ProcessPoolExecutor(max_workers=self.workers, initializer=_start_worker,
-                                                 initargs=(os.getpid(),), mp_context=_forkserver_context())
+                                                 initargs=(os.getpid(), needs_torch), mp_context=context)
                 # Every worker now: the pool starts them as tasks arrive, and one that is idle is reused.
                 for started in [self._pool.submit(os.getpid) for _ in range(self.workers)]:
                     started.result()
             except BaseException:
                 self.close()
                 raise
-        else:
+        elif needs_torch or "torch" in sys.modules:
             # One intra-op thread, as in every worker: with torch's default (every core) a single
             # worker kept about 13 cores busy on a 16-core host for the work of one.
             import torch

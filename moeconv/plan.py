@@ -27,7 +27,7 @@ from moeconv.models import Architecture
 from moeconv.spec import FLOAT_DTYPES, TORCH_NAMES
 from moeconv.survey import MoELayer, check_dense_g_idx, find_dense_linears, fp8_block_linears, natural_key, survey
 from moeconv.transform import Codec
-from moeconv.worklist import (CopyJob, ExpertJob, Job, OutputShard, Unit, assign_shards, copy_job, layer_unit,
+from moeconv.worklist import (CopyJob, ExpertJob, Job, LinearJob, OutputShard, Unit, assign_shards, copy_job, layer_unit,
                               linear_job, single)
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3
@@ -65,6 +65,9 @@ class Plan:
     identity: dict[str, Any] = field(init=False)  # everything that decides the bytes: a resumed run must match it
     serving: Serving = field(init=False)  # which engine serves the output, and how (`{output}`), or why none does
     scale_cast: tuple[str, str] | None = field(init=False)  # torch dtype names, at the config's model dtype
+    # Some job decodes to the canonical form (torch): a dense linear converted, an expert without a
+    # transcoder, or one a transcoder declines (a non-trivial g_idx). Else the workers need no torch.
+    workers_need_torch: bool = field(init=False)
 
     def __post_init__(self) -> None:
         answer = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen: set once here)
@@ -93,6 +96,9 @@ class Plan:
         answer("serving", serving(self.backend, self.source_format, first, self.dense_backend is not None,
                                   source_config=self.checkpoint.quantization_config))
         answer("scale_cast", engine_scale_cast(self.backend, first.scale_dtype, _model_dtype(self.checkpoint)))
+        answer("workers_need_torch", self.codec.transcoder is None
+               or any(layer.act_order != act_order.STATIC for layer in self.layers)
+               or any(isinstance(job, LinearJob) for job in self.jobs))
 
     @property
     def output_bytes(self) -> int:

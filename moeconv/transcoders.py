@@ -12,11 +12,18 @@ bytes: a transpose and a byte split. Zero points: GPTQ's (G, N·b/32) words, mad
 repeated-ones word back), are along N as the kernel's (N·b/8, G) bytes are: a byte split and a
 transpose. AWQ -> triton: AWQ packs along N in its interleaved order; the codes are unpacked with
 shifts on bytes, put in natural order with one gather, and packed in pairs along K.
+
+They move bytes and nothing else, so they run in numpy on the stored bytes (`TensorReader.read_raw`;
+BF16 scales travel as their uint16 bit patterns): a conversion whose every job has a transcoder runs
+its workers without torch (`Plan.workers_need_torch`), whose import is most of a small conversion's
+time on a machine without bytecode caches (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Mapping, Union
+from typing import Callable, Mapping, Union
+
+import numpy as np
 
 from moeconv import packing
 from moeconv.backends.base import FUSED_GEMMS
@@ -25,85 +32,87 @@ from moeconv.canonical import MoELayerShape
 from moeconv.formats.awq import AWQ, NATURAL_FROM_SLOTS
 from moeconv.formats.gptq import GPTQ
 
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
-
-Linear = Mapping[str, "torch.Tensor"]  # one source linear's tensors, by suffix
+Linear = Mapping[str, np.ndarray]  # one source linear's stored tensors (TensorReader.read_raw), by suffix
 # A transcoder may decline one expert (None): that expert then takes the canonical route.
-Transcoder = Callable[[object, Mapping[str, Linear], MoELayerShape, int], Union[dict[str, "torch.Tensor"], None]]
+Transcoder = Callable[[object, Mapping[str, Linear], MoELayerShape, int], Union[dict[str, np.ndarray], None]]
 
 
-def _regrouped(tensor: torch.Tensor, factor: int) -> torch.Tensor:
+def _bytes(words: np.ndarray) -> np.ndarray:
+    """(rows, W) 32-bit words -> (rows, 4W) bytes, least significant first (safetensors' byte order)."""
+    return np.ascontiguousarray(words, dtype=np.dtype("<u4") if words.dtype.kind == "u" else np.dtype("<i4")
+                                ).view(np.uint8)
+
+
+def _transposed(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array.T)
+
+
+def _regrouped(array: np.ndarray, factor: int) -> np.ndarray:
     """(rows, G) scales or zero bytes with each group repeated `factor` times (canonical.regroup)."""
-    return tensor if factor == 1 else tensor.repeat_interleave(factor, dim=1)
+    return array if factor == 1 else np.repeat(array, factor, axis=1)
 
 
-def _stacked_gemms(linears: Mapping[str, Linear], one: Callable[[Linear], tuple], factor: int) -> dict[str, torch.Tensor]:
+def _stacked_gemms(linears: Mapping[str, Linear], one: Callable[[Linear], tuple], factor: int) -> dict[str, np.ndarray]:
     """The triton slices from each projection's (qweight bytes, scales, zero bytes or None)."""
-    import torch
-
     parts = {projection: one(linear) for projection, linear in linears.items()}
     slices = {}
     for prefix, projections in FUSED_GEMMS.items():
         codes, scales, zeros = zip(*(parts[projection] for projection in projections))
         names = WNA16[prefix]
-        slices[names.qweight] = torch.cat(codes)
-        slices[names.scales] = _regrouped(torch.cat(scales), factor)
+        slices[names.qweight] = np.concatenate(codes)
+        slices[names.scales] = _regrouped(np.concatenate(scales), factor)
         if zeros[0] is not None:
-            slices[names.qzeros] = _regrouped(torch.cat(zeros), factor)
+            slices[names.qzeros] = _regrouped(np.concatenate(zeros), factor)
     return slices
 
 
 def gptq_to_triton(fmt: GPTQ, linears: Mapping[str, Linear], layer: MoELayerShape,
-                   factor: int) -> dict[str, torch.Tensor] | None:
+                   factor: int) -> dict[str, np.ndarray] | None:
     """None for an expert with a non-trivial g_idx: the canonical route folds act-order or refuses it."""
     if not all(fmt.static_groups(linear.get("g_idx"), linear["qweight"].shape[0] * 32 // fmt.bits)
                for linear in linears.values()):
         return None
 
     def one(linear: Linear) -> tuple:
-        qweight = linear["qweight"]
-        codes = packing.words_to_bytes(qweight.T.contiguous(), dim=1)
+        codes = _bytes(linear["qweight"].T)  # (K·b/32, N) words -> (N, K·b/8) bytes
         zeros = None
         if not fmt.sym:
-            true_words = packing.add_to_words(linear["qzeros"], fmt.zero_offset_word())
-            zeros = packing.words_to_bytes(true_words, dim=1).T.contiguous()
-        return codes, linear["scales"].T.contiguous(), zeros
+            true_words = packing.add_to_word_array(linear["qzeros"], fmt.zero_offset_word())
+            zeros = _transposed(_bytes(true_words))  # (G, N·b/8) -> (N·b/8, G)
+        return codes, _transposed(linear["scales"]), zeros
 
     return _stacked_gemms(linears, one, factor)
 
 
-def _awq_columns(words: torch.Tensor) -> list[torch.Tensor]:
+def _awq_columns(words: np.ndarray) -> list[np.ndarray]:
     """AWQ's (rows, N/8) words as 8 planes of 4-bit codes (rows, N/8), plane j holding the columns
     8m + j. Byte b of a word holds slots 2b (low nibble) and 2b + 1; slot s holds column AWQ_ORDER[s]."""
-    data = packing.words_to_bytes(words, dim=1).reshape(words.shape[0], -1, 4)
+    data = _bytes(words).reshape(words.shape[0], -1, 4)
     nibbles = {}
     for byte in range(4):
         nibbles[2 * byte], nibbles[2 * byte + 1] = data[..., byte] & 0xF, data[..., byte] >> 4
     return [nibbles[slot] for slot in NATURAL_FROM_SLOTS]
 
 
-def _pairs(codes: torch.Tensor) -> torch.Tensor:
+def _pairs(codes: np.ndarray) -> np.ndarray:
     """(2M, ...) 4-bit codes -> (M, ...) bytes, even rows in the low nibble."""
     return codes[0::2] | (codes[1::2] << 4)
 
 
-def awq_to_triton(fmt: AWQ, linears: Mapping[str, Linear], layer: MoELayerShape, factor: int) -> dict[str, torch.Tensor]:
-    import torch
-
+def awq_to_triton(fmt: AWQ, linears: Mapping[str, Linear], layer: MoELayerShape, factor: int) -> dict[str, np.ndarray]:
     def one(linear: Linear) -> tuple:
         weight = linear["qweight"]
         # Pair the rows (K) plane by plane before interleaving the columns: half the bytes after one pass.
-        codes = torch.stack([_pairs(plane) for plane in _awq_columns(weight)], dim=2)
-        codes = codes.reshape(weight.shape[0] // 2, -1).T.contiguous()  # (K/2, N) -> (N, K/2)
+        codes = np.stack([_pairs(plane) for plane in _awq_columns(weight)], axis=2)
+        codes = _transposed(codes.reshape(weight.shape[0] // 2, -1))  # (K/2, N) -> (N, K/2)
         zeros = None
         if fmt.zero_point:
             zeros_words = linear["qzeros"]
-            natural = torch.stack(_awq_columns(zeros_words), dim=2).reshape(zeros_words.shape[0], -1)
-            zeros = _pairs(natural.T.contiguous())  # (N, G) -> (N/2, G)
+            natural = np.stack(_awq_columns(zeros_words), axis=2).reshape(zeros_words.shape[0], -1)
+            zeros = _pairs(_transposed(natural))  # (N, G) -> (N/2, G)
         elif "qzeros" in linear:  # stored under zero_point false: the zero 8, or refused (as AWQ.decode)
             fmt.check_symmetric_zeros(linear["qzeros"])
-        return codes, linear["scales"].T.contiguous(), zeros
+        return codes, _transposed(linear["scales"]), zeros
 
     return _stacked_gemms(linears, one, factor)
 

@@ -3,7 +3,8 @@ verify the output blocks and the source back to canonical weights. The only code
 (convert's and verify's tasks), besides reading and writing bytes.
 
 An expert goes through the (format, backend) pair's packed-to-packed transcoder where there is one
-(transcoders.py, proven byte-identical to the canonical route), else through the canonical form:
+(transcoders.py, proven byte-identical to the canonical route; numpy on the stored bytes, no torch),
+else through the canonical form:
 the source format decodes each projection (after any lossless regrouping), an act-order down
 projection's input permutation is folded into the same expert's gate and up rows (act_order.fold),
 and the backend encodes the expert's slice of every layer tensor.
@@ -18,13 +19,14 @@ from moeconv import act_order
 from moeconv.audit import count as audit_counts
 from moeconv.backends.base import Backend, ExpertWeights
 from moeconv.canonical import QuantizedWeight, regroup
-from moeconv.checkpoint.reader import TensorReader
+from moeconv.checkpoint.reader import TensorEntry, TensorReader, bf16_as_float32
 from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat
 from moeconv.transcoders import Transcoder
 from moeconv.worklist import ConvertJob, ExpertJob, SourceSlice
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import numpy as np
     import torch
 
 Audit = tuple[str, dict[str, int]]  # (source linear, audit counts)
@@ -56,14 +58,15 @@ def convert(job: ConvertJob, codec: Codec, reader: TensorReader) -> tuple[dict[s
     expert through the pair's transcoder where there is one and it takes this expert, else decoded to
     the canonical form and encoded."""
     if isinstance(job, ExpertJob):
-        raw = _read_expert(job, reader)
         if codec.transcoder is not None:
+            stored = _read_expert(job, reader.read_raw)
             try:
-                slices = codec.transcoder(codec.source_format, raw, job.shape, codec.regroup_factor)
+                slices = codec.transcoder(codec.source_format, stored, job.shape, codec.regroup_factor)
             except MoeconvError as error:  # any projection's: name the expert
                 raise _expert_refusal(job, error) from None
             if slices is not None:
-                return slices, _expert_audits(job, codec, raw, {})
+                return slices, _expert_audits(job, codec, _readable(job, stored), {})
+        raw = _read_expert(job, reader.read)
         weights, audits = _expert_canonical(job, codec, raw)
     else:
         weights, audits = source_weights(job, codec, reader)
@@ -75,7 +78,7 @@ def source_weights(job: ConvertJob, codec: Codec,
     """The canonical weights the job's source tensors decode to (gate, up and down of an expert; one
     keyed "linear" of a dense linear), and their audit counts."""
     if isinstance(job, ExpertJob):
-        return _expert_canonical(job, codec, _read_expert(job, reader))
+        return _expert_canonical(job, codec, _read_expert(job, reader.read))
     tensors = {suffix: reader.read(piece.entry) for suffix, piece in job.sources.items()}
     weight = _decoded(codec.decode_source, job.sources, tensors)
     return {"linear": weight}, [(job.prefix, audit_counts(codec.source_format, tensors, weight))]
@@ -95,9 +98,18 @@ def decode(job: ConvertJob, codec: Codec, blocks: dict[str, torch.Tensor]) -> di
     return {"linear": job.encoder.decode_linear(blocks, job.shape)}
 
 
-def _read_expert(job: ExpertJob, reader: TensorReader) -> dict[str, dict[str, torch.Tensor]]:
-    return {projection: {suffix: reader.read(piece.entry) for suffix, piece in linear.items()}
+def _read_expert(job: ExpertJob, read: Callable[[TensorEntry], Any]) -> dict[str, dict[str, Any]]:
+    """Each projection's tensors by suffix, as `read` gives them (TensorReader.read: torch tensors;
+    read_raw: the stored bytes in numpy, for a transcoder)."""
+    return {projection: {suffix: read(piece.entry) for suffix, piece in linear.items()}
             for projection, linear in job.sources.items()}
+
+
+def _readable(job: ExpertJob, stored: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+    """The stored arrays with BF16 bit patterns as the float32 values they hold, for the audits."""
+    return {projection: {suffix: bf16_as_float32(array) if job.sources[projection][suffix].entry.dtype == "BF16"
+                         else array for suffix, array in linear.items()}
+            for projection, linear in stored.items()}
 
 
 def _expert_canonical(job: ExpertJob, codec: Codec, raw: dict[str, dict[str, torch.Tensor]]

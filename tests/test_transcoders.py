@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -19,6 +20,13 @@ from moeconv.canonical import MoELayerShape, QuantizedWeight, regroup
 from moeconv.formats import AWQ, GPTQ
 
 from strategies import random_canonical
+
+def _as_stored(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """What a worker hands a transcoder: each tensor's stored bytes as numpy (TensorReader.read_raw:
+    BF16 as its uint16 bit patterns)."""
+    return {suffix: tensor.view(torch.int16).numpy().view(np.uint16) if tensor.dtype == torch.bfloat16
+            else tensor.numpy() for suffix, tensor in tensors.items()}
+
 
 SOURCES = ([GPTQ(bits, g, sym, version) for bits in (4, 8) for g in (32, 64, 128, -1) for sym in (True, False)
             for version in ("gptq", "gptq_v2")]
@@ -48,11 +56,13 @@ def test_transcoder_equals_the_canonical_route(source, data, scale_dtype):
         stored[projection] = source.encode(weight)
     canonical = ExpertWeights(**{p: regroup(source.decode(t), factor) for p, t in stored.items()})
     expected = TritonBackend().encode_expert(canonical, shape)
-    found = transcoder(source, stored, shape, factor)
+    found = transcoder(source, {projection: _as_stored(tensors) for projection, tensors in stored.items()}, shape,
+                       factor)
     assert set(found) == set(expected)
     for suffix, tensor in expected.items():
-        assert found[suffix].dtype == tensor.dtype and found[suffix].shape == tensor.shape, suffix
-        assert torch.equal(found[suffix].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), suffix
+        assert found[suffix].shape == tuple(tensor.shape), suffix
+        assert found[suffix].itemsize == tensor.element_size(), suffix
+        assert found[suffix].tobytes() == tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), suffix
 
 
 def test_pairs_without_a_transcoder_take_the_canonical_route():
@@ -67,10 +77,10 @@ def test_the_transcoder_leaves_act_order_experts_to_the_canonical_route():
     fmt = GPTQ(4, 32, sym=False)
     weight = QuantizedWeight(torch.zeros(64, 64, dtype=torch.uint8), torch.zeros(64, 2, dtype=torch.uint8),
                              torch.ones(64, 2, dtype=torch.float16), 4, 32)
-    stored = {p: fmt.encode(weight) for p in ("gate", "up", "down")}
+    stored = {p: _as_stored(fmt.encode(weight)) for p in ("gate", "up", "down")}
     shape = MoELayerShape(1, 64, 64, 4, 32, False, "F16")
     assert transcoders.gptq_to_triton(fmt, stored, shape, 1) is not None
-    stored["down"]["g_idx"] = torch.arange(64, dtype=torch.int32) % 2  # act-order: folded by the canonical route
+    stored["down"]["g_idx"] = np.arange(64, dtype=np.int32) % 2  # act-order: folded by the canonical route
     assert transcoders.gptq_to_triton(fmt, stored, shape, 1) is None
 
 

@@ -39,6 +39,11 @@ NUMPY_DTYPES = {"U8": np.uint8, "I8": np.int8, "I16": np.int16, "I32": np.int32,
                 "F32": np.float32, "F64": np.float64, "BOOL": np.bool_, "BF16": np.uint16}
 
 
+def bf16_as_float32(bits: np.ndarray) -> np.ndarray:
+    """BF16 bit patterns (uint16) as the float32 values they are, exactly (BF16 is float32's top half)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     name: str
@@ -293,15 +298,18 @@ class TensorReader:
     def read_array(self, entry: TensorEntry) -> np.ndarray:
         """A whole tensor as a numpy array, without torch: what the parent reads to detect the format
         (BF16 comes back as the float32 values it holds, exactly)."""
+        values = self.read_raw(entry)
+        return bf16_as_float32(values) if entry.dtype == "BF16" else values
+
+    def read_raw(self, entry: TensorEntry) -> np.ndarray:
+        """A whole tensor's stored bytes as a numpy array of its dtype, without torch (BF16 as its uint16
+        bit patterns, which numpy has no type for): what a packed-to-packed transcoder moves."""
         if entry.dtype not in NUMPY_DTYPES:
-            raise MoeconvError(f"{entry.file}: tensor {entry.name} is {entry.dtype}, which detection does not read")
+            raise MoeconvError(f"{entry.file}: tensor {entry.name} is {entry.dtype}, which numpy does not read")
         data = self._bytes(entry, entry.begin, entry.nbytes)
         if self.fingerprints is not None:
             self.fingerprints[entry.name] = zlib.crc32(data).to_bytes(4, "little")
-        values = np.frombuffer(data, dtype=NUMPY_DTYPES[entry.dtype]).reshape(entry.shape)
-        if entry.dtype == "BF16":
-            values = (values.astype(np.uint32) << 16).view(np.float32)
-        return values
+        return np.frombuffer(data, dtype=NUMPY_DTYPES[entry.dtype]).reshape(entry.shape)
 
     def read_slice(self, entry: TensorEntry, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
         """The `shape`-shaped block of `entry`'s dtype that starts `offset` bytes into its data."""

@@ -22,6 +22,8 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 from moeconv.errors import MoeconvError
 from moeconv.spec import DTYPE_SIZES, TensorSpec
 
@@ -113,11 +115,20 @@ class ShardWriter:
             os.close(self._fd)
 
 
-def write_at(fd: int, tensor: torch.Tensor, position: int) -> None:
-    """All of `tensor`'s bytes at file `position` of `fd` (from any device)."""
-    import torch
+def byte_size(data: torch.Tensor | np.ndarray) -> int:
+    """How many bytes a torch tensor or a numpy array holds."""
+    return data.nbytes if isinstance(data, np.ndarray) else data.numel() * data.element_size()
 
-    view = memoryview(tensor.reshape(-1).view(torch.uint8).cpu().numpy())
+
+def write_at(fd: int, data: torch.Tensor | np.ndarray, position: int) -> None:
+    """All of the bytes of `data` (a torch tensor, or a numpy array from a transcoder) at file
+    `position` of `fd`."""
+    if isinstance(data, np.ndarray):
+        view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    else:
+        import torch
+
+        view = memoryview(data.reshape(-1).view(torch.uint8).cpu().numpy())
     while view:
         written = os.pwrite(fd, view, position)
         view, position = view[written:], position + written

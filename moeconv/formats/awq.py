@@ -10,6 +10,7 @@ itself), which are read only to check that they are that constant.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 from typing import TYPE_CHECKING, Any, Mapping
 
 from moeconv import packing
@@ -111,7 +112,7 @@ class AWQ(FormatDefaults):
         """zero_point false: stored qzeros must all be the zero 8, or dropping them changes the weight."""
         if bool((qzeros != SYMMETRIC_WORD).any()):
             raise MoeconvError(f"zero_point is false but qzeros hold zero points other than 8 "
-                               f"({int((qzeros != SYMMETRIC_WORD).sum())} of {qzeros.numel()} words are not "
+                               f"({int((qzeros != SYMMETRIC_WORD).sum())} of {prod(qzeros.shape)} words are not "
                                f"0x{SYMMETRIC_WORD & 0xFFFFFFFF:08X}); --trust-data reads them as asymmetric")
 
     def linear_shape(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
