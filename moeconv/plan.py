@@ -25,7 +25,8 @@ from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat, autoround
 from moeconv.models import Architecture
 from moeconv.spec import FLOAT_DTYPES, TORCH_NAMES
-from moeconv.survey import MoELayer, check_dense_g_idx, find_dense_linears, fp8_block_linears, natural_key, survey
+from moeconv.survey import (MoELayer, act_order_suspected, check_dense_g_idx, find_dense_linears, fp8_block_linears,
+                            natural_key, survey)
 from moeconv.transform import Codec
 from moeconv.worklist import (CopyJob, ExpertJob, Job, LinearJob, OutputShard, Unit, assign_shards, copy_job, layer_unit,
                               linear_job, single)
@@ -65,8 +66,8 @@ class Plan:
     identity: dict[str, Any] = field(init=False)  # everything that decides the bytes: a resumed run must match it
     serving: Serving = field(init=False)  # which engine serves the output, and how (`{output}`), or why none does
     scale_cast: tuple[str, str] | None = field(init=False)  # torch dtype names, at the config's model dtype
-    # Some job decodes to the canonical form (torch): a dense linear converted, an expert without a
-    # transcoder, or one a transcoder declines (a non-trivial g_idx). Else the workers need no torch.
+    # Some job decodes to the canonical form (torch): a dense linear or an expert without a transcoder,
+    # or one a transcoder declines (a non-trivial g_idx). Else the workers need no torch.
     workers_need_torch: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -79,7 +80,9 @@ class Plan:
         answer("layer_jobs", {module: tuple(sorted(jobs, key=lambda job: job.expert)) for module, jobs in experts.items()})
         first = self.layers[0].shape
         answer("codec", Codec(self.source_format, self.backend, self.regroup_factor,
-                              transcoders.find(self.source_format, self.backend.name, first)))
+                              transcoders.find(self.source_format, self.backend.name, first),
+                              transcoders.find_linear(self.source_format,
+                                                      self.dense_backend.name if self.dense_backend else None)))
         answer("quantization_config", _quantization_config(self))
         answer("identity", {
             "tool_version": __version__,
@@ -98,7 +101,10 @@ class Plan:
         answer("scale_cast", engine_scale_cast(self.backend, first.scale_dtype, _model_dtype(self.checkpoint)))
         answer("workers_need_torch", self.codec.transcoder is None
                or any(layer.act_order != act_order.STATIC for layer in self.layers)
-               or any(isinstance(job, LinearJob) for job in self.jobs))
+               or (self.detection is not None
+                   and act_order_suspected(self.checkpoint, self.source_format, self.detection))
+               or any(isinstance(job, LinearJob) and (self.codec.linear_transcoder is None
+                                                      or job.shape.activation_bits != 16) for job in self.jobs))
 
     @property
     def output_bytes(self) -> int:

@@ -11,7 +11,9 @@ kernel reads (N, K·b/8) bytes packed along K, LSB first, so each row is a colum
 bytes: a transpose and a byte split. Zero points: GPTQ's (G, N·b/32) words, made true (v1 adds the
 repeated-ones word back), are along N as the kernel's (N·b/8, G) bytes are: a byte split and a
 transpose. AWQ -> triton: AWQ packs along N in its interleaved order; the codes are unpacked with
-shifts on bytes, put in natural order with one gather, and packed in pairs along K.
+shifts on bytes, put in natural order with one gather, and packed in pairs along K. GPTQ ->
+compressed-tensors (experts, and the dense linears any backend writes in compressed-tensors): the
+same words, transposed (`gptq_linear_to_compressed_tensors`).
 
 They move bytes and nothing else, so they run in numpy on the stored bytes (`TensorReader.read_raw`;
 BF16 scales travel as their uint16 bit patterns): a conversion whose every job has a transcoder runs
@@ -117,12 +119,56 @@ def awq_to_triton(fmt: AWQ, linears: Mapping[str, Linear], layer: MoELayerShape,
     return _stacked_gemms(linears, one, factor)
 
 
-def find(fmt: object, backend_name: str, layer: MoELayerShape) -> Transcoder | None:
-    """The transcoder for this pair and layer, or None (the canonical route)."""
-    if backend_name != "triton" or layer.activation_bits != 16:
+def gptq_linear_to_compressed_tensors(fmt: GPTQ, linear: Linear, factor: int) -> dict[str, np.ndarray] | None:
+    """One GPTQ linear as compressed-tensors pack-quantized: both pack the codes along K into int32
+    words, value j at bits [j·b, j·b + b), so `weight_packed` (N, K·b/32) is GPTQ's (K·b/32, N) words
+    transposed; the TRUE zero points are packed along N in both, so `weight_zero_point` (N·b/32, G) is
+    GPTQ's (G, N·b/32) true words (v1's repeated-ones word added back) transposed; the scales likewise.
+    None for a non-trivial g_idx (the canonical route folds act-order or refuses it)."""
+    qweight = linear["qweight"]
+    in_features, out_features = qweight.shape[0] * 32 // fmt.bits, qweight.shape[1]
+    if not fmt.static_groups(linear.get("g_idx"), in_features):
         return None
-    if isinstance(fmt, GPTQ) and fmt.bits in (4, 8):
+    tensors = {"weight_packed": _transposed(qweight),
+               "weight_scale": _regrouped(_transposed(linear["scales"]), factor),
+               "weight_shape": np.array([out_features, in_features], dtype=np.int64)}
+    if not fmt.sym:
+        true_words = packing.add_to_word_array(linear["qzeros"], fmt.zero_offset_word())
+        tensors["weight_zero_point"] = _regrouped(_transposed(true_words), factor)
+    return tensors
+
+
+def gptq_to_compressed_tensors(fmt: GPTQ, linears: Mapping[str, Linear], layer: MoELayerShape,
+                               factor: int) -> dict[str, np.ndarray] | None:
+    """An expert's three linears, each as `gptq_linear_to_compressed_tensors`, under the layer's
+    projection names (PerLinearBackend.encode_expert); None if any declines."""
+    slices = {}
+    for name, projection in zip(layer.projection_names, ("gate", "up", "down")):
+        tensors = gptq_linear_to_compressed_tensors(fmt, linears[projection], factor)
+        if tensors is None:
+            return None
+        slices.update({f"{name}.{suffix}": array for suffix, array in tensors.items()})
+    return slices
+
+
+LinearTranscoder = Callable[[object, Linear, int], Union[dict[str, np.ndarray], None]]
+
+
+def find(fmt: object, backend_name: str, layer: MoELayerShape) -> Transcoder | None:
+    """The expert transcoder for this pair and layer, or None (the canonical route)."""
+    if layer.activation_bits != 16:
+        return None
+    if backend_name == "triton" and isinstance(fmt, GPTQ) and fmt.bits in (4, 8):
         return gptq_to_triton
-    if isinstance(fmt, AWQ) and fmt.bits == 4:
+    if backend_name == "triton" and isinstance(fmt, AWQ) and fmt.bits == 4:
         return awq_to_triton
+    if backend_name == "compressed-tensors" and isinstance(fmt, GPTQ) and fmt.bits in (4, 8):
+        return gptq_to_compressed_tensors
+    return None
+
+
+def find_linear(fmt: object, backend_name: str | None, activation_bits: int = 16) -> LinearTranscoder | None:
+    """The transcoder of a dense quantized linear written in `backend_name`'s layout, or None."""
+    if backend_name == "compressed-tensors" and activation_bits == 16 and isinstance(fmt, GPTQ) and fmt.bits in (4, 8):
+        return gptq_linear_to_compressed_tensors
     return None

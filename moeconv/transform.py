@@ -22,7 +22,7 @@ from moeconv.canonical import QuantizedWeight, regroup
 from moeconv.checkpoint.reader import TensorEntry, TensorReader, bf16_as_float32
 from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat
-from moeconv.transcoders import Transcoder
+from moeconv.transcoders import LinearTranscoder, Transcoder
 from moeconv.worklist import ConvertJob, ExpertJob, SourceSlice
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
@@ -40,7 +40,8 @@ class Codec:
     source_format: SourceFormat
     backend: Backend
     regroup_factor: int = 1  # group size divided by this (scales and zeros repeated): lossless
-    transcoder: Transcoder | None = None  # stored words straight into the layout (byte-identical)
+    transcoder: Transcoder | None = None  # an expert's stored words straight into the layout (byte-identical)
+    linear_transcoder: LinearTranscoder | None = None  # a dense linear's, into the layout it is written in
 
     def decode_source(self, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
         """One source linear in the canonical form the plan writes."""
@@ -69,6 +70,15 @@ def convert(job: ConvertJob, codec: Codec, reader: TensorReader) -> tuple[dict[s
         raw = _read_expert(job, reader.read)
         weights, audits = _expert_canonical(job, codec, raw)
     else:
+        if codec.linear_transcoder is not None and job.shape.activation_bits == 16:
+            stored = {suffix: reader.read_raw(piece.entry) for suffix, piece in job.sources.items()}
+            try:
+                tensors = codec.linear_transcoder(codec.source_format, stored, codec.regroup_factor)
+            except MoeconvError as error:
+                raise MoeconvError(f"{next(iter(job.sources.values())).entry.file}: {job.prefix}: {error}") from None
+            if tensors is not None:
+                readable = _readable_linear(job.sources, stored)
+                return tensors, [(job.prefix, audit_counts(codec.source_format, readable, None))]
         weights, audits = source_weights(job, codec, reader)
     return encode(job, codec, weights), audits
 
@@ -107,9 +117,12 @@ def _read_expert(job: ExpertJob, read: Callable[[TensorEntry], Any]) -> dict[str
 
 def _readable(job: ExpertJob, stored: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
     """The stored arrays with BF16 bit patterns as the float32 values they hold, for the audits."""
-    return {projection: {suffix: bf16_as_float32(array) if job.sources[projection][suffix].entry.dtype == "BF16"
-                         else array for suffix, array in linear.items()}
-            for projection, linear in stored.items()}
+    return {projection: _readable_linear(job.sources[projection], linear) for projection, linear in stored.items()}
+
+
+def _readable_linear(sources: dict[str, SourceSlice], stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {suffix: bf16_as_float32(array) if sources[suffix].entry.dtype == "BF16" else array
+            for suffix, array in stored.items()}
 
 
 def _expert_canonical(job: ExpertJob, codec: Codec, raw: dict[str, dict[str, torch.Tensor]]

@@ -112,3 +112,19 @@ def test_planning_never_imports_torch_and_convert_only_in_its_workers(tmp_path, 
     assert f"torch loaded: {parent_imports_torch}" in done.stdout, done.stdout + done.stderr
     if "--dry-run" not in args and args[0] == "convert":
         assert (tmp_path / "out" / "moeconv.json").is_file()
+
+
+TORCH_FREE_POOL = """
+import sys
+from moeconv.executor import Executor
+with Executor(2, needs_torch=False) as pool:
+    seen = list(pool.map(eval, [("'torch' in __import__('sys').modules",)] * 4))
+print("workers with torch:", sum(seen), "parent with torch:", "torch" in sys.modules)
+"""
+
+
+def test_workers_of_a_plan_without_torch_jobs_never_import_it():
+    """Plan.workers_need_torch false (every job has a numpy transcoder): the workers are forked from the
+    parent, which has no torch, and import none."""
+    done = subprocess.run([sys.executable, "-c", TORCH_FREE_POOL], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "workers with torch: 0 parent with torch: False", done.stdout + done.stderr

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from moeconv import transcoders
 from moeconv.backends.base import ExpertWeights
+from moeconv.backends.compressed_tensors import CompressedTensorsBackend
 from moeconv.backends.triton import TritonBackend
-from moeconv.canonical import MoELayerShape, QuantizedWeight, regroup
+from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, regroup
 from moeconv.formats import AWQ, GPTQ
 
 from strategies import random_canonical
@@ -33,9 +34,15 @@ SOURCES = ([GPTQ(bits, g, sym, version) for bits in (4, 8) for g in (32, 64, 128
            + [AWQ(4, g, zero_point=zp) for g in (32, 64, 128, -1) for zp in (True, False)])
 
 
-@pytest.mark.parametrize("source", SOURCES, ids=lambda s: "-".join(map(str, s.describe().values())))
+PAIRS = ([(source, "triton") for source in SOURCES]
+         + [(source, "compressed-tensors") for source in SOURCES if isinstance(source, GPTQ)])
+BACKENDS = {"triton": TritonBackend(), "compressed-tensors": CompressedTensorsBackend()}
+
+
+@pytest.mark.parametrize("source, backend", PAIRS,
+                         ids=lambda p: p if isinstance(p, str) else "-".join(map(str, p.describe().values())))
 @given(data=st.data(), scale_dtype=st.sampled_from([torch.float16, torch.bfloat16]))
-def test_transcoder_equals_the_canonical_route(source, data, scale_dtype):
+def test_transcoder_equals_the_canonical_route(source, backend, data, scale_dtype):
     unit = 32 if source.group_size == -1 else source.group_size
     hidden, intermediate = unit * data.draw(st.integers(1, 3)), unit * data.draw(st.integers(1, 2))
     factor = data.draw(st.sampled_from([f for f in (1, 2, 4) if source.group_size == -1 and f == 1
@@ -43,7 +50,7 @@ def test_transcoder_equals_the_canonical_route(source, data, scale_dtype):
     group = -1 if source.group_size == -1 else source.group_size // factor
     shape = MoELayerShape(experts=1, hidden=hidden, intermediate=intermediate, bits=source.bits, group_size=group,
                           symmetric=source.symmetric, scale_dtype="F16" if scale_dtype == torch.float16 else "BF16")
-    transcoder = transcoders.find(source, "triton", shape)
+    transcoder = transcoders.find(source, backend, shape)
     assert transcoder is not None
     stored = {}
     for projection, (n, k) in (("gate", (intermediate, hidden)), ("up", (intermediate, hidden)),
@@ -55,7 +62,7 @@ def test_transcoder_equals_the_canonical_route(source, data, scale_dtype):
             weight.zeros[: min(n, 8)] = data.draw(st.sampled_from([0, (1 << source.bits) - 1]))
         stored[projection] = source.encode(weight)
     canonical = ExpertWeights(**{p: regroup(source.decode(t), factor) for p, t in stored.items()})
-    expected = TritonBackend().encode_expert(canonical, shape)
+    expected = BACKENDS[backend].encode_expert(canonical, shape)
     found = transcoder(source, {projection: _as_stored(tensors) for projection, tensors in stored.items()}, shape,
                        factor)
     assert set(found) == set(expected)
@@ -65,9 +72,40 @@ def test_transcoder_equals_the_canonical_route(source, data, scale_dtype):
         assert found[suffix].tobytes() == tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), suffix
 
 
+@pytest.mark.parametrize("source", [source for source in SOURCES if isinstance(source, GPTQ)],
+                         ids=lambda s: "-".join(map(str, s.describe().values())))
+@given(data=st.data(), scale_dtype=st.sampled_from([torch.float16, torch.bfloat16]))
+def test_the_dense_linear_transcoder_equals_the_canonical_route(source, data, scale_dtype):
+    """A dense GPTQ linear written in compressed-tensors (by that backend, and by triton for an asymmetric
+    source): the bytes of CompressedTensorsBackend.encode_linear of the decoded, regrouped weight."""
+    unit = 32 if source.group_size == -1 else source.group_size
+    n, k = 8 * data.draw(st.integers(1, 12)), unit * data.draw(st.integers(1, 3))
+    factor = data.draw(st.sampled_from([f for f in (1, 2, 4) if source.group_size == -1 and f == 1
+                                        or source.group_size // f >= 32]))
+    groups = 1 if source.group_size == -1 or source.group_size >= k else k // source.group_size
+    weight = random_canonical(torch.Generator().manual_seed(data.draw(st.integers(0, 2**31))), source.bits,
+                              source.symmetric, n, k, groups, scale_dtype)
+    if weight.zeros is not None and data.draw(st.booleans()):  # whole rows at an edge: v1 borrows
+        weight.zeros[: min(n, 8)] = data.draw(st.sampled_from([0, (1 << source.bits) - 1]))
+    stored = source.encode(weight)
+    linear = LinearShape(n, k, source.bits, -1 if source.group_size == -1 else source.group_size // factor,
+                         source.symmetric, "F16" if scale_dtype == torch.float16 else "BF16")
+    expected = CompressedTensorsBackend().encode_linear(regroup(source.decode(stored), factor), linear)
+    transcoder = transcoders.find_linear(source, "compressed-tensors")
+    found = transcoder(source, _as_stored(stored), factor)
+    assert set(found) == set(expected)
+    for suffix, tensor in expected.items():
+        assert found[suffix].shape == tuple(tensor.shape) and found[suffix].itemsize == tensor.element_size(), suffix
+        assert found[suffix].tobytes() == tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), suffix
+
+
 def test_pairs_without_a_transcoder_take_the_canonical_route():
     shape = MoELayerShape(1, 64, 32, 4, 32, False, "F16")
     assert transcoders.find(GPTQ(4, 32, sym=False), "humming", shape) is None
+    assert transcoders.find(AWQ(4, 32), "compressed-tensors", shape) is None
+    assert transcoders.find_linear(AWQ(4, 32), "compressed-tensors") is None
+    assert transcoders.find_linear(GPTQ(4, 32, sym=False), "compressed-tensors", activation_bits=8) is None
+    assert transcoders.find_linear(GPTQ(4, 32, sym=False), None) is None
     assert transcoders.find(GPTQ(2, 32, sym=False), "triton", shape) is None
     assert transcoders.find(GPTQ(8, -1, sym=True), "triton", MoELayerShape(1, 64, 32, 8, -1, True, "F16",
                                                                            activation_bits=8)) is None
@@ -84,16 +122,25 @@ def test_the_transcoder_leaves_act_order_experts_to_the_canonical_route():
     assert transcoders.gptq_to_triton(fmt, stored, shape, 1) is None
 
 
-@pytest.mark.parametrize("source", [GPTQ(4, 128, sym=False), AWQ(4, 64, zero_point=True)], ids=str)
-def test_a_conversion_is_byte_identical_without_the_transcoders(tmp_path, monkeypatch, source):
+@pytest.mark.parametrize("source, backend", [(GPTQ(4, 128, sym=False), "triton"), (AWQ(4, 64, zero_point=True), "triton"),
+                                             (GPTQ(4, 128, sym=False), "compressed-tensors"),
+                                             (GPTQ(8, 64, sym=True, checkpoint_format="gptq_v2"), "compressed-tensors")],
+                         ids=str)
+def test_a_conversion_is_byte_identical_without_the_transcoders(tmp_path, monkeypatch, source, backend):
+    """Whole conversions, dense linears included (an asymmetric GPTQ source's triton output writes them in
+    compressed-tensors), with the transcoders and through the canonical route; the first runs its workers
+    without torch where every job has a transcoder."""
     import moeconv
+    from moeconv.api import plan as make_plan
     from moeconv.synth import SynthSpec, make_checkpoint
 
     checkpoint = make_checkpoint(tmp_path / "src", SynthSpec(source_format=source, hidden=256, intermediate=128))
-    fast = moeconv.convert(checkpoint, tmp_path / "fast", backend="triton", regroup=True)
-    assert fast.plan["transcoder"] in ("gptq_to_triton", "awq_to_triton")
+    fast = moeconv.convert(checkpoint, tmp_path / "fast", backend=backend, regroup=True)
+    assert fast.plan["transcoder"] in ("gptq_to_triton", "awq_to_triton", "gptq_to_compressed_tensors")
+    assert not make_plan(checkpoint, backend=backend, regroup=True).workers_need_torch
     monkeypatch.setattr(transcoders, "find", lambda *args: None)
-    slow = moeconv.convert(checkpoint, tmp_path / "slow", backend="triton", regroup=True)
+    monkeypatch.setattr(transcoders, "find_linear", lambda *args: None)
+    slow = moeconv.convert(checkpoint, tmp_path / "slow", backend=backend, regroup=True)
     assert slow.plan["transcoder"] is None
     digests = [{path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in folder.glob("*.safetensors")}
                for folder in (tmp_path / "fast", tmp_path / "slow")]
