@@ -13,7 +13,8 @@ repeated-ones word back), are along N as the kernel's (N·b/8, G) bytes are: a b
 transpose. AWQ -> triton: AWQ packs along N in its interleaved order; the codes are unpacked with
 shifts on bytes, put in natural order with one gather, and packed in pairs along K. GPTQ ->
 compressed-tensors (experts, and the dense linears any backend writes in compressed-tensors): the
-same words, transposed (`gptq_linear_to_compressed_tensors`).
+same words, transposed (`gptq_linear_to_compressed_tensors`); AWQ -> compressed-tensors: AWQ's codes
+in natural columns, transposed and packed along K (`awq_linear_to_compressed_tensors`).
 
 They move bytes and nothing else, so they run in numpy on the stored bytes (`TensorReader.read_raw`;
 BF16 scales travel as their uint16 bit patterns): a conversion whose every job has a transcoder runs
@@ -138,20 +139,62 @@ def gptq_linear_to_compressed_tensors(fmt: GPTQ, linear: Linear, factor: int) ->
     return tensors
 
 
-def gptq_to_compressed_tensors(fmt: GPTQ, linears: Mapping[str, Linear], layer: MoELayerShape,
-                               factor: int) -> dict[str, np.ndarray] | None:
-    """An expert's three linears, each as `gptq_linear_to_compressed_tensors`, under the layer's
-    projection names (PerLinearBackend.encode_expert); None if any declines."""
+def _pack_rows(codes: np.ndarray, bits: int) -> np.ndarray:
+    """(R, C) codes -> (R, C·b/32) int32 words packed along C, value j of a word at bits [j·b, j·b + b)."""
+    per = 32 // bits
+    grouped = codes.reshape(codes.shape[0], -1, per).astype(np.uint32)
+    words = grouped[..., 0].copy()
+    for slot in range(1, per):
+        words |= grouped[..., slot] << np.uint32(slot * bits)
+    return words.view(np.int32)
+
+
+def _awq_natural(words: np.ndarray) -> np.ndarray:
+    """AWQ's (rows, N/8) words as (rows, N) 4-bit codes in natural column order."""
+    return np.stack(_awq_columns(words), axis=2).reshape(words.shape[0], -1)
+
+
+def awq_linear_to_compressed_tensors(fmt: AWQ, linear: Linear, factor: int) -> dict[str, np.ndarray]:
+    """One AWQ linear as compressed-tensors pack-quantized: AWQ packs along N in its interleaved order,
+    compressed-tensors along K in natural order, so the codes are unpacked into natural columns (one
+    gather), transposed and packed along K; the zero points (natural columns) are packed along N."""
+    codes = _awq_natural(linear["qweight"])  # (K, N)
+    in_features, out_features = codes.shape
+    tensors = {"weight_packed": _pack_rows(_transposed(codes), fmt.bits),
+               "weight_scale": _regrouped(_transposed(linear["scales"]), factor),
+               "weight_shape": np.array([out_features, in_features], dtype=np.int64)}
+    if fmt.zero_point:
+        tensors["weight_zero_point"] = _regrouped(_transposed(_pack_rows(_awq_natural(linear["qzeros"]), fmt.bits)),
+                                                  factor)
+    elif "qzeros" in linear:  # stored under zero_point false: the zero 8, or refused (as AWQ.decode)
+        fmt.check_symmetric_zeros(linear["qzeros"])
+    return tensors
+
+
+LinearTranscoder = Callable[[object, Linear, int], Union[dict[str, np.ndarray], None]]
+
+
+def _expert_linears(one: LinearTranscoder, fmt: object, linears: Mapping[str, Linear], layer: MoELayerShape,
+                    factor: int) -> dict[str, np.ndarray] | None:
+    """An expert's three linears, each through `one`, under the layer's projection names
+    (PerLinearBackend.encode_expert); None if any declines."""
     slices = {}
     for name, projection in zip(layer.projection_names, ("gate", "up", "down")):
-        tensors = gptq_linear_to_compressed_tensors(fmt, linears[projection], factor)
+        tensors = one(fmt, linears[projection], factor)
         if tensors is None:
             return None
         slices.update({f"{name}.{suffix}": array for suffix, array in tensors.items()})
     return slices
 
 
-LinearTranscoder = Callable[[object, Linear, int], Union[dict[str, np.ndarray], None]]
+def gptq_to_compressed_tensors(fmt: GPTQ, linears: Mapping[str, Linear], layer: MoELayerShape,
+                               factor: int) -> dict[str, np.ndarray] | None:
+    return _expert_linears(gptq_linear_to_compressed_tensors, fmt, linears, layer, factor)
+
+
+def awq_to_compressed_tensors(fmt: AWQ, linears: Mapping[str, Linear], layer: MoELayerShape,
+                              factor: int) -> dict[str, np.ndarray]:
+    return _expert_linears(awq_linear_to_compressed_tensors, fmt, linears, layer, factor)
 
 
 def find(fmt: object, backend_name: str, layer: MoELayerShape) -> Transcoder | None:
@@ -164,11 +207,17 @@ def find(fmt: object, backend_name: str, layer: MoELayerShape) -> Transcoder | N
         return awq_to_triton
     if backend_name == "compressed-tensors" and isinstance(fmt, GPTQ) and fmt.bits in (4, 8):
         return gptq_to_compressed_tensors
+    if backend_name == "compressed-tensors" and isinstance(fmt, AWQ) and fmt.bits == 4:
+        return awq_to_compressed_tensors
     return None
 
 
 def find_linear(fmt: object, backend_name: str | None, activation_bits: int = 16) -> LinearTranscoder | None:
     """The transcoder of a dense quantized linear written in `backend_name`'s layout, or None."""
-    if backend_name == "compressed-tensors" and activation_bits == 16 and isinstance(fmt, GPTQ) and fmt.bits in (4, 8):
+    if backend_name != "compressed-tensors" or activation_bits != 16:
+        return None
+    if isinstance(fmt, GPTQ) and fmt.bits in (4, 8):
         return gptq_linear_to_compressed_tensors
+    if isinstance(fmt, AWQ) and fmt.bits == 4:
+        return awq_linear_to_compressed_tensors
     return None

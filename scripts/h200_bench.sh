@@ -4,7 +4,7 @@
 # every backend at the default worker count), `scaling` (worker counts for a
 # transcoded and a canonical-route backend), `awq` (the same for an AWQ source), `scaling7` (the
 # worker-count table and every backend on that 7 GB source), `awq7` (a 7 GB AWQ source on three backends,
-# then verify's structure and lossless levels timed on its triton output), `builds` (commits compared).
+# then verify's structure and lossless levels timed on its triton output), `builds` (commits compared), `final` (7 GB GPTQ and AWQ, every backend, verify, fixed cost).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -12,6 +12,20 @@ export PYTHONPATH=$PWD
 nproc; free -g | head -2; df -h . | tail -1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case $phase in
+  final)
+    # Every backend from 7 GB GPTQ and AWQ sources, the whole process and the conversion against a flushed
+    # copy (docs/BENCHMARKS.md, 2026-12-03), verify's phases, then the fixed cost with and without bytecode.
+    python3 benchmarks/bench_convert.py --size-gb 7 --format gptq --backends triton,compressed-tensors,humming,cpu \
+      --repeats 1 --json "$out/gptq7.json"
+    src=$(ls -d bench-data/qwen3-like-gptq-*)
+    rm -rf /tmp/verified
+    python3 -m moeconv convert "$src" -o /tmp/verified -q --json > "$out/gptq7-triton.json"
+    python3 -m moeconv verify /tmp/verified --level lossless -q --json > "$out/verify.json" || echo "verify exit $?"
+    python3 -c "import json; print('verify', json.load(open('$out/verify.json'))['phase_seconds'])"
+    rm -rf /tmp/verified "$src"
+    python3 benchmarks/bench_convert.py --size-gb 7 --format awq --backends triton,compressed-tensors,humming \
+      --repeats 1 --json "$out/awq7.json"
+    python3 benchmarks/bench_startup.py --repeats 3 --modes warm,no-pyc --json "$out/startup.json" ;;
   builds)
     # Which commit made the 16-core conversion slower (docs/BENCHMARKS.md, 2026-12-03): the builds
     # exported to .builds (benchmarks/bench_builds.py export ...) on one 4 GB GPTQ source, then verify's

@@ -35,7 +35,7 @@ SOURCES = ([GPTQ(bits, g, sym, version) for bits in (4, 8) for g in (32, 64, 128
 
 
 PAIRS = ([(source, "triton") for source in SOURCES]
-         + [(source, "compressed-tensors") for source in SOURCES if isinstance(source, GPTQ)])
+         + [(source, "compressed-tensors") for source in SOURCES])
 BACKENDS = {"triton": TritonBackend(), "compressed-tensors": CompressedTensorsBackend()}
 
 
@@ -72,12 +72,12 @@ def test_transcoder_equals_the_canonical_route(source, backend, data, scale_dtyp
         assert found[suffix].tobytes() == tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), suffix
 
 
-@pytest.mark.parametrize("source", [source for source in SOURCES if isinstance(source, GPTQ)],
-                         ids=lambda s: "-".join(map(str, s.describe().values())))
+@pytest.mark.parametrize("source", SOURCES, ids=lambda s: "-".join(map(str, s.describe().values())))
 @given(data=st.data(), scale_dtype=st.sampled_from([torch.float16, torch.bfloat16]))
 def test_the_dense_linear_transcoder_equals_the_canonical_route(source, data, scale_dtype):
-    """A dense GPTQ linear written in compressed-tensors (by that backend, and by triton for an asymmetric
-    source): the bytes of CompressedTensorsBackend.encode_linear of the decoded, regrouped weight."""
+    """A dense GPTQ or AWQ linear written in compressed-tensors (by that backend, and by triton for an
+    asymmetric GPTQ source): the bytes of CompressedTensorsBackend.encode_linear of the decoded,
+    regrouped weight."""
     unit = 32 if source.group_size == -1 else source.group_size
     n, k = 8 * data.draw(st.integers(1, 12)), unit * data.draw(st.integers(1, 3))
     factor = data.draw(st.sampled_from([f for f in (1, 2, 4) if source.group_size == -1 and f == 1
@@ -102,8 +102,8 @@ def test_the_dense_linear_transcoder_equals_the_canonical_route(source, data, sc
 def test_pairs_without_a_transcoder_take_the_canonical_route():
     shape = MoELayerShape(1, 64, 32, 4, 32, False, "F16")
     assert transcoders.find(GPTQ(4, 32, sym=False), "humming", shape) is None
-    assert transcoders.find(AWQ(4, 32), "compressed-tensors", shape) is None
-    assert transcoders.find_linear(AWQ(4, 32), "compressed-tensors") is None
+    assert transcoders.find(AWQ(4, 32), "humming", shape) is None
+    assert transcoders.find_linear(AWQ(4, 32), "triton") is None
     assert transcoders.find_linear(GPTQ(4, 32, sym=False), "compressed-tensors", activation_bits=8) is None
     assert transcoders.find_linear(GPTQ(4, 32, sym=False), None) is None
     assert transcoders.find(GPTQ(2, 32, sym=False), "triton", shape) is None
@@ -124,7 +124,8 @@ def test_the_transcoder_leaves_act_order_experts_to_the_canonical_route():
 
 @pytest.mark.parametrize("source, backend", [(GPTQ(4, 128, sym=False), "triton"), (AWQ(4, 64, zero_point=True), "triton"),
                                              (GPTQ(4, 128, sym=False), "compressed-tensors"),
-                                             (GPTQ(8, 64, sym=True, checkpoint_format="gptq_v2"), "compressed-tensors")],
+                                             (GPTQ(8, 64, sym=True, checkpoint_format="gptq_v2"), "compressed-tensors"),
+                                             (AWQ(4, 64, zero_point=True), "compressed-tensors")],
                          ids=str)
 def test_a_conversion_is_byte_identical_without_the_transcoders(tmp_path, monkeypatch, source, backend):
     """Whole conversions, dense linears included (an asymmetric GPTQ source's triton output writes them in
@@ -136,7 +137,8 @@ def test_a_conversion_is_byte_identical_without_the_transcoders(tmp_path, monkey
 
     checkpoint = make_checkpoint(tmp_path / "src", SynthSpec(source_format=source, hidden=256, intermediate=128))
     fast = moeconv.convert(checkpoint, tmp_path / "fast", backend=backend, regroup=True)
-    assert fast.plan["transcoder"] in ("gptq_to_triton", "awq_to_triton", "gptq_to_compressed_tensors")
+    assert fast.plan["transcoder"] in ("gptq_to_triton", "awq_to_triton", "gptq_to_compressed_tensors",
+                                       "awq_to_compressed_tensors")
     assert not make_plan(checkpoint, backend=backend, regroup=True).workers_need_torch
     monkeypatch.setattr(transcoders, "find", lambda *args: None)
     monkeypatch.setattr(transcoders, "find_linear", lambda *args: None)
