@@ -14,7 +14,8 @@ transpose. AWQ -> triton: AWQ packs along N in its interleaved order; the codes 
 shifts on bytes, put in natural order with one gather, and packed in pairs along K. GPTQ ->
 compressed-tensors (experts, and the dense linears any backend writes in compressed-tensors): the
 same words, transposed (`gptq_linear_to_compressed_tensors`); AWQ -> compressed-tensors: AWQ's codes
-in natural columns, transposed and packed along K (`awq_linear_to_compressed_tensors`).
+in natural columns, transposed and packed along K (`awq_linear_to_compressed_tensors`). Humming's
+per-linear schema holds the same words as compressed-tensors under other names.
 
 They move bytes and nothing else, so they run in numpy on the stored bytes (`TensorReader.read_raw`;
 BF16 scales travel as their uint16 bit patterns): a conversion whose every job has a transcoder runs
@@ -174,6 +175,25 @@ def awq_linear_to_compressed_tensors(fmt: AWQ, linear: Linear, factor: int) -> d
 LinearTranscoder = Callable[[object, Linear, int], Union[dict[str, np.ndarray], None]]
 
 
+def _humming_names(tensors: dict[str, np.ndarray] | None) -> dict[str, np.ndarray] | None:
+    """Humming's per-linear schema holds the same words as compressed-tensors' under its own names, and
+    no weight_shape (backends/humming.py)."""
+    if tensors is None:
+        return None
+    renamed = {"weight": tensors["weight_packed"], "weight_scale": tensors["weight_scale"]}
+    if "weight_zero_point" in tensors:
+        renamed["zero_point"] = tensors["weight_zero_point"]
+    return renamed
+
+
+def gptq_linear_to_humming(fmt: GPTQ, linear: Linear, factor: int) -> dict[str, np.ndarray] | None:
+    return _humming_names(gptq_linear_to_compressed_tensors(fmt, linear, factor))
+
+
+def awq_linear_to_humming(fmt: AWQ, linear: Linear, factor: int) -> dict[str, np.ndarray]:
+    return _humming_names(awq_linear_to_compressed_tensors(fmt, linear, factor))
+
+
 def _expert_linears(one: LinearTranscoder, fmt: object, linears: Mapping[str, Linear], layer: MoELayerShape,
                     factor: int) -> dict[str, np.ndarray] | None:
     """An expert's three linears, each through `one`, under the layer's projection names
@@ -197,6 +217,30 @@ def awq_to_compressed_tensors(fmt: AWQ, linears: Mapping[str, Linear], layer: Mo
     return _expert_linears(awq_linear_to_compressed_tensors, fmt, linears, layer, factor)
 
 
+def gptq_to_humming(fmt: GPTQ, linears: Mapping[str, Linear], layer: MoELayerShape,
+                    factor: int) -> dict[str, np.ndarray] | None:
+    return _expert_linears(gptq_linear_to_humming, fmt, linears, layer, factor)
+
+
+def awq_to_humming(fmt: AWQ, linears: Mapping[str, Linear], layer: MoELayerShape, factor: int) -> dict[str, np.ndarray]:
+    return _expert_linears(awq_linear_to_humming, fmt, linears, layer, factor)
+
+
+# (format, per-linear backend) -> (expert transcoder, dense linear transcoder)
+_PER_LINEAR = {(GPTQ, "compressed-tensors"): (gptq_to_compressed_tensors, gptq_linear_to_compressed_tensors),
+               (AWQ, "compressed-tensors"): (awq_to_compressed_tensors, awq_linear_to_compressed_tensors),
+               (GPTQ, "humming"): (gptq_to_humming, gptq_linear_to_humming),
+               (AWQ, "humming"): (awq_to_humming, awq_linear_to_humming)}
+
+
+def _per_linear(fmt: object, backend_name: str | None) -> tuple[Transcoder, LinearTranscoder] | None:
+    if isinstance(fmt, GPTQ) and fmt.bits in (4, 8):
+        return _PER_LINEAR.get((GPTQ, backend_name))
+    if isinstance(fmt, AWQ) and fmt.bits == 4:
+        return _PER_LINEAR.get((AWQ, backend_name))
+    return None
+
+
 def find(fmt: object, backend_name: str, layer: MoELayerShape) -> Transcoder | None:
     """The expert transcoder for this pair and layer, or None (the canonical route)."""
     if layer.activation_bits != 16:
@@ -205,19 +249,11 @@ def find(fmt: object, backend_name: str, layer: MoELayerShape) -> Transcoder | N
         return gptq_to_triton
     if backend_name == "triton" and isinstance(fmt, AWQ) and fmt.bits == 4:
         return awq_to_triton
-    if backend_name == "compressed-tensors" and isinstance(fmt, GPTQ) and fmt.bits in (4, 8):
-        return gptq_to_compressed_tensors
-    if backend_name == "compressed-tensors" and isinstance(fmt, AWQ) and fmt.bits == 4:
-        return awq_to_compressed_tensors
-    return None
+    pair = _per_linear(fmt, backend_name)
+    return pair[0] if pair else None
 
 
 def find_linear(fmt: object, backend_name: str | None, activation_bits: int = 16) -> LinearTranscoder | None:
     """The transcoder of a dense quantized linear written in `backend_name`'s layout, or None."""
-    if backend_name != "compressed-tensors" or activation_bits != 16:
-        return None
-    if isinstance(fmt, GPTQ) and fmt.bits in (4, 8):
-        return gptq_linear_to_compressed_tensors
-    if isinstance(fmt, AWQ) and fmt.bits == 4:
-        return awq_linear_to_compressed_tensors
-    return None
+    pair = _per_linear(fmt, backend_name) if activation_bits == 16 else None
+    return pair[1] if pair else None

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from moeconv import transcoders
 from moeconv.backends.base import ExpertWeights
 from moeconv.backends.compressed_tensors import CompressedTensorsBackend
+from moeconv.backends.humming import HummingBackend
 from moeconv.backends.triton import TritonBackend
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, regroup
 from moeconv.formats import AWQ, GPTQ
@@ -35,8 +36,8 @@ SOURCES = ([GPTQ(bits, g, sym, version) for bits in (4, 8) for g in (32, 64, 128
 
 
 PAIRS = ([(source, "triton") for source in SOURCES]
-         + [(source, "compressed-tensors") for source in SOURCES])
-BACKENDS = {"triton": TritonBackend(), "compressed-tensors": CompressedTensorsBackend()}
+         + [(source, backend) for source in SOURCES for backend in ("compressed-tensors", "humming")])
+BACKENDS = {"triton": TritonBackend(), "compressed-tensors": CompressedTensorsBackend(), "humming": HummingBackend()}
 
 
 @pytest.mark.parametrize("source, backend", PAIRS,
@@ -72,9 +73,11 @@ def test_transcoder_equals_the_canonical_route(source, backend, data, scale_dtyp
         assert found[suffix].tobytes() == tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), suffix
 
 
-@pytest.mark.parametrize("source", SOURCES, ids=lambda s: "-".join(map(str, s.describe().values())))
+@pytest.mark.parametrize("source, backend", [(source, backend) for source in SOURCES
+                                             for backend in ("compressed-tensors", "humming")],
+                         ids=lambda p: p if isinstance(p, str) else "-".join(map(str, p.describe().values())))
 @given(data=st.data(), scale_dtype=st.sampled_from([torch.float16, torch.bfloat16]))
-def test_the_dense_linear_transcoder_equals_the_canonical_route(source, data, scale_dtype):
+def test_the_dense_linear_transcoder_equals_the_canonical_route(source, backend, data, scale_dtype):
     """A dense GPTQ or AWQ linear written in compressed-tensors (by that backend, and by triton for an
     asymmetric GPTQ source): the bytes of CompressedTensorsBackend.encode_linear of the decoded,
     regrouped weight."""
@@ -90,8 +93,8 @@ def test_the_dense_linear_transcoder_equals_the_canonical_route(source, data, sc
     stored = source.encode(weight)
     linear = LinearShape(n, k, source.bits, -1 if source.group_size == -1 else source.group_size // factor,
                          source.symmetric, "F16" if scale_dtype == torch.float16 else "BF16")
-    expected = CompressedTensorsBackend().encode_linear(regroup(source.decode(stored), factor), linear)
-    transcoder = transcoders.find_linear(source, "compressed-tensors")
+    expected = BACKENDS[backend].encode_linear(regroup(source.decode(stored), factor), linear)
+    transcoder = transcoders.find_linear(source, backend)
     found = transcoder(source, _as_stored(stored), factor)
     assert set(found) == set(expected)
     for suffix, tensor in expected.items():
@@ -101,8 +104,8 @@ def test_the_dense_linear_transcoder_equals_the_canonical_route(source, data, sc
 
 def test_pairs_without_a_transcoder_take_the_canonical_route():
     shape = MoELayerShape(1, 64, 32, 4, 32, False, "F16")
-    assert transcoders.find(GPTQ(4, 32, sym=False), "humming", shape) is None
-    assert transcoders.find(AWQ(4, 32), "humming", shape) is None
+    assert transcoders.find(GPTQ(4, 32, sym=False), "cpu", shape) is None
+    assert transcoders.find(AWQ(4, 32), "cpu", shape) is None
     assert transcoders.find_linear(AWQ(4, 32), "triton") is None
     assert transcoders.find_linear(GPTQ(4, 32, sym=False), "compressed-tensors", activation_bits=8) is None
     assert transcoders.find_linear(GPTQ(4, 32, sym=False), None) is None
@@ -125,7 +128,8 @@ def test_the_transcoder_leaves_act_order_experts_to_the_canonical_route():
 @pytest.mark.parametrize("source, backend", [(GPTQ(4, 128, sym=False), "triton"), (AWQ(4, 64, zero_point=True), "triton"),
                                              (GPTQ(4, 128, sym=False), "compressed-tensors"),
                                              (GPTQ(8, 64, sym=True, checkpoint_format="gptq_v2"), "compressed-tensors"),
-                                             (AWQ(4, 64, zero_point=True), "compressed-tensors")],
+                                             (AWQ(4, 64, zero_point=True), "compressed-tensors"),
+                                             (GPTQ(4, 64, sym=True), "humming"), (AWQ(4, 64, zero_point=True), "humming")],
                          ids=str)
 def test_a_conversion_is_byte_identical_without_the_transcoders(tmp_path, monkeypatch, source, backend):
     """Whole conversions, dense linears included (an asymmetric GPTQ source's triton output writes them in
@@ -138,7 +142,7 @@ def test_a_conversion_is_byte_identical_without_the_transcoders(tmp_path, monkey
     checkpoint = make_checkpoint(tmp_path / "src", SynthSpec(source_format=source, hidden=256, intermediate=128))
     fast = moeconv.convert(checkpoint, tmp_path / "fast", backend=backend, regroup=True)
     assert fast.plan["transcoder"] in ("gptq_to_triton", "awq_to_triton", "gptq_to_compressed_tensors",
-                                       "awq_to_compressed_tensors")
+                                       "awq_to_compressed_tensors", "gptq_to_humming", "awq_to_humming")
     assert not make_plan(checkpoint, backend=backend, regroup=True).workers_need_torch
     monkeypatch.setattr(transcoders, "find", lambda *args: None)
     monkeypatch.setattr(transcoders, "find_linear", lambda *args: None)
