@@ -29,11 +29,13 @@ from typing import Callable, Mapping, Union
 
 import numpy as np
 
-from moeconv import packing
+from moeconv import act_order, packing
 from moeconv.backends.base import FUSED_GEMMS
 from moeconv.backends.triton import WNA16
-from moeconv.canonical import MoELayerShape
+from moeconv.canonical import MoELayerShape, effective_group_size
+from moeconv.errors import MoeconvError
 from moeconv.formats.awq import AWQ, NATURAL_FROM_SLOTS
+from moeconv.formats.compressed_tensors import CompressedTensors
 from moeconv.formats.gptq import GPTQ
 
 Linear = Mapping[str, np.ndarray]  # one source linear's stored tensors (TensorReader.read_raw), by suffix
@@ -226,11 +228,78 @@ def awq_to_humming(fmt: AWQ, linears: Mapping[str, Linear], layer: MoELayerShape
     return _expert_linears(awq_linear_to_humming, fmt, linears, layer, factor)
 
 
+def _ct_words(fmt: CompressedTensors, linear: Linear) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """A compressed-tensors pack-quantized linear's codes (N, K·b/32) and true zero words (N·b/32, G) or
+    None, checked as CompressedTensors.decode checks them; None for a weight_g_idx that is not k // g."""
+    packed = linear["weight_packed"]
+    shape = (packed.shape[0], packed.shape[1] * 32 // fmt.bits)
+    stated = tuple(int(size) for size in linear["weight_shape"].reshape(-1))
+    if stated != shape:
+        raise MoeconvError(f"weight_shape says {list(stated)}, weight_packed holds {list(shape)}")
+    g_idx = linear.get("weight_g_idx")
+    if g_idx is not None and act_order.group_order(
+            g_idx, effective_group_size(shape[1], fmt.group_size)).kind != act_order.STATIC:
+        return None
+    return packed, None if fmt.symmetric else linear["weight_zero_point"]
+
+
+def compressed_tensors_linear_to_compressed_tensors(fmt: CompressedTensors, linear: Linear,
+                                                    factor: int) -> dict[str, np.ndarray] | None:
+    """The normalised compressed-tensors linear: the same words (regrouped where asked), without a
+    trivial weight_g_idx."""
+    words = _ct_words(fmt, linear)
+    if words is None:
+        return None
+    codes, zeros = words
+    tensors = {"weight_packed": codes, "weight_scale": _regrouped(linear["weight_scale"], factor),
+               "weight_shape": np.array([codes.shape[0], codes.shape[1] * 32 // fmt.bits], dtype=np.int64)}
+    if zeros is not None:
+        tensors["weight_zero_point"] = _regrouped(zeros, factor)
+    return tensors
+
+
+def compressed_tensors_linear_to_humming(fmt: CompressedTensors, linear: Linear,
+                                         factor: int) -> dict[str, np.ndarray] | None:
+    return _humming_names(compressed_tensors_linear_to_compressed_tensors(fmt, linear, factor))
+
+
+def compressed_tensors_to_compressed_tensors(fmt: CompressedTensors, linears: Mapping[str, Linear],
+                                             layer: MoELayerShape, factor: int) -> dict[str, np.ndarray] | None:
+    return _expert_linears(compressed_tensors_linear_to_compressed_tensors, fmt, linears, layer, factor)
+
+
+def compressed_tensors_to_humming(fmt: CompressedTensors, linears: Mapping[str, Linear], layer: MoELayerShape,
+                                  factor: int) -> dict[str, np.ndarray] | None:
+    return _expert_linears(compressed_tensors_linear_to_humming, fmt, linears, layer, factor)
+
+
+def compressed_tensors_to_triton(fmt: CompressedTensors, linears: Mapping[str, Linear], layer: MoELayerShape,
+                                 factor: int) -> dict[str, np.ndarray] | None:
+    """compressed-tensors packs codes along K into int32 words, LSB first: read as bytes, they are the
+    kernel's (N, K·b/8) codes. Its true zero points are packed along N in (N·b/32, G) words: the bytes of
+    each word, in order down the rows, are the kernel's (N·b/8, G) zero bytes."""
+    words = {projection: _ct_words(fmt, linear) for projection, linear in linears.items()}
+    if any(found is None for found in words.values()):
+        return None
+
+    def one(projection: str) -> tuple:
+        codes, zeros = words[projection]
+        if zeros is not None:
+            zeros = _bytes(zeros).reshape(zeros.shape[0], zeros.shape[1], 4).transpose(0, 2, 1)
+            zeros = np.ascontiguousarray(zeros).reshape(-1, words[projection][1].shape[1])
+        return _bytes(codes), np.ascontiguousarray(linears[projection]["weight_scale"]), zeros
+
+    return _stacked_gemms({projection: projection for projection in linears}, one, factor)
+
+
 # (format, per-linear backend) -> (expert transcoder, dense linear transcoder)
 _PER_LINEAR = {(GPTQ, "compressed-tensors"): (gptq_to_compressed_tensors, gptq_linear_to_compressed_tensors),
                (AWQ, "compressed-tensors"): (awq_to_compressed_tensors, awq_linear_to_compressed_tensors),
                (GPTQ, "humming"): (gptq_to_humming, gptq_linear_to_humming),
-               (AWQ, "humming"): (awq_to_humming, awq_linear_to_humming)}
+               (AWQ, "humming"): (awq_to_humming, awq_linear_to_humming),
+               (CompressedTensors, "compressed-tensors"): (compressed_tensors_to_compressed_tensors,
+                                                           compressed_tensors_linear_to_compressed_tensors),
+               (CompressedTensors, "humming"): (compressed_tensors_to_humming, compressed_tensors_linear_to_humming)}
 
 
 def _per_linear(fmt: object, backend_name: str | None) -> tuple[Transcoder, LinearTranscoder] | None:
@@ -238,6 +307,8 @@ def _per_linear(fmt: object, backend_name: str | None) -> tuple[Transcoder, Line
         return _PER_LINEAR.get((GPTQ, backend_name))
     if isinstance(fmt, AWQ) and fmt.bits == 4:
         return _PER_LINEAR.get((AWQ, backend_name))
+    if isinstance(fmt, CompressedTensors) and fmt.packed and fmt.bits in (4, 8):
+        return _PER_LINEAR.get((CompressedTensors, backend_name))
     return None
 
 
@@ -249,6 +320,8 @@ def find(fmt: object, backend_name: str, layer: MoELayerShape) -> Transcoder | N
         return gptq_to_triton
     if backend_name == "triton" and isinstance(fmt, AWQ) and fmt.bits == 4:
         return awq_to_triton
+    if backend_name == "triton" and isinstance(fmt, CompressedTensors) and fmt.packed and fmt.bits in (4, 8):
+        return compressed_tensors_to_triton
     pair = _per_linear(fmt, backend_name)
     return pair[0] if pair else None
 
