@@ -146,3 +146,17 @@ def test_workers_are_forked_from_a_server_that_imported_torch_for_them():
         reported = list(executor.map(_boot_and_parent, [()] * 4))
     assert all(booted and has_torch for booted, has_torch, _ in reported)
     assert {parent for _, _, parent in reported} != {os.getpid()}  # the fork server's children, not ours
+
+
+def _stdio() -> tuple[str, str]:
+    return os.readlink("/proc/self/fd/1"), os.readlink("/proc/self/fd/2")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="Linux /proc/self/fd")
+def test_the_fork_server_holds_no_stdio_of_the_command():
+    """The fork server (started before planning) may still be importing torch when a conversion that did
+    not need it ends; a caller reading the command's output to its end must not wait for it: the server,
+    and so every worker forked from it, has its stdout and stderr on /dev/null."""
+    with Executor(2) as executor:
+        seen = set(executor.map(_stdio, [()] * 4))
+    assert seen == {(os.devnull, os.devnull)}
