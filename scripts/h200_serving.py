@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import ast
 import ctypes
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -193,6 +194,11 @@ class SourceReference:
                         self.tensors[name] = f.get_tensor(name).to(device)
                         self.names[int(found.group(2)), found.group(3)] = name.rsplit(".", 1)[0]
         self.cache: dict[tuple[int, str], torch.Tensor] = {}
+        # act-order (desc_act): a g_idx that is not k // g. moeconv folds a down projection's input
+        # permutation into the gate/up output rows, so the w13 output's channels come out permuted
+        self.act_order = any(not torch.equal(t.long(), torch.arange(t.numel(), device=t.device) // (
+            t.numel() // self.tensors[n.removesuffix("g_idx") + "scales"].shape[0]))
+            for n, t in self.tensors.items() if n.endswith(".g_idx"))
 
     def weight(self, expert: int, projection: str) -> torch.Tensor:
         aliases = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}[projection]
@@ -223,6 +229,18 @@ def reference_moe(ref: SourceReference, x: torch.Tensor, topk_ids: torch.Tensor,
     w13_out, act, w2_out = torch.stack(w13_out), torch.stack(act), torch.stack(w2_out)
     layer = (w2_out.view(m, k, -1) * topk_weights.double().unsqueeze(-1)).sum(1)
     return w13_out, act, w2_out, layer
+
+
+def channel_sorted_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The relative error of a w13 output whose intermediate channels are in another order: each row's
+    gate half and up half sorted, on both sides."""
+    half = ref.shape[1] // 2
+
+    def key(t: torch.Tensor) -> torch.Tensor:
+        t = t.double()
+        return torch.cat([t[:, :half].sort(dim=1).values, t[:, half:].sort(dim=1).values], dim=1)
+
+    return relative_error(key(out), key(ref))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -513,29 +531,41 @@ def plugin_fill(stacked: dict[str, torch.Tensor], like: dict[str, torch.Tensor],
     return filled
 
 
-def humming_layer_tensors(humming_output: Path, layer_name: str, num_experts: int, names: dict[str, str]):
+def sampled_experts(num_experts: int) -> list[int]:
+    """The experts compared with Humming's own loader (each of its reads loads a whole shard: about a
+    second); the plugin's fill is compared for every expert."""
+    return sorted({0, num_experts // 2, num_experts - 1})
+
+
+def humming_layer_tensors(humming_output: Path, layer_name: str, experts: list[int], names: dict[str, str]):
     """Per expert and projection, what Humming's own HummingLayer.from_safetensors reads."""
     from humming.layer import HummingLayer
 
     read = {}
-    for expert in range(num_experts):
+    for expert in experts:
         for projection, stored in names.items():
-            layer = HummingLayer.from_safetensors(str(humming_output), prefix=f"{layer_name}.{expert}.{stored}")
+            # torch_dtype float16: the scales as stored (a bf16 model's layer would round them to bf16)
+            layer = HummingLayer.from_safetensors(str(humming_output), prefix=f"{layer_name}.{expert}.{stored}",
+                                                  torch_dtype=torch.float16)
             read[expert, projection] = ({k: v.detach().clone() for k, v in layer.state_dict().items()},
                                         layer.weight_schema)
     return read
 
 
-def part_a(inputs: Path, scratch: Path, device, vllm_triton, dtypes: list[torch.dtype], tokens: list[int]):
+def part_a(inputs: Path, scratch: Path, device, vllm_triton, dtype: torch.dtype, tokens: list[int],
+           first: bool) -> None:
+    """`first`: also the equality checks (1, 2); every call: Humming and Triton in `dtype` (3, 4)."""
     import moeconv
-    from humming.schema import BaseWeightSchema
 
     for folder in sorted(p for p in inputs.iterdir() if (p / "plugin_params.json").exists()):
         meta_all = json.loads((folder / "plugin_params.json").read_text())
         params_all = load_file(str(folder / "plugin_params.safetensors"))
         source = folder / "src"
-        out_triton = moeconv.convert(source, scratch / folder.name / "triton", backend="triton").output
-        out_humming = moeconv.convert(source, scratch / folder.name / "humming", backend="humming").output
+        out_triton, out_humming = scratch / folder.name / "triton", scratch / folder.name / "humming"
+        if first:  # one worker: in this process, no start-up of worker processes
+            out_triton.parent.mkdir(parents=True, exist_ok=True)
+            moeconv.convert(source, out_triton, backend="triton", workers=1)
+            moeconv.convert(source, out_humming, backend="humming", workers=1)
         triton_config = json.loads((out_triton / "config.json").read_text())["quantization_config"]
         bits, group_size = triton_config["bits"], triton_config["group_size"]
         for layer_name, meta in meta_all["layers"].items():
@@ -545,49 +575,65 @@ def part_a(inputs: Path, scratch: Path, device, vllm_triton, dtypes: list[torch.
                    "backend_at_cc90": meta["backend"], "E": e, "H": h, "I": i, "top_k": meta["top_k"],
                    "group_size": group_size, "has_zp": triton_config["has_zp"], "vllm": meta_all["vllm"],
                    "plugin_log": meta_all["plugin_log"]}
-            # 1. staged parameters == the plugin's fill of the triton output computed here
             stacked = stacked_tensors(out_triton, layer_name)
-            filled = plugin_fill(stacked, params, meta, bits, group_size)
-            differ = [n for n, t in filled.items() if not torch.equal(t, params[n])]
-            row["staged_equals_plugin_fill"] = not differ and set(filled) <= set(params)
-            if not row["staged_equals_plugin_fill"]:
-                FAILURES.append(f"{row['case']}: staged parameters differ from the plugin's fill: {differ}")
-            # 2. after Humming's schema conversion == HummingLayer.from_safetensors of the humming output
-            schema = BaseWeightSchema.from_config(meta["humming_weight_schema_config"])
-            names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-            if not any(".gate_proj." in n for n in json.loads((out_humming / "model.safetensors.index.json")
-                                                             .read_text())["weight_map"]):
-                names = {"gate": "w1", "up": "w3", "down": "w2"}
-            read = humming_layer_tensors(out_humming, layer_name, e, names)
-            mismatches = []
-            for sub, n_stacks, k in (("w13", [i, i], h), ("w2", [h], i)):
-                tensors = {n.removeprefix(sub + "_"): t.clone() for n, t in params.items() if n.startswith(sub + "_")}
-                tensors["weight_scale"] = tensors["weight_scale"].to(torch.float16)
-                conv_schema, conv = schema.convert_humming(tensors=tensors, shape_n_stacks=n_stacks, shape_k_stacks=[k],
-                                                           param_dtype=torch.float16, num_experts=e,
-                                                           convert_symmetric_integer=False)
-                for expert in range(e):
-                    parts = ("gate", "up") if sub == "w13" else ("down",)
-                    for name, value in conv.items():
-                        theirs = torch.cat([read[expert, p][0][name] for p in parts]) if name != "zero_point" or \
-                            len(parts) == 1 else torch.cat([read[expert, p][0][name] for p in parts])
-                        if not torch.equal(value[expert].cpu(), theirs.to(value.dtype).cpu()):
-                            mismatches.append(f"{sub} expert {expert} {name}")
-                    if read[expert, parts[0]][1] != conv_schema:
-                        mismatches.append(f"{sub} schema {conv_schema} != {read[expert, parts[0]][1]}")
-            row["plugin_params_equal_humming_from_safetensors"] = not mismatches
-            row["humming_mismatches"] = sorted(set(mismatches))[:6]
-            if mismatches:
-                FAILURES.append(f"{row['case']}: Humming's own loader reads other tensors: {mismatches[:3]}")
-            emit(row)
-            # 3./4. Humming (vLLM's calls) and vLLM's Triton kernel against the source's float64 reference
             ref = SourceReference(source, int(re.search(r"layers\.(\d+)\.", layer_name).group(1)), device)
-            for dtype in dtypes:
-                humming = HummingMoE(params, meta["humming_weight_schema_config"], e, h, i, dtype, device)
-                triton_moe = TritonMoE(vllm_triton, stacked, e, h, i, group_size, dtype, device)
-                for m in tokens:
-                    run_case({**row, "part": "A", "dtype": str(dtype).removeprefix("torch."), "tokens": m},
-                             humming, triton_moe, ref, m, meta["top_k"], e, dtype, device, timer=None)
+            if first:
+                equalities(row, params, stacked, meta, bits, group_size, out_humming, layer_name)
+            humming = HummingMoE(params, meta["humming_weight_schema_config"], e, h, i, dtype, device)
+            triton_moe = TritonMoE(vllm_triton, stacked, e, h, i, group_size, dtype, device)
+            for m in tokens:
+                run_case({**row, "part": "A", "dtype": str(dtype).removeprefix("torch."), "tokens": m},
+                         humming, triton_moe, ref, m, meta["top_k"], e, dtype, device, timer=None)
+
+
+def equalities(row: dict, params: dict, stacked: dict, meta: dict, bits: int, group_size: int, out_humming: Path,
+               layer_name: str) -> None:
+    """Checks 1 and 2 of part A; emits the row."""
+    from humming.schema import BaseWeightSchema
+
+    e, h, i = meta["num_experts"], meta["hidden"], meta["intermediate_per_partition"]
+    # 1. staged parameters == the plugin's fill of the triton output computed here
+    filled = plugin_fill(stacked, params, meta, bits, group_size)
+    differ = [n for n, t in filled.items() if not torch.equal(t, params[n])]
+    row["staged_equals_plugin_fill"] = not differ and set(filled) <= set(params)
+    if not row["staged_equals_plugin_fill"]:
+        FAILURES.append(f"{row['case']}: staged parameters differ from the plugin's fill: {differ}")
+    # 2. after Humming's schema conversion == HummingLayer.from_safetensors of the humming output
+    schema = BaseWeightSchema.from_config(meta["humming_weight_schema_config"])
+    names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+    if not any(".gate_proj." in n for n in json.loads((out_humming / "model.safetensors.index.json")
+                                                     .read_text())["weight_map"]):
+        names = {"gate": "w1", "up": "w3", "down": "w2"}
+    experts = sampled_experts(e)
+    read = humming_layer_tensors(out_humming, layer_name, experts, names)
+    row["humming_loader_experts"] = experts
+    mismatches = []
+    for sub, n_stacks, k in (("w13", [i, i], h), ("w2", [h], i)):
+        tensors = {n.removeprefix(sub + "_"): t.clone() for n, t in params.items() if n.startswith(sub + "_")}
+        tensors["weight_scale"] = tensors["weight_scale"].to(torch.float16)
+        conv_schema, conv = schema.convert_humming(tensors=tensors, shape_n_stacks=n_stacks, shape_k_stacks=[k],
+                                                   param_dtype=torch.float16, num_experts=e,
+                                                   convert_symmetric_integer=False)
+        for expert in experts:
+            parts = ("gate", "up") if sub == "w13" else ("down",)
+            for name, value in conv.items():
+                # gate rows then up rows (zero points: packed rows, whole words per part)
+                theirs = torch.cat([read[expert, p][0][name] for p in parts])
+                if not torch.equal(value[expert].cpu(), theirs.to(value.dtype).cpu()):
+                    mismatches.append(f"{sub} expert {expert} {name}")
+            theirs_schema = read[expert, parts[0]][1]
+            if theirs_schema.bs_dtype is not None and conv_schema.bs_dtype is None:
+                # moeconv's humming output names the scales' dtype (bs_dtype float16) where vLLM's
+                # compressed-tensors schema leaves it to the parameters' dtype (here float16)
+                row["humming_output_bs_dtype"] = str(theirs_schema.bs_dtype)
+                theirs_schema = dataclasses.replace(theirs_schema, bs_dtype=None)
+            if theirs_schema != conv_schema:
+                mismatches.append(f"{sub} schema {conv_schema} != {theirs_schema}")
+    row["plugin_params_equal_humming_from_safetensors"] = not mismatches
+    row["humming_mismatches"] = sorted(set(mismatches))[:6]
+    if mismatches:
+        FAILURES.append(f"{row['case']}: Humming's own loader reads other tensors: {mismatches[:3]}")
+    emit(dict(row, part="A-equal"))
 
 
 def run_case(row: dict, humming: HummingMoE, triton_moe: TritonMoE, ref: SourceReference, m: int, top_k: int,
@@ -604,12 +650,14 @@ def run_case(row: dict, humming: HummingMoE, triton_moe: TritonMoE, ref: SourceR
             b.fill_(float("nan"))  # poison: an element never written shows as NaN
         out = humming.forward(x, topk_weights, h_plan)
         torch.cuda.synchronize()
-        check(row, relative_error(h_plan["buffers"]["gate_up"], ref13), "humming_w13_err")
+        w13_error = channel_sorted_error if ref.act_order else relative_error
+        row["w13_check"] = "each row's gate and up channels sorted (act-order fold)" if ref.act_order else "exact"
+        check(row, w13_error(h_plan["buffers"]["gate_up"], ref13), "humming_w13_err")
         check(row, relative_error(h_plan["buffers"]["down"], ref2), "humming_w2_err")
         check(row, relative_error(out, ref_layer), "humming_layer_err")
         out = triton_moe.forward(x, topk_weights, t_plan)
         torch.cuda.synchronize()
-        check(row, relative_error(t_plan["buffers"]["cache1"].view(m * top_k, -1), ref13), "triton_w13_err")
+        check(row, w13_error(t_plan["buffers"]["cache1"].view(m * top_k, -1), ref13), "triton_w13_err")
         check(row, relative_error(out, ref_layer), "triton_layer_err")
         # the float64 reference's own rounding to the activation dtype, for scale
         row["ref_rounding_err"] = relative_error(ref_layer.to(dtype), ref_layer)
@@ -648,47 +696,51 @@ SHAPES = {"qwen3-30b-a3b": {"architecture": "qwen3_moe", "experts": 128, "top_k"
           "mixtral-8x7b": {"architecture": "mixtral", "experts": 8, "top_k": 2, "hidden": 4096, "intermediate": 14336}}
 
 
-def part_b(scratch: Path, device, vllm_triton, shapes: list[str], dtypes: list[torch.dtype], tokens: list[int],
-           timer: Timer, budget_s: float) -> None:
-    import moeconv
-    from moeconv.formats import GPTQ
-    from moeconv.synth import SynthSpec, make_checkpoint
+class TimingLayer:
+    """One timing shape: a GPTQ source made by moeconv.synth, its triton output, the parameters the
+    plugin fills from it, and the float64 reference of the source (built once, used for every dtype)."""
 
-    for shape_name in shapes:
-        shape = SHAPES[shape_name]
+    def __init__(self, name: str, scratch: Path, device):
+        import moeconv
+        from moeconv.formats import GPTQ
+        from moeconv.synth import SynthSpec, make_checkpoint
+
+        shape = SHAPES[name]
         started = time.monotonic()
         spec = SynthSpec(architecture=shape["architecture"], source_format=GPTQ(4, 128, sym=True), layers=1,
                          experts=shape["experts"], hidden=shape["hidden"], intermediate=shape["intermediate"],
                          vocab=256, dense_intermediate=256, seed=7)
-        source = make_checkpoint(scratch / shape_name / "src", spec)
-        output = moeconv.convert(source, scratch / shape_name / "triton", backend="triton").output
-        built_s = time.monotonic() - started
+        source = make_checkpoint(scratch / name / "src", spec)
+        output = moeconv.convert(source, scratch / name / "triton", backend="triton").output
+        self.build_s = round(time.monotonic() - started, 1)
         index = json.loads((output / "model.safetensors.index.json").read_text())["weight_map"]
         layer_name = next(n.rsplit(".", 1)[0] for n in index if n.endswith(".w13_qweight"))
-        stacked = stacked_tensors(output, layer_name)
+        self.stacked = stacked_tensors(output, layer_name)
         e, h, i = shape["experts"], shape["hidden"], shape["intermediate"]
         # the compressed-tensors parameters the plugin fills (shapes of CompressedTensorsWNA16MoEMethod)
         like = {"w13_weight_packed": torch.empty(e, 2 * i, h // 8, dtype=torch.int32),
                 "w13_weight_scale": torch.empty(e, 2 * i, h // 128, dtype=torch.float16),
                 "w2_weight_packed": torch.empty(e, h, i // 8, dtype=torch.int32),
                 "w2_weight_scale": torch.empty(e, h, i // 128, dtype=torch.float16)}
-        params = plugin_fill(stacked, like, {"intermediate_per_partition": i}, 4, 128)
-        schema_config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "type": "int",
-                         "num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": True}
-        ref = SourceReference(source, 0, device)
-        for dtype in dtypes:
-            if time.monotonic() - STARTED > budget_s:
-                emit({"part": "B", "case": shape_name, "dtype": str(dtype), "skipped": "time budget"})
-                continue
-            humming = HummingMoE(params, schema_config, e, h, i, dtype, device)
-            triton_moe = TritonMoE(vllm_triton, stacked, e, h, i, 128, dtype, device)
-            for m in tokens:
-                row = {"part": "B", "case": shape_name, "E": e, "top_k": shape["top_k"], "H": h, "I": i,
-                       "dtype": str(dtype).removeprefix("torch."), "tokens": m, "build_s": round(built_s, 1)}
-                run_case(row, humming, triton_moe, ref, m, shape["top_k"], e, dtype, device, timer)
-            del humming, triton_moe
-            torch.cuda.empty_cache()
-        del ref
+        self.params = plugin_fill(self.stacked, like, {"intermediate_per_partition": i}, 4, 128)
+        self.ref = SourceReference(source, 0, device)
+        self.name, self.shape = name, shape
+
+
+SCHEMA_SYM_G128 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "type": "int", "num_bits": 4,
+                   "strategy": "group", "group_size": 128, "symmetric": True}  # _humming_wna16_weight_schema's
+
+
+def part_b(layer: TimingLayer, device, vllm_triton, dtype: torch.dtype, tokens: list[int], timer: Timer) -> None:
+    e, h, i, top_k = (layer.shape[key] for key in ("experts", "hidden", "intermediate", "top_k"))
+    humming = HummingMoE(layer.params, SCHEMA_SYM_G128, e, h, i, dtype, device)
+    triton_moe = TritonMoE(vllm_triton, layer.stacked, e, h, i, 128, dtype, device)
+    for m in tokens:
+        row = {"part": "B", "case": layer.name, "E": e, "top_k": top_k, "H": h, "I": i,
+               "dtype": str(dtype).removeprefix("torch."), "tokens": m, "build_s": layer.build_s}
+        run_case(row, humming, triton_moe, layer.ref, m, top_k, e, dtype, device, timer)
+    del humming, triton_moe
+    torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -697,32 +749,38 @@ def part_b(scratch: Path, device, vllm_triton, shapes: list[str], dtypes: list[t
 
 
 def part_c(inputs: Path) -> None:
+    """Every library and symbol the extension needs, looked up in what this process has loaded (torch
+    with CUDA initialized) and, by file, in torch's and the nvidia packages' library folders."""
     info = json.loads((inputs / "marlin_ext.json").read_text())
-    torch_lib = Path(torch.__file__).parent / "lib"
-    handles = {}
-    for path in sorted(torch_lib.glob("*.so*")):
-        try:
-            handles[path.name] = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-        except OSError as error:
-            handles[path.name] = str(error)
+    if torch.cuda.is_available():
+        torch.cuda.init()
+    folders = [Path(torch.__file__).parent / "lib"]
+    for entry in sys.path:
+        folders += list(Path(entry).glob("nvidia/*/lib")) + list(Path(entry).glob("nvidia/cu13/lib"))
     for name, library in info["libraries"].items():
-        found_libraries = {}
+        handles, found_libraries = [ctypes.CDLL(None)], {}
         for needed in library["needed"]:
+            handle = None
             try:
-                ctypes.CDLL(needed)
-                found_libraries[needed] = True
+                handle = ctypes.CDLL(needed, mode=ctypes.RTLD_GLOBAL)
             except OSError:
-                found_libraries[needed] = needed in handles
-        loaded = [h for h in handles.values() if not isinstance(h, str)] + [ctypes.CDLL(None)]
-        missing = []
-        for symbol in library["undefined_symbols"]:
-            if symbol.startswith(("_ITM_", "__gmon", "_Jv_")) or symbol == "__pthread_key_create":
-                continue
-            if not any(hasattr(h, symbol) for h in loaded):
-                missing.append(symbol)
-        emit({"part": "C", "case": name, "ops": library["ops"], "bytes": library["bytes"], "xz_bytes": library["xz_bytes"],
-              "needed_found": found_libraries, "undefined": len(library["undefined_symbols"]),
-              "missing_in_this_torch": missing, "torch": torch.__version__})
+                for folder in folders:
+                    if (folder / needed).exists():
+                        try:
+                            handle = ctypes.CDLL(str(folder / needed), mode=ctypes.RTLD_GLOBAL)
+                            break
+                        except OSError:
+                            continue
+            found_libraries[needed] = handle is not None
+            if handle is not None:
+                handles.append(handle)
+        missing = [symbol for symbol in library["undefined_symbols"]
+                   if not symbol.startswith(("_ITM_", "__gmon")) and symbol != "__pthread_key_create"
+                   and not any(hasattr(handle, symbol) for handle in handles)]
+        emit({"part": "C", "case": name, "ops": library["ops"], "bytes": library["bytes"],
+              "xz_bytes": library["xz_bytes"], "needed_found": found_libraries,
+              "undefined": len(library["undefined_symbols"]), "missing_in_this_torch": missing,
+              "torch": torch.__version__})
 
 
 def main() -> None:
@@ -734,7 +792,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,16,128")
     parser.add_argument("--dtypes", default="float16,bfloat16")
     parser.add_argument("--iterations", type=int, default=200)
-    parser.add_argument("--budget-s", type=float, default=300.0, help="skip further part-B dtypes after this")
+    parser.add_argument("--budget-s", type=float, default=200.0,
+                        help="after this many seconds, start nothing of a dtype after the first")
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -755,16 +814,27 @@ def main() -> None:
     parts = args.parts.split(",")
     with tempfile.TemporaryDirectory(prefix="h200-serving-") as scratch:
         scratch = Path(scratch)
-        vllm_triton = load_vllm_triton(args.inputs, scratch)
         try:
+            vllm_triton = load_vllm_triton(args.inputs, scratch)
             if "C" in parts:
                 part_c(args.inputs)
-            if "A" in parts:
-                part_a(args.inputs, scratch, device, vllm_triton, dtypes, tokens)
-            if "B" in parts:
-                timer = Timer(device, args.iterations, warmup=20)
-                part_b(scratch, device, vllm_triton, [s for s in args.shapes.split(",") if s], dtypes, tokens,
-                       timer, args.budget_s)
+            timer = Timer(device, args.iterations, warmup=20)
+            layers = {}
+            # the first dtype in full; the others while the time budget lasts
+            for n, dtype in enumerate(dtypes):
+                if n and time.monotonic() - STARTED > args.budget_s:
+                    emit({"part": "skipped", "dtype": str(dtype), "why": f"past the {args.budget_s} s budget"})
+                    continue
+                if "B" in parts:
+                    for shape in [s for s in args.shapes.split(",") if s]:
+                        if n and time.monotonic() - STARTED > args.budget_s:
+                            emit({"part": "skipped", "case": shape, "dtype": str(dtype), "why": "time budget"})
+                            continue
+                        if shape not in layers:
+                            layers[shape] = TimingLayer(shape, scratch, device)
+                        part_b(layers[shape], device, vllm_triton, dtype, tokens, timer)
+                if "A" in parts:
+                    part_a(args.inputs, scratch, device, vllm_triton, dtype, tokens, first=n == 0)
         except Exception as error:  # noqa: BLE001 (reported, then a non-zero exit)
             FAILURES.append(f"{type(error).__name__}: {error}")
             traceback.print_exc()

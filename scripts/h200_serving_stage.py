@@ -5,7 +5,7 @@
 Runs in .venv-engines (`make engines`: vllm==0.33.0 with moeconv beside it). Writes into DIR (an ignored
 folder that travels to the GPU machine):
 
-- one folder per source of DUMPS (a synthetic Qwen3-MoE GPTQ checkpoint, 1 layer, 16 experts,
+- one folder per source of DUMPS (a synthetic Qwen3-MoE GPTQ checkpoint, 1 layer, 8 experts,
   H = 1024, I = 256: 4-bit symmetric g = 128, and 4-bit asymmetric g = 32; the real GPTQModel act-order
   checkpoint of tests/data, asymmetric g = 32), each holding `src/` (the source) and
   `plugin_params.safetensors` + `plugin_params.json`: the MoE parameters of every MoE layer of that
@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "engines"))
 sys.path.insert(0, str(ROOT))
 
-SPEC = {"architecture": "qwen3_moe", "layers": 1, "experts": 16, "hidden": 1024, "intermediate": 256, "seed": 0}
+SPEC = {"architecture": "qwen3_moe", "layers": 1, "experts": 8, "hidden": 1024, "intermediate": 256, "seed": 0}
 FUSED_MOE = "vllm/model_executor/layers/fused_moe/fused_moe.py"
 MARLIN_LIBRARIES = {"vllm/_moe_C_stable_libtorch.abi3.so": "moe_wna16_marlin_gemm, moe_align_block_size",
                     "vllm/_C_stable_libtorch.abi3.so": "gptq_marlin_repack (gptq_marlin_moe_repack calls it per expert)"}
