@@ -636,9 +636,15 @@ def equalities(row: dict, params: dict, stacked: dict, meta: dict, bits: int, gr
     emit(dict(row, part="A-equal"))
 
 
+HARD_LIMIT_S = [330.0]  # --hard-s: no case starts after this (the run must end within 6 minutes)
+
+
 def run_case(row: dict, humming: HummingMoE, triton_moe: TritonMoE, ref: SourceReference, m: int, top_k: int,
              num_experts: int, dtype, device, timer: Timer | None) -> None:
     row = {k: v for k, v in row.items() if k not in ("plugin_log", "humming_mismatches")}
+    if time.monotonic() - STARTED > HARD_LIMIT_S[0]:
+        emit({**row, "skipped": f"past {HARD_LIMIT_S[0]} s"})
+        return
     generator = torch.Generator(device=device).manual_seed(1000 + m)
     x = torch.randn(m, humming.hidden, generator=generator, device=device).to(dtype)
     topk_weights, topk_ids = random_routing(m, num_experts, top_k, generator, device)
@@ -794,9 +800,11 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--budget-s", type=float, default=200.0,
                         help="after this many seconds, start nothing of a dtype after the first")
+    parser.add_argument("--hard-s", type=float, default=330.0, help="start no case after this many seconds")
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    HARD_LIMIT_S[0] = args.hard_s
     if os.environ.get("TRITON_INTERPRET") == "1":
         device = torch.device("cpu")
     else:
