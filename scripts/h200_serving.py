@@ -579,11 +579,21 @@ def part_a(inputs: Path, scratch: Path, device, vllm_triton, dtype: torch.dtype,
             ref = SourceReference(source, int(re.search(r"layers\.(\d+)\.", layer_name).group(1)), device)
             if first:
                 equalities(row, params, stacked, meta, bits, group_size, out_humming, layer_name)
-            humming = HummingMoE(params, meta["humming_weight_schema_config"], e, h, i, dtype, device)
+            humming = build_humming(row, params, meta["humming_weight_schema_config"], e, h, i, dtype, device)
             triton_moe = TritonMoE(vllm_triton, stacked, e, h, i, group_size, dtype, device)
             for m in tokens:
                 run_case({**row, "part": "A", "dtype": str(dtype).removeprefix("torch."), "tokens": m},
                          humming, triton_moe, ref, m, meta["top_k"], e, dtype, device, timer=None)
+
+
+def build_humming(row: dict, *args) -> HummingMoE | None:
+    """vLLM's Humming post-load step on the parameters, or None (the error recorded as a row)."""
+    built = []
+    failed = dict(row, part="humming-build")
+    if attempt(failed, "humming_build", lambda: built.append(HummingMoE(*args))):
+        return built[0]
+    emit(failed)
+    return None
 
 
 def equalities(row: dict, params: dict, stacked: dict, meta: dict, bits: int, group_size: int, out_humming: Path,
@@ -639,58 +649,90 @@ def equalities(row: dict, params: dict, stacked: dict, meta: dict, bits: int, gr
 HARD_LIMIT_S = [330.0]  # --hard-s: no case starts after this (the run must end within 6 minutes)
 
 
-def run_case(row: dict, humming: HummingMoE, triton_moe: TritonMoE, ref: SourceReference, m: int, top_k: int,
-             num_experts: int, dtype, device, timer: Timer | None) -> None:
+def attempt(row: dict, label: str, fn) -> bool:
+    """Runs one step of a case; an exception is recorded in the row (and fails the run), not raised."""
+    try:
+        fn()
+        return True
+    except Exception as error:  # noqa: BLE001 (a failure is a row, and fails the run)
+        row[f"{label}_error"] = f"{type(error).__name__}: {str(error)[:400]}"
+        row[f"{label}_traceback"] = traceback.format_exc()[-1500:]
+        FAILURES.append(f"{row.get('case')} {row.get('dtype')} {row.get('tokens')} {label}: {row[label + '_error']}")
+        torch.cuda.synchronize()
+        return False
+
+
+def run_case(row: dict, humming: HummingMoE | None, triton_moe: TritonMoE, ref: SourceReference, m: int,
+             top_k: int, num_experts: int, dtype, device, timer: Timer | None) -> None:
+    """One token count: both kernels' outputs against the float64 reference (every element written: the
+    buffers are poisoned with NaN first), then, with a timer, each GEMM and the whole expert computation
+    of both timed, and the outputs checked again. `humming` None: its construction failed (recorded)."""
     row = {k: v for k, v in row.items() if k not in ("plugin_log", "humming_mismatches")}
     if time.monotonic() - STARTED > HARD_LIMIT_S[0]:
         emit({**row, "skipped": f"past {HARD_LIMIT_S[0]} s"})
         return
     generator = torch.Generator(device=device).manual_seed(1000 + m)
-    x = torch.randn(m, humming.hidden, generator=generator, device=device).to(dtype)
+    x = torch.randn(m, triton_moe.hidden, generator=generator, device=device).to(dtype)
     topk_weights, topk_ids = random_routing(m, num_experts, top_k, generator, device)
-    ref13, ref_act, ref2, ref_layer = reference_moe(ref, x, topk_ids, topk_weights)
-    h_plan, t_plan = humming.prepare(topk_ids), triton_moe.prepare(topk_ids)
-    row.update(humming_blocks=list(h_plan["blocks"]), triton_config=t_plan["config"])
-    try:
-        for b in list(h_plan["buffers"].values()) + list(t_plan["buffers"].values()):
+    ref13, _, ref2, ref_layer = reference_moe(ref, x, topk_ids, topk_weights)
+    row["ref_rounding_err"] = relative_error(ref_layer.to(dtype), ref_layer)  # the reference's own rounding
+    w13_error = channel_sorted_error if ref.act_order else relative_error
+    row["w13_check"] = "each row's gate and up channels sorted (act-order fold)" if ref.act_order else "exact"
+    t_plan = triton_moe.prepare(topk_ids)
+    row["triton_config"] = t_plan["config"]
+    h_plan = None
+    if humming is not None:
+        h_plan = humming.prepare(topk_ids)
+        row["humming_blocks"] = list(h_plan["blocks"])
+
+    def check_humming(suffix: str = "") -> None:
+        for b in h_plan["buffers"].values():
             b.fill_(float("nan"))  # poison: an element never written shows as NaN
         out = humming.forward(x, topk_weights, h_plan)
         torch.cuda.synchronize()
-        w13_error = channel_sorted_error if ref.act_order else relative_error
-        row["w13_check"] = "each row's gate and up channels sorted (act-order fold)" if ref.act_order else "exact"
-        check(row, w13_error(h_plan["buffers"]["gate_up"], ref13), "humming_w13_err")
-        check(row, relative_error(h_plan["buffers"]["down"], ref2), "humming_w2_err")
-        check(row, relative_error(out, ref_layer), "humming_layer_err")
+        if not suffix:
+            check(row, w13_error(h_plan["buffers"]["gate_up"], ref13), "humming_w13_err")
+            check(row, relative_error(h_plan["buffers"]["down"], ref2), "humming_w2_err")
+        check(row, relative_error(out, ref_layer), "humming_layer_err" + suffix)
+
+    def check_triton(suffix: str = "") -> None:
+        for b in t_plan["buffers"].values():
+            b.fill_(float("nan"))
         out = triton_moe.forward(x, topk_weights, t_plan)
         torch.cuda.synchronize()
-        check(row, w13_error(t_plan["buffers"]["cache1"].view(m * top_k, -1), ref13), "triton_w13_err")
-        check(row, relative_error(out, ref_layer), "triton_layer_err")
-        # the float64 reference's own rounding to the activation dtype, for scale
-        row["ref_rounding_err"] = relative_error(ref_layer.to(dtype), ref_layer)
-        if timer is not None:
+        if not suffix:
+            check(row, w13_error(t_plan["buffers"]["cache1"].view(m * top_k, -1), ref13), "triton_w13_err")
+        check(row, relative_error(out, ref_layer), "triton_layer_err" + suffix)
+
+    humming_ok = humming is not None and attempt(row, "humming", check_humming)
+    triton_ok = attempt(row, "triton", check_triton)
+    if timer is not None:
+        timings = {}
+        if humming_ok:
             act_h = h_plan["buffers"]["down_in"]
-            act_t = t_plan["buffers"]["cache2"]
-            timings = {
+            timings.update({
                 "humming_w13": lambda: humming.gemm("w13", x, h_plan["buffers"]["gate_up"], h_plan),
                 "humming_w2": lambda: humming.gemm("w2", act_h, h_plan["buffers"]["down"], h_plan),
-                "humming_layer": lambda: humming.forward(x, topk_weights, h_plan),
+                "humming_layer": lambda: humming.forward(x, topk_weights, h_plan)})
+        if triton_ok:
+            act_t = t_plan["buffers"]["cache2"]
+            timings.update({
                 "triton_w13": lambda: triton_moe.gemm("w13", x, t_plan["buffers"]["cache1"], t_plan),
                 "triton_w2": lambda: triton_moe.gemm("w2", act_t, t_plan["buffers"]["cache3"], t_plan, topk_weights),
-                "triton_layer": lambda: triton_moe.forward(x, topk_weights, t_plan),
-            }
-            for name, fn in timings.items():
+                "triton_layer": lambda: triton_moe.forward(x, topk_weights, t_plan)})
+        for name, fn in timings.items():
+            def timed(name=name, fn=fn):
                 row[f"{name}_us"], row[f"{name}_mode"] = timer.median_us(fn)
+            attempt(row, f"time_{name}", timed)
+        if all(f"{k}_{w}_us" in row for k in ("humming", "triton") for w in ("w13", "w2", "layer")):
             for what in ("w13", "w2", "layer"):
                 row[f"speedup_{what}"] = row[f"triton_{what}_us"] / row[f"humming_{what}_us"]
             row["humming_faster_everywhere"] = all(row[f"speedup_{w}"] > 1 for w in ("w13", "w2", "layer"))
-            # after timing, the last replay's outputs are checked again (graphs write the same buffers)
-            torch.cuda.synchronize()
-            check(row, relative_error(humming.forward(x, topk_weights, h_plan), ref_layer), "humming_layer_err_after")
-            check(row, relative_error(triton_moe.forward(x, topk_weights, t_plan), ref_layer), "triton_layer_err_after")
-    except Exception as error:  # noqa: BLE001 (a failure is a row, and fails the run)
-        row["error"] = f"{type(error).__name__}: {str(error)[:400]}"
-        row["traceback"] = traceback.format_exc()[-1500:]
-        FAILURES.append(f"{row.get('case')} {row.get('dtype')} {m}: {row['error']}")
+        # after timing (graphs replayed into the same buffers), both run again and are checked again
+        if humming_ok:
+            attempt(row, "humming_after", lambda: check_humming("_after"))
+        if triton_ok:
+            attempt(row, "triton_after", lambda: check_triton("_after"))
     emit(row)
 
 
@@ -739,7 +781,8 @@ SCHEMA_SYM_G128 = {"quant_method": "compressed-tensors", "format": "pack-quantiz
 
 def part_b(layer: TimingLayer, device, vllm_triton, dtype: torch.dtype, tokens: list[int], timer: Timer) -> None:
     e, h, i, top_k = (layer.shape[key] for key in ("experts", "hidden", "intermediate", "top_k"))
-    humming = HummingMoE(layer.params, SCHEMA_SYM_G128, e, h, i, dtype, device)
+    humming = build_humming({"case": layer.name, "dtype": str(dtype)}, layer.params, SCHEMA_SYM_G128, e, h, i, dtype,
+                            device)
     triton_moe = TritonMoE(vllm_triton, layer.stacked, e, h, i, 128, dtype, device)
     for m in tokens:
         row = {"part": "B", "case": layer.name, "E": e, "top_k": top_k, "H": h, "I": i,
