@@ -118,9 +118,14 @@ FAILURES: list[str] = []
 STARTED = time.monotonic()
 
 
+OUT_FILE: list[Path] = []  # set by main: rewritten after every row, so a run cut short leaves its rows
+
+
 def emit(row: dict) -> None:
     ROWS.append(row)
     print(json.dumps(row), flush=True)
+    if OUT_FILE:
+        OUT_FILE[0].write_text(json.dumps(ROWS, indent=1))
 
 
 def check(row: dict, error: float, what: str) -> None:
@@ -832,6 +837,26 @@ def part_c(inputs: Path) -> None:
               "torch": torch.__version__})
 
 
+def print_table() -> None:
+    """The rows in short, last (the device call returns the end of the output)."""
+    print("\n| part | case | dtype | M | humming w13 / w2 / layer us | triton w13 / w2 / layer us | speedup w13 / w2 / layer "
+          "| max rel err humming / triton |")
+    print("|---|---|---|--:|--:|--:|--:|--:|")
+    for row in ROWS:
+        if row.get("part") not in ("A", "B") or "tokens" not in row:
+            continue
+        times = [" / ".join(f"{row[f'{k}_{w}_us']:.1f}" if f"{k}_{w}_us" in row else "-" for w in ("w13", "w2", "layer"))
+                 for k in ("humming", "triton")]
+        speed = " / ".join(f"{row[f'speedup_{w}']:.2f}" if f"speedup_{w}" in row else "-" for w in ("w13", "w2", "layer"))
+        errors = [max([v for k, v in row.items() if k.startswith(side) and k.endswith("_err")] or [float("nan")])
+                  for side in ("humming", "triton")]
+        flag = " FAIL " + ",".join(row["fail"]) if row.get("fail") else ""
+        flag += " ERROR" if any(k.endswith("_error") for k in row) else ""
+        flag += f" skipped ({row['skipped']})" if row.get("skipped") else ""
+        print(f"| {row['part']} | {row['case']} | {row.get('dtype')} | {row['tokens']} | {times[0]} | {times[1]} | {speed} "
+              f"| {errors[0]:.1e} / {errors[1]:.1e}{flag} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inputs", type=Path, required=True)
@@ -848,6 +873,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     HARD_LIMIT_S[0] = args.hard_s
+    OUT_FILE.append(args.out / f"h200_serving{('_' + args.tag) if args.tag else ''}.json")
     if os.environ.get("TRITON_INTERPRET") == "1":
         device = torch.device("cpu")
     else:
@@ -889,11 +915,10 @@ def main() -> None:
         except Exception as error:  # noqa: BLE001 (reported, then a non-zero exit)
             FAILURES.append(f"{type(error).__name__}: {error}")
             traceback.print_exc()
+    print_table()
     summary = {"part": "summary", "tag": args.tag, "seconds": round(time.monotonic() - STARTED, 1),
                "failures": FAILURES}
     emit(summary)
-    name = f"h200_serving{('_' + args.tag) if args.tag else ''}.json"
-    (args.out / name).write_text(json.dumps(ROWS, indent=1))
     sys.exit(1 if FAILURES else 0)
 
 
