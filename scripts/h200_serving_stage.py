@@ -24,6 +24,14 @@ folder that travels to the GPU machine):
   `gptq_marlin_repack`), their sizes, and what they compress to, so the device script can say whether
   the H200 image's torch could load them.
 
+- `h200_serving.py`: a copy of scripts/h200_serving.py, so the device can run it from DIR whatever branch
+  its checkout is on.
+
+Humming's wheels are fetched beside them, by name (vLLM 0.33 pins 0.1.19; 0.1.20 is the newest):
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 -d DIR/whl19 humming-kernels==0.1.19   # and DIR/whl: ==0.1.20
+
 Nothing of vLLM is committed: DIR is ignored, and only the device script reads it.
 """
 
@@ -221,6 +229,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="moeconv-h200-stage-") as scratch:
         stage_dump(args.out, Path(scratch))
         stage_oracle(args.out, Path(scratch))
+    shutil.copy2(ROOT / "scripts" / "h200_serving.py", args.out / "h200_serving.py")
     total = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
     print(f"staged {args.out}: {total / 2**20:.1f} MiB")
 
