@@ -897,12 +897,19 @@ def main() -> None:
                 part_c(args.inputs)
             timer = Timer(device, args.iterations, warmup=20)
             layers = {}
-            # the first dtype in full; the others while the time budget lasts
+            # the first dtype in full (within --hard-s); the others while the time budget lasts
             for n, dtype in enumerate(dtypes):
                 if n and time.monotonic() - STARTED > args.budget_s:
                     emit({"part": "skipped", "dtype": str(dtype), "why": f"past the {args.budget_s} s budget"})
                     continue
-                if "B" in parts:
+                # the first dtype: the staged layers (small) first, then the timing shapes; later ones the
+                # timing shapes first
+                for part in (("A", "B") if n == 0 else ("B", "A")):
+                    if part not in parts:
+                        continue
+                    if part == "A":
+                        part_a(args.inputs, scratch, device, vllm_triton, dtype, tokens, first=n == 0)
+                        continue
                     for shape in [s for s in args.shapes.split(",") if s]:
                         if n and time.monotonic() - STARTED > args.budget_s:
                             emit({"part": "skipped", "case": shape, "dtype": str(dtype), "why": "time budget"})
@@ -910,8 +917,6 @@ def main() -> None:
                         if shape not in layers:
                             layers[shape] = TimingLayer(shape, scratch, device)
                         part_b(layers[shape], device, vllm_triton, dtype, tokens, timer)
-                if "A" in parts:
-                    part_a(args.inputs, scratch, device, vllm_triton, dtype, tokens, first=n == 0)
         except Exception as error:  # noqa: BLE001 (reported, then a non-zero exit)
             FAILURES.append(f"{type(error).__name__}: {error}")
             traceback.print_exc()
