@@ -471,10 +471,24 @@ class Timer:
         self.flush = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)  # > 60 MB of L2
         self.iterations, self.warmup = iterations, warmup
 
-    def median_us(self, fn) -> tuple[float, str]:
+    def _median_us(self, run, iterations: int) -> float:
+        for _ in range(self.warmup):
+            run()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iterations)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iterations)]
+        for start, end in zip(starts, ends):
+            self.flush.zero_()
+            start.record()
+            run()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+    def median_us(self, fn) -> tuple[float | None, float, str]:
+        """(CUDA-graph replay µs or None where capture failed, eager launch µs, why capture failed)."""
         fn()
         torch.cuda.synchronize()
-        mode = "graph"
+        graph_us, why = None, ""
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -484,23 +498,13 @@ class Timer:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 fn()
-            run = graph.replay
-            run()
+            graph.replay()
             torch.cuda.synchronize()
-        except Exception as error:  # noqa: BLE001 (recorded: eager launches are timed instead)
+            graph_us = self._median_us(graph.replay, self.iterations)
+        except Exception as error:  # noqa: BLE001 (recorded: the eager time stands alone)
             torch.cuda.synchronize()
-            mode, run = f"eager ({type(error).__name__}: {str(error)[:80]})", fn
-        for _ in range(self.warmup):
-            run()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.iterations)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.iterations)]
-        for start, end in zip(starts, ends):
-            self.flush.zero_()
-            start.record()
-            run()
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3, mode
+            why = f"{type(error).__name__}: {str(error)[:120]}"
+        return graph_us, self._median_us(fn, max(20, self.iterations // 4)), why
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -727,9 +731,20 @@ def run_case(row: dict, humming: HummingMoE | None, triton_moe: TritonMoE, ref: 
                 "triton_layer": lambda: triton_moe.forward(x, topk_weights, t_plan)})
         for name, fn in timings.items():
             def timed(name=name, fn=fn):
-                row[f"{name}_us"], row[f"{name}_mode"] = timer.median_us(fn)
+                graph_us, eager_us, why = timer.median_us(fn)
+                row[f"{name}_eager_us"] = eager_us
+                if graph_us is not None:
+                    row[f"{name}_graph_us"] = graph_us
+                else:
+                    row[f"{name}_graph_failed"] = why
             attempt(row, f"time_{name}", timed)
-        if all(f"{k}_{w}_us" in row for k in ("humming", "triton") for w in ("w13", "w2", "layer")):
+        # the comparison in one mode for both: CUDA-graph replays where both captured, else eager launches
+        names = [f"{k}_{w}" for k in ("humming", "triton") for w in ("w13", "w2", "layer")]
+        mode = "graph" if all(f"{n}_graph_us" in row for n in names) else "eager"
+        if all(f"{n}_{mode}_us" in row for n in names):
+            row["timed_as"] = mode
+            for name in names:
+                row[f"{name}_us"] = row[f"{name}_{mode}_us"]
             for what in ("w13", "w2", "layer"):
                 row[f"speedup_{what}"] = row[f"triton_{what}_us"] / row[f"humming_{what}_us"]
             row["humming_faster_everywhere"] = all(row[f"speedup_{w}"] > 1 for w in ("w13", "w2", "layer"))
@@ -853,6 +868,7 @@ def print_table() -> None:
         flag = " FAIL " + ",".join(row["fail"]) if row.get("fail") else ""
         flag += " ERROR" if any(k.endswith("_error") for k in row) else ""
         flag += f" skipped ({row['skipped']})" if row.get("skipped") else ""
+        flag += f" [{row['timed_as']}]" if row.get("timed_as") else ""
         print(f"| {row['part']} | {row['case']} | {row.get('dtype')} | {row['tokens']} | {times[0]} | {times[1]} | {speed} "
               f"| {errors[0]:.1e} / {errors[1]:.1e}{flag} |")
 
