@@ -42,6 +42,7 @@ SOURCES = {  # the formats stock vLLM 0.33 loads (its GPTQ is symmetric only)
     "ct-sym": CompressedTensors(bits=4, group_size=64, symmetric=True),
     "ct-sym-g32": CompressedTensors(bits=4, group_size=32, symmetric=True),
     "ct-asym": CompressedTensors(bits=4, group_size=64, symmetric=False),
+    "ct-asym-g32": CompressedTensors(bits=4, group_size=32, symmetric=False),
     "ct-channelwise": CompressedTensors(bits=4, group_size=-1, symmetric=True),
     "ct-w8a8": CompressedTensors(format="int-quantized", bits=8, group_size=-1, activation_bits=8),
 }
@@ -56,8 +57,12 @@ def expected_backend(choice: str, name: str, fmt) -> str | None:
     experts' `is_supported_config`): the int8 W8A8 oracle ranks Triton first everywhere; WNA16 takes
     Humming on capability 9.0 and Marlin on 8.0; vLLM's CPU int4 experts take symmetric 4-bit groups
     other than 32 only (their quant keys), so the rest has no backend on a CPU build; compressed-tensors'
-    WNA16 MoE method takes channel-wise scales on Marlin only (it asserts group scales otherwise); on
-    capability 9.0 Humming's experts refuse zero points, and Marlin takes asymmetric layers."""
+    WNA16 MoE method takes channel-wise scales on Marlin only (it asserts group scales otherwise). On
+    capability 9.0 Humming's experts take an asymmetric 4-bit layer only with group size 32: the method's
+    quant key carries the group shape (1, 32) for g = 32 and the placeholder (1, -1) for any other group
+    size, which Humming's `_is_supported_wna16_weight_key` refuses (it wants a positive column count) and
+    its list of supported keys holds the 4-bit key in its symmetric form only (`kInt4Static`); Marlin takes the other asymmetric
+    4-bit layers."""
     if fmt.activation_bits == 8:
         return "Int8MoeBackend.TRITON"
     if fmt.group_size == -1 and choice != "capability 8.0":
@@ -65,7 +70,7 @@ def expected_backend(choice: str, name: str, fmt) -> str | None:
     if choice == "CPU platform":
         cpu_takes = fmt.bits == 4 and fmt.symmetric and fmt.group_size != 32
         return "WNA16MoEBackend.CPU" if cpu_takes else NO_BACKEND
-    if choice == "capability 9.0" and not fmt.symmetric:
+    if choice == "capability 9.0" and not fmt.symmetric and not (fmt.bits == 4 and fmt.group_size == 32):
         return "WNA16MoEBackend.MARLIN"
     return {"capability 9.0": "WNA16MoEBackend.HUMMING", "capability 8.0": "WNA16MoEBackend.MARLIN",
             "--moe-backend triton": "WNA16MoEBackend.TRITON"}[choice]
