@@ -27,3 +27,24 @@ def test_benchmark_smoke(tmp_path, script, extra):
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert json.loads(output.read_text())
+
+
+def test_bench_builds_exports_a_commit_and_compares_it(tmp_path):
+    """benchmarks/bench_builds.py: this checkout's HEAD exported, then run on a tiny source with only that
+    build on the path; the row carries the build's own report."""
+    from moeconv.synth import SynthSpec, make_checkpoint
+
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    script = str(ROOT / "benchmarks" / "bench_builds.py")
+    builds, output = tmp_path / "builds", tmp_path / "result.json"
+    done = subprocess.run([sys.executable, script, "export", "HEAD", "--into", str(builds)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and (builds / "HEAD" / "moeconv" / "cli.py").is_file(), done.stderr
+    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=128, intermediate=64, experts=4, layers=1))
+    done = subprocess.run([sys.executable, script, "run", str(source), "--builds", str(builds), "--repeats", "1",
+                           "--workers", "2", "--scratch", str(tmp_path / "scratch"), "--json", str(output)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(output.read_text())
+    assert row["build"] == "HEAD" and row["backend"] == "triton" and row["conversion_seconds"] > 0
