@@ -128,3 +128,17 @@ def test_workers_of_a_plan_without_torch_jobs_never_import_it():
     parent, which has no torch, and import none."""
     done = subprocess.run([sys.executable, "-c", TORCH_FREE_POOL], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "workers with torch: 0 parent with torch: False", done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_conversion_whose_jobs_all_have_transcoders_imports_no_torch_at_all(tmp_path, workers):
+    """Synthetic asymmetric GPTQ -> triton: experts and the dense linears (written in compressed-tensors)
+    all through numpy transcoders, so neither the process nor, with one worker, its in-process transform
+    imports torch."""
+    from moeconv.synth import SynthSpec, make_checkpoint
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=128, intermediate=64, experts=4, layers=1))
+    args = ["convert", str(source), "-o", str(tmp_path / "out"), "--workers", workers, "-q"]
+    done = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=300)
+    assert "exit: 0" in done.stdout and "torch loaded: False" in done.stdout, done.stdout + done.stderr
+    assert (tmp_path / "out" / "moeconv.json").is_file()
