@@ -143,13 +143,11 @@ def gptq_linear_to_compressed_tensors(fmt: GPTQ, linear: Linear, factor: int) ->
 
 
 def _pack_rows(codes: np.ndarray, bits: int) -> np.ndarray:
-    """(R, C) codes -> (R, C·b/32) int32 words packed along C, value j of a word at bits [j·b, j·b + b)."""
-    per = 32 // bits
-    grouped = codes.reshape(codes.shape[0], -1, per).astype(np.uint32)
-    words = grouped[..., 0].copy()
-    for slot in range(1, per):
-        words |= grouped[..., slot] << np.uint32(slot * bits)
-    return words.view(np.int32)
+    """(R, C) uint8 codes -> (R, C·b/32) int32 words packed along C, value j of a word at bits
+    [j·b, j·b + b): 4-bit codes paired into bytes (even value in the low nibble), then the bytes read as
+    little-endian words; 8-bit codes are the bytes."""
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4) if bits == 4 else codes
+    return np.ascontiguousarray(packed).view(np.dtype("<i4"))
 
 
 def _awq_natural(words: np.ndarray) -> np.ndarray:
