@@ -11,7 +11,9 @@ parameter unloaded. The compressed-tensors outputs of asymmetric sources are exp
 SGLang 0.5.23 does not transpose the expert zero points of any standard compressed-tensors checkpoint
 (docs/SGLANG.md).
 
-    .venv/bin/python tests/engines/run_matrix_sglang.py [--keep DIR]
+    .venv/bin/python tests/engines/run_matrix_sglang.py [--keep DIR] [--only FAMILY ...]
+
+`--only` runs only the named families of FAMILIES, e.g. `--only "deepseek_v3 (routed experts only)"`.
 """
 
 from __future__ import annotations
@@ -29,11 +31,22 @@ from moeconv.backends import REGISTRY  # noqa: E402
 from moeconv.errors import MoeconvError  # noqa: E402
 from moeconv.formats import AWQ, GPTQ, CompressedTensors  # noqa: E402
 from moeconv.formats.gptq import V2  # noqa: E402
-from moeconv.synth import SynthSpec, make_checkpoint  # noqa: E402
+from moeconv.synth import ROUTED_EXPERTS, SynthSpec, make_checkpoint  # noqa: E402
 from run_matrix import ROOT, command_line, not_consumed  # noqa: E402
 
 ENGINE_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+# label -> the synthetic sources' shapes. DeepSeek-V3 twice: as synth makes every family (attention and
+# shared experts quantized like the experts, which SGLang's DeepSeek loader cannot fuse: docs/SGLANG.md),
+# and as the first-party INT4 checkpoints of its family ship, only the routed experts quantized
+# (moonshotai/Kimi-K2-Thinking), with one dense layer first (first_k_dense_replace) as they have.
+FAMILIES = {
+    "qwen3_moe": {"architecture": "qwen3_moe"},
+    "qwen2_moe": {"architecture": "qwen2_moe"},
+    "mixtral": {"architecture": "mixtral"},
+    "deepseek_v3": {"architecture": "deepseek_v3"},
+    "deepseek_v3 (routed experts only)": {"architecture": "deepseek_v3", "quantized_modules": ROUTED_EXPERTS,
+                                          "layers": 3, "dense_layers": 1},
+}
 SOURCES = {
     "gptq-sym": GPTQ(4, 32, sym=True),
     "gptq-asym": GPTQ(4, 32, sym=False),
@@ -56,19 +69,21 @@ def user_methods(fmt) -> tuple[str, ...]:
 
 
 def main() -> None:
-    args = command_line(__doc__, ENGINE_PYTHON, "make engines-sglang")
+    args = command_line(__doc__, ENGINE_PYTHON, "make engines-sglang", groups=tuple(FAMILIES),
+                        only_help="run only these families")
     with tempfile.TemporaryDirectory(prefix="moeconv-sglang-") as scratch:
         base = args.keep or Path(scratch)
         cases, refusals = [], {}
-        for family in FAMILIES:
+        for family in args.only or FAMILIES:
+            folder = family.replace(" ", "_").replace("(", "").replace(")", "")
             for source_name, fmt in SOURCES.items():
-                source = make_checkpoint(base / family / source_name / "src",
-                                         SynthSpec(architecture=family, source_format=fmt))
+                source = make_checkpoint(base / folder / source_name / "src",
+                                         SynthSpec(**FAMILIES[family], source_format=fmt))
                 cases.append((family, source_name, "(source)", source, fmt, None))
                 cases += [(family, source_name, f"(source) --quantization {method}", source, fmt, method)
                           for method in user_methods(fmt)]
                 for backend in REGISTRY:
-                    out = base / family / source_name / backend
+                    out = base / folder / source_name / backend
                     try:
                         moeconv.convert(source, out, backend=backend)
                     except MoeconvError as refusal:
