@@ -32,14 +32,14 @@ ROUTED_EXPERTS = "routed-experts"
 # The modules a ROUTED_EXPERTS checkpoint leaves in float (attention, shared experts, dense MLPs), as each
 # format's producer says it: compressed-tensors' `ignore` (the patterns of moonshotai/Kimi-K2-Thinking's
 # config.json), GPTQModel's `dynamic` with negative ("-:") patterns, which skip a module, and AutoAWQ's
-# `modules_to_not_convert` (substrings of the module name: `mlp.gate_proj` is a dense layer's, never
-# `mlp.experts.0.gate_proj`).
+# `modules_to_not_convert` (substrings of the module name: `mlp.gate` is in a dense layer's gate_proj, in
+# the gate_up_proj engines fuse it into, and in the router, never in `mlp.experts.0.gate_proj`).
 _FLOAT_PATTERNS = (r".*self_attn.*", r".*shared_expert.*", r".*mlp\.(gate|up|gate_up|down)_proj.*")
 EXCLUSIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "compressed-tensors": lambda config: {**config, "ignore": [*config.get("ignore", []),
                                                                *(f"re:{pattern}" for pattern in _FLOAT_PATTERNS)]},
     "gptq": lambda config: {**config, "dynamic": {f"-:{pattern}": {} for pattern in _FLOAT_PATTERNS}},
-    "awq": lambda config: {**config, "modules_to_not_convert": ["self_attn", "shared_expert", "mlp.gate_proj",
+    "awq": lambda config: {**config, "modules_to_not_convert": ["self_attn", "shared_expert", "mlp.gate",
                                                                 "mlp.up_proj", "mlp.down_proj"]},
 }
 

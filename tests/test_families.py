@@ -289,6 +289,9 @@ def test_a_routed_experts_only_deepseek_keeps_every_other_linear_in_float_and_sa
     experts = [f"model.layers.1.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
     for expert in experts:  # integer codes (GPTQ/AWQ qweight, weight_packed: I32; W8A8 weight: I8)
         assert any(entry.dtype in ("I32", "I8") for name, entry in tensors.items() if name.startswith(f"{expert}.")), expert
+    # what the engines build from them: the fused gate_up_proj of the dense layer and of the shared experts,
+    # which must be excluded too (SGLang 0.5.23's DeepSeek model declares no such fusion to unfuse)
+    float_linears += ["model.layers.0.mlp.gate_up_proj", "model.layers.1.mlp.shared_experts.gate_up_proj"]
     config = json.loads((source / "config.json").read_text())["quantization_config"]
     if fmt.method == "compressed-tensors":
         assert all(_ignored(linear, config["ignore"]) for linear in float_linears), config["ignore"]
@@ -301,12 +304,16 @@ def test_a_routed_experts_only_deepseek_keeps_every_other_linear_in_float_and_sa
         skipped = config["modules_to_not_convert"]
         assert all(any(entry in linear for entry in skipped) for linear in float_linears)
         assert not any(entry in expert for entry in skipped for expert in experts)
-    for backend in ("triton", "compressed-tensors"):
+    for backend in ("triton", "compressed-tensors", "humming"):
         moeconv.convert(source, tmp_path / backend, backend=backend, workers=1)
         report = moeconv.verify(tmp_path / backend, numerics_layers=1)
         assert report.ok, report.failures()
-    ignore = json.loads((tmp_path / "compressed-tensors" / "config.json").read_text())["quantization_config"]["ignore"]
+    written = json.loads((tmp_path / "compressed-tensors" / "config.json").read_text())["quantization_config"]
+    ignore = written["ignore"]
     assert all(_ignored(linear, ignore) for linear in float_linears) and not any(_ignored(e, ignore) for e in experts)
+    written = json.loads((tmp_path / "humming" / "config.json").read_text())["quantization_config"]
+    assert set(float_linears) <= set(written["ignored_layers"])
+    assert not any(name.startswith("model.layers.1.mlp.experts.") for name in written["ignored_layers"])
 
 
 def test_routed_experts_only_refuses_what_it_cannot_write():

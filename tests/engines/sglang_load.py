@@ -143,12 +143,12 @@ def build_and_load(checkpoint: Path, quantization: str | None = None) -> tuple[t
             with torch.no_grad():
                 parameter.data.fill_(sentinel if parameter.dtype.is_floating_point else int(sentinel))
         yielded: dict[int, str] = {}
-        held = []
-        _wrap_loaders(model, yielded, consumed)
+        held: dict[str, torch.Tensor] = {}
+        _wrap_loaders(model, yielded, held, consumed)
 
         def weights(held=held, yielded=yielded):  # this pass's, bound (the generator runs within it)
             for name, tensor in loader._get_all_weights(model_config, model):
-                held.append(tensor)  # keeps the storage alive, so its address names the tensor
+                held[name] = tensor  # keeps the storage alive, so its address names the tensor
                 yielded[tensor.untyped_storage().data_ptr()] = name
                 yield name, tensor
 
@@ -167,19 +167,28 @@ def build_and_load(checkpoint: Path, quantization: str | None = None) -> tuple[t
                    "quant_method": type(quant_config).__name__ if quant_config is not None else None}
 
 
-def _wrap_loaders(model, yielded: dict[int, str], consumed: set[str]) -> None:
-    """Every parameter's weight loader records which checkpoint tensor it was handed (by storage)."""
+def _wrap_loaders(model, yielded: dict[int, str], held: dict[str, torch.Tensor], consumed: set[str]) -> None:
+    """Every parameter's weight loader records which checkpoint tensor it was handed: by storage, or, for a
+    tensor the model's loader made itself, the checkpoint tensors of the same module it is the concatenation
+    of (SGLang's DeepSeek loader hands its fused_qkv_a_proj_with_mqa parameter torch.cat of q_a_proj and
+    kv_a_proj_with_mqa)."""
     from sglang.srt.layers.parameter import BasevLLMParameter
     from sglang.srt.model_loader.weight_utils import default_weight_loader
 
-    for parameter in model.parameters():
+    for parameter_name, parameter in model.named_parameters():
         original = getattr(parameter, "_moeconv_original_loader", None) or getattr(parameter, "weight_loader",
                                                                                      default_weight_loader)
+        module = parameter_name.rsplit(".", 2)[0] + "."  # the parent of the parameter's module
 
-        def recording(*args, _original=original, **kwargs):
+        def recording(*args, _original=original, _module=module, **kwargs):
             for value in list(args[1:2]) + list(kwargs.values()):
-                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in yielded:
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if value.untyped_storage().data_ptr() in yielded:
                     consumed.add(yielded[value.untyped_storage().data_ptr()])
+                else:
+                    consumed.update(_concatenation_of(value, {name: tensor for name, tensor in held.items()
+                                                              if name.startswith(_module)}))
             return _original(*args, **kwargs)
 
         parameter._moeconv_original_loader = original
@@ -187,6 +196,28 @@ def _wrap_loaders(model, yielded: dict[int, str], consumed: set[str]) -> None:
             parameter._weight_loader = recording
         else:
             parameter.weight_loader = recording
+
+
+def _concatenation_of(value: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[str]:
+    """The names of two or more `candidates` whose concatenation along dim 0 or 1, in some order, is
+    `value` element for element; [] when it is no such concatenation."""
+    for dim in range(min(value.dim(), 2)):
+        offset, names = 0, []
+        while offset < value.shape[dim]:
+            for name, tensor in candidates.items():
+                width = tensor.shape[dim] if tensor.dim() == value.dim() else 0
+                if (name not in names and width and tensor.dtype == value.dtype
+                        and offset + width <= value.shape[dim]
+                        and all(tensor.shape[d] == value.shape[d] for d in range(value.dim()) if d != dim)
+                        and torch.equal(value.narrow(dim, offset, width), tensor)):
+                    names.append(name)
+                    offset += width
+                    break
+            else:
+                break
+        if offset == value.shape[dim] and len(names) > 1:
+            return names
+    return []
 
 
 def main() -> None:
