@@ -54,10 +54,12 @@ test-engines: $(STAMP) $(ENGINES_STAMP)
 # classes and loaders import (tests/engines/sglang-requirements.txt), then sglang without its GPU-kernel deps.
 SGLANG_STAMP := .venv-sglang/.sglang-installed
 
-$(SGLANG_STAMP): tests/engines/sglang-requirements.txt
+$(SGLANG_STAMP): tests/engines/sglang-requirements.txt pyproject.toml
 	test -x .venv-sglang/bin/python || $(PYTHON) -m venv .venv-sglang
 	.venv-sglang/bin/pip install -q -r tests/engines/sglang-requirements.txt
 	.venv-sglang/bin/pip install -q --no-deps sglang==0.5.23
+	# moeconv itself, beside SGLang (no deps: SGLang's torch stays), for its sglang.srt.plugins entry point.
+	.venv-sglang/bin/pip install -q --no-deps -e .
 	touch $(SGLANG_STAMP)
 
 engines-sglang: $(SGLANG_STAMP)

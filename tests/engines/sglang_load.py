@@ -14,7 +14,9 @@ class on the CPU (FusedMoE `create_weights` included), and SGLang's own
 iterator. As in vllm_load.py: every parameter is filled with a sentinel first, twice over with two
 sentinels, and every weight loader is wrapped to record which checkpoint tensors it consumed. Prints
 one JSON line per checkpoint: loaded (true/false), SGLang's error if it refused, the checkpoint
-tensors no loader consumed, the parameters left unloaded.
+tensors no loader consumed, the parameters left unloaded. SGLang's general plugins are loaded first, as
+SGLang's processes load them (`sglang.srt.plugins.load_plugins`): moeconv's own (moeconv/sglang_plugin,
+installed into .venv-sglang by `make engines-sglang`), which serves the `triton` outputs.
 
 What is chosen for the CPU, and why (none of it is a loader; the list is the whole of it):
 - The platform. SGLang has a CUDA platform (needs a driver: `sgl_kernel` opens libcuda.so.1) and a CPU
@@ -222,6 +224,9 @@ def _concatenation_of(value: torch.Tensor, candidates: dict[str, torch.Tensor]) 
 
 def main() -> None:
     select_device()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # as each SGLang process does at start-up: moeconv's own (sglang.srt.plugins entry point)
     quantization = None
     for path in sys.argv[1:]:
         if path.startswith("--quantization="):
