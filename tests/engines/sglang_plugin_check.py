@@ -1,0 +1,149 @@
+"""moeconv's SGLang plugin on `--backend triton` outputs, with SGLang's OWN loader and Triton MoE kernel, on a CPU.
+
+Runs in .venv-sglang (sglang==0.5.23, moeconv installed there by `make engines-sglang` so its
+`sglang.srt.plugins` entry point exists), never in the main venv:
+
+    .venv-sglang/bin/python tests/engines/sglang_plugin_check.py SOURCE=OUTPUT [SOURCE=OUTPUT ...]
+
+For each pair, OUTPUT (a triton conversion of SOURCE) is built and loaded by SGLang as in sglang_load.py
+(SGLang's plugins loaded as its processes load them, two sentinels, every weight loader recording what
+it consumed), in float16, and then:
+
+  * the post-load step: the plugin's `process_weights_after_loading` runs on every MoE layer (its refusal
+    of a stacked parameter never filled; SGLang's MoeWNA16Method has no repack after it), and every MoE
+    parameter SGLang's Triton runner reads (`MoeWNA16Method.get_triton_quant_info`: w13/w2 qweight,
+    scales, qzeros) equals the file's stacked tensor byte for byte;
+  * numerics: SGLang's own Triton MoE kernel (`fused_moe_kernel_gptq_awq`, launched by SGLang's
+    `invoke_fused_moe_kernel` with int4/int8 weight-only flags and `block_shape=[0, group_size]`, as its
+    Triton runner launches it; under TRITON_INTERPRET=1 with float16 activations) on the loaded parameters
+    of the first MoE layer, against the float64 reference of the SOURCE (moeconv's decoders of the source
+    checkpoint). The token routing is built in torch (SGLang's `moe_align_block_size` is a CUDA kernel);
+    the activation between the GEMMs is SiLU-and-multiply in torch.
+
+Prints one JSON line per pair.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+from sglang_load import build_and_load, select_device  # noqa: E402
+from vllm_load import one_line  # noqa: E402  (no vLLM import: plain helpers)
+
+TOKENS, TOPK_MAX, BLOCK_M = 16, 2, 16
+
+
+def _moe_layers(model) -> list[tuple[str, torch.nn.Module]]:
+    from moeconv.sglang_plugin.method import StackedMoeWNA16Method
+
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(getattr(module, "quant_method", None), StackedMoeWNA16Method)]
+
+
+def check(source: Path, output: Path) -> dict:
+    model, result = build_and_load(output)
+    layers = _moe_layers(model)
+    if not layers:
+        raise RuntimeError(f"{output}: SGLang built no MoE layer with moeconv's method")
+    index = json.loads((output / "model.safetensors.index.json").read_text())["weight_map"]
+    for _, module in layers:
+        module.quant_method.process_weights_after_loading(module)
+    mismatched, compared = [], 0
+    for name, module in layers:
+        info = module.quant_method.get_triton_quant_info(module)  # what SGLang's Triton runner reads
+        read = {"w13_qweight": info.w13_weight, "w2_qweight": info.w2_weight, "w13_scales": info.w13_scale,
+                "w2_scales": info.w2_scale, "w13_qzeros": info.w13_zp, "w2_qzeros": info.w2_zp}
+        for leaf in module.quant_method.specs:
+            full = f"{name}.{leaf}"
+            with safe_open(str(output / index[full]), "pt") as handle:
+                stored = handle.get_tensor(full)
+            kernel = read[leaf].data
+            same = stored.dtype == kernel.dtype and stored.shape == kernel.shape and torch.equal(
+                stored.reshape(-1).view(torch.uint8), kernel.reshape(-1).view(torch.uint8))
+            compared += 1
+            if not same:
+                mismatched.append(full)
+    config = layers[0][1].quant_method.moeconv_config
+    result.update(moe_layers=len(layers), tensors_compared=compared, not_byte_identical=mismatched,
+                  bytes_copied=sum(sum(layer.values()) for layer in config.written.values()))
+    result.update(_numerics(source, layers[0][1], layers[0][0]))
+    return result
+
+
+def _numerics(source: Path, layer, module_name: str) -> dict:
+    import triton.language as tl
+    from sglang.kernels.ops.moe.fused_moe_triton_kernels import invoke_fused_moe_kernel
+
+    from moeconv import transform
+    from moeconv.checkpoint.reader import TensorReader
+    from moeconv.kernels.fused_moe import align_tokens_to_experts
+    from moeconv.kernels.reference import random_routing, reference_fused_moe, relative_error
+    from moeconv.kernels.runners import NUMERICS_TOLERANCE
+    from moeconv.plan import make_plan
+
+    plan = make_plan(source, backend="triton")
+    moe = next(item for item in plan.layers if item.module == module_name)
+    stacked = layer.quant_method.moeconv_config.stacked
+    experts, hidden, intermediate = moe.shape.experts, moe.shape.hidden, moe.shape.intermediate
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(TOKENS, hidden, generator=gen) * 0.5).to(torch.float16)
+    topk = min(TOPK_MAX, experts)
+    weights, ids = random_routing(TOKENS, experts, topk, gen)
+    blocks = align_tokens_to_experts(ids, experts, BLOCK_M)
+    expert_ids = torch.where(blocks.block_experts == experts, -1, blocks.block_experts)  # SGLang: -1 skips a block
+    padded = torch.tensor([blocks.pair_ids.numel()], dtype=torch.int32)
+    kernel = {"BLOCK_SIZE_M": BLOCK_M, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 1}
+    info = layer.quant_method.get_triton_quant_info(layer)
+
+    def gemm(a, weight, scale, zeros, out_features, pairs_per_row, routed):
+        c = torch.zeros(a.shape[0], pairs_per_row, out_features, dtype=torch.float16)
+        invoke_fused_moe_kernel(a, weight, None, c, None, scale, zeros, weights.to(torch.float32).contiguous(),
+                                ids, blocks.pair_ids, expert_ids, padded, routed, pairs_per_row, kernel,
+                                compute_type=tl.float16, use_fp8_w8a8=False, use_int8_w8a8=False,
+                                use_int8_w8a16=info.use_int8_w8a16, use_int4_w4a16=info.use_int4_w4a16,
+                                per_channel_quant=False, block_shape=info.block_shape)
+        return c
+
+    gate_up = gemm(x, info.w13_weight, info.w13_scale, info.w13_zp, 2 * intermediate, topk, False)
+    gate_up = gate_up.reshape(TOKENS * topk, 2 * intermediate)
+    activated = torch.nn.functional.silu(gate_up[:, :intermediate].float()) * gate_up[:, intermediate:].float()
+    down = gemm(activated.to(torch.float16), info.w2_weight, info.w2_scale, info.w2_zp, hidden, 1, True)
+    out = down.reshape(TOKENS, topk, hidden).float().sum(dim=1)
+    with TensorReader() as reader:
+        sources = [transform.source_weights(job, plan.codec, reader)[0] for job in plan.layer_jobs[moe.module]]
+    w13 = torch.stack([torch.cat([s["gate"].dequantize(torch.float64), s["up"].dequantize(torch.float64)])
+                       for s in sources])
+    w2 = torch.stack([s["down"].dequantize(torch.float64) for s in sources])
+    error = relative_error(out, reference_fused_moe(x, w13, w2, weights, ids))
+    return {"numerics_layer": module_name, "has_zp": stacked.has_zp, "relative_error": error,
+            "tolerance": NUMERICS_TOLERANCE, "numerics_ok": error <= NUMERICS_TOLERANCE}
+
+
+def main() -> None:
+    select_device()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    for pair in sys.argv[1:]:
+        source, output = (Path(part) for part in pair.split("=", 1))
+        try:
+            result = check(source, output)
+        except Exception as error:  # noqa: BLE001 (a refusal is the result being measured)
+            if os.environ.get("MOECONV_ENGINE_TRACE"):
+                traceback.print_exc()
+            result = {"loaded": False, "error": one_line(error)}
+        print(json.dumps({"checkpoint": str(output), **result}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
