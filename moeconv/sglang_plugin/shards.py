@@ -32,6 +32,9 @@ def fill(name: str, stored: torch.Tensor, parameter: torch.Tensor, intermediate:
     size = {"rows": per_rank, "bytes": per_rank * bits // 8, "groups": per_rank // group_size}[unit]
     if gemm == "w13":  # gate rows, then up rows: this rank's range of each, into the halves of the parameter
         half = stored.shape[1] // 2
+        part = (stored.shape[0], 2 * size, *stored.shape[2:])
+        if tuple(parameter.shape) != part:  # each half is copied into its range: the whole must match first
+            raise ValueError(f"this rank's part is {list(part)}, the parameter holds {list(parameter.shape)}")
         for index, start in enumerate((0, half)):
             _copy(parameter[:, index * size:(index + 1) * size], stored[:, start + rank * size:start + (rank + 1) * size])
         return
