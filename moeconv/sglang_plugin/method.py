@@ -15,6 +15,7 @@ GPTQ source's dense linears in.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any
 
@@ -33,6 +34,7 @@ from moeconv.spec import TORCH_DTYPES
 from moeconv.vllm_plugin.config import PluginRefusal, StackedLayout
 
 logger = logging.getLogger("sglang.moeconv")
+PER_EXPERT = re.compile(r"\.experts\.\d+\.")  # a module of one expert (`...experts.3.w1`)
 
 
 class MoeconvConfig(QuantizationConfig):
@@ -85,6 +87,13 @@ class MoeconvConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, FusedMoE):
             return StackedMoeWNA16Method(self, prefix)
+        if PER_EXPERT.search(prefix):
+            # SGLang builds this model's experts one linear each (no FusedMoE), so no stacked tensor has a
+            # parameter and the model's loader would skip them without a word.
+            raise PluginRefusal(f"{prefix}: SGLang {ENGINE_VERSION} builds this model's experts as one linear each "
+                                f"(Mixtral under any quantization not in its own list: model_loader/utils.py :: "
+                                f"get_model_architecture, QuantMixtralForCausalLM), which no stacked tensor fills; "
+                                f"convert with --backend compressed-tensors (symmetric sources) or humming")
         return self.dense.get_quant_method(layer, prefix)
 
 

@@ -146,8 +146,11 @@ def _report(cases, results, refusals) -> list[str]:
         # SGLang's compressed-tensors method has no W8A8 int8 MoE scheme on CUDA ("only for NPU"): its
         # w8a8_int8 method is the one that takes a compressed-tensors W8A8 checkpoint's experts.
         # moeconv's plugin (moeconv/sglang_plugin) serves the moe_wna16 `triton` layout, zero points included.
+        # Not Mixtral: SGLang 0.5.23 builds a Mixtral whose quantization is not in its own list with one linear
+        # per expert (QuantMixtralForCausalLM), which no stacked tensor can fill; the plugin refuses it.
         expected = (fmt.symmetric and backend == ("compressed-tensors --quantization w8a8_int8" if w8a8
-                                                  else "compressed-tensors")) or (backend == "triton" and not w8a8)
+                                                  else "compressed-tensors")) or (
+            backend == "triton" and not w8a8 and FAMILIES[family]["architecture"] != "mixtral")
         if verdict == "INCOMPLETE" or (expected and verdict != "loads"):
             failures.append(f"{family} {source_name} -> {backend}: {verdict}: {detail}")
     for (family, source_name, backend), reason in sorted(refusals.items()):
