@@ -8,7 +8,9 @@ sources (as SGLang picks their method, and also with the `--quantization` a user
 when a compressed-tensors output of a symmetric source does not load (a W8A8 one with
 `--quantization w8a8_int8`), when a 4-bit `triton` output does not load through moeconv's SGLang plugin
 (moeconv/sglang_plugin, which sglang_load.py loads as SGLang's processes do), or when an output SGLang
-takes leaves a checkpoint tensor unconsumed or a parameter unloaded. The compressed-tensors outputs of asymmetric sources are expected to be refused:
+takes leaves a checkpoint tensor unconsumed or a parameter unloaded. The triton outputs that load are then
+checked by sglang_plugin_check.py (MoE parameters = file bytes; SGLang's Triton kernel against the float64
+source), a second table, failing on any mismatch. The compressed-tensors outputs of asymmetric sources are expected to be refused:
 SGLang 0.5.23 does not transpose the expert zero points of any standard compressed-tensors checkpoint
 (docs/SGLANG.md).
 
@@ -102,7 +104,43 @@ def main() -> None:
         if len(results) != len(cases):
             sys.exit(f"sglang_load.py answered {len(results)} of {len(cases)} checkpoints:\n{done.stderr[-3000:]}")
         failures = _report(cases, results, refusals)
+        failures += _plugin(cases, results)
     sys.exit(1 if failures else 0)
+
+
+def _plugin(cases, results) -> list[str]:
+    """The triton outputs SGLang loaded through moeconv's plugin, checked further by sglang_plugin_check.py
+    (every MoE parameter SGLang's Triton runner reads = the file, byte for byte; SGLang's Triton kernel
+    against the float64 source); one table, and a failure for any mismatch or numerics over tolerance."""
+    pairs = {str(case[3]): next(str(other[3]) for other in cases if other[:2] == case[:2] and other[2] == "(source)")
+             for case, result in zip(cases, results) if case[2] == "triton" and result["loaded"]}
+    if not pairs:
+        return []
+    done = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "sglang_plugin_check.py"),
+                           *[f"{source}={output}" for output, source in pairs.items()]],
+                          capture_output=True, text=True, timeout=3600)
+    checked = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if len(checked) != len(pairs):
+        return [f"sglang_plugin_check.py answered {len(checked)} of {len(pairs)} outputs: {done.stderr[-2000:]}"]
+    labels = {str(case[3]): case[:2] for case in cases}
+    print("\n| family | source | MoE tensors = file | SGLang Triton kernel vs float64 source | zero points + 1 (control) |")
+    print("|---|---|---|---|---|")
+    failures = []
+    for result in checked:
+        family, source_name = labels[result["checkpoint"]]
+        if not result.get("loaded"):
+            failures.append(f"{family} {source_name} -> triton (plugin check): {result.get('error', '')[:200]}")
+            continue
+        same = result["tensors_compared"] - len(result["not_byte_identical"])
+        control = result.get("relative_error_zeros_plus_one")
+        print(f"| {family} | {source_name} | {same} of {result['tensors_compared']} | {result['relative_error']:.2g} "
+              f"(tolerance {result['tolerance']}) | {'' if control is None else f'{control:.2g}'} |")
+        if result["not_byte_identical"] or not result["numerics_ok"]:
+            failures.append(f"{family} {source_name} -> triton: MoE tensors differing from the file "
+                            f"{result['not_byte_identical'][:2]}, relative error {result['relative_error']:.3g}")
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return failures
 
 
 def _report(cases, results, refusals) -> list[str]:

@@ -18,7 +18,8 @@ it consumed), in float16, and then:
     Triton runner launches it; under TRITON_INTERPRET=1 with float16 activations) on the loaded parameters
     of the first MoE layer, against the float64 reference of the SOURCE (moeconv's decoders of the source
     checkpoint). The token routing is built in torch (SGLang's `moe_align_block_size` is a CUDA kernel);
-    the activation between the GEMMs is SiLU-and-multiply in torch.
+    the activation between the GEMMs is SiLU-and-multiply in torch. With zero points, a control: the same
+    kernel with every zero point one higher (the off-by-one a GPTQ v1 checkpoint read without its +1 has).
 
 Prints one JSON line per pair.
 """
@@ -114,19 +115,35 @@ def _numerics(source: Path, layer, module_name: str) -> dict:
                                 per_channel_quant=False, block_shape=info.block_shape)
         return c
 
-    gate_up = gemm(x, info.w13_weight, info.w13_scale, info.w13_zp, 2 * intermediate, topk, False)
-    gate_up = gate_up.reshape(TOKENS * topk, 2 * intermediate)
-    activated = torch.nn.functional.silu(gate_up[:, :intermediate].float()) * gate_up[:, intermediate:].float()
-    down = gemm(activated.to(torch.float16), info.w2_weight, info.w2_scale, info.w2_zp, hidden, 1, True)
-    out = down.reshape(TOKENS, topk, hidden).float().sum(dim=1)
+    def fused_moe(w13_zp, w2_zp):
+        gate_up = gemm(x, info.w13_weight, info.w13_scale, w13_zp, 2 * intermediate, topk, False)
+        gate_up = gate_up.reshape(TOKENS * topk, 2 * intermediate)
+        activated = torch.nn.functional.silu(gate_up[:, :intermediate].float()) * gate_up[:, intermediate:].float()
+        down = gemm(activated.to(torch.float16), info.w2_weight, info.w2_scale, w2_zp, hidden, 1, True)
+        return down.reshape(TOKENS, topk, hidden).float().sum(dim=1)
+
+    out = fused_moe(info.w13_zp, info.w2_zp)
     with TensorReader() as reader:
         sources = [transform.source_weights(job, plan.codec, reader)[0] for job in plan.layer_jobs[moe.module]]
     w13 = torch.stack([torch.cat([s["gate"].dequantize(torch.float64), s["up"].dequantize(torch.float64)])
                        for s in sources])
     w2 = torch.stack([s["down"].dequantize(torch.float64) for s in sources])
-    error = relative_error(out, reference_fused_moe(x, w13, w2, weights, ids))
-    return {"numerics_layer": module_name, "has_zp": stacked.has_zp, "relative_error": error,
-            "tolerance": NUMERICS_TOLERANCE, "numerics_ok": error <= NUMERICS_TOLERANCE}
+    reference = reference_fused_moe(x, w13, w2, weights, ids)
+    error = relative_error(out, reference)
+    result = {"numerics_layer": module_name, "has_zp": stacked.has_zp, "relative_error": error,
+              "tolerance": NUMERICS_TOLERANCE, "numerics_ok": error <= NUMERICS_TOLERANCE}
+    if stacked.has_zp:  # the control: every zero point one higher (GPTQ v1's stored z - 1 read as true) must show
+        result["relative_error_zeros_plus_one"] = relative_error(
+            fused_moe(_plus_one(info.w13_zp, stacked.bits), _plus_one(info.w2_zp, stacked.bits)), reference)
+    return result
+
+
+def _plus_one(zeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """Each packed zero point + 1 (mod 2^b), nibble by nibble for 4 bits."""
+    if bits == 8:
+        return zeros + 1
+    low, high = zeros & 0xF, zeros >> 4
+    return ((low + 1) & 0xF) | (((high + 1) & 0xF) << 4)
 
 
 def main() -> None:
