@@ -138,6 +138,20 @@ def _plugin(cases, results) -> list[str]:
         if result["not_byte_identical"] or not result["numerics_ok"]:
             failures.append(f"{family} {source_name} -> triton: MoE tensors differing from the file "
                             f"{result['not_byte_identical'][:2]}, relative error {result['relative_error']:.3g}")
+    asymmetric = next((output for output in pairs if "asym" in Path(output).parent.name), None)
+    if asymmetric is not None:
+        with tempfile.TemporaryDirectory(prefix="moeconv-sglang-refusals-") as scratch:
+            done = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "sglang_plugin_check.py"),
+                                   "--refusals", asymmetric, scratch], capture_output=True, text=True, timeout=1200)
+        answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        answer = answers[0] if answers else {}
+        print(f"\nThe plugin's refusals, provoked on {labels[asymmetric]}: another SGLang release: "
+              f"{answer.get('other_release')}; {answer.get('removed')} removed from the files: "
+              f"{answer.get('missing_tensor')}")
+        if not (answer.get("other_release") or "").startswith("PluginRefusal: moeconv: this plugin was built for"):
+            failures.append(f"no refusal under another SGLang release: {answer or done.stderr[-1000:]}")
+        if answer.get("removed") is None or answer["removed"] not in (answer.get("missing_tensor") or ""):
+            failures.append(f"no refusal naming the removed stacked tensor: {answer or done.stderr[-1000:]}")
     for failure in failures:
         print(f"FAIL {failure}", file=sys.stderr)
     return failures

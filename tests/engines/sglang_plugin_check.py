@@ -4,6 +4,9 @@ Runs in .venv-sglang (sglang==0.5.23, moeconv installed there by `make engines-s
 `sglang.srt.plugins` entry point exists), never in the main venv:
 
     .venv-sglang/bin/python tests/engines/sglang_plugin_check.py SOURCE=OUTPUT [SOURCE=OUTPUT ...]
+    .venv-sglang/bin/python tests/engines/sglang_plugin_check.py --refusals OUTPUT SCRATCH
+
+(the second form: the plugin's refusals, provoked on a copy of OUTPUT, see `refusals`)
 
 For each pair, OUTPUT (a triton conversion of SOURCE) is built and loaded by SGLang as in sglang_load.py
 (SGLang's plugins loaded as its processes load them, two sentinels, every weight loader recording what
@@ -146,11 +149,61 @@ def _plus_one(zeros: torch.Tensor, bits: int) -> torch.Tensor:
     return ((low + 1) & 0xF) | (((high + 1) & 0xF) << 4)
 
 
+def refusals(output: Path, scratch: Path) -> dict:
+    """The plugin's two refusals, provoked on a copy of a loadable `output`: under another SGLang release
+    (the installed version answered as 0.5.24, `register` run again), and with one stacked tensor removed
+    from the files (SGLang's loader then fills the others and says nothing; the plugin's post-load check
+    must name the missing one). Each: the first line of the refusal, or null when nothing refused."""
+    import importlib.metadata
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import moeconv.sglang_plugin as plugin
+    from moeconv.sglang_plugin.method import StackedMoeWNA16Method
+
+    answers = {}
+    real = importlib.metadata.version
+    importlib.metadata.version = lambda name: "0.5.24" if name == "sglang" else real(name)
+    try:
+        plugin.register()
+        build_and_load(output)
+        answers["other_release"] = None
+    except Exception as error:  # noqa: BLE001 (the refusal is the result)
+        answers["other_release"] = one_line(error)
+    finally:
+        importlib.metadata.version = real
+        plugin.register()
+    copy = scratch / "missing-stacked-tensor"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(output, copy)
+    index = json.loads((copy / "model.safetensors.index.json").read_text())
+    victim = max(name for name in index["weight_map"] if name.rsplit(".", 1)[-1] in ("w2_qzeros", "w2_scales"))
+    shard = copy / index["weight_map"].pop(victim)
+    tensors = load_file(str(shard))
+    del tensors[victim]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    (copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    model, result = build_and_load(copy)
+    answers.update(removed=victim, harness_unloaded=[n for n in result["unloaded_parameters"] if n == victim])
+    answers["missing_tensor"] = None
+    for _, module in model.named_modules():
+        if isinstance(getattr(module, "quant_method", None), StackedMoeWNA16Method):
+            try:
+                module.quant_method.process_weights_after_loading(module)
+            except Exception as error:  # noqa: BLE001
+                answers["missing_tensor"] = one_line(error)
+    return answers
+
+
 def main() -> None:
     select_device()
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
+    if sys.argv[1:2] == ["--refusals"]:  # --refusals OUTPUT SCRATCH
+        print(json.dumps(refusals(Path(sys.argv[2]), Path(sys.argv[3]))), flush=True)
+        return
     for pair in sys.argv[1:]:
         source, output = (Path(part) for part in pair.split("=", 1))
         try:
