@@ -84,6 +84,13 @@ class MoeconvConfig(QuantizationConfig):
     def get_scaled_act_names(self) -> list[str]:
         return self.dense.get_scaled_act_names()
 
+    def can_fuse_shared_expert(self) -> bool:
+        """No: the stacked tensors hold the routed experts only, and the shared experts stay dense linears.
+        SGLang's DeepSeek model asks this before it would fuse the shared expert into the MoE layer as one
+        more expert (`models/deepseek_common/utils.py :: quant_blocks_shared_experts_fusion`; by default for
+        256 routed experts, DeepSeek-V3's count), which no stacked tensor could fill."""
+        return False
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, FusedMoE):
             return StackedMoeWNA16Method(self, prefix)
