@@ -6,7 +6,10 @@ Runs in .venv-sglang (sglang==0.5.23, moeconv installed there by `make engines-s
     .venv-sglang/bin/python tests/engines/sglang_plugin_check.py SOURCE=OUTPUT [SOURCE=OUTPUT ...]
     .venv-sglang/bin/python tests/engines/sglang_plugin_check.py --refusals OUTPUT SCRATCH
 
-(the second form: the plugin's refusals, provoked on a copy of OUTPUT, see `refusals`)
+    .venv-sglang/bin/python tests/engines/sglang_plugin_check.py --against-stock SOURCE=OUTPUT [...]
+
+(the second form: the plugin's refusals, provoked on a copy of OUTPUT, see `refusals`; the third: the
+plugin's MoE parameters against those of SGLang's own moe_wna16 loader of the source, see `against_stock`)
 
 For each pair, OUTPUT (a triton conversion of SOURCE) is built and loaded by SGLang as in sglang_load.py
 (SGLang's plugins loaded as its processes load them, two sentinels, every weight loader recording what
@@ -97,7 +100,7 @@ def _numerics(source: Path, layer, module_name: str) -> dict:
 
     plan = make_plan(source, backend="triton")
     moe = next(item for item in plan.layers if item.module == module_name)
-    stacked = layer.quant_method.moeconv_config.stacked
+    quant = layer.quant_method.quant_config  # SGLang's MoeWNA16Config (the plugin's, or stock SGLang's)
     experts, hidden, intermediate = moe.shape.experts, moe.shape.hidden, moe.shape.intermediate
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(TOKENS, hidden, generator=gen) * 0.5).to(torch.float16)
@@ -133,11 +136,11 @@ def _numerics(source: Path, layer, module_name: str) -> dict:
     w2 = torch.stack([s["down"].dequantize(torch.float64) for s in sources])
     reference = reference_fused_moe(x, w13, w2, weights, ids)
     error = relative_error(out, reference)
-    result = {"numerics_layer": module_name, "has_zp": stacked.has_zp, "relative_error": error,
+    result = {"numerics_layer": module_name, "has_zp": quant.has_zp, "relative_error": error,
               "tolerance": NUMERICS_TOLERANCE, "numerics_ok": error <= NUMERICS_TOLERANCE}
-    if stacked.has_zp:  # the control: every zero point one higher (GPTQ v1's stored z - 1 read as true) must show
+    if quant.has_zp:  # the control: every zero point one higher (GPTQ v1's stored z - 1 read as true) must show
         result["relative_error_zeros_plus_one"] = relative_error(
-            fused_moe(_plus_one(info.w13_zp, stacked.bits), _plus_one(info.w2_zp, stacked.bits)), reference)
+            fused_moe(_plus_one(info.w13_zp, quant.weight_bits), _plus_one(info.w2_zp, quant.weight_bits)), reference)
     return result
 
 
@@ -147,6 +150,44 @@ def _plus_one(zeros: torch.Tensor, bits: int) -> torch.Tensor:
         return zeros + 1
     low, high = zeros & 0xF, zeros >> 4
     return ((low + 1) & 0xF) | (((high + 1) & 0xF) << 4)
+
+
+def against_stock(source: Path, output: Path) -> dict:
+    """SGLang's own loader of the SOURCE under `--quantization moe_wna16` (its MoeWNA16 loader: GPTQ
+    qweight transposed, its zero points + 1; AWQ unpacked, de-interleaved and transposed) against the
+    plugin's copy of the OUTPUT: every MoE parameter of every layer, byte for byte; how many 4-bit zero
+    points differ; and SGLang's Triton kernel on stock SGLang's parameters against the float64 source
+    (`_numerics`), which says which of the two readings is right where they differ."""
+    from sglang.srt.layers.quantization.moe_wna16 import MoeWNA16Method
+
+    stock, stock_result = build_and_load(source, "moe_wna16")
+    plugin = dict(_moe_layers(build_and_load(output)[0]))
+    compared, different = 0, []
+    for name, module in stock.named_modules():
+        if type(getattr(module, "quant_method", None)) is not MoeWNA16Method:
+            continue
+        for leaf in ("w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros"):
+            ours, theirs = getattr(plugin[name], leaf).data, getattr(module, leaf).data
+            if leaf.endswith("qzeros") and not theirs.numel():
+                continue  # symmetric: SGLang's placeholder
+            compared += 1
+            if ours.shape != theirs.shape or ours.dtype != theirs.dtype or not torch.equal(ours, theirs):
+                different.append(f"{name}.{leaf}")
+    zeros = [(getattr(plugin[name], leaf).data, getattr(module, leaf).data) for name, module in stock.named_modules()
+             if type(getattr(module, "quant_method", None)) is MoeWNA16Method
+             for leaf in ("w13_qzeros", "w2_qzeros") if getattr(module, leaf).numel()]
+    values = [(_nibbles(ours), _nibbles(theirs)) for ours, theirs in zeros]  # 4-bit: two zero points a byte
+    first = next(item for item in stock.named_modules() if type(getattr(item[1], "quant_method", None)) is MoeWNA16Method)
+    stock_numerics = _numerics(source, first[1], first[0])
+    return {"stock_quant_method": stock_result["quant_method"], "moe_tensors_compared": compared,
+            "differing_from_stock": different,
+            "zero_points_differing": sum(int((a != b).sum()) for a, b in values),
+            "zero_points": sum(a.numel() for a, _ in values),
+            "stock_relative_error": stock_numerics["relative_error"]}
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1)
 
 
 def refusals(output: Path, scratch: Path) -> dict:
@@ -201,6 +242,15 @@ def main() -> None:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
+    if sys.argv[1:2] == ["--against-stock"]:  # --against-stock SOURCE=OUTPUT ...
+        for pair in sys.argv[2:]:
+            source, output = (Path(part) for part in pair.split("=", 1))
+            try:
+                result = against_stock(source, output)
+            except Exception as error:  # noqa: BLE001 (a refusal is the result being measured)
+                result = {"error": one_line(error)}
+            print(json.dumps({"checkpoint": str(output), **result}), flush=True)
+        return
     if sys.argv[1:2] == ["--refusals"]:  # --refusals OUTPUT SCRATCH
         print(json.dumps(refusals(Path(sys.argv[2]), Path(sys.argv[3]))), flush=True)
         return
