@@ -10,7 +10,9 @@ when a compressed-tensors output of a symmetric source does not load (a W8A8 one
 (moeconv/sglang_plugin, which sglang_load.py loads as SGLang's processes do), or when an output SGLang
 takes leaves a checkpoint tensor unconsumed or a parameter unloaded. The triton outputs that load are then
 checked by sglang_plugin_check.py (MoE parameters = file bytes; SGLang's Triton kernel against the float64
-source), a second table, failing on any mismatch. The compressed-tensors outputs of asymmetric sources are expected to be refused:
+source), a second table, failing on any mismatch; and where SGLang's own moe_wna16 loads the source, its
+MoE parameters are compared with the plugin's (a third table: identical but for asymmetric GPTQ, whose zero
+points SGLang misreads). The compressed-tensors outputs of asymmetric sources are expected to be refused:
 SGLang 0.5.23 does not transpose the expert zero points of any standard compressed-tensors checkpoint
 (docs/SGLANG.md).
 
@@ -49,6 +51,9 @@ FAMILIES = {
     "deepseek_v3": {"architecture": "deepseek_v3"},
     "deepseek_v3 (routed experts only)": {"architecture": "deepseek_v3", "quantized_modules": ROUTED_EXPERTS,
                                           "layers": 3, "dense_layers": 1},
+    # float attention lets SGLang's own moe_wna16 load an asymmetric GPTQ source (its GPTQ dense kernel is
+    # gone), so its reading of GPTQ zero points can be compared with moeconv's (`_against_stock`)
+    "qwen3_moe (routed experts only)": {"architecture": "qwen3_moe", "quantized_modules": ROUTED_EXPERTS},
 }
 SOURCES = {
     "gptq-sym": GPTQ(4, 32, sym=True),
@@ -105,7 +110,48 @@ def main() -> None:
             sys.exit(f"sglang_load.py answered {len(results)} of {len(cases)} checkpoints:\n{done.stderr[-3000:]}")
         failures = _report(cases, results, refusals)
         failures += _plugin(cases, results)
+        failures += _against_stock(cases, results)
     sys.exit(1 if failures else 0)
+
+
+def _against_stock(cases, results) -> list[str]:
+    """Where SGLang's own moe_wna16 loads the source (`--quantization moe_wna16`) and the plugin its triton
+    output: the two sets of MoE parameters compared byte for byte (sglang_plugin_check.py --against-stock).
+    They must be identical but for asymmetric GPTQ, whose zero points SGLang reads with a per-nibble +1
+    (v1; GPTQModel's whole-word subtraction borrows) or +1 where none is due (v2): those are reported,
+    with SGLang's Triton kernel on stock SGLang's parameters against the float64 source."""
+    loaded = {(case[0], case[1], case[2]): (case, result) for case, result in zip(cases, results) if result["loaded"]}
+    pairs = {}
+    for (family, source_name, backend), (case, _) in loaded.items():
+        if backend == "triton" and (family, source_name, "(source) --quantization moe_wna16") in loaded:
+            pairs[str(case[3])] = (case, str(loaded[(family, source_name, "(source) --quantization moe_wna16")][0][3]))
+    if not pairs:
+        return []
+    done = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "sglang_plugin_check.py"),
+                           "--against-stock", *[f"{source}={output}" for output, (_, source) in pairs.items()]],
+                          capture_output=True, text=True, timeout=3600)
+    checked = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if len(checked) != len(pairs):
+        return [f"sglang_plugin_check.py --against-stock answered {len(checked)} of {len(pairs)}: {done.stderr[-2000:]}"]
+    print("\n| family | source | plugin's MoE tensors = stock SGLang moe_wna16's | zero points differing | "
+          "SGLang Triton kernel on stock SGLang's parameters vs float64 source |")
+    print("|---|---|---|---|---|")
+    failures = []
+    for result in checked:
+        case = pairs[result["checkpoint"]][0]
+        if "error" in result:
+            failures.append(f"{case[0]} {case[1]} against stock: {result['error'][:200]}")
+            continue
+        same = result["moe_tensors_compared"] - len(result["differing_from_stock"])
+        print(f"| {case[0]} | {case[1]} | {same} of {result['moe_tensors_compared']} | "
+              f"{result['zero_points_differing']} of {result['zero_points']} | {result['stock_relative_error']:.2g} |")
+        gptq_asymmetric = case[4].method == "gptq" and not case[4].symmetric
+        if result["differing_from_stock"] and not gptq_asymmetric:
+            failures.append(f"{case[0]} {case[1]}: the plugin's MoE parameters differ from stock SGLang's: "
+                            f"{result['differing_from_stock'][:2]}")
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return failures
 
 
 def _plugin(cases, results) -> list[str]:
