@@ -90,8 +90,8 @@ def select_device() -> None:
     awq._is_cuda = True  # read (after import) only by is_awq_marlin_compatible: AWQ goes to awq_marlin, as on a GPU
 
 
-def _init_once(server_args) -> None:
-    """One gloo process group of one rank, as SGLang's weight-cache daemon sets it up."""
+def _init_once(server_args, rank: int = 0, world_size: int = 1, init_method: str | None = None) -> None:
+    """One gloo process group (of one rank unless told otherwise), as SGLang's weight-cache daemon sets it up."""
     from sglang.srt.distributed.parallel_state import (
         init_distributed_environment,
         initialize_model_parallel,
@@ -100,17 +100,20 @@ def _init_once(server_args) -> None:
 
     if model_parallel_is_initialized():
         return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                 local_rank=0, backend="gloo")
+    if init_method is None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            init_method = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    init_distributed_environment(world_size=world_size, rank=rank, distributed_init_method=init_method,
+                                 local_rank=rank, backend="gloo")
     initialize_model_parallel()
 
 
-def build_and_load(checkpoint: Path, quantization: str | None = None) -> tuple[torch.nn.Module, dict]:
+def build_and_load(checkpoint: Path, quantization: str | None = None, rank: int = 0, tp_size: int = 1,
+                   init_method: str | None = None) -> tuple[torch.nn.Module, dict]:
     """The model SGLang builds for the checkpoint, after its own loader ran twice (two sentinels), and
-    what the loading showed; `load_seconds` is the faster of the two passes."""
+    what the loading showed; `load_seconds` is the faster of the two passes. `rank` of `tp_size`: this
+    process's tensor-parallel rank (one gloo process per rank, joined at `init_method`)."""
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.layers.dp_attention import init_dp_gathered_buffer, initialize_dp_attention
@@ -124,12 +127,12 @@ def build_and_load(checkpoint: Path, quantization: str | None = None) -> tuple[t
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
-    server_args = ServerArgs(model_path=str(checkpoint), device="cuda", dtype="float16", tp_size=1,
+    server_args = ServerArgs(model_path=str(checkpoint), device="cuda", dtype="float16", tp_size=tp_size,
                              quantization=quantization)
-    publish(server_args, role="test", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
     initialize_moe_config()
     model_config = ModelConfig.from_server_args(server_args)
-    _init_once(server_args)
+    _init_once(server_args, rank, tp_size, init_method)
     initialize_dp_attention(server_args)
     init_dp_gathered_buffer(model_config)
     load_config = LoadConfig()
