@@ -12,7 +12,7 @@ takes leaves a checkpoint tensor unconsumed or a parameter unloaded. The triton 
 checked by sglang_plugin_check.py (MoE parameters = file bytes; SGLang's Triton kernel against the float64
 source), a second table, failing on any mismatch; and where SGLang's own moe_wna16 loads the source, its
 MoE parameters are compared with the plugin's (a third table: identical but for asymmetric GPTQ, whose zero
-points SGLang misreads). The compressed-tensors outputs of asymmetric sources are expected to be refused:
+points SGLang misreads), also per rank at tensor parallelism 2 (sglang_plugin_tp.py). The compressed-tensors outputs of asymmetric sources are expected to be refused:
 SGLang 0.5.23 does not transpose the expert zero points of any standard compressed-tensors checkpoint
 (docs/SGLANG.md).
 
@@ -149,6 +149,26 @@ def _against_stock(cases, results) -> list[str]:
         if result["differing_from_stock"] and not gptq_asymmetric:
             failures.append(f"{case[0]} {case[1]}: the plugin's MoE parameters differ from stock SGLang's: "
                             f"{result['differing_from_stock'][:2]}")
+    # The same at tensor parallelism 2 (sglang_plugin_tp.py: two gloo ranks), on the family whose dense
+    # layers are float (SGLang's dense Marlin takes no 64-wide rank of these small shapes).
+    tp_pairs = {output: item for output, item in pairs.items() if item[0][0] == "qwen3_moe (routed experts only)"}
+    if tp_pairs:
+        done = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "sglang_plugin_tp.py"),
+                               *[f"{source}={output}" for output, (_, source) in tp_pairs.items()]],
+                              capture_output=True, text=True, timeout=3600)
+        ranks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        if len(ranks) != 2 * len(tp_pairs):
+            failures.append(f"sglang_plugin_tp.py answered {len(ranks)} of {2 * len(tp_pairs)}: {done.stderr[-2000:]}")
+        print("\nAt tensor parallelism 2, per rank, the plugin's MoE tensors = stock SGLang moe_wna16's: " + "; ".join(
+            f"{tp_pairs[r['checkpoint']][0][1]} rank {r['rank']}: "
+            + (f"{r['moe_tensors_compared'] - len(r['differing_from_stock'])} of {r['moe_tensors_compared']}"
+               if r.get("loaded") else r.get("error", "")[:120]) for r in ranks))
+        for r in ranks:
+            case = tp_pairs[r["checkpoint"]][0]
+            qzeros_only = all(name.endswith("qzeros") for name in r.get("differing_from_stock", []))
+            gptq_asymmetric = case[4].method == "gptq" and not case[4].symmetric
+            if not r.get("loaded") or (r["differing_from_stock"] and not (gptq_asymmetric and qzeros_only)):
+                failures.append(f"{case[0]} {case[1]} rank {r['rank']} of 2: {r.get('error') or r['differing_from_stock'][:2]}")
     for failure in failures:
         print(f"FAIL {failure}", file=sys.stderr)
     return failures
