@@ -51,13 +51,17 @@ test-engines: $(STAMP) $(ENGINES_STAMP)
 
 # SGLang 0.5.23 beside moeconv's outputs, on the CPU (tests/engines/sglang_load.py): its own venv, its
 # pinned torch (2.14.1, the CUDA build PyPI serves; it imports without a GPU), the packages its model
-# classes and loaders import (tests/engines/sglang-requirements.txt), then sglang without its GPU-kernel deps.
+# classes and loaders import (tests/engines/sglang-requirements.txt), then sglang without its GPU-kernel deps,
+# then moeconv (its SGLang plugin). The triton outputs SGLang loads through the plugin are then checked with
+# SGLang's own Triton MoE kernel under TRITON_INTERPRET=1 (tests/engines/sglang_plugin_check.py).
 SGLANG_STAMP := .venv-sglang/.sglang-installed
 
-$(SGLANG_STAMP): tests/engines/sglang-requirements.txt
+$(SGLANG_STAMP): tests/engines/sglang-requirements.txt pyproject.toml
 	test -x .venv-sglang/bin/python || $(PYTHON) -m venv .venv-sglang
 	.venv-sglang/bin/pip install -q -r tests/engines/sglang-requirements.txt
 	.venv-sglang/bin/pip install -q --no-deps sglang==0.5.23
+	# moeconv itself, beside SGLang (no deps: SGLang's torch stays), for its sglang.srt.plugins entry point.
+	.venv-sglang/bin/pip install -q --no-deps -e .
 	touch $(SGLANG_STAMP)
 
 engines-sglang: $(SGLANG_STAMP)

@@ -27,6 +27,22 @@ from moeconv.worklist import shard_groups
 
 EDGE_GROUP_FRACTION = 0.08  # share of groups pushed to one sign (zero point 0 or 2^b − 1)
 
+ALL = "all"
+ROUTED_EXPERTS = "routed-experts"
+# The modules a ROUTED_EXPERTS checkpoint leaves in float (attention, shared experts, dense MLPs), as each
+# format's producer says it: compressed-tensors' `ignore` (the patterns of moonshotai/Kimi-K2-Thinking's
+# config.json), GPTQModel's `dynamic` with negative ("-:") patterns, which skip a module, and AutoAWQ's
+# `modules_to_not_convert` (substrings of the module name: `mlp.gate` is in a dense layer's gate_proj, in
+# the gate_up_proj engines fuse it into, and in the router, never in `mlp.experts.0.gate_proj`).
+_FLOAT_PATTERNS = (r".*self_attn.*", r".*shared_expert.*", r".*mlp\.(gate|up|gate_up|down)_proj.*")
+EXCLUSIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "compressed-tensors": lambda config: {**config, "ignore": [*config.get("ignore", []),
+                                                               *(f"re:{pattern}" for pattern in _FLOAT_PATTERNS)]},
+    "gptq": lambda config: {**config, "dynamic": {f"-:{pattern}": {} for pattern in _FLOAT_PATTERNS}},
+    "awq": lambda config: {**config, "modules_to_not_convert": ["self_attn", "shared_expert", "mlp.gate",
+                                                                "mlp.up_proj", "mlp.down_proj"]},
+}
+
 
 def quantize(weight: torch.Tensor, bits: int, group_size: int, symmetric: bool,
              scale_dtype: torch.dtype) -> QuantizedWeight:
@@ -78,7 +94,23 @@ class SynthSpec:
     expert_order: str = "index-first"  # or "modelopt": experts.gate_proj.E.<suffix>
     mtp_layers: int = 0  # qwen3_5_moe: MTP layers (mtp.layers.N.mlp.experts.E.*), left in float as shipped
     quantized_router: bool = False  # the router quantized like the experts (AutoAWQ's and older AutoRound's Qwen3-MoE)
+    # ALL: every linear but the router and lm_head quantized. ROUTED_EXPERTS: only the routed experts, as
+    # the first-party INT4 checkpoints of the DeepSeek-V3 family ship (moonshotai/Kimi-K2-Thinking,
+    # config.json: `ignore` lists lm_head, `re:.*self_attn.*`, `re:.*shared_experts.*` and the dense layers'
+    # `re:.*mlp\.(gate|up|gate_up|down)_proj.*`): attention, shared experts and dense MLPs stay in `dtype`,
+    # and the config says so in the format's own words (EXCLUSIONS).
+    quantized_modules: str = "all"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.quantized_modules not in (ALL, ROUTED_EXPERTS):
+            raise ValueError(f"quantized_modules {self.quantized_modules!r}: expected {ALL!r} or {ROUTED_EXPERTS!r}")
+        if self.quantized_modules == ROUTED_EXPERTS and self.quantized_router:
+            raise ValueError("quantized_router needs quantized_modules='all' (a routed-experts-only checkpoint "
+                             "keeps its router in float)")
+        if self.quantized_modules == ROUTED_EXPERTS and self.source_format.method not in EXCLUSIONS:
+            raise ValueError(f"quantized_modules={ROUTED_EXPERTS!r}: no way known to say so in a "
+                             f"{self.source_format.method!r} config")
 
 
 # A unit is what one call produces: (declared tensors, producer of their values).
@@ -118,11 +150,18 @@ class _Builder:
 
         self.units.append((declared, make))
 
+    def linear(self, prefix: str, out_features: int, in_features: int) -> None:
+        """A linear that is not a routed expert: quantized, or (ROUTED_EXPERTS) a float `weight`."""
+        if self.spec.quantized_modules == ROUTED_EXPERTS:
+            self.dense(f"{prefix}.weight", (out_features, in_features))
+        else:
+            self.quantized(prefix, out_features, in_features)
+
     def mlp(self, prefix: str, names: tuple[str, str, str], intermediate: int) -> None:
         gate, up, down = names
-        self.quantized(f"{prefix}.{gate}", intermediate, self.spec.hidden)
-        self.quantized(f"{prefix}.{up}", intermediate, self.spec.hidden)
-        self.quantized(f"{prefix}.{down}", self.spec.hidden, intermediate)
+        self.linear(f"{prefix}.{gate}", intermediate, self.spec.hidden)
+        self.linear(f"{prefix}.{up}", intermediate, self.spec.hidden)
+        self.linear(f"{prefix}.{down}", self.spec.hidden, intermediate)
 
     def experts(self, module: str, names: tuple[str, str, str], quantized: bool = True) -> None:
         """Routed experts under `module` (ending in `.experts`), index first or (ModelOpt) projection first."""
@@ -169,7 +208,7 @@ def _build(spec: SynthSpec) -> tuple[_Builder, dict[str, Any]]:
             _mla(b, f"{p}.self_attn", h, _MLA_Q_LORA[arch])
         else:
             for projection in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                b.quantized(f"{p}.self_attn.{projection}", h, h)
+                b.linear(f"{p}.self_attn.{projection}", h, h)
         if layer < spec.dense_layers:
             b.mlp(f"{p}.mlp", _HF_NAMES, spec.dense_intermediate)
             continue
@@ -200,15 +239,15 @@ def _mla(b: _Builder, prefix: str, hidden: int, q_lora_rank: int | None) -> None
     heads, rank = _MLA["num_attention_heads"], _MLA["kv_lora_rank"]
     nope, rope, v = _MLA["qk_nope_head_dim"], _MLA["qk_rope_head_dim"], _MLA["v_head_dim"]
     if q_lora_rank is None:
-        b.quantized(f"{prefix}.q_proj", heads * (nope + rope), hidden)
+        b.linear(f"{prefix}.q_proj", heads * (nope + rope), hidden)
     else:
-        b.quantized(f"{prefix}.q_a_proj", q_lora_rank, hidden)
+        b.linear(f"{prefix}.q_a_proj", q_lora_rank, hidden)
         b.dense(f"{prefix}.q_a_layernorm.weight", (q_lora_rank,), ones=True)
-        b.quantized(f"{prefix}.q_b_proj", heads * (nope + rope), q_lora_rank)
-    b.quantized(f"{prefix}.kv_a_proj_with_mqa", rank + rope, hidden)
+        b.linear(f"{prefix}.q_b_proj", heads * (nope + rope), q_lora_rank)
+    b.linear(f"{prefix}.kv_a_proj_with_mqa", rank + rope, hidden)
     b.dense(f"{prefix}.kv_a_layernorm.weight", (rank,), ones=True)
-    b.quantized(f"{prefix}.kv_b_proj", heads * (nope + v), rank)
-    b.quantized(f"{prefix}.o_proj", hidden, heads * v)
+    b.linear(f"{prefix}.kv_b_proj", heads * (nope + v), rank)
+    b.linear(f"{prefix}.o_proj", hidden, heads * v)
 
 
 def _config(spec: SynthSpec) -> dict[str, Any]:
@@ -223,6 +262,8 @@ def _config(spec: SynthSpec) -> dict[str, Any]:
         "torch_dtype": str(spec.dtype).removeprefix("torch."),
         "quantization_config": spec.source_format.quantization_config(),
     }
+    if spec.quantized_modules == ROUTED_EXPERTS:
+        config["quantization_config"] = EXCLUSIONS[spec.source_format.method](config["quantization_config"])
     if family == "mixtral":
         config.update(num_local_experts=spec.experts, intermediate_size=spec.intermediate, num_experts_per_tok=2)
     elif family == "qwen":
@@ -272,7 +313,7 @@ def make_checkpoint(path: Path, spec: SynthSpec = SynthSpec(), max_shard_size: i
     _write_json(path / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
     _write_json(path / "config.json", config)
     if spec.source_format.method == "gptq":
-        _write_json(path / "quantize_config.json", spec.source_format.quantization_config())
+        _write_json(path / "quantize_config.json", config["quantization_config"])
     _write_json(path / "generation_config.json", {"do_sample": False, "max_new_tokens": 16})
     _write_json(path / "tokenizer_config.json", {"model_max_length": 4096, "tokenizer_class": "PreTrainedTokenizerFast"})
     return path

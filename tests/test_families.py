@@ -5,6 +5,7 @@ made loud (a quantized tensor under an experts module that no naming claims; gpt
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -12,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 import moeconv
 from moeconv.checkpoint.reader import open_checkpoint
-from moeconv.formats import GPTQ, CompressedTensors
-from moeconv.synth import SynthSpec, make_checkpoint
+from moeconv.formats import AWQ, GPTQ, CompressedTensors, ModelOpt
+from moeconv.synth import ROUTED_EXPERTS, SynthSpec, make_checkpoint
 
 from helpers import run_main
 
@@ -254,3 +255,71 @@ def test_a_quantized_router_is_converted_or_copied_never_dropped(backend, tmp_pa
     assert torch.equal(kept[f"{router}.weight_scale"], stored[f"{router}.scales"].T.contiguous())
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert not any("mlp.gate" in entry for entry in config["ignore"]), config["ignore"]
+
+
+# DeepSeek-V3's linears that are not routed experts, in one MoE layer (N) and in the leading dense layer (0).
+_MLA_LINEARS = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
+                "self_attn.o_proj")
+_SHARED = ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj")
+_DENSE = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _ignored(name: str, ignore: list[str]) -> bool:
+    """compressed-tensors' reading of `ignore`: a module name, or `re:` and a pattern the whole name matches."""
+    return any(re.fullmatch(entry[3:], name) if entry.startswith("re:") else entry == name for entry in ignore)
+
+
+@pytest.mark.parametrize("fmt", [GPTQ(4, 32, sym=False), AWQ(4, 32), CompressedTensors(bits=4, group_size=32),
+                                 CompressedTensors(format="int-quantized", bits=8, group_size=-1, activation_bits=8)],
+                         ids=["gptq", "awq", "ct-w4a16", "ct-w8a8"])
+def test_a_routed_experts_only_deepseek_keeps_every_other_linear_in_float_and_says_so(fmt, tmp_path):
+    """quantized_modules="routed-experts" (the first-party INT4 DeepSeek-V3 family, moonshotai/Kimi-K2-Thinking):
+    attention, shared experts and the dense layer are float `weight`s, each routed expert quantized; the
+    config excludes exactly the float linears in the format's own words; every backend converts it, and the
+    compressed-tensors output ignores the same linears."""
+    spec = SynthSpec(architecture="deepseek_v3", quantized_modules=ROUTED_EXPERTS, layers=2, dense_layers=1,
+                     source_format=fmt)
+    source = make_checkpoint(tmp_path / "src", spec)
+    tensors = open_checkpoint(source).tensors
+    float_linears = [f"model.layers.{layer}.{linear}" for layer in (0, 1) for linear in _MLA_LINEARS] + [
+        f"model.layers.0.{linear}" for linear in _DENSE] + [f"model.layers.1.{linear}" for linear in _SHARED]
+    for linear in float_linears:
+        held = {name: entry.dtype for name, entry in tensors.items() if name.startswith(f"{linear}.")}
+        assert held == {f"{linear}.weight": "F16"}, (linear, held)
+    experts = [f"model.layers.1.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
+    for expert in experts:  # integer codes (GPTQ/AWQ qweight, weight_packed: I32; W8A8 weight: I8)
+        assert any(entry.dtype in ("I32", "I8") for name, entry in tensors.items() if name.startswith(f"{expert}.")), expert
+    # what the engines build from them: the fused gate_up_proj of the dense layer and of the shared experts,
+    # which must be excluded too (SGLang 0.5.23's DeepSeek model declares no such fusion to unfuse)
+    float_linears += ["model.layers.0.mlp.gate_up_proj", "model.layers.1.mlp.shared_experts.gate_up_proj"]
+    config = json.loads((source / "config.json").read_text())["quantization_config"]
+    if fmt.method == "compressed-tensors":
+        assert all(_ignored(linear, config["ignore"]) for linear in float_linears), config["ignore"]
+        assert not any(_ignored(expert, config["ignore"]) for expert in experts)
+    elif fmt.method == "gptq":  # GPTQModel: a "-:" pattern that the module name matches skips its quantization
+        negative = [pattern[2:] for pattern in config["dynamic"] if pattern.startswith("-:")]
+        assert all(any(re.match(pattern, linear) for pattern in negative) for linear in float_linears)
+        assert not any(re.match(pattern, expert) for pattern in negative for expert in experts)
+    else:  # AutoAWQ: a module whose name contains an entry stays unquantized
+        skipped = config["modules_to_not_convert"]
+        assert all(any(entry in linear for entry in skipped) for linear in float_linears)
+        assert not any(entry in expert for entry in skipped for expert in experts)
+    for backend in ("triton", "compressed-tensors", "humming"):
+        moeconv.convert(source, tmp_path / backend, backend=backend, workers=1)
+        report = moeconv.verify(tmp_path / backend, numerics_layers=1)
+        assert report.ok, report.failures()
+    written = json.loads((tmp_path / "compressed-tensors" / "config.json").read_text())["quantization_config"]
+    ignore = written["ignore"]
+    assert all(_ignored(linear, ignore) for linear in float_linears) and not any(_ignored(e, ignore) for e in experts)
+    written = json.loads((tmp_path / "humming" / "config.json").read_text())["quantization_config"]
+    assert set(float_linears) <= set(written["ignored_layers"])
+    assert not any(name.startswith("model.layers.1.mlp.experts.") for name in written["ignored_layers"])
+
+
+def test_routed_experts_only_refuses_what_it_cannot_write():
+    with pytest.raises(ValueError, match="quantized_router needs quantized_modules='all'"):
+        SynthSpec(quantized_modules=ROUTED_EXPERTS, quantized_router=True)
+    with pytest.raises(ValueError, match="expected 'all' or 'routed-experts'"):
+        SynthSpec(quantized_modules="experts")
+    with pytest.raises(ValueError, match="no way known to say so in a 'modelopt' config"):
+        SynthSpec(quantized_modules=ROUTED_EXPERTS, source_format=ModelOpt(group_size=32))

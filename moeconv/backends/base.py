@@ -15,6 +15,32 @@ if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not
 FUSED_GEMMS = {"w13": ("gate", "up"), "w2": ("down",)}
 
 
+# Modules the engines build fused from several checkpoint linears, by the name of the fused module. An
+# engine asks an output's list of float linears about the fused name; where the model class declares the
+# fusion it unfuses the name and asks about each shard, but SGLang 0.5.23's DeepseekV2ForCausalLM declares
+# only fused_qkv_a_proj_with_mqa (`models/deepseek_v2.py :: packed_modules_mapping`), so a dense layer's or a
+# shared expert's float gate_proj and up_proj, listed by name, left its gate_up_proj quantized
+# (compressed-tensors: "KeyError: 'model.layers.0.mlp.gate_up_proj.weight'"; humming: "'MergedColumnParallelLinear'
+# object has no attribute 'weight'"). So when every shard under one parent is listed, the fused name is
+# listed too (moonshotai/Kimi-K2-Thinking's own `ignore` covers gate_up_proj). SGLang's rule (adapted from
+# vLLM's, `compressed_tensors/utils.py :: should_ignore_layer`) takes a listed fused name as it is, and vLLM
+# 0.33 loads these outputs with every tensor consumed (tests/engines/run_matrix.py --only routed-experts-only).
+FUSED_SHARDS = {"gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def with_fused_names(modules: list[str]) -> list[str]:
+    """The float linears `modules`, each fused module whose shards are all among them added after its last shard."""
+    listed, result = set(modules), []
+    for name in modules:
+        result.append(name)
+        parent, _, leaf = name.rpartition(".")
+        for fused, shards in FUSED_SHARDS.items():
+            if leaf == shards[-1] and all(f"{parent}.{shard}" in listed for shard in shards) \
+                    and f"{parent}.{fused}" not in listed:
+                result.append(f"{parent}.{fused}")
+    return result
+
+
 class ExpertWeights(NamedTuple):
     gate: QuantizedWeight
     up: QuantizedWeight

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from moeconv import packing
 from moeconv.spec import TensorSpec
-from moeconv.backends.base import Serving, vllm_serve
+from moeconv.backends.base import Serving, vllm_serve, with_fused_names
 from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words, per_rank_refusal
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
@@ -138,7 +138,7 @@ class CompressedTensorsBackend(PerLinearBackend):
             "quant_method": "compressed-tensors",
             "format": MIXED_PRECISION if fp8_block_modules else fmt,
             "config_groups": groups,
-            "ignore": [name for name in unquantized_modules if name.rpartition(".")[2] != EMBEDDING],
+            "ignore": with_fused_names([name for name in unquantized_modules if name.rpartition(".")[2] != EMBEDDING]),
             "quantization_status": "compressed",
             "kv_cache_scheme": None,
             "sparsity_config": {},

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from moeconv.spec import TensorSpec
-from moeconv.backends.base import Serving, vllm_serve
+from moeconv.backends.base import Serving, vllm_serve, with_fused_names
 from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words, per_rank_refusal
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
@@ -98,11 +98,12 @@ class HummingBackend(PerLinearBackend):
                                        fp8_block_modules: tuple[str, ...] = ()) -> dict[str, Any]:
         """Scales keep the source dtype; `bs_dtype` says so when that is not the model dtype (Humming
         otherwise assumes the params dtype). `ignored_layers` is the first key Humming's vLLM config
-        reads for linears to leave in float (it would quantize them online otherwise)."""
+        reads for linears to leave in float (it would quantize them online otherwise), fused names included
+        (base.FUSED_SHARDS)."""
         config = self.quantization_config(layer)
         if _MODEL_DTYPES.get(str(model_dtype)) != layer.scale_dtype:
             config["bs_dtype"] = _DTYPE_NAMES[layer.scale_dtype]
-        config["ignored_layers"] = unquantized_modules
+        config["ignored_layers"] = with_fused_names(unquantized_modules)
         return config
 
 

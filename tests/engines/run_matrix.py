@@ -26,7 +26,7 @@ import moeconv
 from moeconv.backends import REGISTRY
 from moeconv.errors import MoeconvError
 from moeconv.formats import AWQ, GPTQ, CompressedTensors, ModelOpt, format_from_config
-from moeconv.synth import SynthSpec, make_checkpoint
+from moeconv.synth import ROUTED_EXPERTS, SynthSpec, make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = ROOT / ".venv-engines" / "bin" / "python"
@@ -67,14 +67,15 @@ def not_consumed(result: dict) -> list[str]:
 
 
 def command_line(doc: str, engine_python: Path = ENGINE_PYTHON, make_target: str = "make engines",
-                 groups: tuple[str, ...] = ()) -> argparse.Namespace:
+                 groups: tuple[str, ...] = (),
+                 only_help: str = "run only these groups, not the synthetic matrix") -> argparse.Namespace:
     """The engine scripts' option (`--keep DIR`; `--only GROUP ...` where the script has `groups`), once
     the engine's venv is there."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--keep", type=Path, help="write the checkpoints here instead of a temporary folder")
     if groups:
         parser.add_argument("--only", nargs="+", choices=groups, metavar="GROUP",
-                            help=f"run only these groups, not the synthetic matrix: {', '.join(groups)}")
+                            help=f"{only_help}: {', '.join(groups)}")
     args = parser.parse_args()
     if not engine_python.exists():
         sys.exit(f"{engine_python} is missing: run `{make_target}` first")
@@ -203,8 +204,20 @@ def _quantized_router(base: Path, cases: list, refusals: dict) -> None:
                  sym, list(REGISTRY))
 
 
+def _routed_experts_only(base: Path, cases: list, refusals: dict) -> None:
+    """DeepSeek-V3 shapes as the first-party INT4 checkpoints of the family ship (moonshotai/Kimi-K2-Thinking):
+    only the routed experts quantized, attention, shared experts and the leading dense layer in float."""
+    for source_name, fmt in SOURCES.items():
+        source = make_checkpoint(base / "routed-experts-only" / source_name / "src",
+                                 SynthSpec(architecture="deepseek_v3", quantized_modules=ROUTED_EXPERTS, layers=3,
+                                           dense_layers=1, source_format=fmt))
+        _convert_all(base, cases, refusals, "routed-experts-only", "deepseek_v3 (routed experts only)", source_name,
+                     source, fmt, list(REGISTRY))
+
+
 EXTRA_GROUPS = {"mixtral-t5": _mixtral_t5, "modelopt": _modelopt, "fp8-beside": _fp8_beside,
-                "autoround": _autoround, "quantized-router": _quantized_router}
+                "autoround": _autoround, "quantized-router": _quantized_router,
+                "routed-experts-only": _routed_experts_only}
 
 
 def _report(cases, results, refusals) -> list[str]:

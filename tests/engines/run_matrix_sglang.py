@@ -6,12 +6,19 @@ sources (as SGLang picks their method, and also with the `--quantization` a user
 `user_methods`) and all outputs are then loaded by SGLang on the CPU in one process. Prints the matrix
 (markdown) and exits 1, in every family where SGLang loads the family's own compressed-tensors source,
 when a compressed-tensors output of a symmetric source does not load (a W8A8 one with
-`--quantization w8a8_int8`) or when an output SGLang takes leaves a checkpoint tensor unconsumed or a
-parameter unloaded. The compressed-tensors outputs of asymmetric sources are expected to be refused:
+`--quantization w8a8_int8`), when a 4-bit `triton` output does not load through moeconv's SGLang plugin
+(moeconv/sglang_plugin, which sglang_load.py loads as SGLang's processes do), or when an output SGLang
+takes leaves a checkpoint tensor unconsumed or a parameter unloaded. The triton outputs that load are then
+checked by sglang_plugin_check.py (MoE parameters = file bytes; SGLang's Triton kernel against the float64
+source), a second table, failing on any mismatch; and where SGLang's own moe_wna16 loads the source, its
+MoE parameters are compared with the plugin's (a third table: identical but for asymmetric GPTQ, whose zero
+points SGLang misreads), also per rank at tensor parallelism 2 (sglang_plugin_tp.py). The compressed-tensors outputs of asymmetric sources are expected to be refused:
 SGLang 0.5.23 does not transpose the expert zero points of any standard compressed-tensors checkpoint
 (docs/SGLANG.md).
 
-    .venv/bin/python tests/engines/run_matrix_sglang.py [--keep DIR]
+    .venv/bin/python tests/engines/run_matrix_sglang.py [--keep DIR] [--only FAMILY ...]
+
+`--only` runs only the named families of FAMILIES, e.g. `--only "deepseek_v3 (routed experts only)"`.
 """
 
 from __future__ import annotations
@@ -29,11 +36,25 @@ from moeconv.backends import REGISTRY  # noqa: E402
 from moeconv.errors import MoeconvError  # noqa: E402
 from moeconv.formats import AWQ, GPTQ, CompressedTensors  # noqa: E402
 from moeconv.formats.gptq import V2  # noqa: E402
-from moeconv.synth import SynthSpec, make_checkpoint  # noqa: E402
+from moeconv.synth import ROUTED_EXPERTS, SynthSpec, make_checkpoint  # noqa: E402
 from run_matrix import ROOT, command_line, not_consumed  # noqa: E402
 
 ENGINE_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+# label -> the synthetic sources' shapes. DeepSeek-V3 twice: as synth makes every family (attention and
+# shared experts quantized like the experts, which SGLang's DeepSeek loader cannot fuse: docs/SGLANG.md),
+# and as the first-party INT4 checkpoints of its family ship, only the routed experts quantized
+# (moonshotai/Kimi-K2-Thinking), with one dense layer first (first_k_dense_replace) as they have.
+FAMILIES = {
+    "qwen3_moe": {"architecture": "qwen3_moe"},
+    "qwen2_moe": {"architecture": "qwen2_moe"},
+    "mixtral": {"architecture": "mixtral"},
+    "deepseek_v3": {"architecture": "deepseek_v3"},
+    "deepseek_v3 (routed experts only)": {"architecture": "deepseek_v3", "quantized_modules": ROUTED_EXPERTS,
+                                          "layers": 3, "dense_layers": 1},
+    # float attention lets SGLang's own moe_wna16 load an asymmetric GPTQ source (its GPTQ dense kernel is
+    # gone), so its reading of GPTQ zero points can be compared with moeconv's (`_against_stock`)
+    "qwen3_moe (routed experts only)": {"architecture": "qwen3_moe", "quantized_modules": ROUTED_EXPERTS},
+}
 SOURCES = {
     "gptq-sym": GPTQ(4, 32, sym=True),
     "gptq-asym": GPTQ(4, 32, sym=False),
@@ -56,19 +77,21 @@ def user_methods(fmt) -> tuple[str, ...]:
 
 
 def main() -> None:
-    args = command_line(__doc__, ENGINE_PYTHON, "make engines-sglang")
+    args = command_line(__doc__, ENGINE_PYTHON, "make engines-sglang", groups=tuple(FAMILIES),
+                        only_help="run only these families")
     with tempfile.TemporaryDirectory(prefix="moeconv-sglang-") as scratch:
         base = args.keep or Path(scratch)
         cases, refusals = [], {}
-        for family in FAMILIES:
+        for family in args.only or FAMILIES:
+            folder = family.replace(" ", "_").replace("(", "").replace(")", "")
             for source_name, fmt in SOURCES.items():
-                source = make_checkpoint(base / family / source_name / "src",
-                                         SynthSpec(architecture=family, source_format=fmt))
+                source = make_checkpoint(base / folder / source_name / "src",
+                                         SynthSpec(**FAMILIES[family], source_format=fmt))
                 cases.append((family, source_name, "(source)", source, fmt, None))
                 cases += [(family, source_name, f"(source) --quantization {method}", source, fmt, method)
                           for method in user_methods(fmt)]
                 for backend in REGISTRY:
-                    out = base / family / source_name / backend
+                    out = base / folder / source_name / backend
                     try:
                         moeconv.convert(source, out, backend=backend)
                     except MoeconvError as refusal:
@@ -86,11 +109,122 @@ def main() -> None:
         if len(results) != len(cases):
             sys.exit(f"sglang_load.py answered {len(results)} of {len(cases)} checkpoints:\n{done.stderr[-3000:]}")
         failures = _report(cases, results, refusals)
+        failures += _plugin(cases, results)
+        failures += _against_stock(cases, results)
     sys.exit(1 if failures else 0)
 
 
+def _against_stock(cases, results) -> list[str]:
+    """Where SGLang's own moe_wna16 loads the source (`--quantization moe_wna16`) and the plugin its triton
+    output: the two sets of MoE parameters compared byte for byte (sglang_plugin_check.py --against-stock).
+    They must be identical but for asymmetric GPTQ, whose zero points SGLang reads with a per-nibble +1
+    (v1; GPTQModel's whole-word subtraction borrows) or +1 where none is due (v2): those are reported,
+    with SGLang's Triton kernel on stock SGLang's parameters against the float64 source."""
+    loaded = {(case[0], case[1], case[2]): (case, result) for case, result in zip(cases, results) if result["loaded"]}
+    pairs = {}
+    for (family, source_name, backend), (case, _) in loaded.items():
+        if backend == "triton" and (family, source_name, "(source) --quantization moe_wna16") in loaded:
+            pairs[str(case[3])] = (case, str(loaded[(family, source_name, "(source) --quantization moe_wna16")][0][3]))
+    if not pairs:
+        return []
+    done = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "sglang_plugin_check.py"),
+                           "--against-stock", *[f"{source}={output}" for output, (_, source) in pairs.items()]],
+                          capture_output=True, text=True, timeout=3600)
+    checked = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if len(checked) != len(pairs):
+        return [f"sglang_plugin_check.py --against-stock answered {len(checked)} of {len(pairs)}: {done.stderr[-2000:]}"]
+    print("\n| family | source | plugin's MoE tensors = stock SGLang moe_wna16's | zero points differing | "
+          "SGLang Triton kernel on stock SGLang's parameters vs float64 source |")
+    print("|---|---|---|---|---|")
+    failures = []
+    for result in checked:
+        case = pairs[result["checkpoint"]][0]
+        if "error" in result:
+            failures.append(f"{case[0]} {case[1]} against stock: {result['error'][:200]}")
+            continue
+        same = result["moe_tensors_compared"] - len(result["differing_from_stock"])
+        print(f"| {case[0]} | {case[1]} | {same} of {result['moe_tensors_compared']} | "
+              f"{result['zero_points_differing']} of {result['zero_points']} | {result['stock_relative_error']:.2g} |")
+        gptq_asymmetric = case[4].method == "gptq" and not case[4].symmetric
+        if result["differing_from_stock"] and not gptq_asymmetric:
+            failures.append(f"{case[0]} {case[1]}: the plugin's MoE parameters differ from stock SGLang's: "
+                            f"{result['differing_from_stock'][:2]}")
+    # The same at tensor parallelism 2 (sglang_plugin_tp.py: two gloo ranks), on the family whose dense
+    # layers are float (SGLang's dense Marlin takes no 64-wide rank of these small shapes).
+    tp_pairs = {output: item for output, item in pairs.items() if item[0][0] == "qwen3_moe (routed experts only)"}
+    if tp_pairs:
+        done = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "sglang_plugin_tp.py"),
+                               *[f"{source}={output}" for output, (_, source) in tp_pairs.items()]],
+                              capture_output=True, text=True, timeout=3600)
+        ranks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        if len(ranks) != 2 * len(tp_pairs):
+            failures.append(f"sglang_plugin_tp.py answered {len(ranks)} of {2 * len(tp_pairs)}: {done.stderr[-2000:]}")
+        print("\nAt tensor parallelism 2, per rank, the plugin's MoE tensors = stock SGLang moe_wna16's: " + "; ".join(
+            f"{tp_pairs[r['checkpoint']][0][1]} rank {r['rank']}: "
+            + (f"{r['moe_tensors_compared'] - len(r['differing_from_stock'])} of {r['moe_tensors_compared']}"
+               if r.get("loaded") else r.get("error", "")[:120]) for r in ranks))
+        for r in ranks:
+            case = tp_pairs[r["checkpoint"]][0]
+            qzeros_only = all(name.endswith("qzeros") for name in r.get("differing_from_stock", []))
+            gptq_asymmetric = case[4].method == "gptq" and not case[4].symmetric
+            if not r.get("loaded") or (r["differing_from_stock"] and not (gptq_asymmetric and qzeros_only)):
+                failures.append(f"{case[0]} {case[1]} rank {r['rank']} of 2: {r.get('error') or r['differing_from_stock'][:2]}")
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return failures
+
+
+def _plugin(cases, results) -> list[str]:
+    """The triton outputs SGLang loaded through moeconv's plugin, checked further by sglang_plugin_check.py
+    (every MoE parameter SGLang's Triton runner reads = the file, byte for byte; SGLang's Triton kernel
+    against the float64 source); one table, and a failure for any mismatch or numerics over tolerance."""
+    pairs = {str(case[3]): next(str(other[3]) for other in cases if other[:2] == case[:2] and other[2] == "(source)")
+             for case, result in zip(cases, results) if case[2] == "triton" and result["loaded"]}
+    if not pairs:
+        return []
+    done = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "sglang_plugin_check.py"),
+                           *[f"{source}={output}" for output, source in pairs.items()]],
+                          capture_output=True, text=True, timeout=3600)
+    checked = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if len(checked) != len(pairs):
+        return [f"sglang_plugin_check.py answered {len(checked)} of {len(pairs)} outputs: {done.stderr[-2000:]}"]
+    labels = {str(case[3]): case[:2] for case in cases}
+    print("\n| family | source | MoE tensors = file | SGLang Triton kernel vs float64 source | zero points + 1 (control) |")
+    print("|---|---|---|---|---|")
+    failures = []
+    for result in checked:
+        family, source_name = labels[result["checkpoint"]]
+        if not result.get("loaded"):
+            failures.append(f"{family} {source_name} -> triton (plugin check): {result.get('error', '')[:200]}")
+            continue
+        same = result["tensors_compared"] - len(result["not_byte_identical"])
+        control = result.get("relative_error_zeros_plus_one")
+        print(f"| {family} | {source_name} | {same} of {result['tensors_compared']} | {result['relative_error']:.2g} "
+              f"(tolerance {result['tolerance']}) | {'' if control is None else f'{control:.2g}'} |")
+        if result["not_byte_identical"] or not result["numerics_ok"]:
+            failures.append(f"{family} {source_name} -> triton: MoE tensors differing from the file "
+                            f"{result['not_byte_identical'][:2]}, relative error {result['relative_error']:.3g}")
+    asymmetric = next((output for output in pairs if "asym" in Path(output).parent.name), None)
+    if asymmetric is not None:
+        with tempfile.TemporaryDirectory(prefix="moeconv-sglang-refusals-") as scratch:
+            done = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "sglang_plugin_check.py"),
+                                   "--refusals", asymmetric, scratch], capture_output=True, text=True, timeout=1200)
+        answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        answer = answers[0] if answers else {}
+        print(f"\nThe plugin's refusals, provoked on {labels[asymmetric]}: another SGLang release: "
+              f"{answer.get('other_release')}; {answer.get('removed')} removed from the files: "
+              f"{answer.get('missing_tensor')}")
+        if not (answer.get("other_release") or "").startswith("PluginRefusal: moeconv: this plugin was built for"):
+            failures.append(f"no refusal under another SGLang release: {answer or done.stderr[-1000:]}")
+        if answer.get("removed") is None or answer["removed"] not in (answer.get("missing_tensor") or ""):
+            failures.append(f"no refusal naming the removed stacked tensor: {answer or done.stderr[-1000:]}")
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return failures
+
+
 def _report(cases, results, refusals) -> list[str]:
-    print("| family | source | backend | SGLang 0.5.23 | detail |")
+    print("| family | source | backend | SGLang 0.5.23 (+ moeconv plugin) | detail |")
     print("|---|---|---|---|---|")
     failures = []
     # Parameters SGLang creates that the synthetic sources of a family do not fill either (Qwen3's
@@ -129,8 +263,12 @@ def _report(cases, results, refusals) -> list[str]:
             continue
         # SGLang's compressed-tensors method has no W8A8 int8 MoE scheme on CUDA ("only for NPU"): its
         # w8a8_int8 method is the one that takes a compressed-tensors W8A8 checkpoint's experts.
-        expected = fmt.symmetric and backend == ("compressed-tensors --quantization w8a8_int8" if w8a8
-                                                 else "compressed-tensors")
+        # moeconv's plugin (moeconv/sglang_plugin) serves the moe_wna16 `triton` layout, zero points included.
+        # Not Mixtral: SGLang 0.5.23 builds a Mixtral whose quantization is not in its own list with one linear
+        # per expert (QuantMixtralForCausalLM), which no stacked tensor can fill; the plugin refuses it.
+        expected = (fmt.symmetric and backend == ("compressed-tensors --quantization w8a8_int8" if w8a8
+                                                  else "compressed-tensors")) or (
+            backend == "triton" and not w8a8 and FAMILIES[family]["architecture"] != "mixtral")
         if verdict == "INCOMPLETE" or (expected and verdict != "loads"):
             failures.append(f"{family} {source_name} -> {backend}: {verdict}: {detail}")
     for (family, source_name, backend), reason in sorted(refusals.items()):

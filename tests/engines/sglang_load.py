@@ -14,7 +14,9 @@ class on the CPU (FusedMoE `create_weights` included), and SGLang's own
 iterator. As in vllm_load.py: every parameter is filled with a sentinel first, twice over with two
 sentinels, and every weight loader is wrapped to record which checkpoint tensors it consumed. Prints
 one JSON line per checkpoint: loaded (true/false), SGLang's error if it refused, the checkpoint
-tensors no loader consumed, the parameters left unloaded.
+tensors no loader consumed, the parameters left unloaded. SGLang's general plugins are loaded first, as
+SGLang's processes load them (`sglang.srt.plugins.load_plugins`): moeconv's own (moeconv/sglang_plugin,
+installed into .venv-sglang by `make engines-sglang`), which serves the `triton` outputs.
 
 What is chosen for the CPU, and why (none of it is a loader; the list is the whole of it):
 - The platform. SGLang has a CUDA platform (needs a driver: `sgl_kernel` opens libcuda.so.1) and a CPU
@@ -88,8 +90,8 @@ def select_device() -> None:
     awq._is_cuda = True  # read (after import) only by is_awq_marlin_compatible: AWQ goes to awq_marlin, as on a GPU
 
 
-def _init_once(server_args) -> None:
-    """One gloo process group of one rank, as SGLang's weight-cache daemon sets it up."""
+def _init_once(server_args, rank: int = 0, world_size: int = 1, init_method: str | None = None) -> None:
+    """One gloo process group (of one rank unless told otherwise), as SGLang's weight-cache daemon sets it up."""
     from sglang.srt.distributed.parallel_state import (
         init_distributed_environment,
         initialize_model_parallel,
@@ -98,17 +100,20 @@ def _init_once(server_args) -> None:
 
     if model_parallel_is_initialized():
         return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                 local_rank=0, backend="gloo")
+    if init_method is None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            init_method = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    init_distributed_environment(world_size=world_size, rank=rank, distributed_init_method=init_method,
+                                 local_rank=rank, backend="gloo")
     initialize_model_parallel()
 
 
-def build_and_load(checkpoint: Path, quantization: str | None = None) -> tuple[torch.nn.Module, dict]:
+def build_and_load(checkpoint: Path, quantization: str | None = None, rank: int = 0, tp_size: int = 1,
+                   init_method: str | None = None) -> tuple[torch.nn.Module, dict]:
     """The model SGLang builds for the checkpoint, after its own loader ran twice (two sentinels), and
-    what the loading showed; `load_seconds` is the faster of the two passes."""
+    what the loading showed; `load_seconds` is the faster of the two passes. `rank` of `tp_size`: this
+    process's tensor-parallel rank (one gloo process per rank, joined at `init_method`)."""
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.layers.dp_attention import init_dp_gathered_buffer, initialize_dp_attention
@@ -122,12 +127,12 @@ def build_and_load(checkpoint: Path, quantization: str | None = None) -> tuple[t
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
-    server_args = ServerArgs(model_path=str(checkpoint), device="cuda", dtype="float16", tp_size=1,
+    server_args = ServerArgs(model_path=str(checkpoint), device="cuda", dtype="float16", tp_size=tp_size,
                              quantization=quantization)
-    publish(server_args, role="test", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
     initialize_moe_config()
     model_config = ModelConfig.from_server_args(server_args)
-    _init_once(server_args)
+    _init_once(server_args, rank, tp_size, init_method)
     initialize_dp_attention(server_args)
     init_dp_gathered_buffer(model_config)
     load_config = LoadConfig()
@@ -143,12 +148,12 @@ def build_and_load(checkpoint: Path, quantization: str | None = None) -> tuple[t
             with torch.no_grad():
                 parameter.data.fill_(sentinel if parameter.dtype.is_floating_point else int(sentinel))
         yielded: dict[int, str] = {}
-        held = []
-        _wrap_loaders(model, yielded, consumed)
+        held: dict[str, torch.Tensor] = {}
+        _wrap_loaders(model, yielded, held, consumed)
 
         def weights(held=held, yielded=yielded):  # this pass's, bound (the generator runs within it)
             for name, tensor in loader._get_all_weights(model_config, model):
-                held.append(tensor)  # keeps the storage alive, so its address names the tensor
+                held[name] = tensor  # keeps the storage alive, so its address names the tensor
                 yielded[tensor.untyped_storage().data_ptr()] = name
                 yield name, tensor
 
@@ -167,19 +172,28 @@ def build_and_load(checkpoint: Path, quantization: str | None = None) -> tuple[t
                    "quant_method": type(quant_config).__name__ if quant_config is not None else None}
 
 
-def _wrap_loaders(model, yielded: dict[int, str], consumed: set[str]) -> None:
-    """Every parameter's weight loader records which checkpoint tensor it was handed (by storage)."""
+def _wrap_loaders(model, yielded: dict[int, str], held: dict[str, torch.Tensor], consumed: set[str]) -> None:
+    """Every parameter's weight loader records which checkpoint tensor it was handed: by storage, or, for a
+    tensor the model's loader made itself, the checkpoint tensors of the same module it is the concatenation
+    of (SGLang's DeepSeek loader hands its fused_qkv_a_proj_with_mqa parameter torch.cat of q_a_proj and
+    kv_a_proj_with_mqa)."""
     from sglang.srt.layers.parameter import BasevLLMParameter
     from sglang.srt.model_loader.weight_utils import default_weight_loader
 
-    for parameter in model.parameters():
+    for parameter_name, parameter in model.named_parameters():
         original = getattr(parameter, "_moeconv_original_loader", None) or getattr(parameter, "weight_loader",
                                                                                      default_weight_loader)
+        module = parameter_name.rsplit(".", 2)[0] + "."  # the parent of the parameter's module
 
-        def recording(*args, _original=original, **kwargs):
+        def recording(*args, _original=original, _module=module, **kwargs):
             for value in list(args[1:2]) + list(kwargs.values()):
-                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in yielded:
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if value.untyped_storage().data_ptr() in yielded:
                     consumed.add(yielded[value.untyped_storage().data_ptr()])
+                else:
+                    consumed.update(_concatenation_of(value, {name: tensor for name, tensor in held.items()
+                                                              if name.startswith(_module)}))
             return _original(*args, **kwargs)
 
         parameter._moeconv_original_loader = original
@@ -189,8 +203,33 @@ def _wrap_loaders(model, yielded: dict[int, str], consumed: set[str]) -> None:
             parameter.weight_loader = recording
 
 
+def _concatenation_of(value: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[str]:
+    """The names of two or more `candidates` whose concatenation along dim 0 or 1, in some order, is
+    `value` element for element; [] when it is no such concatenation."""
+    for dim in range(min(value.dim(), 2)):
+        offset, names = 0, []
+        while offset < value.shape[dim]:
+            for name, tensor in candidates.items():
+                width = tensor.shape[dim] if tensor.dim() == value.dim() else 0
+                if (name not in names and width and tensor.dtype == value.dtype
+                        and offset + width <= value.shape[dim]
+                        and all(tensor.shape[d] == value.shape[d] for d in range(value.dim()) if d != dim)
+                        and torch.equal(value.narrow(dim, offset, width), tensor)):
+                    names.append(name)
+                    offset += width
+                    break
+            else:
+                break
+        if offset == value.shape[dim] and len(names) > 1:
+            return names
+    return []
+
+
 def main() -> None:
     select_device()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # as each SGLang process does at start-up: moeconv's own (sglang.srt.plugins entry point)
     quantization = None
     for path in sys.argv[1:]:
         if path.startswith("--quantization="):
