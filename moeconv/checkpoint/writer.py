@@ -20,7 +20,7 @@ import sys
 import threading
 from math import prod
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
@@ -223,6 +223,18 @@ def header_ranges(path: Path) -> tuple[int, list[tuple[str, int, int]]]:
     return data_start, ranges
 
 
+INLINE_BYTES = 64 << 10
+
+
+class _Hashed(NamedTuple):
+    """A digest already taken, read like the futures of the pool's."""
+
+    digest: bytes
+
+    def result(self) -> bytes:
+        return self.digest
+
+
 class _Hashers:
     """Threads that hash blocks (hashlib and preadv release the GIL), each with its own read buffer."""
 
@@ -233,6 +245,11 @@ class _Hashers:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moeconv-hash")
 
     def submit(self, fd: int, start: int, end: int, writeback: bool):
+        """A future of the digest of bytes [start, end). A range of at most INLINE_BYTES is hashed here
+        and now (no writeback: the shard's fsync takes it): a per-linear layout has four tensors per
+        linear, one of them 16 bytes, and a pool task costs more than hashing them."""
+        if end - start <= INLINE_BYTES:
+            return _Hashed(self._run(fd, start, end, writeback=False))
         return self.pool.submit(self._run, fd, start, end, writeback)
 
     def _run(self, fd: int, start: int, end: int, writeback: bool) -> bytes:
