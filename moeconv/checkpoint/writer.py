@@ -246,10 +246,10 @@ class _Hashers:
 
     def submit(self, fd: int, start: int, end: int, writeback: bool):
         """A future of the digest of bytes [start, end). A range of at most INLINE_BYTES is hashed here
-        and now (no writeback: the shard's fsync takes it): a per-linear layout has four tensors per
-        linear, one of them 16 bytes, and a pool task costs more than hashing them."""
+        and now: a per-linear layout has four tensors per linear, one of them 16 bytes, and a pool task
+        costs more than hashing them."""
         if end - start <= INLINE_BYTES:
-            return _Hashed(self._run(fd, start, end, writeback=False))
+            return _Hashed(self._run(fd, start, end, writeback))
         return self.pool.submit(self._run, fd, start, end, writeback)
 
     def _run(self, fd: int, start: int, end: int, writeback: bool) -> bytes:
