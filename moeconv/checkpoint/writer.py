@@ -243,14 +243,31 @@ class _Hashers:
 
         self._local = threading.local()
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moeconv-hash")
+        self._pending: list = []  # [fd, start, end]: inline pieces' bytes not yet handed to writeback
 
     def submit(self, fd: int, start: int, end: int, writeback: bool):
         """A future of the digest of bytes [start, end). A range of at most INLINE_BYTES is hashed here
-        and now: a per-linear layout has four tensors per linear, one of them 16 bytes, and a pool task
-        costs more than hashing them."""
-        if end - start <= INLINE_BYTES:
-            return _Hashed(self._run(fd, start, end, writeback))
-        return self.pool.submit(self._run, fd, start, end, writeback)
+        and now (the caller's thread), and its writeback joins the adjacent inline pieces' in one call:
+        a per-linear layout has four tensors per linear, three of them small and lying next to the
+        other experts' of their kind, and a pool task or a writeback call each costs more than hashing
+        them."""
+        if end - start > INLINE_BYTES:
+            return self.pool.submit(self._run, fd, start, end, writeback)
+        digest = self._run(fd, start, end, writeback=False)
+        if writeback and end > start:
+            if self._pending and self._pending[0] == fd and self._pending[2] == start:
+                self._pending[2] = end
+            else:
+                self.flush()
+                self._pending = [fd, start, end]
+        return _Hashed(digest)
+
+    def flush(self) -> None:
+        """Hands the inline pieces' pending bytes to writeback."""
+        if self._pending:
+            fd, start, end = self._pending
+            self._pending = []
+            start_writeback(fd, start, end - start)
 
     def _run(self, fd: int, start: int, end: int, writeback: bool) -> bytes:
         buffer = getattr(self._local, "buffer", None)
@@ -262,6 +279,7 @@ class _Hashers:
         return digest
 
     def close(self) -> None:
+        self._pending = []  # the shard is finished (its fsync writes everything) or dropped
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -343,6 +361,7 @@ class BlockHasher:
             self._header.finish(self._hashers, self._fd, writeback=True)
             for _, stream in self._tensors:
                 stream.finish(self._hashers, self._fd, writeback=True)
+            self._hashers.flush()
             tensors = {name: stream.digest() for name, stream in self._tensors}
             header = self._header.pieces[0].result()
             return shard_digest(header, [tensors[name] for name, _ in self._tensors]), tensors
