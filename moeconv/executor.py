@@ -165,10 +165,13 @@ def _in_worker(function: Callable, task: tuple) -> tuple[Any, float | None]:
 
 
 def _start_worker(driver: int, torch_needed: bool) -> None:
-    """Dies with its parent, first (the fork server, which leaves when the driver does, or the driver
-    itself): a worker that outlived a `kill -9` of the driver would write on into the folder the user's
-    resume works in. Then one intra-op thread for every --workers value (`worker_boot` set it in the
-    server; a server that could not import it leaves it to here), for torch now or if a job imports it."""
+    """Dies with the driver (the process that runs the pool), first: a worker that outlived a `kill -9`
+    of the driver would write on into the folder the user's resume works in. A worker forked by the
+    driver has the kernel kill it with its parent (PR_SET_PDEATHSIG); one forked by the fork server
+    watches the driver itself (`_watch`): the server leaves only when every worker has (each holds the
+    pipe whose end it waits for), so its death would never come. Then one intra-op thread for every
+    --workers value (`worker_boot` set it in the server; a server that could not import it leaves it to
+    here), for torch now or if a job imports it."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -181,12 +184,38 @@ def _start_worker(driver: int, torch_needed: bool) -> None:
         pass
     if os.getppid() != parent or not _alive(driver):  # gone before PR_SET_PDEATHSIG was set
         os._exit(1)
+    if parent != driver:
+        import threading
+
+        threading.Thread(target=_watch, args=(driver,), name="moeconv-driver-watch", daemon=True).start()
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[variable] = "1"
     if torch_needed or "torch" in sys.modules:  # a driver that had imported it forked it along
         import torch
 
         torch.set_num_threads(1)
+
+
+def _watch(driver: int) -> None:
+    """Ends this worker when the driver has ended: at once where the kernel tells (a pidfd, Linux 5.3),
+    else within WATCH_SECONDS."""
+    import select
+
+    try:
+        handle = os.pidfd_open(driver)
+    except (AttributeError, OSError):
+        handle = None
+    if handle is not None:
+        select.select([handle], [], [])
+    else:
+        import time
+
+        while _alive(driver):
+            time.sleep(WATCH_SECONDS)
+    os._exit(1)
+
+
+WATCH_SECONDS = 0.5
 
 
 def _alive(pid: int) -> bool:

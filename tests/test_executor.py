@@ -160,3 +160,47 @@ def test_the_fork_server_holds_no_stdio_of_the_command():
     with Executor(2) as executor:
         seen = set(executor.map(_stdio, [()] * 4))
     assert seen == {(os.devnull, os.devnull)}
+
+
+DRIVER = """
+import os, sys, time
+from moeconv.executor import Executor
+with Executor(2) as pool:
+    print(*pool.map(os.getpid, [()] * 4), flush=True)
+    time.sleep(120)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie has ended
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="Linux /proc")
+def test_workers_of_the_fork_server_end_when_their_driver_is_killed():
+    """kill -9 of the process that runs the pool: its workers (the fork server's children, not its own)
+    end within seconds, and so does the fork server, instead of waiting forever on a queue whose writing
+    end they hold themselves."""
+    import signal
+    import subprocess
+    import sys
+
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = {int(pid) for pid in driver.stdout.readline().split()}
+        assert workers and driver.pid not in workers
+        servers = set()
+        for pid in workers:
+            with open(f"/proc/{pid}/stat") as stat:
+                servers.add(int(stat.read().rsplit(")", 1)[1].split()[1]))
+        assert driver.pid not in servers  # forked by the fork server
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not all(map(_gone, workers | servers)):
+        time.sleep(0.1)
+    assert all(map(_gone, workers | servers)), [pid for pid in workers | servers if not _gone(pid)]
