@@ -49,3 +49,21 @@ def decoded_linears(draw, source, out_features: int, in_features: int, scale_dty
     weight = random_canonical(torch.Generator().manual_seed(draw(st.integers(0, 2**31))), source.bits,
                               source.symmetric, out_features, in_features, groups, scale_dtype)
     return source.decode(source.encode(weight))
+
+
+def weight_rows(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
+    """Output channels [start, stop) of a canonical weight: one tensor-parallel rank's slice of N."""
+    return QuantizedWeight(weight.codes[start:stop].contiguous(),
+                           None if weight.zeros is None else weight.zeros[start:stop].contiguous(),
+                           weight.scales[start:stop].contiguous(), weight.bits, weight.group_size)
+
+
+def weight_columns(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
+    """Input channels [start, stop) (whole groups) of a canonical weight: one rank's slice of K."""
+    g = weight.group_size
+    if weight.scales.shape[1] == 1:  # channel-wise: each slice of K keeps the one group of its channel
+        return QuantizedWeight(weight.codes[:, start:stop].contiguous(), weight.zeros, weight.scales, weight.bits,
+                               stop - start)
+    return QuantizedWeight(weight.codes[:, start:stop].contiguous(),
+                           None if weight.zeros is None else weight.zeros[:, start // g:stop // g].contiguous(),
+                           weight.scales[:, start // g:stop // g].contiguous(), weight.bits, g)

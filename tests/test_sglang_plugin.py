@@ -22,27 +22,16 @@ from hypothesis import strategies as st
 import moeconv
 from moeconv.backends.base import ExpertWeights
 from moeconv.backends.triton import TritonBackend
-from moeconv.canonical import MoELayerShape, QuantizedWeight
+from moeconv.canonical import MoELayerShape
 from moeconv.formats import GPTQ, CompressedTensors
 from moeconv.sglang_plugin.config import parse_for_sglang
 from moeconv.sglang_plugin.shards import STACKED, fill
 from moeconv.synth import SynthSpec, make_checkpoint
 from moeconv.vllm_plugin.config import PluginRefusal
 
-from strategies import random_canonical
+from strategies import random_canonical, weight_columns, weight_rows
 
 
-def _rows(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
-    return QuantizedWeight(weight.codes[start:stop].contiguous(),
-                           None if weight.zeros is None else weight.zeros[start:stop].contiguous(),
-                           weight.scales[start:stop].contiguous(), weight.bits, weight.group_size)
-
-
-def _columns(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
-    g = weight.group_size
-    return QuantizedWeight(weight.codes[:, start:stop].contiguous(),
-                           None if weight.zeros is None else weight.zeros[:, start // g:stop // g].contiguous(),
-                           weight.scales[:, start // g:stop // g].contiguous(), weight.bits, g)
 
 
 def _stacked(experts: list[ExpertWeights], shape: MoELayerShape) -> dict[str, torch.Tensor]:
@@ -70,8 +59,8 @@ def test_each_rank_fills_moe_wna16_parameters_with_the_encoding_of_its_slice(bit
                              symmetric=sym, scale_dtype="F16")
     for rank in range(tp):
         rows, columns = slice(rank * per_rank, (rank + 1) * per_rank), (rank * per_rank, (rank + 1) * per_rank)
-        expected = _stacked([ExpertWeights(_rows(e.gate, rows.start, rows.stop), _rows(e.up, rows.start, rows.stop),
-                                           _columns(e.down, *columns)) for e in canonical], one_rank)
+        expected = _stacked([ExpertWeights(weight_rows(e.gate, rows.start, rows.stop), weight_rows(e.up, rows.start, rows.stop),
+                                           weight_columns(e.down, *columns)) for e in canonical], one_rank)
         assert set(expected) == set(stored) and set(stored) <= set(STACKED)
         for name, tensor in stored.items():
             parameter = torch.full_like(expected[name], 0x5A if not tensor.dtype.is_floating_point else -7.0)

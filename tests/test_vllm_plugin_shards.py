@@ -19,23 +19,9 @@ from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.formats import CompressedTensors
 from moeconv.vllm_plugin.shards import PARAMETERS, fill
 
-from strategies import random_canonical
+from strategies import random_canonical, weight_columns, weight_rows
 
 
-def _rows(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
-    return QuantizedWeight(weight.codes[start:stop].contiguous(),
-                           None if weight.zeros is None else weight.zeros[start:stop].contiguous(),
-                           weight.scales[start:stop].contiguous(), weight.bits, weight.group_size)
-
-
-def _columns(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
-    g = weight.group_size
-    if weight.scales.shape[1] == 1:  # channel-wise: each slice of K keeps the one group of its channel
-        return QuantizedWeight(weight.codes[:, start:stop].contiguous(), weight.zeros, weight.scales, weight.bits,
-                               stop - start)
-    return QuantizedWeight(weight.codes[:, start:stop].contiguous(),
-                           None if weight.zeros is None else weight.zeros[:, start // g:stop // g].contiguous(),
-                           weight.scales[:, start // g:stop // g].contiguous(), weight.bits, g)
 
 
 def _ct_parameters(expert: ExpertWeights, bits: int, sym: bool, group_size: int) -> dict[str, torch.Tensor]:
@@ -73,7 +59,7 @@ def test_each_rank_fills_the_compressed_tensors_parameters_of_its_slice(bits, sy
     per = intermediate // tp
     for rank in range(tp):
         span = (rank * per, (rank + 1) * per)
-        own = ExpertWeights(_rows(expert.gate, *span), _rows(expert.up, *span), _columns(expert.down, *span))
+        own = ExpertWeights(weight_rows(expert.gate, *span), weight_rows(expert.up, *span), weight_columns(expert.down, *span))
         expected = _ct_parameters(own, bits, sym, group_size)
         assert sorted(expected) == sorted(PARAMETERS[name] for name in full)
         for name, tensor in full.items():
@@ -144,7 +130,7 @@ def test_each_rank_holds_its_slice_of_a_w8a8_expert(tp, seed):
     for rank in range(tp):
         span = slice(rank * per, (rank + 1) * per)
         down = QuantizedWeight(expert.down.codes[:, span].contiguous(), None, expert.down.scales, 8, per)
-        own = ExpertWeights(_rows(expert.gate, span.start, span.stop), _rows(expert.up, span.start, span.stop), down)
+        own = ExpertWeights(weight_rows(expert.gate, span.start, span.stop), weight_rows(expert.up, span.start, span.stop), down)
         expected = TritonBackend().encode_expert(own, MoELayerShape(1, hidden, per, 8, -1, True, "F16", activation_bits=8))
         for name, tensor in full.items():
             assert PARAMETERS[name] == name  # the W8A8 method's parameters carry the stacked names
