@@ -245,7 +245,28 @@ def start_workers(workers: int | None = None) -> None:
         from multiprocessing import forkserver
 
         _forkserver_context()
+        _start_resource_tracker()
         forkserver.ensure_running()
+
+
+def _start_resource_tracker() -> None:
+    """Starts multiprocessing's resource tracker (the fork server's pools need it) with its stdout and
+    stderr on /dev/null: it outlives an interrupted command by a moment and would print its own
+    clean-up notes ("leaked semaphore objects") after the command's last line, into the caller's pipe.
+    This process writes nothing meanwhile (no progress has started when the workers are started)."""
+    from multiprocessing import resource_tracker
+
+    saved = [os.dup(1), os.dup(2)]
+    nowhere = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in (1, 2):
+            os.dup2(nowhere, stream)
+        resource_tracker.ensure_running()
+    finally:
+        for stream, kept in zip((1, 2), saved):
+            os.dup2(kept, stream)
+            os.close(kept)
+        os.close(nowhere)
 
 
 def default_workers() -> int:
