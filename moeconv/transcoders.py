@@ -58,9 +58,8 @@ def _regrouped(array: np.ndarray, factor: int) -> np.ndarray:
     return array if factor == 1 else np.repeat(array, factor, axis=1)
 
 
-def _stacked_gemms(linears: Mapping[str, Linear], one: Callable[[Linear], tuple], factor: int) -> dict[str, np.ndarray]:
+def _stacked_gemms(parts: Mapping[str, tuple], factor: int) -> dict[str, np.ndarray]:
     """The triton slices from each projection's (qweight bytes, scales, zero bytes or None)."""
-    parts = {projection: one(linear) for projection, linear in linears.items()}
     slices = {}
     for prefix, projections in FUSED_GEMMS.items():
         codes, scales, zeros = zip(*(parts[projection] for projection in projections))
@@ -87,7 +86,7 @@ def gptq_to_triton(fmt: GPTQ, linears: Mapping[str, Linear], layer: MoELayerShap
             zeros = _transposed(_bytes(true_words))  # (G, N·b/8) -> (N·b/8, G)
         return codes, _transposed(linear["scales"]), zeros
 
-    return _stacked_gemms(linears, one, factor)
+    return _stacked_gemms({projection: one(linear) for projection, linear in linears.items()}, factor)
 
 
 def _awq_columns(words: np.ndarray) -> list[np.ndarray]:
@@ -120,7 +119,7 @@ def awq_to_triton(fmt: AWQ, linears: Mapping[str, Linear], layer: MoELayerShape,
             fmt.check_symmetric_zeros(linear["qzeros"])
         return codes, _transposed(linear["scales"]), zeros
 
-    return _stacked_gemms(linears, one, factor)
+    return _stacked_gemms({projection: one(linear) for projection, linear in linears.items()}, factor)
 
 
 def gptq_linear_to_compressed_tensors(fmt: GPTQ, linear: Linear, factor: int) -> dict[str, np.ndarray] | None:
@@ -283,11 +282,12 @@ def compressed_tensors_to_triton(fmt: CompressedTensors, linears: Mapping[str, L
     def one(projection: str) -> tuple:
         codes, zeros = words[projection]
         if zeros is not None:
-            zeros = _bytes(zeros).reshape(zeros.shape[0], zeros.shape[1], 4).transpose(0, 2, 1)
-            zeros = np.ascontiguousarray(zeros).reshape(-1, words[projection][1].shape[1])
+            groups = zeros.shape[1]
+            zeros = np.ascontiguousarray(_bytes(zeros).reshape(zeros.shape[0], groups, 4).transpose(0, 2, 1))
+            zeros = zeros.reshape(-1, groups)
         return _bytes(codes), np.ascontiguousarray(linears[projection]["weight_scale"]), zeros
 
-    return _stacked_gemms({projection: projection for projection in linears}, one, factor)
+    return _stacked_gemms({projection: one(projection) for projection in linears}, factor)
 
 
 # (format, per-linear backend) -> (expert transcoder, dense linear transcoder)
