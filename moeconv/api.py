@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Callable
 from moeconv.checkpoint.reader import Checkpoint, open_checkpoint
 from moeconv.conversion import ConvertReport
 from moeconv.conversion import convert as _execute
-from moeconv.executor import start_workers
 from moeconv.inspection import inspect_checkpoint
 from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
 from moeconv.source import resolve_source
@@ -58,8 +57,6 @@ def convert(source: str | Path, output: str | Path, *, backend: str = "triton", 
     path measured slower and was removed, docs/BENCHMARKS.md). executor: "local", or "ray" (one Ray task per output shard, on the cluster at `ray_address`, the
     one Ray finds, or a local Ray; the same bytes). skip_unsafe_files: leave out source files that
     link outside the source folder (listed in the report) instead of refusing."""
-    if executor == "local":
-        start_workers(workers)  # their torch imports while this process plans
     conversion = plan(source, backend=backend, revision=revision, local_files_only=local_files_only,
                       max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup, zero_format=zero_format)
     return _execute(conversion, Path(output), progress=progress, workers=workers, executor=executor,

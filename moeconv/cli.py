@@ -165,7 +165,6 @@ def convert(
     copied byte for byte. An interrupted conversion resumes when the same command is run again."""
     from moeconv.api import plan as make_plan
     from moeconv.conversion import check_output_folder, convert as run_conversion
-    from moeconv.executor import start_workers
 
     _removed_device(device)
     if output is None and not dry_run:
@@ -176,8 +175,6 @@ def convert(
     zero_format = _zero_format(zero_format)
     if not dry_run:
         check_output_folder(output)  # a link, a file or a full folder is refused before any work
-        if executor == "local":
-            start_workers(workers)  # their torch imports while this process plans
     plan = make_plan(source, backend=backend, max_shard_size=max_shard_size, revision=revision,
                      local_files_only=local_files_only, trust=trust, tp=tp, regroup=regroup,
                      zero_format=zero_format)

@@ -239,8 +239,10 @@ def _forkserver_context() -> Any:
 
 def start_workers(workers: int | None = None) -> None:
     """Starts, now, the fork server the workers of this process's next pools are forked from (once per
-    process; it lives until this process ends): called before planning, it imports torch beside the
-    planning instead of after it. Nothing for one worker (it runs the tasks in this process)."""
+    process; it lives until this process ends), so that its import of torch runs beside what this
+    process does next (verify: the digests). Only for work known to need torch: on the 2-core dev
+    machine a server started for a conversion that then needed none cost 1 to 2 s and 210 MB
+    (docs/BENCHMARKS.md). Nothing for one worker (it runs the tasks in this process)."""
     if (workers or default_workers()) > 1:
         from multiprocessing import forkserver
 

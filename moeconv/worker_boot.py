@@ -6,10 +6,10 @@ docs/BENCHMARKS.md), and the process that plans never imports torch."""
 
 import os
 
-# The server is started before planning whether or not the plan will need torch, and may still be
-# importing it when a conversion that did not need it is over: it must not hold the command's output
-# open meanwhile (a caller reading it to the end, `$(moeconv convert ...)` or a subprocess pipe, would
-# wait for the import). The workers' results and errors come back through the pool, not their stdio.
+# The server may still be importing torch when the command is over (verify starts it before its
+# digests, and a damaged output ends verify there): it must not hold the command's output open
+# meanwhile (a caller reading it to the end, `$(moeconv verify ...)` or a subprocess pipe, would wait
+# for the import). The workers' results and errors come back through the pool, not their stdio.
 _nowhere = os.open(os.devnull, os.O_WRONLY)
 for _stream in (1, 2):
     os.dup2(_nowhere, _stream)

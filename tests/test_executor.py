@@ -154,8 +154,8 @@ def _stdio() -> tuple[str, str]:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="Linux /proc/self/fd")
 def test_the_fork_server_holds_no_stdio_of_the_command():
-    """The fork server (started before planning) may still be importing torch when a conversion that did
-    not need it ends; a caller reading the command's output to its end must not wait for it: the server,
+    """The fork server (verify starts it before its digests) may still be importing torch when a verify
+    of a damaged output ends; a caller reading the command's output to its end must not wait for it: the server,
     and so every worker forked from it, has its stdout and stderr on /dev/null."""
     with Executor(2) as executor:
         seen = set(executor.map(_stdio, [()] * 4))

@@ -1,6 +1,6 @@
 """Planning needs no torch (issue 27): the survey, the data detection and the act-order scan run in
 numpy on the bytes read, so `inspect`, `convert --dry-run` and the help screens never import it.
-`convert`'s workers are forked from a fork server that imports torch while the parent plans, so that
+`convert`'s workers that need torch are forked from a fork server that imports it, so that
 they share its pages (each importing its own cost 5.4 GB and 5 s on 16 cores: docs/BENCHMARKS.md) and
 the parent never imports it; with `--workers 1` it transforms in the parent.
 """
@@ -142,3 +142,26 @@ def test_a_conversion_whose_jobs_all_have_transcoders_imports_no_torch_at_all(tm
     done = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=300)
     assert "exit: 0" in done.stdout and "torch loaded: False" in done.stdout, done.stdout + done.stderr
     assert (tmp_path / "out" / "moeconv.json").is_file()
+
+
+NO_SERVER = """
+import sys
+from moeconv.api import convert
+from moeconv.executor import descendants
+report = convert(sys.argv[1], sys.argv[2], backend="triton", workers=2)
+print("transcoder:", report.plan["transcoder"], "processes left:", len(descendants()))
+"""
+
+
+def test_a_conversion_that_needs_no_torch_starts_no_fork_server(tmp_path):
+    """Every job transcoded in numpy: no process of the tree imports torch. The fork server (which
+    imports it, and lives until the command ends) is not started speculatively: on 2 cores its import
+    cost a torch-free conversion 1 to 2 s and 210 MB (docs/BENCHMARKS.md)."""
+    from moeconv.formats import GPTQ
+    from moeconv.synth import SynthSpec, make_checkpoint
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(4, 64, sym=True), hidden=256,
+                                                         intermediate=128))
+    done = subprocess.run([sys.executable, "-c", NO_SERVER, str(source), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "transcoder: gptq_to_triton processes left: 0", done.stdout + done.stderr
