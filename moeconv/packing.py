@@ -5,8 +5,11 @@ int32 words (checkpoint formats) or uint8 bytes (kernel layouts). Values are mov
 shifts on integers. The one place memory is reinterpreted is splitting words into bytes (and back)
 along the innermost dimension, and only on a little-endian host, where a word's bytes in memory are
 its bytes in order of significance: there a view is six times faster than four shifts, and gives
-the same bytes (tests check both paths); elsewhere the shifts are used. So the result never depends
-on the host's byte order. Only widths that divide the container are supported (2, 4, 8 bits);
+the same bytes (tests check both paths); elsewhere the shifts are used. Along the innermost dimension
+the sub-byte values of one byte are spread to (or gathered from) adjacent bytes through an explicitly
+little-endian word ('<u2', '<u4'), which numpy reads the same on any host. So the result never
+depends on the host's byte order. The shifts run in numpy where its uint8 kernels beat torch's on one
+thread (2 to 3 times along the innermost dimension; docs/BENCHMARKS.md). Only widths that divide the container are supported (2, 4, 8 bits);
 3-bit GPTQ's split words are refused earlier, at plan time.
 """
 
@@ -49,6 +52,12 @@ def pack(codes: torch.Tensor, bits: int, dim: int, container: torch.dtype) -> to
     return packed.contiguous()
 
 
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a contiguous numpy array. The shifts and masks run in numpy: on one
+    thread its uint8 kernels are 3 to 4 times torch's (docs/BENCHMARKS.md, verify's decode)."""
+    return np.ascontiguousarray(tensor.numpy())
+
+
 def _slots(tensor: torch.Tensor, dim: int, per: int) -> torch.Tensor:
     """Split `dim` into (length / per, per)."""
     return tensor.unflatten(dim, (tensor.shape[dim] // per, per))
@@ -56,11 +65,25 @@ def _slots(tensor: torch.Tensor, dim: int, per: int) -> torch.Tensor:
 
 def _pack_slots(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """uint8 values -> bytes along `dim`; every shift stays inside the byte."""
-    grouped = _slots(values, dim, 8 // bits)
+    import torch
+
+    per = 8 // bits
+    if dim == values.dim() - 1:  # each byte's values are adjacent: read them as one little-endian word
+        word = np.dtype(f"u{per}").type  # native, for the arithmetic
+        words = _array(values).reshape(-1, per).view(_WORD_OF[per]).astype(word).reshape(values.shape[:-1] + (-1,))
+        packed = words & word(0xFF)
+        for slot in range(1, per):
+            packed |= ((words >> word(8 * slot)) & word(0xFF)) << word(slot * bits)
+        return torch.from_numpy(packed.astype(np.uint8))
+    grouped = _slots(values, dim, per)  # torch's strided select beats numpy's take here
     packed = grouped.select(dim + 1, 0).clone()
-    for slot in range(1, 8 // bits):
+    for slot in range(1, per):
         packed |= grouped.select(dim + 1, slot) << (slot * bits)
     return packed
+
+
+# The little-endian word that holds one byte's `per` values as its bytes: byte i is the value of slot i.
+_WORD_OF = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
 def _bytes_to_words(packed_bytes: torch.Tensor, dim: int, allow_view: bool = True) -> torch.Tensor:
@@ -91,18 +114,31 @@ def words_to_bytes(words: torch.Tensor, dim: int, allow_view: bool = True) -> to
 
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Inverse of `pack`: uint8 codes, `dim` grown by the number of values per container.
-    Words are split into bytes, then bytes into values with uint8 shifts."""
+    Words are split into bytes, then bytes into values with uint8 shifts, each slot written into its
+    place of the result."""
     import torch
 
     values_per_container(bits, packed.dtype)  # refuses widths that do not tile the container
     dim = dim % packed.dim()
     if packed.dtype is torch.int32:
         packed = words_to_bytes(packed, dim)
-    if bits < 8:
-        mask = (1 << bits) - 1
-        packed = torch.stack([(packed >> (slot * bits)) & mask for slot in range(8 // bits)], dim + 1)
-        packed = packed.flatten(dim, dim + 1)
-    return packed.contiguous()
+    if bits == 8:
+        return packed.contiguous()
+    data, per, mask = _array(packed), 8 // bits, np.uint8((1 << bits) - 1)
+    shape = data.shape[:dim] + (data.shape[dim] * per,) + data.shape[dim + 1:]
+    if dim == data.ndim - 1:  # each byte's values become adjacent bytes: one little-endian word a byte
+        word = np.dtype(f"u{per}").type  # native, for the arithmetic
+        wide = data.astype(word)
+        words = wide & word(mask)
+        for slot in range(1, per):
+            words |= ((wide >> word(slot * bits)) & word(mask)) << word(8 * slot)
+        return torch.from_numpy(words.astype(_WORD_OF[per]).view(np.uint8).reshape(shape))
+    values = np.empty(data.shape[:dim + 1] + (per,) + data.shape[dim + 1:], dtype=np.uint8)
+    for slot in range(per):  # each slot's values are a contiguous plane of the result
+        place = values[(slice(None),) * (dim + 1) + (slot,)]
+        np.right_shift(data, np.uint8(slot * bits), out=place)
+        np.bitwise_and(place, mask, out=place)
+    return torch.from_numpy(values.reshape(shape))
 
 
 def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
