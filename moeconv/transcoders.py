@@ -10,11 +10,12 @@ GPTQ -> triton (moe_wna16): GPTQ packs codes along K into int32 words (K·b/32, 
 kernel reads (N, K·b/8) bytes packed along K, LSB first, so each row is a column of words read as
 bytes: a transpose and a byte split. Zero points: GPTQ's (G, N·b/32) words, made true (v1 adds the
 repeated-ones word back), are along N as the kernel's (N·b/8, G) bytes are: a byte split and a
-transpose. AWQ -> triton: AWQ packs along N in its interleaved order; the codes are unpacked with
-shifts on bytes, put in natural order with one gather, and packed in pairs along K. GPTQ ->
+transpose. AWQ -> triton: AWQ packs along N in its interleaved order, the kernel along K: each 8 x 8
+block of nibbles is transposed on the words themselves (`_awq_k_words`: three rounds of masked swaps),
+then the words are put in natural column order and read as bytes. GPTQ ->
 compressed-tensors (experts, and the dense linears any backend writes in compressed-tensors): the
-same words, transposed (`gptq_linear_to_compressed_tensors`); AWQ -> compressed-tensors: AWQ's codes
-in natural columns, transposed and packed along K (`awq_linear_to_compressed_tensors`). Humming's
+same words, transposed (`gptq_linear_to_compressed_tensors`); AWQ -> compressed-tensors: the same
+words as AWQ -> triton (`awq_linear_to_compressed_tensors`). Humming's
 per-linear schema holds the same words as compressed-tensors under other names.
 
 They move bytes and nothing else, so they run in numpy on the stored bytes (`TensorReader.read_raw`;
@@ -99,6 +100,35 @@ def _awq_columns(words: np.ndarray) -> list[np.ndarray]:
     return [nibbles[slot] for slot in NATURAL_FROM_SLOTS]
 
 
+# The three rounds of an 8 x 8 nibble transpose of eight 32-bit words: (shift, mask of the low parts).
+_NIBBLE_TRANSPOSE = ((16, 0x0000FFFF), (8, 0x00FF00FF), (4, 0x0F0F0F0F))
+
+
+def _awq_k_words(words: np.ndarray) -> np.ndarray:
+    """AWQ's (K, N/8) words of 4-bit codes packed along N (slot s of word (k, m) holds column
+    8m + AWQ_ORDER[s]) -> (N, K/8) uint32 words packed along K in natural column order (slot t of word
+    (n, j) holds row 8j + t), as compressed-tensors stores them; read as little-endian bytes they are
+    the triton kernel's (N, K/2) codes. Each 8 x 8 block of nibbles (eight rows of one word column) is
+    transposed in place on the words by three rounds of masked swaps (rows r and r + d exchange the
+    high parts of one with the low parts of the other), then the words are put in natural column order."""
+    k, m = words.shape
+    rows = np.ascontiguousarray(words.view(np.uint32).reshape(k // 8, 8, m).transpose(1, 0, 2))  # (8, K/8, N/8)
+    scratch = np.empty_like(rows[0])
+    for shift, mask in _NIBBLE_TRANSPOSE:
+        distance, low = shift // 4, np.uint32(mask)
+        for r in (r for r in range(8) if not r & distance):
+            top, bottom = rows[r], rows[r + distance]
+            np.right_shift(top, np.uint32(shift), out=scratch)  # tmp = ((top >> shift) ^ bottom) & low
+            np.bitwise_xor(scratch, bottom, out=scratch)
+            np.bitwise_and(scratch, low, out=scratch)
+            np.bitwise_xor(bottom, scratch, out=bottom)
+            np.left_shift(scratch, np.uint32(shift), out=scratch)
+            np.bitwise_xor(top, scratch, out=top)
+    # rows[s] now holds, for every (j, m), the word of column 8m + AWQ_ORDER[s]: (8, K/8, N/8) -> (N, K/8)
+    natural = rows[list(NATURAL_FROM_SLOTS)]
+    return np.ascontiguousarray(natural.transpose(2, 0, 1)).reshape(m * 8, k // 8)
+
+
 def _pairs(codes: np.ndarray) -> np.ndarray:
     """(2M, ...) 4-bit codes -> (M, ...) bytes, even rows in the low nibble."""
     return codes[0::2] | (codes[1::2] << 4)
@@ -106,10 +136,7 @@ def _pairs(codes: np.ndarray) -> np.ndarray:
 
 def awq_to_triton(fmt: AWQ, linears: Mapping[str, Linear], layer: MoELayerShape, factor: int) -> dict[str, np.ndarray]:
     def one(linear: Linear) -> tuple:
-        weight = linear["qweight"]
-        # Pair the rows (K) plane by plane before interleaving the columns: half the bytes after one pass.
-        codes = np.stack([_pairs(plane) for plane in _awq_columns(weight)], axis=2)
-        codes = _transposed(codes.reshape(weight.shape[0] // 2, -1))  # (K/2, N) -> (N, K/2)
+        codes = _bytes(_awq_k_words(linear["qweight"]))  # (N, K/8) words -> (N, K/2) bytes
         zeros = None
         if fmt.zero_point:
             zeros_words = linear["qzeros"]
@@ -156,11 +183,11 @@ def _awq_natural(words: np.ndarray) -> np.ndarray:
 
 def awq_linear_to_compressed_tensors(fmt: AWQ, linear: Linear, factor: int) -> dict[str, np.ndarray]:
     """One AWQ linear as compressed-tensors pack-quantized: AWQ packs along N in its interleaved order,
-    compressed-tensors along K in natural order, so the codes are unpacked into natural columns (one
-    gather), transposed and packed along K; the zero points (natural columns) are packed along N."""
-    codes = _awq_natural(linear["qweight"])  # (K, N)
-    in_features, out_features = codes.shape
-    tensors = {"weight_packed": _pack_rows(_transposed(codes), fmt.bits),
+    compressed-tensors along K in natural order (`_awq_k_words`); the zero points, unpacked into natural
+    columns, are packed along N."""
+    words = _awq_k_words(linear["qweight"])  # (N, K/8)
+    out_features, in_features = words.shape[0], words.shape[1] * 8
+    tensors = {"weight_packed": np.ascontiguousarray(words, dtype="<u4").view("<i4"),
                "weight_scale": _regrouped(_transposed(linear["scales"]), factor),
                "weight_shape": np.array([out_features, in_features], dtype=np.int64)}
     if fmt.zero_point:
