@@ -16,7 +16,10 @@ then the words are put in natural column order and read as bytes. GPTQ ->
 compressed-tensors (experts, and the dense linears any backend writes in compressed-tensors): the
 same words, transposed (`gptq_linear_to_compressed_tensors`); AWQ -> compressed-tensors: the same
 words as AWQ -> triton (`awq_linear_to_compressed_tensors`). Humming's
-per-linear schema holds the same words as compressed-tensors under other names.
+per-linear schema holds the same words as compressed-tensors under other names. Into the x86 cpu
+layout (4-bit, backends/cpu.py) each format's codes become words packed along K (`_gptq_rows`,
+`_awq_rows`, `_compressed_tensors_rows`), whose nibbles are spread and moved in 32-bit units into the
+layout's blocks, with the compensation sums taken from the words (`_cpu_blocked`).
 
 They move bytes and nothing else, so they run in numpy on the stored bytes (`TensorReader.read_raw`;
 BF16 scales travel as their uint16 bit patterns): a conversion whose every job has a transcoder runs
@@ -31,9 +34,11 @@ from typing import Callable, Mapping, Union
 import numpy as np
 
 from moeconv import act_order, packing
+from moeconv.backends import cpu
 from moeconv.backends.base import FUSED_GEMMS
 from moeconv.backends.triton import WNA16
 from moeconv.canonical import MoELayerShape, effective_group_size
+from moeconv.checkpoint.reader import bf16_as_float32
 from moeconv.errors import MoeconvError
 from moeconv.formats.awq import AWQ, NATURAL_FROM_SLOTS
 from moeconv.formats.compressed_tensors import CompressedTensors
@@ -317,6 +322,124 @@ def compressed_tensors_to_triton(fmt: CompressedTensors, linears: Mapping[str, L
     return _stacked_gemms({projection: one(projection) for projection in linears}, factor)
 
 
+def _gptq_rows(fmt: GPTQ, linear: Linear) -> tuple | None:
+    """A 4-bit GPTQ linear's (N, K/8) words packed along K (slot t of word (n, j) holds row 8j + t), its
+    (N, G) true zero points (None: symmetric) and (N, G) scales as stored; None for a non-trivial g_idx."""
+    qweight = linear["qweight"]
+    if not fmt.static_groups(linear.get("g_idx"), qweight.shape[0] * 32 // fmt.bits):
+        return None
+    zeros = None
+    if not fmt.sym:
+        true_words = packing.add_to_word_array(linear["qzeros"], fmt.zero_offset_word())
+        zeros = packing.unpack_words(true_words, fmt.bits, axis=1).T
+    return qweight.view(np.uint32).T, zeros, linear["scales"].T
+
+
+def _awq_rows(fmt: AWQ, linear: Linear) -> tuple:
+    """`_gptq_rows` of an AWQ linear."""
+    zeros = None
+    if fmt.zero_point:
+        zeros = _awq_natural(linear["qzeros"]).T
+    elif "qzeros" in linear:  # stored under zero_point false: the zero 8, or refused (as AWQ.decode)
+        fmt.check_symmetric_zeros(linear["qzeros"])
+    return _awq_k_words(linear["qweight"]), zeros, linear["scales"].T
+
+
+def _compressed_tensors_rows(fmt: CompressedTensors, linear: Linear) -> tuple | None:
+    """`_gptq_rows` of a compressed-tensors pack-quantized linear."""
+    words = _ct_words(fmt, linear)
+    if words is None:
+        return None
+    packed, zero_words = words
+    zeros = None if zero_words is None else packing.unpack_words(zero_words, fmt.bits, axis=0)
+    return packed.view(np.uint32), zeros, linear["weight_scale"]
+
+
+def _float32(scales: np.ndarray) -> np.ndarray:
+    """Stored scales as float32, exactly (BF16 arrives as its uint16 bit patterns)."""
+    return bf16_as_float32(scales) if scales.dtype == np.uint16 else scales.astype(np.float32)
+
+
+def _spread_nibbles(words: np.ndarray) -> np.ndarray:
+    """uint32 words -> uint64 words with nibble t of each at bits [8t, 8t + 4) (the others zero)."""
+    spread = words.astype(np.uint64)
+    for shift, mask in ((16, 0x0000FFFF0000FFFF), (8, 0x00FF00FF00FF00FF), (4, 0x0F0F0F0F0F0F0F0F)):
+        spread = (spread | (spread << np.uint64(shift))) & np.uint64(mask)
+    return spread
+
+
+def _nibble_sums(words: np.ndarray) -> np.ndarray:
+    """The sum of the eight 4-bit values of each uint32 word (at most 120)."""
+    pairs = (words & np.uint32(0x0F0F0F0F)) + ((words >> np.uint32(4)) & np.uint32(0x0F0F0F0F))  # 4 bytes <= 30
+    return (pairs * np.uint32(0x01010101)) >> np.uint32(24)
+
+
+def _cpu_blocked(rows: np.ndarray, zeros: np.ndarray | None, scales: np.ndarray, repeat: int,
+                 group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One 4-bit linear's (N, K/8) row words in the x86 blocked layout (backends/cpu.py: block_int4), its
+    zero points and scales repeated `repeat` times to the layer's group size: (qweight, fp32 scales, int8
+    zeros). Channel n (low nibble) and n + 8 (high nibble) of each 16-channel half share a byte for each
+    k: their words' nibbles are spread to one byte each and or-ed, which gives, per channel pair and
+    quad of k, the 4 bytes (ki) the layout keeps together; those 32-bit units are then moved to the
+    layout's (nc, kc, q, h, ni) order."""
+    n, k = rows.shape[0], rows.shape[1] * 8
+    block_k = cpu.block_k_for(group_size)
+    nc, kc = n // cpu.BLOCK_N, k // block_k
+    zeros = np.full(scales.shape, cpu.SYMMETRIC_ZERO, dtype=np.uint8) if zeros is None else zeros
+    zeros, scales = np.repeat(zeros, repeat, axis=1), np.repeat(scales, repeat, axis=1)
+    words = np.ascontiguousarray(rows, dtype=np.uint32).reshape(nc, 2, 2, 8, -1)  # (nc, h, high, ni, K/8)
+    pairs = _spread_nibbles(words[:, :, 0]) | (_spread_nibbles(words[:, :, 1]) << np.uint64(4))
+    quads = np.ascontiguousarray(pairs, dtype="<u8").view(np.uint32).reshape(nc, 2, 8, kc, block_k // cpu.VNNI)
+    nibbles = np.ascontiguousarray(quads.transpose(0, 3, 4, 1, 2)).view(np.uint8).reshape(nc, kc, -1)
+    sums = (_nibble_sums(words.reshape(n, kc, block_k // 8)).sum(axis=-1, dtype=np.int32)
+            - block_k * np.repeat(zeros.astype(np.int32), group_size // block_k, axis=1))
+    compensation = np.ascontiguousarray(sums.reshape(nc, cpu.BLOCK_N, kc).transpose(0, 2, 1), dtype="<i4")
+    blocks = lambda per_channel: np.ascontiguousarray(  # noqa: E731 (N, G) -> (N/32, G, 32)
+        per_channel.reshape(nc, cpu.BLOCK_N, -1).transpose(0, 2, 1))
+    return (np.concatenate([nibbles, compensation.view(np.uint8)], axis=-1), blocks(_float32(scales)),
+            blocks(zeros.view(np.int8)))
+
+
+def _expert_to_cpu(rows_of: Callable[[object, Linear], tuple | None], fmt: object, linears: Mapping[str, Linear],
+                   layer: MoELayerShape, factor: int) -> dict[str, np.ndarray] | None:
+    """An expert into the x86 INT4 blocked layout from a format's `rows_of` (the W8A8 layout takes the
+    canonical route); None where a linear declines, a K block is not whole words, or an fp16 scale is
+    a NaN."""
+    group_size = cpu.layer_group_size(layer)
+    if cpu.block_k_for(group_size) % 8:
+        return None
+    blocked = {}
+    for projection, linear in linears.items():
+        found = rows_of(fmt, linear)
+        if found is None:
+            return None
+        rows, zeros, scales = found
+        if scales.dtype == np.float16 and np.isnan(scales).any():
+            return None  # torch's fp16 -> fp32 (the canonical route) quiets signalling NaNs, numpy's does not
+        repeat = factor * layer.group_size_for(rows.shape[1] * 8) // group_size
+        blocked[projection] = _cpu_blocked(rows, zeros, scales, repeat, group_size)
+    slices = {}
+    for prefix, projections in FUSED_GEMMS.items():
+        for name, parts in zip(cpu.blocked_suffixes(prefix), zip(*(blocked[p] for p in projections))):
+            slices[name] = np.concatenate(parts)
+    return slices
+
+
+def gptq_to_cpu(fmt: GPTQ, linears: Mapping[str, Linear], layer: MoELayerShape,
+                factor: int) -> dict[str, np.ndarray] | None:
+    return _expert_to_cpu(_gptq_rows, fmt, linears, layer, factor)
+
+
+def awq_to_cpu(fmt: AWQ, linears: Mapping[str, Linear], layer: MoELayerShape,
+               factor: int) -> dict[str, np.ndarray] | None:
+    return _expert_to_cpu(_awq_rows, fmt, linears, layer, factor)
+
+
+def compressed_tensors_to_cpu(fmt: CompressedTensors, linears: Mapping[str, Linear], layer: MoELayerShape,
+                              factor: int) -> dict[str, np.ndarray] | None:
+    return _expert_to_cpu(_compressed_tensors_rows, fmt, linears, layer, factor)
+
+
 # (format, per-linear backend) -> (expert transcoder, dense linear transcoder)
 _PER_LINEAR = {(GPTQ, "compressed-tensors"): (gptq_to_compressed_tensors, gptq_linear_to_compressed_tensors),
                (AWQ, "compressed-tensors"): (awq_to_compressed_tensors, awq_linear_to_compressed_tensors),
@@ -325,6 +448,9 @@ _PER_LINEAR = {(GPTQ, "compressed-tensors"): (gptq_to_compressed_tensors, gptq_l
                (CompressedTensors, "compressed-tensors"): (compressed_tensors_to_compressed_tensors,
                                                            compressed_tensors_linear_to_compressed_tensors),
                (CompressedTensors, "humming"): (compressed_tensors_to_humming, compressed_tensors_linear_to_humming)}
+
+
+_CPU = {GPTQ: gptq_to_cpu, AWQ: awq_to_cpu, CompressedTensors: compressed_tensors_to_cpu}
 
 
 def _per_linear(fmt: object, backend_name: str | None) -> tuple[Transcoder, LinearTranscoder] | None:
@@ -347,6 +473,9 @@ def find(fmt: object, backend_name: str, layer: MoELayerShape) -> Transcoder | N
         return awq_to_triton
     if backend_name == "triton" and isinstance(fmt, CompressedTensors) and fmt.packed and fmt.bits in (4, 8):
         return compressed_tensors_to_triton
+    if backend_name == "cpu":
+        return next((transcoder for kind, transcoder in _CPU.items() if isinstance(fmt, kind)), None) if (
+            layer.bits == 4 and (not isinstance(fmt, CompressedTensors) or fmt.packed)) else None
     pair = _per_linear(fmt, backend_name)
     return pair[0] if pair else None
 

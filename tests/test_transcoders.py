@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from moeconv import transcoders
 from moeconv.backends.base import ExpertWeights
 from moeconv.backends.compressed_tensors import CompressedTensorsBackend
+from moeconv.backends.cpu import CpuBackend
 from moeconv.backends.humming import HummingBackend
 from moeconv.backends.triton import TritonBackend
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, regroup
@@ -38,8 +39,10 @@ SOURCES = ([GPTQ(bits, g, sym, version) for bits in (4, 8) for g in (32, 64, 128
 
 
 PAIRS = ([(source, "triton") for source in SOURCES]
-         + [(source, backend) for source in SOURCES for backend in ("compressed-tensors", "humming")])
-BACKENDS = {"triton": TritonBackend(), "compressed-tensors": CompressedTensorsBackend(), "humming": HummingBackend()}
+         + [(source, backend) for source in SOURCES for backend in ("compressed-tensors", "humming")]
+         + [(source, "cpu") for source in SOURCES if source.bits == 4])
+BACKENDS = {"triton": TritonBackend(), "compressed-tensors": CompressedTensorsBackend(), "humming": HummingBackend(),
+            "cpu": CpuBackend()}
 
 
 @pytest.mark.parametrize("source, backend", PAIRS,
@@ -104,10 +107,41 @@ def test_the_dense_linear_transcoder_equals_the_canonical_route(source, backend,
         assert found[suffix].tobytes() == tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), suffix
 
 
+# fp16 / bf16 bit patterns of scales at the edges: signalling and quiet NaNs with payloads, both infinities,
+# -0, the smallest subnormal, the largest finite value.
+EDGE_SCALES = {torch.float16: [0x7C01, 0x7E00, 0xFD55, 0x7C00, 0xFC00, 0x8000, 0x0001, 0x7BFF],
+               torch.bfloat16: [0x7F81, 0x7FC0, 0xFFAA, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x7F7F]}
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("nan", [True, False], ids=["with-nan", "no-nan"])
+def test_the_cpu_transcoder_keeps_edge_scales_or_leaves_them_to_the_canonical_route(scale_dtype, nan):
+    """The x86 layout stores fp32 scales. torch's fp16 -> fp32 (the canonical route) quiets a signalling
+    NaN, numpy's keeps its bits: an fp16 expert with a NaN scale is left to the canonical route; every
+    other edge value, and every BF16 one (a shift in both), is transcoded to the canonical route's bytes."""
+    fmt = GPTQ(4, 32, sym=False)
+    patterns = [p for p in EDGE_SCALES[scale_dtype] if nan or p not in EDGE_SCALES[scale_dtype][:3]]
+    weight = random_canonical(torch.Generator().manual_seed(1), 4, False, 64, 64, 2, scale_dtype)
+    edges = torch.tensor(patterns, dtype=torch.int32).to(torch.int16).view(scale_dtype)
+    weight.scales.view(-1)[: len(patterns)] = edges
+    shape = MoELayerShape(1, 64, 32, 4, 32, False, "F16" if scale_dtype == torch.float16 else "BF16")
+    stored = {"gate": fmt.encode(weight), "up": fmt.encode(weight),
+              "down": fmt.encode(random_canonical(torch.Generator().manual_seed(2), 4, False, 64, 32, 1, scale_dtype))}
+    found = transcoders.gptq_to_cpu(fmt, {p: _as_stored(t) for p, t in stored.items()}, shape, 1)
+    if nan and scale_dtype == torch.float16:
+        assert found is None
+        return
+    expected = CpuBackend().encode_expert(ExpertWeights(**{p: fmt.decode(t) for p, t in stored.items()}), shape)
+    assert set(found) == set(expected)
+    for suffix, tensor in expected.items():
+        assert found[suffix].tobytes() == tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), suffix
+
+
 def test_pairs_without_a_transcoder_take_the_canonical_route():
     shape = MoELayerShape(1, 64, 32, 4, 32, False, "F16")
-    assert transcoders.find(GPTQ(4, 32, sym=False), "cpu", shape) is None
-    assert transcoders.find(AWQ(4, 32), "cpu", shape) is None
+    assert transcoders.find(GPTQ(8, -1, sym=True), "cpu", MoELayerShape(1, 64, 32, 8, -1, True, "F16")) is None
+    w8a8 = CompressedTensors(bits=8, group_size=-1, symmetric=True, activation_bits=8, format="int-quantized")
+    assert transcoders.find(w8a8, "cpu", MoELayerShape(1, 64, 32, 8, -1, True, "F16", activation_bits=8)) is None
     assert transcoders.find_linear(AWQ(4, 32), "triton") is None
     assert transcoders.find_linear(GPTQ(4, 32, sym=False), "compressed-tensors", activation_bits=8) is None
     assert transcoders.find_linear(GPTQ(4, 32, sym=False), None) is None
@@ -133,7 +167,8 @@ def test_the_transcoder_leaves_act_order_experts_to_the_canonical_route():
                                              (AWQ(4, 64, zero_point=True), "compressed-tensors"),
                                              (GPTQ(4, 64, sym=True), "humming"), (AWQ(4, 64, zero_point=True), "humming"),
                                              (CompressedTensors(bits=4, group_size=64, symmetric=False), "triton"),
-                                             (CompressedTensors(bits=4, group_size=64, symmetric=True), "humming")],
+                                             (CompressedTensors(bits=4, group_size=64, symmetric=True), "humming"),
+                                             (GPTQ(4, 128, sym=False), "cpu"), (AWQ(4, 64, zero_point=True), "cpu")],
                          ids=str)
 def test_a_conversion_is_byte_identical_without_the_transcoders(tmp_path, monkeypatch, source, backend):
     """Whole conversions, dense linears included (an asymmetric GPTQ source's triton output writes them in
