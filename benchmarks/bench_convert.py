@@ -1,7 +1,7 @@
 """Conversion throughput and peak memory against a plain copy of the same files, in the same run.
 
     python benchmarks/bench_convert.py [--size-gb 3] [--workdir bench-data] [--json out.json]
-        [--format gptq|awq] [--backends triton,humming] [--workers 1,2,4]
+        [--format gptq|awq] [--backends triton,humming] [--workers 1,2,4] [--source CKPT] [--verify]
 
 Builds (or reuses) a synthetic GPTQ checkpoint with realistic expert sizes (Qwen3-30B-A3B-like:
 H = 2048, I = 768, 128 experts per layer, 4-bit, g = 128, asymmetric v1), then alternates
@@ -57,6 +57,10 @@ def main() -> None:
     parser.add_argument("--format", choices=("gptq", "awq"), default="gptq")
     parser.add_argument("--backends", default="triton", help="comma-separated")
     parser.add_argument("--workers", default="", help="comma-separated worker counts (default: moeconv's own)")
+    parser.add_argument("--source", type=Path, help="an existing checkpoint instead of a synthetic one "
+                                                    "(e.g. one grown by benchmarks/grow_checkpoint.py)")
+    parser.add_argument("--verify", action="store_true",
+                        help="also time `verify --level lossless` of each backend's last output (whole process)")
     args = parser.parse_args()
 
     hidden, intermediate, experts = (256, 128, 8) if args.smoke else (2048, 768, 128)
@@ -68,8 +72,10 @@ def main() -> None:
     spec = SynthSpec(architecture="qwen3_moe", source_format=source_format,
                      layers=layers, experts=experts, hidden=hidden, intermediate=intermediate,
                      vocab=256 if args.smoke else 4096)
-    source = args.workdir / f"qwen3-like-{args.format}-{layers}L-{experts}E-{hidden}H"
-    if not (source / "model.safetensors.index.json").is_file():
+    source = args.source or args.workdir / f"qwen3-like-{args.format}-{layers}L-{experts}E-{hidden}H"
+    if args.source:
+        layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    elif not (source / "model.safetensors.index.json").is_file():
         shutil.rmtree(source, ignore_errors=True)
         started = time.perf_counter()
         make_checkpoint(source, spec)
@@ -89,6 +95,8 @@ def main() -> None:
                 for target, runs, run in (("copy", copies, copy), ("converted", converts, command)):
                     shutil.rmtree(args.workdir / target, ignore_errors=True)
                     runs.append(timed(run))
+            verified = timed([*moeconv, "verify", str(args.workdir / "converted"), "--level", "lossless", "-q",
+                              "--json"]) if args.verify else None
             for target in ("copy", "converted"):
                 shutil.rmtree(args.workdir / target, ignore_errors=True)
             copy_s = statistics.median(t for t, _ in copies)
@@ -107,16 +115,24 @@ def main() -> None:
                 "convert_peak_rss_mb": round(max(report["peak_rss_mb"] for _, report in converts)),
                 "tree_peak_pss_mb": max((report["tree_peak_pss_mb"] for _, report in converts
                                          if report["tree_peak_pss_mb"] is not None), default=None),
+                "tree_cpu_seconds": [report["tree_cpu_seconds"] for _, report in converts],
                 "runs": {"copy": [t for t, _ in copies], "convert": [t for t, _ in converts],
                          "conversion": [report["seconds"] for _, report in converts]},
             }
+            if verified:
+                result["verify_seconds"] = round(verified[0], 3)
+                result["verify_ok"] = verified[1]["ok"]
+                result["verify_phase_seconds"] = verified[1]["phase_seconds"]
+                result["verify_ratio_to_conversion"] = round(verified[0] / conversion_s, 2)
             results.append(result)
             print(f"| {result['date']} | {args.format} {size / 1e9:.2f} GB, {layers} layers x {experts} experts | "
                   f"{backend} | {workers or 'default'} | {result['device']} | copy {copy_s:.2f} s "
                   f"({result['copy_gb_per_s']} GB/s) | convert {convert_s:.2f} s ({result['convert_gb_per_s']} GB/s) | "
                   f"{result['ratio_convert_to_copy']}x | conversion {conversion_s:.2f} s "
                   f"({result['conversion_ratio_to_copy']}x) | {result['convert_peak_rss_mb']} MB | "
-                  f"tree {result['tree_peak_pss_mb']} MB |", flush=True)
+                  f"tree {result['tree_peak_pss_mb']} MB |"
+                  + (f" verify {verified[0]:.2f} s ({result['verify_ratio_to_conversion']}x conversion) |"
+                     if verified else ""), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -4,7 +4,8 @@
 # every backend at the default worker count), `scaling` (worker counts for a
 # transcoded and a canonical-route backend), `awq` (the same for an AWQ source), `scaling7` (the
 # worker-count table and every backend on that 7 GB source), `awq7` (a 7 GB AWQ source on three backends,
-# then verify's structure and lossless levels timed on its triton output), `builds` (commits compared), `final` (7 GB GPTQ and AWQ, every backend, verify, fixed cost).
+# then verify's structure and lossless levels timed on its triton output), `builds` (commits compared), `final` (7 GB GPTQ and AWQ, every backend, verify, fixed cost), `final2` (the same,
+# each output verified, AWQ -> cpu too), `large` (a 25 GB source grown from one layer).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -12,6 +13,28 @@ export PYTHONPATH=$PWD
 nproc; free -g | head -2; df -h . | tail -1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case $phase in
+  final2)
+    # 2026-12-03 (afternoon): every backend from 7 GB GPTQ and AWQ sources, each output verified
+    # (verify --level lossless, whole process), moeconv's own modules compiled first (as `pip install`
+    # leaves them; the image sets PYTHONDONTWRITEBYTECODE), then the fixed cost with and without bytecode.
+    python3 -m compileall -q moeconv
+    for format in gptq awq; do
+      python3 benchmarks/bench_convert.py --size-gb 7 --format $format --backends triton,compressed-tensors,humming,cpu \
+        --repeats 1 --verify --json "$out/${format}7.json"
+      rm -rf bench-data/qwen3-like-$format-*
+    done
+    python3 benchmarks/bench_startup.py --repeats 3 --modes warm,no-pyc --json "$out/startup.json" ;;
+  large)
+    # One >= 25 GB source (77 layers: one synthetic layer repeated, benchmarks/grow_checkpoint.py), GPTQ ->
+    # triton and humming with verify: does the cost grow linearly from the 7 GB rows?
+    python3 -m compileall -q moeconv
+    python3 benchmarks/bench_convert.py --size-gb 0.3 --format gptq --backends triton --repeats 1 --json "$out/one-layer.json"
+    one=$(ls -d bench-data/qwen3-like-gptq-1L-*)
+    python3 benchmarks/grow_checkpoint.py "$one" bench-data/grown-77L --layers 77
+    rm -rf "$one"
+    python3 benchmarks/bench_convert.py --source bench-data/grown-77L --format gptq --backends triton,humming \
+      --repeats 1 --verify --json "$out/large.json"
+    rm -rf bench-data/grown-77L ;;
   final)
     # Every backend from 7 GB GPTQ and AWQ sources, the whole process and the conversion against a flushed
     # copy (docs/BENCHMARKS.md, 2026-12-03), verify's phases, then the fixed cost with and without bytecode.

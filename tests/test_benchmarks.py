@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("script, extra", [
     ("bench_kernel.py", []),
     ("bench_int8_kernel.py", []),
-    ("bench_convert.py", ["--workdir", "{tmp}"]),
+    ("bench_convert.py", ["--workdir", "{tmp}", "--verify"]),
     ("bench_plan.py", []),
     ("bench_ray.py", ["--workdir", "{tmp}"]),
     ("bench_startup.py", ["--workdir", "{tmp}"]),
@@ -48,3 +48,33 @@ def test_bench_builds_exports_a_commit_and_compares_it(tmp_path):
     assert done.returncode == 0, done.stderr
     (row,) = json.loads(output.read_text())
     assert row["build"] == "HEAD" and row["backend"] == "triton" and row["conversion_seconds"] > 0
+
+
+def test_a_grown_checkpoint_repeats_the_layers_and_converts_and_verifies(tmp_path):
+    """benchmarks/grow_checkpoint.py: layer i of the grown checkpoint is layer i % L of the source, byte
+    for byte (read through safetensors, not the script's own reading), and it converts and verifies."""
+    from safetensors.numpy import load_file
+
+    from moeconv.api import convert, verify
+    from moeconv.synth import SynthSpec, make_checkpoint
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=128, intermediate=64, experts=4, layers=2))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grow_checkpoint.py"), str(source),
+                           str(tmp_path / "grown"), "--layers", "5", "--shard-gb", "0.0002"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    grown = tmp_path / "grown"
+    assert len(list(grown.glob("*.safetensors"))) > 1
+    assert json.loads((grown / "config.json").read_text())["num_hidden_layers"] == 5
+    original = {name: array for shard in source.glob("*.safetensors") for name, array in load_file(shard).items()}
+    repeated = {name: array for shard in grown.glob("*.safetensors") for name, array in load_file(shard).items()}
+    origin = {name: name for name in original if not name.startswith("model.layers.")}
+    for layer in range(5):
+        prefix = f"model.layers.{layer % 2}."
+        origin.update({f"model.layers.{layer}." + name[len(prefix):]: name for name in original
+                       if name.startswith(prefix)})
+    assert set(repeated) == set(origin)
+    for name, array in repeated.items():
+        assert array.dtype == original[origin[name]].dtype and array.tobytes() == original[origin[name]].tobytes(), name
+    convert(grown, tmp_path / "out", backend="triton", workers=2)
+    assert verify(tmp_path / "out", level="lossless", workers=2).ok
