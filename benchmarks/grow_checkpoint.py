@@ -55,7 +55,9 @@ def _write_shard(path: Path, tensors: list[tuple[str, dict, Path, int]]) -> None
         try:
             for _, entry, shard, begin in tensors:
                 size = entry["data_offsets"][1] - entry["data_offsets"][0]
-                descriptor = handles.setdefault(shard, os.open(shard, os.O_RDONLY))
+                if shard not in handles:
+                    handles[shard] = os.open(shard, os.O_RDONLY)
+                descriptor = handles[shard]
                 copied = 0
                 while copied < size:
                     copied += os.copy_file_range(descriptor, out.fileno(), size - copied, begin + copied)
