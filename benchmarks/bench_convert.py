@@ -93,7 +93,8 @@ def main() -> None:
                 # moeconv fsyncs what it writes (a finished shard must survive a power loss, for resume),
                 # so the copy is flushed to disk too: `sync FILE...` fsyncs the copied files.
                 for target, runs, run in (("copy", copies, copy), ("converted", converts, command)):
-                    shutil.rmtree(args.workdir / target, ignore_errors=True)
+                    for earlier in ("copy", "converted"):  # the disk may hold the source and one of them only
+                        shutil.rmtree(args.workdir / earlier, ignore_errors=True)
                     runs.append(timed(run))
             verified = timed([*moeconv, "verify", str(args.workdir / "converted"), "--level", "lossless", "-q",
                               "--json"]) if args.verify else None
