@@ -92,7 +92,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 # moeconv fsyncs what it writes (a finished shard must survive a power loss, for resume),
                 # so the copy is flushed to disk too: `sync FILE...` fsyncs the copied files.
-                for target, runs, run in (("copy", copies, copy), ("converted", converts, command)):
+                for runs, run in ((copies, copy), (converts, command)):
                     for earlier in ("copy", "converted"):  # the disk may hold the source and one of them only
                         shutil.rmtree(args.workdir / earlier, ignore_errors=True)
                     runs.append(timed(run))

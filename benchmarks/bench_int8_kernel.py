@@ -19,7 +19,8 @@ import json
 import torch
 import triton
 
-from moeconv.kernels import int8_fused_moe, random_routing, reference_fused_moe, relative_error
+from moeconv.kernels.int8_moe import int8_fused_moe
+from moeconv.kernels.reference import random_routing, reference_fused_moe, relative_error
 
 # (name, experts, top-k, hidden, intermediate)
 SHAPES = [("mixtral-8x7b", 8, 2, 4096, 14336), ("qwen3-30b-a3b", 128, 8, 2048, 768)]

@@ -24,18 +24,8 @@ from dataclasses import asdict, dataclass
 import torch
 import triton
 
-from moeconv.kernels import (
-    DequantizedExperts,
-    GemmConfig,
-    align_tokens_to_experts,
-    choose_block_m,
-    choose_config,
-    fused_moe,
-    moe_gemm,
-    random_routing,
-    reference_fused_moe,
-    relative_error,
-)
+from moeconv.kernels.fused_moe import GemmConfig, align_tokens_to_experts, choose_block_m, choose_config, fused_moe, moe_gemm
+from moeconv.kernels.reference import DequantizedExperts, random_routing, reference_fused_moe, relative_error
 
 BITS, GROUP_SIZE = 4, 128
 

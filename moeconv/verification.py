@@ -20,9 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from moeconv.audit import Audits
 from moeconv.backends import get_backend
@@ -38,6 +36,9 @@ from moeconv.survey import MoELayer
 from moeconv.transform import Codec
 from moeconv.worklist import ConvertJob, CopyJob, ExpertJob, LinearJob
 from moeconv.source import resolve_source
+
+if TYPE_CHECKING:  # the checks import it in the workers; a lossless verify's own process never does
+    import torch
 
 
 @dataclass
@@ -217,7 +218,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
         return report
     advance(0, sum(path.stat().st_size for path in checkpoint.files), "source-digests")
     report.source_problems, report.source_files_checked = structure.check_source_digests(checkpoint, manifest, advance)
-    generator = torch.Generator().manual_seed(seed)
+    generator = _generator(seed) if sample is not None or level == "numerics" else None
     layer_experts = [_sampled(layer.shape.experts, sample, generator) for layer in plan.layers]
     layer_jobs = [plan.layer_jobs[layer.module] for layer in plan.layers]
     copies = [job for job in plan.jobs if isinstance(job, CopyJob)]
@@ -342,9 +343,18 @@ def _same_bytes(a: TensorEntry, b: TensorEntry) -> bool:
     return a.nbytes == b.nbytes and same_bytes(a.file, a.begin, b.file, b.begin, a.nbytes)
 
 
-def _sampled(count: int, sample: int | None, generator: torch.Generator) -> list[int]:
+def _generator(seed: int) -> torch.Generator:
+    """The random source of the sampled experts, then of the kernel check's tokens and routing."""
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
+
+def _sampled(count: int, sample: int | None, generator: torch.Generator | None) -> list[int]:
     if sample is None or sample >= count:
         return list(range(count))
+    import torch
+
     return sorted(torch.randperm(count, generator=generator)[:sample].tolist())
 
 
@@ -370,6 +380,8 @@ def _check_job(codec: Codec, job: ConvertJob, tensors: dict[str, TensorEntry], r
                audits: Audits, cast: tuple[str, str] | None) -> list[tuple[str | None, str]]:
     """(projection, mismatch) for every canonical weight whose output bytes do not decode to exactly
     what the source format's decoder gives; (None, why) when the layout cannot be decoded at all."""
+    import torch
+
     try:
         converted = transform.decode(job, codec, _output_blocks(job, tensors, reader))
     except ValueError as error:  # the layout's own redundancy (e.g. CPU compensation sums) disagrees
@@ -389,6 +401,8 @@ def _kernel_tensors(plan: Plan, jobs: list[ExpertJob], tensors: dict[str, Tensor
     """The layout the backend's reference kernel reads, for the experts of `jobs` stacked along dim 0:
     the output's own bytes, or (Numerics.layout) those re-encoded into another backend's layout
     through the canonical form."""
+    import torch
+
     layout = plan.backend.numerics.layout
     blocks = [_output_blocks(job, tensors, reader) for job in jobs]
     if layout is not None:
@@ -403,7 +417,9 @@ def _check_numerics(plan: Plan, layer: MoELayer, jobs: list[ExpertJob], tensors:
     """The backend's kernel on the converted tensors against a float64 reference that dequantizes
     the SOURCE through the source format's decoder: (relative error, max abs error, max abs of the
     reference). Only the experts the routing picks are read."""
-    from moeconv.kernels import random_routing, reference_fused_moe, relative_error
+    import torch
+
+    from moeconv.kernels.reference import random_routing, reference_fused_moe, relative_error
 
     shape = layer.shape
     configured = plan.checkpoint.config.get("num_experts_per_tok")

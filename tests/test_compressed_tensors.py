@@ -23,8 +23,9 @@ from moeconv.backends.base import ExpertWeights
 from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.errors import MoeconvError
 from moeconv.formats import CompressedTensors, format_from_config
-from moeconv.kernels import (GemmConfig, align_tokens_to_experts, int8_fused_moe, int8_moe_gemm, quantize_per_token,
-                             random_routing, reference_fused_moe, relative_error)
+from moeconv.kernels.fused_moe import GemmConfig, align_tokens_to_experts
+from moeconv.kernels.int8_moe import int8_fused_moe, int8_moe_gemm, quantize_per_token
+from moeconv.kernels.reference import random_routing, reference_fused_moe, relative_error
 from moeconv.kernels.runners import W8A8_NUMERICS_TOLERANCE
 
 from helpers import cli, packers_python, synth

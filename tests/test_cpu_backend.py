@@ -22,7 +22,7 @@ from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.errors import MoeconvError
 from moeconv.formats import AWQ, GPTQ, CompressedTensors
-from moeconv.kernels import random_routing, reference_fused_moe, relative_error
+from moeconv.kernels.reference import random_routing, reference_fused_moe, relative_error
 from moeconv.kernels.cpu_reference import blocked_linear, cpu_fused_moe, quantize_rows, vnni_linear
 from moeconv.plan import make_plan
 from moeconv.synth import SynthSpec, make_checkpoint, quantize, random_weight

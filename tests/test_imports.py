@@ -165,3 +165,17 @@ def test_a_conversion_that_needs_no_torch_starts_no_fork_server(tmp_path):
     done = subprocess.run([sys.executable, "-c", NO_SERVER, str(source), str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "transcoder: gptq_to_triton processes left: 0", done.stdout + done.stderr
+
+
+def test_a_lossless_verify_imports_torch_only_in_its_workers(tmp_path):
+    """verify --level lossless: its checks decode through the canonical torch codecs in the workers (the
+    fork server imports torch once for them), while this process takes the digests; the process itself
+    imported torch and Triton (2 to 3 s on the 16-core host) before it did anything, until 2026-12-03."""
+    import moeconv
+
+    moeconv.convert(ACT_ORDER, tmp_path / "out", workers=2)
+    done = subprocess.run([sys.executable, "-c", RUN + "print('triton loaded:', 'triton' in sys.modules)\n",
+                           "verify", str(tmp_path / "out"), "--level", "lossless", "--workers", "2", "-q"],
+                          capture_output=True, text=True, timeout=300)
+    assert "exit: 0" in done.stdout, done.stdout + done.stderr
+    assert "torch loaded: False" in done.stdout and "triton loaded: False" in done.stdout, done.stdout + done.stderr

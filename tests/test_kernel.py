@@ -20,16 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeconv.kernels import (
-    GemmConfig,
-    align_tokens_to_experts,
-    dequantize_wna16,
-    fused_moe,
-    moe_gemm,
-    random_routing,
-    reference_fused_moe,
-    relative_error,
-)
+from moeconv.kernels.fused_moe import GemmConfig, align_tokens_to_experts, fused_moe, moe_gemm
+from moeconv.kernels.reference import dequantize_wna16, random_routing, reference_fused_moe, relative_error
 
 # Relative-error bounds of the whole layer. The kernel is exact up to fp32 accumulation; what is
 # left is rounding the gate/up output, the activation and the result to the activation dtype
