@@ -5,7 +5,8 @@
 # transcoded and a canonical-route backend), `awq` (the same for an AWQ source), `scaling7` (the
 # worker-count table and every backend on that 7 GB source), `awq7` (a 7 GB AWQ source on three backends,
 # then verify's structure and lossless levels timed on its triton output), `builds` (commits compared), `final` (7 GB GPTQ and AWQ, every backend, verify, fixed cost), `final2` (the same,
-# each output verified, AWQ -> cpu too), `large` (a 25 GB source grown from one layer).
+# each output verified, AWQ -> cpu too), `large` (a 25 GB source grown from one layer),
+# `final3` (grown 7 GB sources, verify's worker scaling, the 25 GB source).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -24,6 +25,32 @@ case $phase in
       rm -rf bench-data/qwen3-like-$format-*
     done
     python3 benchmarks/bench_startup.py --repeats 3 --modes warm,no-pyc --json "$out/startup.json" ;;
+  final3)
+    # Sources grown from one synthetic layer (benchmarks/grow_checkpoint.py: seconds, not minutes):
+    # 7.2 GB GPTQ and AWQ on the backends with each output verified, verify's scaling with workers,
+    # then the 25 GB source again (triton, verified).
+    python3 -m compileall -q moeconv
+    for format in gptq awq; do
+      python3 benchmarks/bench_convert.py --size-gb 0.3 --format $format --backends triton --repeats 1 \
+        --json "$out/one-layer-$format.json"
+      python3 benchmarks/grow_checkpoint.py bench-data/qwen3-like-$format-1L-128E-2048H bench-data/$format-22L --layers 22
+    done
+    python3 benchmarks/bench_convert.py --source bench-data/gptq-22L --format gptq \
+      --backends triton,compressed-tensors,humming,cpu --repeats 1 --verify --json "$out/gptq22.json"
+    python3 benchmarks/bench_convert.py --source bench-data/awq-22L --format awq --backends triton,humming \
+      --repeats 1 --verify --json "$out/awq22.json"
+    rm -rf bench-data/awq-22L /tmp/verified
+    python3 -m moeconv convert bench-data/gptq-22L -o /tmp/verified -q --json > "$out/gptq22-triton.json"
+    for workers in 4 8 16; do
+      begin=$(date +%s.%N)
+      python3 -m moeconv verify /tmp/verified --level lossless -q --json --workers $workers > "$out/verify-$workers.json"
+      echo "verify --workers $workers: $(python3 -c "print(round($(date +%s.%N) - $begin, 2))") s"
+    done
+    rm -rf /tmp/verified bench-data/gptq-22L
+    python3 benchmarks/grow_checkpoint.py bench-data/qwen3-like-gptq-1L-128E-2048H bench-data/grown-77L --layers 77
+    python3 benchmarks/bench_convert.py --source bench-data/grown-77L --format gptq --backends triton \
+      --repeats 1 --verify --json "$out/large.json"
+    rm -rf bench-data/grown-77L bench-data/qwen3-like-* ;;
   large)
     # One >= 25 GB source (77 layers: one synthetic layer repeated, benchmarks/grow_checkpoint.py), GPTQ ->
     # triton and humming with verify: does the cost grow linearly from the 7 GB rows?
