@@ -110,6 +110,11 @@ class Plan:
     def output_bytes(self) -> int:
         return sum(shard.nbytes for shard in self.shards)
 
+    def layout_of(self, job: Job) -> str:
+        """The backend whose layout a converting job writes: a dense linear's may be another's
+        (`dense_backend`); the manifest records it per tensor."""
+        return job.encoder.name if isinstance(job, LinearJob) else self.backend.name
+
     @property
     def source_expert_bytes(self) -> int:
         return sum(layer.source_bytes for layer in self.layers)

@@ -75,8 +75,7 @@ def derived(plan: Any) -> dict[str, Any]:
     expects to find)."""
     tensors: dict[str, dict[str, Any]] = {}
     for job in plan.jobs:
-        encoder = getattr(job, "encoder", plan.backend)  # a dense linear's layout may be another backend's
-        transform = "copy" if job.copies else f"{plan.source_format.method}->{encoder.name}"
+        transform = "copy" if job.copies else f"{plan.source_format.method}->{plan.layout_of(job)}"
         for slot in job.slots.values():
             entry = tensors.setdefault(slot.tensor.name, {"transform": transform,
                                                           "sources": []})
