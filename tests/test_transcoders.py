@@ -6,6 +6,7 @@ g >= K), regroup factor and size; and a whole conversion is byte-identical with 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -185,6 +186,32 @@ def test_a_conversion_is_byte_identical_without_the_transcoders(tmp_path, monkey
     monkeypatch.setattr(transcoders, "find", lambda *args: None)
     monkeypatch.setattr(transcoders, "find_linear", lambda *args: None)
     slow = moeconv.convert(checkpoint, tmp_path / "slow", backend=backend, regroup=True)
+    assert slow.plan["transcoder"] is None
+    digests = [{path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in folder.glob("*.safetensors")}
+               for folder in (tmp_path / "fast", tmp_path / "slow")]
+    assert digests[0] == digests[1] and digests[0]
+
+
+DATA = Path(__file__).parent / "data"
+# Checkpoints the real producers wrote with their full algorithms: GPTQModel 7.7.0 (calibration, error
+# feedback; v1 and v2 saves) and AutoRound 0.16.1 (AWQ- and GPTQ-packed), tests/data/*/README.md.
+REAL = [("gptq_asym/b4_g32/v1", "gptq"), ("gptq_asym/b4_g32/v2", "gptq_v2"), ("autoround/ar-awq-asym-g32", None),
+        ("autoround/ar-awq-asym-g128", None), ("autoround/ar-gptq-sym-g32", None), ("autoround/ar-gptq-sym-g128", None)]
+
+
+@pytest.mark.parametrize("backend", ["triton", "compressed-tensors", "humming", "cpu"])
+@pytest.mark.parametrize("source, zero_format", REAL, ids=[path for path, _ in REAL])
+def test_real_producers_checkpoints_convert_byte_identical_without_the_transcoders(tmp_path, monkeypatch, source,
+                                                                                     zero_format, backend):
+    """What the transcoders read is what the real producers wrote, not only codes made by their
+    rounding rule: each of these converts through its transcoder to the canonical route's bytes."""
+    import moeconv
+
+    fast = moeconv.convert(DATA / source, tmp_path / "fast", backend=backend, zero_format=zero_format, workers=1)
+    assert fast.plan["transcoder"] is not None
+    monkeypatch.setattr(transcoders, "find", lambda *args: None)
+    monkeypatch.setattr(transcoders, "find_linear", lambda *args: None)
+    slow = moeconv.convert(DATA / source, tmp_path / "slow", backend=backend, zero_format=zero_format, workers=1)
     assert slow.plan["transcoder"] is None
     digests = [{path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in folder.glob("*.safetensors")}
                for folder in (tmp_path / "fast", tmp_path / "slow")]
