@@ -117,7 +117,7 @@ def _tensor_mismatch(a: torch.Tensor, b: torch.Tensor) -> str | None:
         return f"{a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
     # Compare bytes, not values: NaN scales and -0.0 must round-trip too.
     # reshape(-1) first: a transposed (N, 1) tensor counts as contiguous but has stride(-1) != 1.
-    # numpy compares on one thread about 6 times faster than torch (docs/BENCHMARKS.md, verify's decode).
+    # Compared in numpy: faster than torch's on one thread (docs/BENCHMARKS.md, verify's bit-exact check).
     mine, theirs = (np.ascontiguousarray(t.reshape(-1).view(torch.uint8).numpy()) for t in (a, b))
     if np.array_equal(mine, theirs):
         return None

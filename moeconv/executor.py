@@ -206,9 +206,9 @@ _HEAP_KEPT = {_M_MMAP_THRESHOLD: 256 << 20, _M_TRIM_THRESHOLD: 512 << 20, _M_TOP
 def _reuse_freed_memory() -> None:
     """A task allocates arrays of megabytes (an expert's tensors and their temporaries). glibc serves
     those from fresh mmaps, returned on free, so every task page-faults its memory in again (zeroed by
-    the kernel): kept in the heap instead, a verify check of a Qwen3-30B-A3B-sized expert took 6-8 ms
-    instead of 12-18 ms on the dev machine (docs/BENCHMARKS.md). What a worker holds stays bounded by
-    its largest task. Nothing where the C library has no mallopt (not glibc)."""
+    the kernel); kept in the heap instead, they are reused (docs/BENCHMARKS.md: half of a verify check's
+    time). What a worker holds stays bounded by its largest task. Nothing where the C library has no
+    mallopt (not glibc)."""
     import ctypes
 
     try:
@@ -262,9 +262,9 @@ def _forkserver_context() -> Any:
 def start_workers(workers: int | None = None) -> None:
     """Starts, now, the fork server the workers of this process's next pools are forked from (once per
     process; it lives until this process ends), so that its import of torch runs beside what this
-    process does next (verify: the digests). Only for work known to need torch: on the 2-core dev
-    machine a server started for a conversion that then needed none cost 1 to 2 s and 210 MB
-    (docs/BENCHMARKS.md). Nothing for one worker (it runs the tasks in this process)."""
+    process does next (verify: the digests). Only for work known to need torch: a server started for a
+    conversion that then needed none cost it time and memory (docs/BENCHMARKS.md). Nothing for one
+    worker (it runs the tasks in this process)."""
     if (workers or default_workers()) > 1:
         from multiprocessing import forkserver
 

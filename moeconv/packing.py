@@ -9,7 +9,7 @@ the same bytes (tests check both paths); elsewhere the shifts are used. Along th
 the sub-byte values of one byte are spread to (or gathered from) adjacent bytes through an explicitly
 little-endian word ('<u2', '<u4'), which numpy reads the same on any host. So the result never
 depends on the host's byte order. The shifts run in numpy where its uint8 kernels beat torch's on one
-thread (2 to 3 times along the innermost dimension; docs/BENCHMARKS.md). Only widths that divide the container are supported (2, 4, 8 bits);
+thread (docs/BENCHMARKS.md). Only widths that divide the container are supported (2, 4, 8 bits);
 3-bit GPTQ's split words are refused earlier, at plan time.
 """
 
@@ -53,8 +53,7 @@ def pack(codes: torch.Tensor, bits: int, dim: int, container: torch.dtype) -> to
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as a contiguous numpy array. The shifts and masks run in numpy: on one
-    thread its uint8 kernels are 3 to 4 times torch's (docs/BENCHMARKS.md, verify's decode)."""
+    """A CPU tensor's values as a contiguous numpy array, for the shifts and masks run in numpy."""
     return np.ascontiguousarray(tensor.numpy())
 
 

@@ -139,17 +139,26 @@ def _pairs(codes: np.ndarray) -> np.ndarray:
     return codes[0::2] | (codes[1::2] << 4)
 
 
+def _awq_natural(words: np.ndarray) -> np.ndarray:
+    """AWQ's (rows, N/8) words as (rows, N) 4-bit codes in natural column order."""
+    return np.stack(_awq_columns(words), axis=2).reshape(words.shape[0], -1)
+
+
+def _awq_zeros(fmt: AWQ, linear: Linear) -> np.ndarray | None:
+    """An AWQ linear's (G, N) zero points in natural column order, or None under zero_point false, where
+    stored qzeros must all be the zero 8 (checked as AWQ.decode checks them)."""
+    if fmt.zero_point:
+        return _awq_natural(linear["qzeros"])
+    if "qzeros" in linear:
+        fmt.check_symmetric_zeros(linear["qzeros"])
+    return None
+
+
 def awq_to_triton(fmt: AWQ, linears: Mapping[str, Linear], layer: MoELayerShape, factor: int) -> dict[str, np.ndarray]:
     def one(linear: Linear) -> tuple:
         codes = _bytes(_awq_k_words(linear["qweight"]))  # (N, K/8) words -> (N, K/2) bytes
-        zeros = None
-        if fmt.zero_point:
-            zeros_words = linear["qzeros"]
-            natural = np.stack(_awq_columns(zeros_words), axis=2).reshape(zeros_words.shape[0], -1)
-            zeros = _pairs(_transposed(natural))  # (N, G) -> (N/2, G)
-        elif "qzeros" in linear:  # stored under zero_point false: the zero 8, or refused (as AWQ.decode)
-            fmt.check_symmetric_zeros(linear["qzeros"])
-        return codes, _transposed(linear["scales"]), zeros
+        zeros = _awq_zeros(fmt, linear)
+        return codes, _transposed(linear["scales"]), None if zeros is None else _pairs(_transposed(zeros))
 
     return _stacked_gemms({projection: one(linear) for projection, linear in linears.items()}, factor)
 
@@ -181,11 +190,6 @@ def _pack_rows(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(packed).view(np.dtype("<i4"))
 
 
-def _awq_natural(words: np.ndarray) -> np.ndarray:
-    """AWQ's (rows, N/8) words as (rows, N) 4-bit codes in natural column order."""
-    return np.stack(_awq_columns(words), axis=2).reshape(words.shape[0], -1)
-
-
 def awq_linear_to_compressed_tensors(fmt: AWQ, linear: Linear, factor: int) -> dict[str, np.ndarray]:
     """One AWQ linear as compressed-tensors pack-quantized: AWQ packs along N in its interleaved order,
     compressed-tensors along K in natural order (`_awq_k_words`); the zero points, unpacked into natural
@@ -195,11 +199,9 @@ def awq_linear_to_compressed_tensors(fmt: AWQ, linear: Linear, factor: int) -> d
     tensors = {"weight_packed": np.ascontiguousarray(words, dtype="<u4").view("<i4"),
                "weight_scale": _regrouped(_transposed(linear["scales"]), factor),
                "weight_shape": np.array([out_features, in_features], dtype=np.int64)}
-    if fmt.zero_point:
-        tensors["weight_zero_point"] = _regrouped(_transposed(_pack_rows(_awq_natural(linear["qzeros"]), fmt.bits)),
-                                                  factor)
-    elif "qzeros" in linear:  # stored under zero_point false: the zero 8, or refused (as AWQ.decode)
-        fmt.check_symmetric_zeros(linear["qzeros"])
+    zeros = _awq_zeros(fmt, linear)
+    if zeros is not None:
+        tensors["weight_zero_point"] = _regrouped(_transposed(_pack_rows(zeros, fmt.bits)), factor)
     return tensors
 
 
@@ -337,12 +339,8 @@ def _gptq_rows(fmt: GPTQ, linear: Linear) -> tuple | None:
 
 def _awq_rows(fmt: AWQ, linear: Linear) -> tuple:
     """`_gptq_rows` of an AWQ linear."""
-    zeros = None
-    if fmt.zero_point:
-        zeros = _awq_natural(linear["qzeros"]).T
-    elif "qzeros" in linear:  # stored under zero_point false: the zero 8, or refused (as AWQ.decode)
-        fmt.check_symmetric_zeros(linear["qzeros"])
-    return _awq_k_words(linear["qweight"]), zeros, linear["scales"].T
+    zeros = _awq_zeros(fmt, linear)
+    return _awq_k_words(linear["qweight"]), None if zeros is None else zeros.T, linear["scales"].T
 
 
 def _compressed_tensors_rows(fmt: CompressedTensors, linear: Linear) -> tuple | None:
@@ -473,9 +471,10 @@ def find(fmt: object, backend_name: str, layer: MoELayerShape) -> Transcoder | N
         return awq_to_triton
     if backend_name == "triton" and isinstance(fmt, CompressedTensors) and fmt.packed and fmt.bits in (4, 8):
         return compressed_tensors_to_triton
-    if backend_name == "cpu":
-        return next((transcoder for kind, transcoder in _CPU.items() if isinstance(fmt, kind)), None) if (
-            layer.bits == 4 and (not isinstance(fmt, CompressedTensors) or fmt.packed)) else None
+    if backend_name == "cpu":  # the INT4 blocked layout; W8A8 (activation_bits 8) was left above
+        if layer.bits != 4 or isinstance(fmt, CompressedTensors) and not fmt.packed:
+            return None
+        return next((transcoder for kind, transcoder in _CPU.items() if isinstance(fmt, kind)), None)
     pair = _per_linear(fmt, backend_name)
     return pair[0] if pair else None
 
