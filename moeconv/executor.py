@@ -14,6 +14,7 @@ than these workers and removed (docs/BENCHMARKS.md).
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections import deque
@@ -219,6 +220,15 @@ def _reuse_freed_memory() -> None:
         mallopt(parameter, value)
 
 
+def _share_heap_with_forks() -> None:
+    """Keeps the pages of this process's objects (the plan: hundreds of MB for a large checkpoint)
+    shared with the workers forked from it: a garbage collection writes into every object it visits,
+    so collections in this process or in a worker would give each a private copy of those pages. Frozen
+    objects are never visited; `Executor.close` unfreezes them. (The gc module's own advice for forking.)"""
+    gc.collect()
+    gc.freeze()
+
+
 def _watch(driver: int) -> None:
     """Ends this worker when the driver has ended: at once where the kernel tells (a pidfd, Linux 5.3),
     else within WATCH_SECONDS."""
@@ -317,6 +327,8 @@ class Executor:
                 if needs_torch:
                     start_workers(self.workers)
                 context = _forkserver_context() if needs_torch else multiprocessing.get_context("fork")
+                if not needs_torch:
+                    _share_heap_with_forks()
                 self._pool = ProcessPoolExecutor(max_workers=self.workers, initializer=_start_worker,
                                                  initargs=(os.getpid(), needs_torch), mp_context=context)
                 # Every worker now: the pool starts them as tasks arrive, and one that is idle is reused.
@@ -356,6 +368,7 @@ class Executor:
         self.memory.stop()  # its last sample while the workers still live
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+            gc.unfreeze()
         _close_descriptor()
         if "reader" in _STATE:  # the in-process worker's: its descriptors must not outlive the run
             _STATE.pop("reader").close()
