@@ -221,8 +221,7 @@ def convert(
 # What each verify phase's bar says it counts (moeconv.verification.PHASE_UNITS has the units).
 VERIFY_PHASES = {"digests": "verify: digests of the output's files",
                  "tensor-digests": "verify: digests of the output's tensors",
-                 "source-digests": "verify: digests of the source's shards",
-                 "source": "verify: bit-exact, source bytes compared",
+                 "lossless": "verify: digests of both sides and the bit-exact check, bytes read",
                  "kernel": "verify: kernel check, MoE layers"}
 
 

@@ -126,12 +126,17 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     data, per, mask = _array(packed), 8 // bits, np.uint8((1 << bits) - 1)
     shape = data.shape[:dim] + (data.shape[dim] * per,) + data.shape[dim + 1:]
     if dim == data.ndim - 1:  # each byte's values become adjacent bytes: one little-endian word a byte
+        # Slot i moves to byte i, a left shift by i·(8 - bits); after all shifts are or-ed together one
+        # mask keeps the low `bits` of each byte, where nothing but slot i's copy has landed (every copy's
+        # slots sit on multiples of `bits`, and only slot i's reaches byte i's low bits).
         word = np.dtype(f"u{per}").type  # native, for the arithmetic
         wide = data.astype(word)
-        words = wide & word(mask)
-        for slot in range(1, per):
-            words |= ((wide >> word(slot * bits)) & word(mask)) << word(8 * slot)
-        return torch.from_numpy(words.astype(_WORD_OF[per]).view(np.uint8).reshape(shape))
+        words = wide << word(8 - bits)
+        for slot in range(2, per):
+            words |= wide << word(slot * (8 - bits))
+        words |= wide
+        words &= word(sum(int(mask) << (8 * slot) for slot in range(per)))
+        return torch.from_numpy(words.astype(_WORD_OF[per], copy=False).view(np.uint8).reshape(shape))
     values = np.empty(data.shape[:dim + 1] + (per,) + data.shape[dim + 1:], dtype=np.uint8)
     for slot in range(per):  # each slot's values are a contiguous plane of the result
         place = values[(slice(None),) * (dim + 1) + (slot,)]

@@ -17,8 +17,10 @@ level proves, is the threat model in docs/FORMAT.md).
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -84,7 +86,7 @@ class VerifyReport:
     # What the source's data could not decide and the user chose at conversion (--gptq-zero-format,
     # --trust-config): lossless then means "exact under that choice", not "the data confirms it".
     decided_by_user: list[str] = field(default_factory=list)
-    phase_seconds: dict[str, float] = field(default_factory=dict)  # wall time of each PHASE_UNITS phase run
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # wall time of each phase (PHASE_UNITS)
 
     @property
     def ok(self) -> bool:
@@ -115,11 +117,13 @@ class VerifyReport:
 
 LEVELS = ("structure", "lossless", "numerics")  # each includes the ones before it
 # verify's progress, phase by phase: `progress(0, total, phase)` starts a phase, `progress(n)` advances it.
-# digests: the output's file bytes, hashed; tensor-digests: the output's tensor bytes, hashed; source-digests:
-# the source's shard bytes, hashed; source: the source bytes read and compared (pass-through tensors, dense
-# linears, the checked experts); kernel: MoE layers run through the reference kernel.
-PHASE_UNITS = {"digests": "bytes", "tensor-digests": "bytes", "source-digests": "bytes", "source": "bytes",
-               "kernel": "layers"}
+# --level structure: digests (the output's file bytes, hashed), then tensor-digests (the output's tensor
+# bytes: hashed in the same pass, counted again). Above it, one phase, lossless: the output's file bytes
+# and the source's shard bytes hashed (on a thread) while the source bytes of the checked jobs are read
+# and compared (in the workers), all three counted; then kernel: MoE layers run through the reference
+# kernel. `phase_seconds` also gives, inside lossless, how long the output's digests, the source's and the
+# checks each took (they overlap).
+PHASE_UNITS = {"digests": "bytes", "tensor-digests": "bytes", "lossless": "bytes", "kernel": "layers"}
 
 # What passing each level proves, as the report states it (docs/FORMAT.md, "What verify proves").
 PROOFS = {
@@ -198,76 +202,78 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
                           tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
     report.decided_by_user = list(plan.detection.decided_by_user) if plan.detection else []
     advance = _PhaseClock(report.phase_seconds, progress or (lambda amount, total=None, phase=None: None))
-    advance(0, sum(path.stat().st_size for path in output.iterdir() if path.is_file()), "digests")
-    hashed: dict[str, dict[str, str]] = {}  # each shard's tensors' digests, taken once for the shard's digest
-    report.structure_problems = structure.check_reading(plan) + structure.check_files(output, manifest, advance, hashed)
+    output_bytes = sum(path.stat().st_size for path in output.iterdir() if path.is_file())
     try:
         converted = open_checkpoint(output)
-    except MoeconvError as error:  # a damaged shard or index
-        report.structure_problems.append(str(error))
+    except MoeconvError as error:  # a damaged shard or index: the digests then name what else differs
+        advance(0, output_bytes, "digests")
+        report.structure_problems = structure.check_files(output, manifest, advance) + [str(error)]
         return report
-    report.structure_problems += structure.check_structure(plan, output, manifest, converted.tensors)
-    # each tensor too: a damaged shard is then named with the tensors whose bytes changed
     entries = list(converted.tensors.values())
-    advance(0, sum(entry.nbytes for entry in entries), "tensor-digests")
-    report.structure_problems += structure.check_tensor_digests(entries, manifest, advance, hashed)
-    if report.structure_problems:
+    report.structure_problems = structure.check_reading(plan) + structure.check_structure(
+        plan, output, manifest, converted.tensors)
+    if report.structure_problems or level == "structure":
+        advance(0, output_bytes, "digests")
+        hashed: dict[str, dict[str, str]] = {}  # each shard's tensors' digests, taken once for the shard's digest
+        report.structure_problems += structure.check_files(output, manifest, advance, hashed)
+        # each tensor too: a damaged shard is then named with the tensors whose bytes changed
+        advance(0, sum(entry.nbytes for entry in entries), "tensor-digests")
+        report.structure_problems += structure.check_tensor_digests(entries, manifest, advance, hashed)
+        if not report.structure_problems:
+            report.proven["structure"] = PROOFS["structure"]
         return report
-    report.proven["structure"] = PROOFS["structure"]
-    if level == "structure":
-        return report
-    advance(0, sum(path.stat().st_size for path in checkpoint.files), "source-digests")
-    report.source_problems, report.source_files_checked = structure.check_source_digests(checkpoint, manifest, advance)
     generator = _generator(seed) if sample is not None or level == "numerics" else None
     layer_experts = [_sampled(layer.shape.experts, sample, generator) for layer in plan.layers]
     layer_jobs = [plan.layer_jobs[layer.module] for layer in plan.layers]
     copies = [job for job in plan.jobs if isinstance(job, CopyJob)]
     linears = [job for job in plan.jobs if isinstance(job, LinearJob)]
-    advance(0, _input_bytes(copies + linears + [jobs[e] for jobs, experts in zip(layer_jobs, layer_experts)
-                                                for e in experts]), "source")
-    report.passthrough_problems, report.passthrough_checked = _check_passthrough(copies, converted.tensors, advance)
+    compared = _input_bytes(copies + linears + [jobs[e] for jobs, experts in zip(layer_jobs, layer_experts)
+                                                for e in experts])
+    # The digests of both sides (structure's files and tensors, the source's shards) run on a thread of
+    # this process while the workers decode: one after the other they were a third of verify's time
+    # (docs/BENCHMARKS.md). One phase counts the bytes of all three; the structure level's verdict still
+    # comes first: with a digest that differs, the checks' results are not reported.
+    advance(0, output_bytes + sum(path.stat().st_size for path in checkpoint.files) + compared, "lossless")
+    advance = _Serialized(advance)
     audits = Audits()
     served = _served_dtype(output)
     cast = plan.scale_cast if served is None else engine_scale_cast(plan.backend, plan.layers[0].shape.scale_dtype, served)
-    codec = plan.codec
-    with TensorReader() as reader, _checkers(executor, workers, ray_address) as executor:
-        tasks = [(codec, job, _outputs_of(job, converted.tensors), cast) for job in linears]
-        for job, (problems, found) in zip(linears, executor.map(_check_task, tasks)):
-            audits.merge(found)
-            report.dense_linear_problems += [f"{job.prefix}: {problem}" for _, problem in problems]
-            advance(_input_bytes([job]))
-        report.dense_linears_checked = len(linears)
-        # Every layer's experts in one stream of tasks, so the workers never wait for a layer's last
-        # expert before the next layer starts; a layer's seconds run from its first task's hand-over
-        # (the previous layer's last result) to its last result.
-        report.layers = [LayerResult(layer.module, tolerance=kernel.tolerance(layer.shape)) for layer in plan.layers]
-        checks = [(index, e) for index, experts in enumerate(layer_experts) for e in experts]
-        tasks = ((codec, layer_jobs[index][e], _outputs_of(layer_jobs[index][e], converted.tensors), cast)
-                 for index, e in checks)
-        started = time.perf_counter()
-        for (index, e), (problems, found) in zip(checks, executor.map(_check_task, tasks)):
-            result, job = report.layers[index], layer_jobs[index][e]
-            audits.merge(found)
-            result.lossless_failures += [f"expert {e}{f' {key}' if key else ''}: {problem}" for key, problem in problems]
-            result.experts_exact += not problems
-            result.experts_checked += 1
-            advance(_input_bytes([job]))
-            now = time.perf_counter()
-            result.seconds, started = result.seconds + (now - started), now
-        # The kernel check last, in its own phase: on a CPU the Triton interpreter takes seconds a layer.
-        checked = [] if level != "numerics" else report.layers[:numerics_layers]
-        if checked:
-            report.numerics_device = kernel.device()
-            advance(0, len(checked), "kernel")
-        for layer, jobs, result in zip(plan.layers, layer_jobs, checked):
+    # first, so that they also overlap the workers' start (the fork server's import of torch)
+    digested = _in_background(_digests, output, manifest, entries, checkpoint, advance, report.phase_seconds)
+    try:
+        with TensorReader() as reader, _checkers(executor, workers, ray_address) as executor:
             started = time.perf_counter()
             try:
-                result.relative_error, result.max_abs_error, result.max_abs_reference = _check_numerics(
-                    plan, layer, jobs, converted.tensors, reader, tokens, generator)
-            except ValueError as error:  # the serving kernel's own reading of the bytes fails
-                result.numerics_failure = str(error)
-            result.seconds += time.perf_counter() - started
-            advance(1)
+                _check_jobs(report, executor, plan, converted.tensors, copies, linears, layer_jobs, layer_experts,
+                            cast, audits, advance)
+            except Exception:
+                if not digested.result()[0]:
+                    raise
+                # the output differs from its digests, and the checks could not even read it: the digests say why
+            report.phase_seconds["checks"] = round(time.perf_counter() - started, 3)
+            structure_problems, report.source_problems, report.source_files_checked = digested.result()
+            if structure_problems:  # the structure level's verdict alone, as when it runs by itself
+                return replace(report, structure_problems=structure_problems, source_problems=[],
+                               source_files_checked=0, passthrough_problems=[], passthrough_checked=0,
+                               dense_linear_problems=[], dense_linears_checked=0, layers=[])
+            report.proven["structure"] = PROOFS["structure"]
+            # The kernel check last, in its own phase: on a CPU the Triton interpreter takes seconds a layer.
+            checked = [] if level != "numerics" else report.layers[:numerics_layers]
+            if checked:
+                report.numerics_device = kernel.device()
+                advance(0, len(checked), "kernel")
+            for layer, jobs, result in zip(plan.layers, layer_jobs, checked):
+                started = time.perf_counter()
+                try:
+                    result.relative_error, result.max_abs_error, result.max_abs_reference = _check_numerics(
+                        plan, layer, jobs, converted.tensors, reader, tokens, generator)
+                except ValueError as error:  # the serving kernel's own reading of the bytes fails
+                    result.numerics_failure = str(error)
+                result.seconds += time.perf_counter() - started
+                advance(1)
+    except BaseException:  # an error or an interrupt: the digests stop at their next file
+        advance.stop()
+        raise
     report.nonfinite_scales = audits.report("nonfinite_scales")
     if cast is not None:
         report.engine_scale_cast = {"stored": cast[0], "model": cast[1], **audits.casts}
@@ -277,6 +283,86 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
         if level == "numerics" and any(layer.relative_error is not None for layer in report.layers):
             report.proven["numerics"] = PROOFS["numerics"]
     return report
+
+
+def _check_jobs(report: VerifyReport, executor: Any, plan: Plan, tensors: dict[str, TensorEntry],
+                copies: list[CopyJob], linears: list[LinearJob], layer_jobs: list[list[ExpertJob]],
+                layer_experts: list[list[int]], cast: tuple[str, str] | None, audits: Audits,
+                advance: Callable[..., None]) -> None:
+    """The lossless level's checks into `report`: pass-through bytes here, the dense linears' and the
+    experts' decodes on the executor's workers."""
+    report.passthrough_problems, report.passthrough_checked = _check_passthrough(copies, tensors, advance)
+    tasks = [(plan.codec, job, _outputs_of(job, tensors), cast) for job in linears]
+    for job, (problems, found) in zip(linears, executor.map(_check_task, tasks)):
+        audits.merge(found)
+        report.dense_linear_problems += [f"{job.prefix}: {problem}" for _, problem in problems]
+        advance(_input_bytes([job]))
+    report.dense_linears_checked = len(linears)
+    # Every layer's experts in one stream of tasks, so the workers never wait for a layer's last expert
+    # before the next layer starts; a layer's seconds run from its first task's hand-over (the previous
+    # layer's last result) to its last result.
+    kernel = LAYER_KERNELS[plan.backend.numerics.kernel]
+    report.layers = [LayerResult(layer.module, tolerance=kernel.tolerance(layer.shape)) for layer in plan.layers]
+    checks = [(index, e) for index, experts in enumerate(layer_experts) for e in experts]
+    expert_tasks = ((plan.codec, layer_jobs[index][e], _outputs_of(layer_jobs[index][e], tensors), cast)
+                    for index, e in checks)
+    started = time.perf_counter()
+    for (index, e), (problems, found) in zip(checks, executor.map(_check_task, expert_tasks)):
+        result, job = report.layers[index], layer_jobs[index][e]
+        audits.merge(found)
+        result.lossless_failures += [f"expert {e}{f' {key}' if key else ''}: {problem}" for key, problem in problems]
+        result.experts_exact += not problems
+        result.experts_checked += 1
+        advance(_input_bytes([job]))
+        now = time.perf_counter()
+        result.seconds, started = result.seconds + (now - started), now
+
+
+def _digests(output: Path, manifest: dict[str, Any], entries: list[TensorEntry], checkpoint: Any,
+             advance: Callable[..., None], seconds: dict[str, float]) -> tuple[list[str], list[str], int]:
+    """The structure level's digests (the output's files, then its tensors, from the same pass) and the
+    source's shard digests: (structure problems, source problems, source shards checked). `seconds`
+    gets each one's duration (they overlap verify's other work)."""
+    started = time.perf_counter()
+    hashed: dict[str, dict[str, str]] = {}
+    problems = structure.check_files(output, manifest, advance, hashed)
+    problems += structure.check_tensor_digests(entries, manifest, lambda amount: None, hashed)
+    seconds["digests"] = round(time.perf_counter() - started, 3)
+    started = time.perf_counter()
+    source_problems, checked = structure.check_source_digests(checkpoint, manifest, advance)
+    seconds["source-digests"] = round(time.perf_counter() - started, 3)
+    return problems, source_problems, checked
+
+
+class _Serialized:
+    """A progress callback that the digest thread and the main thread both call, one at a time; after
+    `stop`, a call raises KeyboardInterrupt (in the digest thread: it ends at its next file)."""
+
+    def __init__(self, progress: Callable[..., None]):
+        self.progress, self.lock, self.stopped = progress, threading.Lock(), False
+
+    def __call__(self, *args: Any) -> None:
+        if self.stopped:
+            raise KeyboardInterrupt
+        with self.lock:
+            self.progress(*args)
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def _in_background(function: Callable[..., Any], *args: Any) -> Future:
+    """function(*args) on a daemon thread (an interrupted verify does not wait for it at exit)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function(*args))
+        except BaseException as error:  # handed to whoever reads the result
+            future.set_exception(error)
+
+    threading.Thread(target=run, name="moeconv-digests", daemon=True).start()
+    return future
 
 
 class _PhaseClock:

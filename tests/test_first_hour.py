@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 from moeconv.formats import CompressedTensors
 from moeconv.synth import SynthSpec, make_checkpoint
@@ -56,15 +57,15 @@ def _tensor_bytes(folder) -> int:
 
 
 def test_verify_progress_counts_what_each_phase_says(tmp_path, capsys):
-    """digests: the output's file bytes; tensor-digests: the output's tensor bytes;
-    source-digests: the source's shard bytes; source: the source tensor
-    bytes compared (for triton, every source tensor: experts decoded, the rest byte-compared); kernel: one per
-    MoE layer checked. Each phase advances to its total."""
+    """--level structure: digests (the output's file bytes), then tensor-digests (the output's tensor
+    bytes). Above it: lossless (the output's file bytes and the source's shard bytes hashed, and the source
+    tensor bytes compared: for triton every source tensor, experts decoded, the rest byte-compared; two
+    threads advance it), then kernel (one per MoE layer checked). Each phase advances to its total."""
     from moeconv.verification import verify
 
     source = make_checkpoint(tmp_path / "src", SynthSpec())
     assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
-    phases, done = [], {}
+    phases, done, threads = [], {}, set()
 
     def progress(amount, total=None, phase=None):
         if total is not None:
@@ -72,13 +73,20 @@ def test_verify_progress_counts_what_each_phase_says(tmp_path, capsys):
             done[phase] = 0
         else:
             done[phases[-1][0]] += amount
+            threads.add((phases[-1][0], threading.current_thread().name))
 
-    assert verify(tmp_path / "out", progress=progress, numerics_layers=1).ok
     output_files = sum(path.stat().st_size for path in (tmp_path / "out").iterdir())
     source_shards = sum(path.stat().st_size for path in source.glob("*.safetensors"))
-    assert phases == [("digests", output_files), ("tensor-digests", _tensor_bytes(tmp_path / "out")),
-                      ("source-digests", source_shards), ("source", _tensor_bytes(source)), ("kernel", 1)]
+    assert verify(tmp_path / "out", progress=progress, level="structure").ok
+    assert phases == [("digests", output_files), ("tensor-digests", _tensor_bytes(tmp_path / "out"))]
     assert done == dict(phases)
+    phases.clear()
+    done.clear()
+    assert verify(tmp_path / "out", progress=progress, numerics_layers=1).ok
+    assert phases == [("lossless", output_files + source_shards + _tensor_bytes(source)), ("kernel", 1)]
+    assert done == dict(phases)
+    # the digests advance it from their own thread, while this one gathers the checks' results
+    assert {name for phase, name in threads if phase == "lossless"} == {"moeconv-digests", "MainThread"}
 
 
 def test_verify_report_says_what_ran_and_ends_with_the_verdict(tmp_path, capsys):

@@ -570,7 +570,7 @@ def test_verify_progress_is_printed_as_lines_on_a_pipe(pristine, tmp_path, monke
     done = subprocess.run([str(exe), "verify", str(tmp_path / "out"), "--numerics-layers", "0"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.startswith("verify: bit-exact, source bytes compared ")]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("verify: digests of both sides and the bit-exact check, bytes read ")]
     assert lines and "(100%)" in lines[-1] and "/s, ETA" in lines[-1], done.stderr
 
 
