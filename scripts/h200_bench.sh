@@ -6,14 +6,43 @@
 # worker-count table and every backend on that 7 GB source), `awq7` (a 7 GB AWQ source on three backends,
 # then verify's structure and lossless levels timed on its triton output), `builds` (commits compared), `final` (7 GB GPTQ and AWQ, every backend, verify, fixed cost), `final2` (the same,
 # each output verified, AWQ -> cpu too), `large` (a 25 GB source grown from one layer),
-# `final3` (grown 7 GB sources, verify's worker scaling, the 25 GB source).
+# `final3` (grown 7 GB sources, verify's worker scaling, the 25 GB source), `final4` (grown 7 GB GPTQ and
+# AWQ sources on every backend, each output verified), `large4` (the 25 GB source with the tree's memory
+# split by process, benchmarks/tree_memory.py).
 set -e
 phase=$1
 out=${OUT:-/tmp}
 export PYTHONPATH=$PWD
 nproc; free -g | head -2; df -h . | tail -1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+grown() {  # $1: gptq or awq, $2: layers -> bench-data/$1-$2L, grown from one synthetic layer
+  python3 benchmarks/bench_convert.py --size-gb 0.3 --format $1 --backends triton --repeats 1 \
+    --json "$out/one-layer-$1.json" > /dev/null
+  python3 benchmarks/grow_checkpoint.py bench-data/qwen3-like-$1-1L-128E-2048H bench-data/$1-$2L --layers $2
+  rm -rf bench-data/qwen3-like-$1-1L-128E-2048H
+}
 case $phase in
+  final4)
+    # 2026-12-03 (evening): verify with its digests beside the checks, the faster unpack, and workers
+    # forked from a frozen heap; every backend from grown 7.2 GB GPTQ and AWQ sources, each output verified.
+    python3 -m compileall -q moeconv
+    for format in gptq awq; do
+      grown $format 22
+      python3 benchmarks/bench_convert.py --source bench-data/$format-22L --format $format \
+        --backends triton,compressed-tensors,humming,cpu --repeats 1 --verify --json "$out/${format}22.json"
+      rm -rf bench-data/$format-22L
+    done ;;
+  large4)
+    # The 25 GB source: GPTQ -> triton and humming verified, then one more triton conversion with the
+    # tree's memory split by process (where the 1.9 GB of the afternoon's run was).
+    python3 -m compileall -q moeconv
+    grown gptq 77
+    python3 benchmarks/bench_convert.py --source bench-data/gptq-77L --format gptq --backends triton,humming \
+      --repeats 1 --verify --json "$out/large.json"
+    rm -rf /tmp/large-out
+    python3 benchmarks/tree_memory.py --json "$out/large-tree.json" -- \
+      python3 -m moeconv convert bench-data/gptq-77L -o /tmp/large-out -q
+    rm -rf /tmp/large-out bench-data/gptq-77L ;;
   final2)
     # 2026-12-03 (afternoon): every backend from 7 GB GPTQ and AWQ sources, each output verified
     # (verify --level lossless, whole process), moeconv's own modules compiled first (as `pip install`
