@@ -78,3 +78,26 @@ def test_a_grown_checkpoint_repeats_the_layers_and_converts_and_verifies(tmp_pat
         assert array.dtype == original[origin[name]].dtype and array.tobytes() == original[origin[name]].tobytes(), name
     convert(grown, tmp_path / "out", backend="triton", workers=2)
     assert verify(tmp_path / "out", level="lossless", workers=2).ok
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc")
+def test_tree_memory_splits_the_peak_between_the_command_and_its_children(tmp_path):
+    """A command that forks one child holding 120 MB of its own: the peak sample shows one other process
+    with that memory, and the command's own PSS without it."""
+    holder = ("import os, time\n"
+              "if os.fork() == 0:\n"
+              "    held = bytearray(120 << 20)\n"
+              "    held[::4096] = b'x' * len(held[::4096])\n"
+              "    time.sleep(1.5)\n"
+              "    os._exit(0)\n"
+              "os.wait()\n")
+    output = tmp_path / "tree.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tree_memory.py"), "--interval", "0.1",
+                           "--json", str(output), "--", sys.executable, "-c", holder],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    peak = json.loads(output.read_text())["peak_sample"]
+    assert peak["others"] == 1
+    assert 115 < peak["others_private_dirty_mb"] < 160, peak
+    assert peak["command_pss_mb"] < 60, peak
+    assert abs(peak["tree_pss_mb"] - peak["command_pss_mb"] - peak["others_pss_mb"]) < 0.5, peak
