@@ -179,7 +179,7 @@ def test_convert_says_which_engine_serves_an_asymmetric_gptq_source(monkeypatch,
 
 @pytest.mark.parametrize("args, expected", [
     (["convert", "SRC", "--tp", "0"],
-     "error: Invalid value for '--tp': Input should be greater than or equal to 1 (see 'moeconv convert --help')"),
+     "error: Invalid value for '--tp': 0 is not in the range x>=1. (see 'moeconv convert --help')"),
     (["convert", "SRC"], "error: Invalid value for '-o' / '--output': an output folder is required (or --dry-run) "
                          "(see 'moeconv convert --help')"),
     (["verify"], "error: Missing argument 'OUT'. (see 'moeconv verify --help')"),

@@ -22,6 +22,7 @@ try:
 except SystemExit:
     pass
 print("torch loaded:", "torch" in sys.modules)
+print("pydantic loaded:", "pydantic" in sys.modules)
 """
 
 
@@ -30,6 +31,15 @@ def test_the_help_screens_import_no_torch(args):
     done = subprocess.run([sys.executable, "-c", PROBE.format(args=args)], capture_output=True, text=True,
                           timeout=120)
     assert "Usage: moeconv" in done.stdout and "torch loaded: False" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_command_imports_no_pydantic(tmp_path):
+    """The CLI's fixed cost: typer from 0.29 on builds a pydantic adapter for every option (pyproject.toml
+    keeps it below), which no command needs."""
+    args = ["convert", str(tmp_path / "missing"), "-o", str(tmp_path / "out"), "--tp", "2"]
+    done = subprocess.run([sys.executable, "-c", PROBE.format(args=args)], capture_output=True, text=True,
+                          timeout=120)
+    assert "pydantic loaded: False" in done.stdout and "missing" in done.stderr, done.stdout + done.stderr
 
 
 # The convert parent's own floors: the executor (worker pool, tree memory), the streaming writer and
@@ -92,6 +102,7 @@ try:
 except SystemExit as done:
     print("exit:", done.code)
 print("torch loaded:", "torch" in sys.modules)
+print("pydantic loaded:", "pydantic" in sys.modules)
 """
 
 
