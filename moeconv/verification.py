@@ -121,8 +121,8 @@ LEVELS = ("structure", "lossless", "numerics")  # each includes the ones before 
 # bytes: hashed in the same pass, counted again). Above it, one phase, lossless: the output's file bytes
 # and the source's shard bytes hashed (on a thread) while the source bytes of the checked jobs are read
 # and compared (in the workers), all three counted; then kernel: MoE layers run through the reference
-# kernel. `phase_seconds` also gives, inside lossless, how long the output's digests, the source's and the
-# checks each took (they overlap).
+# kernel. `phase_seconds` also gives, inside lossless, how long the output's digests, the source's, the
+# workers' start and the checks each took (the digests overlap the other two).
 PHASE_UNITS = {"digests": "bytes", "tensor-digests": "bytes", "lossless": "bytes", "kernel": "layers"}
 
 # What passing each level proves, as the report states it (docs/FORMAT.md, "What verify proves").
@@ -240,8 +240,11 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     cast = plan.scale_cast if served is None else engine_scale_cast(plan.backend, plan.layers[0].shape.scale_dtype, served)
     # first, so that they also overlap the workers' start (the fork server's import of torch)
     digested = _in_background(_digests, output, manifest, entries, checkpoint, advance, report.phase_seconds)
+    started = time.perf_counter()
     try:
         with TensorReader() as reader, _checkers(executor, workers, ray_address) as executor:
+            # the workers' start: the fork server's import of torch, where the digests could not hide it
+            report.phase_seconds["workers-start"] = round(time.perf_counter() - started, 3)
             started = time.perf_counter()
             try:
                 _check_jobs(report, executor, plan, converted.tensors, copies, linears, layer_jobs, layer_experts,
