@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
+
+from moeconv.executor import descendants
 
 FIELDS = ("Rss", "Pss", "Pss_Anon", "Private_Dirty", "Shared_Dirty")
 
@@ -34,24 +35,6 @@ def rollup(pid: int) -> dict[str, float] | None:
             return found
     except (OSError, ValueError, IndexError):
         return None
-
-
-def below(pid: int) -> list[int]:
-    """Every process below `pid` (from the kernel's children lists)."""
-    found: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as handle:
-                children = [int(child) for child in handle.read().split()]
-        except (OSError, ValueError):
-            continue
-        for child in children:
-            found += [child, *below(child)]
-    return found
 
 
 def split(command_pid: int, sample: dict[int, dict[str, float]]) -> dict[str, float]:
@@ -85,7 +68,7 @@ def main() -> int:
     command_peaks: dict[str, float] = {}
     samples = 0
     while process.poll() is None:
-        sample = {pid: fields for pid in [process.pid, *below(process.pid)] if (fields := rollup(pid))}
+        sample = {pid: fields for pid in [process.pid, *descendants(process.pid)] if (fields := rollup(pid))}
         if sample:
             samples += 1
             now = split(process.pid, sample)
