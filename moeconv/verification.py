@@ -240,15 +240,22 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     cast = plan.scale_cast if served is None else engine_scale_cast(plan.backend, plan.layers[0].shape.scale_dtype, served)
     # first, so that they also overlap the workers' start (the fork server's import of torch)
     digested = _in_background(_digests, output, manifest, entries, checkpoint, advance, report.phase_seconds)
-    started = time.perf_counter()
     try:
-        with TensorReader() as reader, _checkers(executor, workers, ray_address) as executor:
-            # the workers' start: the fork server's import of torch, where the digests could not hide it
-            report.phase_seconds["workers-start"] = round(time.perf_counter() - started, 3)
+        with TensorReader() as reader:
             started = time.perf_counter()
             try:
-                _check_jobs(report, executor, plan, converted.tensors, copies, linears, layer_jobs, layer_experts,
-                            cast, audits, advance)
+                # Pass-through bytes need no worker: compared here while the fork server imports torch.
+                report.passthrough_problems, report.passthrough_checked = _check_passthrough(
+                    copies, converted.tensors, advance)
+                report.phase_seconds["pass-through"] = round(time.perf_counter() - started, 3)
+                started = time.perf_counter()
+                executor = _checkers(executor, workers, ray_address)
+                # the rest of the workers' start: the fork server's import of torch
+                report.phase_seconds["workers-start"] = round(time.perf_counter() - started, 3)
+                started = time.perf_counter()
+                with executor:
+                    _check_jobs(report, executor, plan, converted.tensors, linears, layer_jobs, layer_experts, cast,
+                                audits, advance)
             except Exception:
                 if not digested.result()[0]:
                     raise
@@ -289,12 +296,11 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
 
 
 def _check_jobs(report: VerifyReport, executor: Any, plan: Plan, tensors: dict[str, TensorEntry],
-                copies: list[CopyJob], linears: list[LinearJob], layer_jobs: list[list[ExpertJob]],
+                linears: list[LinearJob], layer_jobs: list[list[ExpertJob]],
                 layer_experts: list[list[int]], cast: tuple[str, str] | None, audits: Audits,
                 advance: Callable[..., None]) -> None:
-    """The lossless level's checks into `report`: pass-through bytes here, the dense linears' and the
-    experts' decodes on the executor's workers."""
-    report.passthrough_problems, report.passthrough_checked = _check_passthrough(copies, tensors, advance)
+    """The lossless level's checks into `report`: the dense linears' and the experts' decodes on the
+    executor's workers."""
     tasks = [(plan.codec, job, _outputs_of(job, tensors), cast) for job in linears]
     for job, (problems, found) in zip(linears, executor.map(_check_task, tasks)):
         audits.merge(found)
