@@ -224,7 +224,7 @@ def _share_heap_with_forks() -> None:
     """Keeps the pages of this process's objects (the plan: hundreds of MB for a large checkpoint)
     shared with the workers forked from it: a garbage collection writes into every object it visits,
     so collections in this process or in a worker would give each a private copy of those pages. Frozen
-    objects are never visited; `Executor.close` unfreezes them. (The gc module's own advice for forking.)"""
+    objects are never visited; `Executor.close` thaws them. (The gc module's own advice for forking.)"""
     gc.collect()
     gc.freeze()
 
@@ -321,6 +321,7 @@ class Executor:
         self.worker_peak_rss_mb: float | None = None  # the largest worker's (pages shared with the parent included)
         self.memory = TreeMemory()  # this process and the workers, from their start while they live
         self._pool = None
+        self._frozen = False  # this process's objects frozen out of the collector for the forks (close thaws)
         self._default_threads: int | None = None
         if self.workers > 1:
             try:
@@ -329,6 +330,7 @@ class Executor:
                 context = _forkserver_context() if needs_torch else multiprocessing.get_context("fork")
                 if not needs_torch:
                     _share_heap_with_forks()
+                    self._frozen = True
                 self._pool = ProcessPoolExecutor(max_workers=self.workers, initializer=_start_worker,
                                                  initargs=(os.getpid(), needs_torch), mp_context=context)
                 # Every worker now: the pool starts them as tasks arrive, and one that is idle is reused.
@@ -368,7 +370,9 @@ class Executor:
         self.memory.stop()  # its last sample while the workers still live
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._frozen:
             gc.unfreeze()
+            self._frozen = False
         _close_descriptor()
         if "reader" in _STATE:  # the in-process worker's: its descriptors must not outlive the run
             _STATE.pop("reader").close()

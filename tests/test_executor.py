@@ -254,8 +254,12 @@ def test_workers_share_the_parents_objects_through_their_collections(monkeypatch
     import moeconv.executor as executor_module
 
     held = [[str(i), (i, i + 1)] for i in range(400_000)]  # about 80 MB of gc-tracked objects
+    import gc
+
     with Executor(2, needs_torch=False) as executor:
+        assert gc.get_freeze_count() > 0
         frozen = list(executor.map(_private_after_collecting, [()] * 2))
+    assert gc.get_freeze_count() == 0  # thawed when the pool closes
     monkeypatch.setattr(executor_module, "_share_heap_with_forks", lambda: None)
     with Executor(2, needs_torch=False) as executor:
         copied = list(executor.map(_private_after_collecting, [()] * 2))
