@@ -62,8 +62,13 @@ def main() -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command to run after --")
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    except OSError as error:
+        parser.error(f"cannot run {command[0]}: {error.strerror}")
     peak: dict[str, float] = {}
     command_peaks: dict[str, float] = {}
     samples = 0

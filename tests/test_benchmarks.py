@@ -101,3 +101,11 @@ def test_tree_memory_splits_the_peak_between_the_command_and_its_children(tmp_pa
     assert 115 < peak["others_private_dirty_mb"] < 160, peak
     assert peak["command_pss_mb"] < 60, peak
     assert abs(peak["tree_pss_mb"] - peak["command_pss_mb"] - peak["others_pss_mb"]) < 0.5, peak
+
+
+@pytest.mark.parametrize("command", [[], ["--", "/nonexistent/program"]])
+def test_tree_memory_without_a_runnable_command_is_one_line_exit_2(command):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tree_memory.py"), *command],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 2 and done.stderr.splitlines()[-1].startswith("tree_memory.py: error: "), done.stderr
+    assert "Traceback" not in done.stderr
