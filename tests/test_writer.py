@@ -76,3 +76,30 @@ def test_bytes_no_tensor_covers_are_refused(tmp_path):
     hasher = BlockHasher(path, ranges[0][1], gap, threads=1)
     with pytest.raises(ValueError, match="tensor c starts at byte"):
         hasher.finish(os.path.getsize(path) - 1)
+
+
+def test_hash_pools_shorten_the_gil_turns_while_they_live(tmp_path):
+    """A hash thread gets the GIL back after each preadv and sha256 call; beside a busy Python thread
+    each return waited up to the interpreter's switch interval (docs/BENCHMARKS.md). While any hash
+    pool lives the interval is short; the caller's own value comes back when the last one closes,
+    also when pools overlap and when a digest fails."""
+    import sys
+
+    default = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.004)
+        first = writer_module._Hashers(2)
+        assert sys.getswitchinterval() == pytest.approx(writer_module.HASHING_SWITCH_SECONDS)
+        second = writer_module._Hashers(2)
+        first.close()
+        assert sys.getswitchinterval() == pytest.approx(writer_module.HASHING_SWITCH_SECONDS)
+        second.close()
+        second.close()  # closing twice gives back nothing twice
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+        path = tmp_path / "f.bin"
+        path.write_bytes(b"x" * 10)
+        with pytest.raises(OSError):  # a range past the file's end
+            writer_module.range_digests(path, {"a": (0, 1 << 20)}, threads=2)
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(default)

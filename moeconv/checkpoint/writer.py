@@ -235,6 +235,32 @@ class _Hashed(NamedTuple):
         return self.digest
 
 
+HASHING_SWITCH_SECONDS = 1e-4
+_switch_lock = threading.Lock()
+_switch = {"pools": 0, "default": sys.getswitchinterval()}
+
+
+def _hash_pool_opened() -> None:
+    """While any hash pool lives, the interpreter asks a thread running Python to hand the GIL over
+    after HASHING_SWITCH_SECONDS instead of its default 5 ms. A hash thread releases the GIL for every
+    preadv and sha256 call and must get it back after each: beside a busy Python thread (convert's and
+    verify's main threads take the workers' results) each return waited up to the whole interval, and
+    a per-linear layout has four tensors per linear, thousands of returns a layer (docs/BENCHMARKS.md).
+    The default comes back when the last pool closes."""
+    with _switch_lock:
+        if _switch["pools"] == 0:
+            _switch["default"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch["default"], HASHING_SWITCH_SECONDS))
+        _switch["pools"] += 1
+
+
+def _hash_pool_closed() -> None:
+    with _switch_lock:
+        _switch["pools"] -= 1
+        if _switch["pools"] == 0:
+            sys.setswitchinterval(_switch["default"])
+
+
 class _Hashers:
     """Threads that hash blocks (hashlib and preadv release the GIL), each with its own read buffer."""
 
@@ -242,7 +268,8 @@ class _Hashers:
         from concurrent.futures import ThreadPoolExecutor
 
         self._local = threading.local()
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moeconv-hash")
+        self.pool: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moeconv-hash")
+        _hash_pool_opened()
         self._pending: list = []  # [fd, start, end]: inline pieces' bytes not yet handed to writeback
 
     def submit(self, fd: int, start: int, end: int, writeback: bool):
@@ -280,7 +307,10 @@ class _Hashers:
 
     def close(self) -> None:
         self._pending = []  # the shard is finished (its fsync writes everything) or dropped
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+            _hash_pool_closed()
 
 
 def usable_cores() -> int:
