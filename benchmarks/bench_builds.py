@@ -2,7 +2,7 @@
 
     python benchmarks/bench_builds.py export COMMIT... [--into .builds]
     python benchmarks/bench_builds.py run SRC [--builds .builds] [--backends triton] [--workers N]
-        [--repeats 2] [--json out.json]
+        [--repeats 2] [--verify] [--json out.json]
 
 `export` writes each commit's `moeconv/` package to `.builds/COMMIT/` (git archive), so that the
 builds can travel to a machine without the repository's history. `run` converts SRC with every build
@@ -11,7 +11,8 @@ fresh `python -m moeconv convert` process with only that build on its path, afte
 of SRC in the same round (the copied files fsynced: `sync FILE...`, as bench_convert.py). Per row: the whole process's wall time, the conversion as the build reports
 it, and the CPU seconds of the process and every process below it that it waited for (getrusage), beside
 the tree CPU seconds the build reports itself where it does (a fork server's workers are not waited for
-by the process): CPU seconds show added work even where the cores hide it.
+by the process): CPU seconds show added work even where the cores hide it. With --verify, each output is
+then verified (`verify --level lossless`, whole process, the same build): its seconds and phases.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def timed(command: list[str], env: dict[str, str] | None = None, cwd: Path | Non
     return wall, cpu, done.stdout
 
 
-def run(source: Path, builds: Path, backends: list[str], workers: str, repeats: int, scratch: Path) -> list[dict]:
+def run(source: Path, builds: Path, backends: list[str], workers: str, repeats: int, scratch: Path,
+        verify: bool = False) -> list[dict]:
     names = sorted(path.name for path in builds.iterdir() if (path / "moeconv").is_dir())
     if not names:
         raise SystemExit(f"{builds}: no exported builds (run `export` first)")
@@ -76,12 +78,19 @@ def run(source: Path, builds: Path, backends: list[str], workers: str, repeats: 
                        "process_seconds": round(wall, 3), "conversion_seconds": report.get("seconds"),
                        "cpu_seconds": round(cpu, 2), "tree_cpu_seconds": report.get("tree_cpu_seconds"),
                        "tree_peak_pss_mb": report.get("tree_peak_pss_mb")}
+                if verify:
+                    wall, _, stdout = timed([sys.executable, "-m", "moeconv", "verify", str(output.resolve()), "--level",
+                                             "lossless", "-q", "--json"], env=env, cwd=scratch)
+                    verified = json.loads(stdout)
+                    if not verified["ok"]:
+                        raise SystemExit(f"{name}: verify of its {backend} output failed: {verified}")
+                    row["verify_seconds"], row["verify_phase_seconds"] = round(wall, 3), verified["phase_seconds"]
                 print(json.dumps(row), flush=True)
                 samples.setdefault((name, backend), []).append(row)
     shutil.rmtree(output, ignore_errors=True)
     summary = []
     def median(rows: list[dict], key: str) -> float | None:
-        values = [row[key] for row in rows if row[key] is not None]
+        values = [row[key] for row in rows if row.get(key) is not None]
         return round(statistics.median(values), 3) if values else None
 
     for (name, backend), rows in samples.items():
@@ -89,12 +98,14 @@ def run(source: Path, builds: Path, backends: list[str], workers: str, repeats: 
                         "process_seconds": median(rows, "process_seconds"),
                         "conversion_seconds": median(rows, "conversion_seconds"), "cpu_seconds": median(rows, "cpu_seconds"),
                         "tree_cpu_seconds": median(rows, "tree_cpu_seconds"),
-                        "tree_peak_pss_mb": median(rows, "tree_peak_pss_mb")})
-    print("| build | backend | copy + sync | process | conversion | CPU s (waited) | tree CPU s (reported) | tree PSS MB |")
-    print("|---|---|---|---|---|---|---|---|")
+                        "tree_peak_pss_mb": median(rows, "tree_peak_pss_mb"),
+                        "verify_seconds": median(rows, "verify_seconds")})
+    print("| build | backend | copy + sync | process | conversion | CPU s (waited) | tree CPU s (reported) | tree PSS MB "
+          "| verify |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in summary:
         print(f"| {row['build']} | {row['backend']} | {row['copy_seconds']} | {row['process_seconds']} | "
-              f"{row['conversion_seconds']} | {row['cpu_seconds']} | {row['tree_cpu_seconds']} | {row['tree_peak_pss_mb']} |")
+              f"{row['conversion_seconds']} | {row['cpu_seconds']} | {row['tree_cpu_seconds']} | {row['tree_peak_pss_mb']} | {row['verify_seconds']} |")
     return summary
 
 
@@ -111,12 +122,13 @@ def main() -> None:
     running.add_argument("--workers", default="")
     running.add_argument("--repeats", type=int, default=2)
     running.add_argument("--scratch", type=Path, default=Path("/tmp/moeconv-bench-builds"))
+    running.add_argument("--verify", action="store_true", help="also time verify --level lossless of each output")
     running.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.command == "export":
         export(args.commits, args.into)
         return
-    summary = run(args.source, args.builds, args.backends.split(","), args.workers, args.repeats, args.scratch)
+    summary = run(args.source, args.builds, args.backends.split(","), args.workers, args.repeats, args.scratch, args.verify)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
 

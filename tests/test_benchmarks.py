@@ -43,11 +43,12 @@ def test_bench_builds_exports_a_commit_and_compares_it(tmp_path):
     assert done.returncode == 0 and (builds / "HEAD" / "moeconv" / "cli.py").is_file(), done.stderr
     source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=128, intermediate=64, experts=4, layers=1))
     done = subprocess.run([sys.executable, script, "run", str(source), "--builds", str(builds), "--repeats", "1",
-                           "--workers", "2", "--scratch", str(tmp_path / "scratch"), "--json", str(output)],
+                           "--workers", "2", "--scratch", str(tmp_path / "scratch"), "--verify", "--json", str(output)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     (row,) = json.loads(output.read_text())
     assert row["build"] == "HEAD" and row["backend"] == "triton" and row["conversion_seconds"] > 0
+    assert row["verify_seconds"] > 0  # the script refuses a failed verify (exit 1), so this one passed
 
 
 def test_a_grown_checkpoint_repeats_the_layers_and_converts_and_verifies(tmp_path):
