@@ -8,7 +8,7 @@
 # each output verified, AWQ -> cpu too), `large` (a 25 GB source grown from one layer),
 # `final3` (grown 7 GB sources, verify's worker scaling, the 25 GB source), `final4` (grown 7 GB GPTQ and
 # AWQ sources on every backend, each output verified), `large4` (the 25 GB source with the tree's memory
-# split by process, benchmarks/tree_memory.py).
+# split by process, benchmarks/tree_memory.py), `gil5` (two builds A/B, their outputs verified).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -22,6 +22,15 @@ grown() {  # $1: gptq or awq, $2: layers -> bench-data/$1-$2L, grown from one sy
   rm -rf bench-data/qwen3-like-$1-1L-128E-2048H
 }
 case $phase in
+  gil5)
+    # A/B of the hash pools' short GIL turns: 3bcfd73 (before) and 1fbf9a6 (with them), exported to .builds
+    # (benchmarks/bench_builds.py export, carried); the grown 7.2 GB GPTQ source into the per-linear layouts
+    # and triton, each output verified, two rounds round-robin.
+    python3 -m compileall -q moeconv .builds
+    grown gptq 22
+    python3 benchmarks/bench_builds.py run bench-data/gptq-22L --builds .builds \
+      --backends humming,compressed-tensors,triton --repeats 2 --verify --json "$out/gil.json"
+    rm -rf bench-data/gptq-22L ;;
   final4)
     # 2026-12-03 (evening): verify with its digests beside the checks, the faster unpack, and workers
     # forked from a frozen heap; every backend from grown 7.2 GB GPTQ and AWQ sources, each output verified.
