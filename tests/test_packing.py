@@ -73,11 +73,14 @@ def test_byte_split_view_equals_the_shifts(shape, seed):
        addend=st.sampled_from([0, 0x11111111, 0x01010101, -0x11111111]), seed=st.integers(0, 2**31))
 def test_the_numpy_unpack_of_words_is_the_torch_one(bits, rows, columns, axis, addend, seed):
     """What the parent's detection reads without torch (unpack_words, add_to_word_array) against the
-    torch unpack and add_to_words the codecs use, on any int32 words (sign bit and borrows included)."""
+    torch unpack the codecs use and Python's integer arithmetic, on any int32 words (sign bit and
+    borrows included)."""
     words = torch.randint(-2**31, 2**31, (rows, columns), dtype=torch.int64,
                           generator=torch.Generator().manual_seed(seed)).to(torch.int32)
     shifted = packing.add_to_word_array(words.numpy(), addend)
-    assert shifted.dtype.name == "int32" and (shifted == packing.add_to_words(words, addend).numpy()).all()
+    wrapped = [[(word + addend) % (1 << 32) for word in row] for row in words.tolist()]  # Python's integers
+    assert shifted.dtype.name == "int32" and shifted.view("uint32").tolist() == wrapped
+    assert torch.equal(packing.add_to_words(words, addend), torch.from_numpy(shifted))
     values = packing.unpack_words(shifted, bits, axis)
     expected = packing.unpack(torch.from_numpy(shifted), bits, axis).numpy()
     assert values.dtype.name == "uint8" and values.shape == expected.shape and (values == expected).all()
