@@ -23,7 +23,7 @@ grown() {  # $1: gptq or awq, $2: layers -> bench-data/$1-$2L, grown from one sy
 }
 case $phase in
   gil5)
-    # A/B of the hash pools' short GIL turns: 3bcfd73 (before) and 1fbf9a6 (with them), exported to .builds
+    # A/B: 3bcfd73 (before) and 4a2edba (the hash pools' short GIL turns, 1fbf9a6, and the cheaper checks), exported to .builds
     # (benchmarks/bench_builds.py export, carried); the grown 7.2 GB GPTQ source into the per-linear layouts
     # and triton, each output verified, two rounds round-robin.
     python3 -m compileall -q moeconv .builds
