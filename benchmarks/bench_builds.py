@@ -79,12 +79,11 @@ def run(source: Path, builds: Path, backends: list[str], workers: str, repeats: 
                        "cpu_seconds": round(cpu, 2), "tree_cpu_seconds": report.get("tree_cpu_seconds"),
                        "tree_peak_pss_mb": report.get("tree_peak_pss_mb")}
                 if verify:
+                    # a failed verify exits 1, which `timed` refuses
                     wall, _, stdout = timed([sys.executable, "-m", "moeconv", "verify", str(output.resolve()), "--level",
                                              "lossless", "-q", "--json"], env=env, cwd=scratch)
-                    verified = json.loads(stdout)
-                    if not verified["ok"]:
-                        raise SystemExit(f"{name}: verify of its {backend} output failed: {verified}")
-                    row["verify_seconds"], row["verify_phase_seconds"] = round(wall, 3), verified["phase_seconds"]
+                    row["verify_seconds"] = round(wall, 3)
+                    row["verify_phase_seconds"] = json.loads(stdout)["phase_seconds"]
                 print(json.dumps(row), flush=True)
                 samples.setdefault((name, backend), []).append(row)
     shutil.rmtree(output, ignore_errors=True)

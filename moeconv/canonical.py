@@ -120,8 +120,8 @@ def _tensor_mismatch(a: torch.Tensor, b: torch.Tensor) -> str | None:
     # Compared in numpy: faster than torch's on one thread (docs/BENCHMARKS.md, verify's bit-exact check).
     mine, theirs = (np.ascontiguousarray(t.reshape(-1).view(torch.uint8).numpy()) for t in (a, b))
     # as 8-byte words where the length allows: one comparison per 8 bytes (3x faster on 1.5 MB of codes)
-    words = mine.size % 8 == 0
-    if np.array_equal(mine.view(np.uint64), theirs.view(np.uint64)) if words else np.array_equal(mine, theirs):
+    unit = np.uint64 if mine.size % 8 == 0 else np.uint8
+    if np.array_equal(mine.view(unit), theirs.view(unit)):
         return None
     return f"{int(np.count_nonzero(mine != theirs))} byte(s) differ"
 
