@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -102,14 +103,20 @@ class TreeMemory:
     from), sampled on a thread every `interval` seconds and once more at `stop`: the peak of their summed
     PSS, the largest PSS a single one of them had, and the CPU seconds the tree used meanwhile (each
     process's from the first sample, the workers' whole). A peak shorter than the interval can be
-    missed, and a process's last CPU after the last sample is: lower bounds."""
+    missed, and a process's last CPU after the last sample is: lower bounds.
+
+    A sample is not free: reading a process's smaps_rollup walks its page tables, 3-5 ms for a worker that
+    imported torch (docs/BENCHMARKS.md), so at 16 workers a sample every 0.1 s would keep most of a core
+    busy. The wait after a sample is therefore at least 1 / DUTY times as long as the sample took."""
 
     INTERVAL = 0.1
+    DUTY = 0.05  # the share of one core the sampling may take
 
     def __init__(self, interval: float = INTERVAL):
         import threading
 
         self.interval = interval
+        self.samples = 0
         self.peak_mb: float | None = None  # the whole tree's
         self.largest_worker_mb: float | None = None
         self._cpu_first: dict[int, float] = {}
@@ -135,6 +142,7 @@ class TreeMemory:
                 self._cpu_last[pid] = used
 
     def sample(self) -> None:
+        self.samples += 1
         below = descendants()
         self._take_cpu(os.getpid(), below)
         parent = pss_mb()
@@ -146,8 +154,11 @@ class TreeMemory:
             self.largest_worker_mb = max(self.largest_worker_mb or 0.0, *workers)
 
     def _run(self) -> None:
-        while not self._stopped.wait(self.interval):
+        wait = self.interval
+        while not self._stopped.wait(wait):
+            started = time.perf_counter()
             self.sample()
+            wait = max(self.interval, (time.perf_counter() - started) / self.DUTY)
 
     def stop(self) -> None:
         if not self._stopped.is_set():
@@ -241,8 +252,6 @@ def _watch(driver: int) -> None:
     if handle is not None:
         select.select([handle], [], [])
     else:
-        import time
-
         while _alive(driver):
             time.sleep(WATCH_SECONDS)
     os._exit(1)

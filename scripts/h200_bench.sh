@@ -22,6 +22,39 @@ grown() {  # $1: gptq or awq, $2: layers -> bench-data/$1-$2L, grown from one sy
   rm -rf bench-data/qwen3-like-$1-1L-128E-2048H
 }
 case $phase in
+  probe6)
+    # Where the 25 GB humming verify's time goes (1.55x its conversion at 13:05 UTC, digests 23 s, checks
+    # 22 s, both superlinear against 7.2 GB): the disk's reads during each step (/sys/block), the tree's
+    # CPU seconds, the parent's profile (py-spy, carried in .h200/bin), one memory sample's cost at 16 workers.
+    python3 -m compileall -q moeconv
+    grown gptq 77
+    disk() { awk -v what="$1" '{printf "%s: %.2f GB read, %.2f GB written\n", what, $3*512/1e9, $7*512/1e9}' /sys/block/vda/stat; }
+    cpu() { python3 -c 'import subprocess, sys, time, os
+def busy():
+    fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK"), fields[4] / os.sysconf("SC_CLK_TCK")
+t, (b, w) = time.perf_counter(), busy(); rc = subprocess.call(sys.argv[1:]); b2, w2 = busy()
+print(f"rc {rc} wall {time.perf_counter() - t:.2f} s, machine busy {b2 - b:.1f} CPU-s, iowait {w2 - w:.1f} s", file=sys.stderr)' "$@"; }
+    disk before-convert
+    cpu python3 -m moeconv convert bench-data/gptq-77L -o /tmp/hum --backend humming -q --json > "$out/convert.json"
+    disk after-convert
+    cpu python3 -m moeconv verify /tmp/hum --level lossless -q --json > "$out/verify1.json" || true
+    disk after-verify1
+    .h200/bin/py-spy record -r 100 -f raw -o "$out/verify-py-spy.txt" -- python3 -m moeconv verify /tmp/hum --level lossless -q --json > "$out/verify2.json" || true
+    disk after-verify2
+    grep -o '"phase_seconds": {[^}]*}' "$out/verify1.json" "$out/verify2.json" || true
+    python3 -c '
+import time
+from moeconv.executor import Executor, pss_mb, descendants
+with Executor(16) as pool:
+    times = []
+    for _ in range(10):
+        t = time.perf_counter(); pool.memory.sample(); times.append(time.perf_counter() - t)
+    below = descendants()
+    t = time.perf_counter(); [pss_mb(pid) for pid in below]; one = (time.perf_counter() - t) / len(below)
+    print(f"tree memory sample at 16 workers: {[round(x * 1e3, 1) for x in times]} ms; one process {one * 1e3:.2f} ms over {len(below)}")
+'
+    rm -rf /tmp/hum bench-data/gptq-77L ;;
   gil5)
     # A/B: 3bcfd73 (before) and 4a2edba (the hash pools' short GIL turns, 1fbf9a6, and the cheaper checks), exported to .builds
     # (benchmarks/bench_builds.py export, carried); the grown 7.2 GB GPTQ source into the per-linear layouts

@@ -83,7 +83,11 @@ def test_the_tree_memory_counts_every_worker_while_it_holds_memory(tmp_path):
                 below = _below(os.getpid())  # the workers, and the fork server they come from
                 seen["workers_kb"] = sum(_pss_kb(pid) for pid in below)
                 seen["parent_kb"] = _pss_kb(os.getpid())
-                time.sleep(3 * TreeMemory.INTERVAL)  # the sampler's turns while both still hold
+                taken = executor.memory.samples
+                for _ in range(600):  # two of the sampler's turns while both still hold
+                    if executor.memory.samples >= taken + 2:
+                        break
+                    time.sleep(0.05)
             finally:
                 (tmp_path / "release").touch()
 
@@ -99,6 +103,32 @@ def test_the_tree_memory_counts_every_worker_while_it_holds_memory(tmp_path):
     assert memory.peak_mb >= parent_mb + 2 * HELD_MB
     assert memory.peak_mb <= parent_mb + workers_mb + 2 * HELD_MB  # no page counted twice over
     assert HELD_MB <= memory.largest_worker_mb <= workers_mb
+
+
+class _SlowSample(TreeMemory):
+    """A tree whose every sample takes 50 ms (as 16 workers' smaps_rollup can), timed by the test."""
+
+    def __init__(self) -> None:
+        self.busy = 0.0
+        super().__init__()
+
+    def sample(self) -> None:
+        started = time.perf_counter()
+        time.sleep(0.05)
+        super().sample()
+        self.busy += time.perf_counter() - started
+
+
+def test_the_memory_sampler_takes_a_bounded_share_of_a_core():
+    memory = _SlowSample()
+    started = time.perf_counter()
+    time.sleep(2.0)
+    memory.stop()
+    elapsed = time.perf_counter() - started
+    # Every 0.1 s regardless, 2 s would hold about 13 samples and a third of the time spent sampling;
+    # each wait is at least 1 / DUTY times its sample, so a few, at most about DUTY of the time (plus stop's).
+    assert 1 <= memory.samples <= 4, memory.samples
+    assert memory.busy <= elapsed * TreeMemory.DUTY + 0.1, (memory.busy, elapsed)
 
 
 def test_the_report_gives_the_tree_memory_in_json_and_in_words(tmp_path, capsys):
