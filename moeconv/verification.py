@@ -17,12 +17,13 @@ level proves, is the threat model in docs/FORMAT.md).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from moeconv.audit import Audits
 from moeconv.backends import get_backend
@@ -301,9 +302,8 @@ def _check_jobs(report: VerifyReport, executor: Any, plan: Plan, tensors: dict[s
                 advance: Callable[..., None]) -> None:
     """The lossless level's checks into `report`: the dense linears' and the experts' decodes on the
     executor's workers."""
-    tasks = [(plan.codec, job, _outputs_of(job, tensors), cast) for job in linears]
-    for job, (problems, found) in zip(linears, executor.map(_check_task, tasks)):
-        audits.merge(found)
+    linear_results = _checked(executor, plan.codec, [(job, _outputs_of(job, tensors)) for job in linears], cast, audits)
+    for job, problems in zip(linears, linear_results):
         report.dense_linear_problems += [f"{job.prefix}: {problem}" for _, problem in problems]
         advance(_input_bytes([job]))
     report.dense_linears_checked = len(linears)
@@ -313,18 +313,31 @@ def _check_jobs(report: VerifyReport, executor: Any, plan: Plan, tensors: dict[s
     kernel = LAYER_KERNELS[plan.backend.numerics.kernel]
     report.layers = [LayerResult(layer.module, tolerance=kernel.tolerance(layer.shape)) for layer in plan.layers]
     checks = [(index, e) for index, experts in enumerate(layer_experts) for e in experts]
-    expert_tasks = ((plan.codec, layer_jobs[index][e], _outputs_of(layer_jobs[index][e], tensors), cast)
-                    for index, e in checks)
+    expert_jobs = ((layer_jobs[index][e], _outputs_of(layer_jobs[index][e], tensors)) for index, e in checks)
     started = time.perf_counter()
-    for (index, e), (problems, found) in zip(checks, executor.map(_check_task, expert_tasks)):
+    for (index, e), problems in zip(checks, _checked(executor, plan.codec, expert_jobs, cast, audits)):
         result, job = report.layers[index], layer_jobs[index][e]
-        audits.merge(found)
         result.lossless_failures += [f"expert {e}{f' {key}' if key else ''}: {problem}" for key, problem in problems]
         result.experts_exact += not problems
         result.experts_checked += 1
         advance(_input_bytes([job]))
         now = time.perf_counter()
         result.seconds, started = result.seconds + (now - started), now
+
+
+CHECKS_PER_TASK = 8
+
+
+def _checked(executor: Any, codec: Codec, jobs: Iterable[tuple[ConvertJob, dict[str, TensorEntry]]],
+             cast: tuple[str, str] | None, audits: Audits) -> Iterator[list[tuple[str | None, str]]]:
+    """Each job's problems (`_check_job`), in order, checked on the executor's workers CHECKS_PER_TASK jobs a
+    task (at 16 workers a task per job kept verify's parent busier handing tasks out and taking results back
+    than the workers were checking: docs/BENCHMARKS.md); what the audits found goes into `audits`."""
+    remaining = iter(jobs)
+    tasks = ((codec, batch, cast) for batch in iter(lambda: tuple(itertools.islice(remaining, CHECKS_PER_TASK)), ()))
+    for problems, found in executor.map(_check_task, tasks):
+        audits.merge(found)
+        yield from problems
 
 
 def _digests(output: Path, manifest: dict[str, Any], entries: list[TensorEntry], checkpoint: Any,
@@ -464,11 +477,12 @@ def _outputs_of(job: ConvertJob, tensors: dict[str, TensorEntry]) -> dict[str, T
     return {slot.tensor.name: tensors[slot.tensor.name] for slot in job.slots.values()}
 
 
-def _check_task(codec: Codec, job: ConvertJob, outputs: dict[str, TensorEntry],
-                cast: tuple[str, str] | None) -> tuple[list[tuple[str | None, str]], Audits]:
-    """`_check_job` in a worker (moeconv.executor): its problems, and what its audits found."""
-    audits = Audits()
-    return _check_job(codec, job, outputs, worker_reader(), audits, cast), audits
+def _check_task(codec: Codec, jobs: tuple[tuple[ConvertJob, dict[str, TensorEntry]], ...],
+                cast: tuple[str, str] | None) -> tuple[list[list[tuple[str | None, str]]], Audits]:
+    """`_check_job` of each (job, its output tensors) in a worker (moeconv.executor): their problems, and what
+    the audits found in all of them."""
+    audits, reader = Audits(), worker_reader()
+    return [_check_job(codec, job, outputs, reader, audits, cast) for job, outputs in jobs], audits
 
 
 def _check_job(codec: Codec, job: ConvertJob, tensors: dict[str, TensorEntry], reader: TensorReader,

@@ -84,3 +84,11 @@ def test_the_numpy_unpack_of_words_is_the_torch_one(bits, rows, columns, axis, a
     values = packing.unpack_words(shifted, bits, axis)
     expected = packing.unpack(torch.from_numpy(shifted), bits, axis).numpy()
     assert values.dtype.name == "uint8" and values.shape == expected.shape and (values == expected).all()
+    # both against Python's integers: value i of a word is (word >> i·bits) & mask, placed along `axis`
+    per, mask = 32 // bits, (1 << bits) - 1
+    slots = [[[(word >> (i * bits)) & mask for i in range(per)] for word in row] for row in wrapped]
+    if axis == 1:
+        by_integers = [[value for word in row for value in word] for row in slots]
+    else:
+        by_integers = [[slots[r][c][i] for c in range(columns)] for r in range(rows) for i in range(per)]
+    assert expected.tolist() == by_integers

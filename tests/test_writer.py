@@ -3,6 +3,8 @@
 import os
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from moeconv.checkpoint import writer as writer_module
 from moeconv.checkpoint.writer import BlockHasher, ShardWriter, file_digest, shard_file_digests
@@ -60,6 +62,24 @@ def test_block_hasher_and_shard_digest_equal_the_definition(tmp_path, size, monk
             assert shard_file_digests(path, block=1000)[0] != expected
         except ValueError:  # the header no longer reads, or no longer tiles the data: refused, not passed
             assert position < begin and position != metadata
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), size=st.integers(0, 600), read=st.sampled_from([16, 64, 1 << 20]),
+       block=st.sampled_from([8, 50, 1000]))
+def test_range_digests_equal_the_definition(tmp_path, monkeypatch, data, size, read, block):
+    """Small ranges are hashed in groups that share one read (of at most _READ_BYTES), larger ones piece by
+    piece: every range's digest is still the block digest of its bytes, whatever the ranges (empty, adjacent,
+    overlapping, apart, nested) and however they fall into groups."""
+    content = bytes(data.draw(st.integers(0, 255)) for _ in range(8)) * (size // 8 + 1)
+    content = bytes((b + i) % 256 for i, b in enumerate(content[:size]))
+    path = tmp_path / f"r{size}-{read}-{block}.bin"
+    path.write_bytes(content)
+    bounds = st.integers(0, size)
+    ranges = {f"t{i}": tuple(sorted(data.draw(st.tuples(bounds, bounds)))) for i in range(data.draw(st.integers(1, 12)))}
+    monkeypatch.setattr(writer_module, "_READ_BYTES", read)
+    found = writer_module.range_digests(path, ranges, threads=2, block=block)
+    assert found == {name: blocks_sha256(content[b:e], block) for name, (b, e) in ranges.items()}
 
 
 def test_bytes_no_tensor_covers_are_refused(tmp_path):

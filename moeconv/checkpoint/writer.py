@@ -296,11 +296,32 @@ class _Hashers:
             self._pending = []
             start_writeback(fd, start, end - start)
 
-    def _run(self, fd: int, start: int, end: int, writeback: bool) -> bytes:
+    def submit_group(self, fd: int, members: Sequence[tuple[int, int]]):
+        """A future of the sha256 of each of `members` ((begin, end), in file order, spanning at most
+        _READ_BYTES), read in one pass and hashed on one pool thread: a per-linear layout has a thousand
+        tensors a layer, and a task (or an inline hash) for each kept verify's digests on one thread's
+        Python (docs/BENCHMARKS.md)."""
+        return self.pool.submit(self._hash_group, fd, members)
+
+    def _hash_group(self, fd: int, members: Sequence[tuple[int, int]]) -> list[bytes]:
+        start, end = members[0][0], max(member_end for _, member_end in members)
+        view = memoryview(self._buffer())[:end - start]
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], start + done)
+            if not got:
+                raise OSError(f"file ended at {start + done} while reading up to {end}")
+            done += got
+        return [hashlib.sha256(view[begin - start:member_end - start]).digest() for begin, member_end in members]
+
+    def _buffer(self) -> bytearray:
         buffer = getattr(self._local, "buffer", None)
         if buffer is None:
             buffer = self._local.buffer = bytearray(_READ_BYTES)
-        digest = _hash_block(fd, start, end, buffer)
+        return buffer
+
+    def _run(self, fd: int, start: int, end: int, writeback: bool) -> bytes:
+        digest = _hash_block(fd, start, end, self._buffer())
         if writeback and end > start:
             start_writeback(fd, start, end - start)
         return digest
@@ -437,10 +458,28 @@ def range_digests(path: Path, ranges: dict[str, tuple[int, int]], threads: int |
     fd = os.open(path, os.O_RDONLY)
     hashers = _Hashers(threads or hash_threads())
     try:
-        streams = {name: _Stream(begin, end, block) for name, (begin, end) in ranges.items()}
-        for stream in streams.values():
-            stream.finish(hashers, fd, writeback=False)
-        return {name: stream.digest() for name, stream in streams.items()}
+        streams, groups, members = {}, [], []  # groups: (names, future of their pieces' digests)
+
+        def close_group() -> None:
+            if members:
+                groups.append(([name for name, _ in members], hashers.submit_group(fd, [span for _, span in members])))
+                members.clear()
+
+        # A range that is one piece (at most `block`) and fits a read joins its neighbours' group; others
+        # are streamed piece by piece.
+        for name, (begin, end) in sorted(ranges.items(), key=lambda item: item[1]):
+            if end - begin > min(block, _READ_BYTES):
+                close_group()
+                streams[name] = _Stream(begin, end, block)
+                streams[name].finish(hashers, fd, writeback=False)
+                continue
+            if members and end - members[0][1][0] > _READ_BYTES:
+                close_group()
+            members.append((name, (begin, end)))
+        close_group()
+        digests = {name: combined_digest([piece]) for names, future in groups
+                   for name, piece in zip(names, future.result())}
+        return digests | {name: stream.digest() for name, stream in streams.items()}
     finally:
         hashers.close()
         os.close(fd)
