@@ -192,55 +192,72 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     if recorded.get("headers_sha256") not in (None, checkpoint.headers_sha256):
         raise MoeconvError(f"{checkpoint.root}: not the source {output} was made from (its configs and shard "
                            f"headers differ from those recorded in {MANIFEST_NAME})")
-    backend = manifest["backend"]
-    regroup_factor = arguments.get("regroup_factor", 1)
-    plan = make_plan(checkpoint, backend=backend, trust=arguments.get("trust"), tp=arguments.get("tp", 1),
-                     max_shard_size=_recorded_shard_size(arguments),
-                     regroup=isinstance(regroup_factor, int) and regroup_factor > 1,
-                     zero_format=arguments.get("zero_format"))
-    kernel = LAYER_KERNELS[plan.backend.numerics.kernel]
-    report = VerifyReport(str(output), str(checkpoint.root), targets=manifest["targets"], level=level,
-                          tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
-    report.decided_by_user = list(plan.detection.decided_by_user) if plan.detection else []
-    advance = _PhaseClock(report.phase_seconds, progress or (lambda amount, total=None, phase=None: None))
-    output_bytes = sum(path.stat().st_size for path in output.iterdir() if path.is_file())
-    try:
-        converted = open_checkpoint(output)
-    except MoeconvError as error:  # a damaged shard or index: the digests then name what else differs
-        advance(0, output_bytes, "digests")
-        report.structure_problems = structure.check_files(output, manifest, advance) + [str(error)]
-        return report
-    entries = list(converted.tensors.values())
-    report.structure_problems = structure.check_reading(plan) + structure.check_structure(
-        plan, output, manifest, converted.tensors)
-    if report.structure_problems or level == "structure":
-        advance(0, output_bytes, "digests")
-        hashed: dict[str, dict[str, str]] = {}  # each shard's tensors' digests, taken once for the shard's digest
-        report.structure_problems += structure.check_files(output, manifest, advance, hashed)
-        # each tensor too: a damaged shard is then named with the tensors whose bytes changed
-        advance(0, sum(entry.nbytes for entry in entries), "tensor-digests")
-        report.structure_problems += structure.check_tensor_digests(entries, manifest, advance, hashed)
-        if not report.structure_problems:
-            report.proven["structure"] = PROOFS["structure"]
-        return report
-    generator = _generator(seed) if sample is not None or level == "numerics" else None
-    layer_experts = [_sampled(layer.shape.experts, sample, generator) for layer in plan.layers]
-    layer_jobs = [plan.layer_jobs[layer.module] for layer in plan.layers]
-    copies = [job for job in plan.jobs if isinstance(job, CopyJob)]
-    linears = [job for job in plan.jobs if isinstance(job, LinearJob)]
-    compared = _input_bytes(copies + linears + [jobs[e] for jobs, experts in zip(layer_jobs, layer_experts)
-                                                for e in experts])
-    # The digests of both sides (structure's files and tensors, the source's shards) run on a thread of
-    # this process while the workers decode: one after the other they were a third of verify's time
-    # (docs/BENCHMARKS.md). One phase counts the bytes of all three; the structure level's verdict still
-    # comes first: with a digest that differs, the checks' results are not reported.
-    advance(0, output_bytes + sum(path.stat().st_size for path in checkpoint.files) + compared, "lossless")
-    advance = _Serialized(advance)
+    # The digests of both sides (the output's files and tensors, the source's shards) need no plan: they
+    # start now, on a thread, beside the planning (seconds for a large checkpoint) and then the checks.
+    held, digested, digest_seconds, converted = _Held(), None, {}, None
+    if level != "structure":
+        try:
+            converted = open_checkpoint(output)
+        except MoeconvError:
+            pass  # opened again below, where its error becomes the report's
+        else:
+            digested = _in_background(_digests, output, manifest, list(converted.tensors.values()), checkpoint,
+                                      held, digest_seconds)
+    try:  # until the digests' progress has somewhere to go: an error or an interrupt stops them
+        backend = manifest["backend"]
+        regroup_factor = arguments.get("regroup_factor", 1)
+        plan = make_plan(checkpoint, backend=backend, trust=arguments.get("trust"), tp=arguments.get("tp", 1),
+                         max_shard_size=_recorded_shard_size(arguments),
+                         regroup=isinstance(regroup_factor, int) and regroup_factor > 1,
+                         zero_format=arguments.get("zero_format"))
+        kernel = LAYER_KERNELS[plan.backend.numerics.kernel]
+        report = VerifyReport(str(output), str(checkpoint.root), targets=manifest["targets"], level=level,
+                              tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
+        report.decided_by_user = list(plan.detection.decided_by_user) if plan.detection else []
+        advance = _PhaseClock(report.phase_seconds, progress or (lambda amount, total=None, phase=None: None))
+        output_bytes = sum(path.stat().st_size for path in output.iterdir() if path.is_file())
+        try:
+            converted = converted or open_checkpoint(output)
+        except MoeconvError as error:  # a damaged shard or index: the digests then name what else differs
+            advance(0, output_bytes, "digests")
+            report.structure_problems = structure.check_files(output, manifest, advance) + [str(error)]
+            return report
+        entries = list(converted.tensors.values())
+        report.structure_problems = structure.check_reading(plan) + structure.check_structure(
+            plan, output, manifest, converted.tensors)
+        if report.structure_problems or level == "structure":
+            held.stop()  # the early digests: taken again here, phase by phase, for the structure's verdict alone
+            advance(0, output_bytes, "digests")
+            hashed: dict[str, dict[str, str]] = {}  # each shard's tensors' digests, taken once for the shard's digest
+            report.structure_problems += structure.check_files(output, manifest, advance, hashed)
+            # each tensor too: a damaged shard is then named with the tensors whose bytes changed
+            advance(0, sum(entry.nbytes for entry in entries), "tensor-digests")
+            report.structure_problems += structure.check_tensor_digests(entries, manifest, advance, hashed)
+            if not report.structure_problems:
+                report.proven["structure"] = PROOFS["structure"]
+            return report
+        generator = _generator(seed) if sample is not None or level == "numerics" else None
+        layer_experts = [_sampled(layer.shape.experts, sample, generator) for layer in plan.layers]
+        layer_jobs = [plan.layer_jobs[layer.module] for layer in plan.layers]
+        copies = [job for job in plan.jobs if isinstance(job, CopyJob)]
+        linears = [job for job in plan.jobs if isinstance(job, LinearJob)]
+        compared = _input_bytes(copies + linears + [jobs[e] for jobs, experts in zip(layer_jobs, layer_experts)
+                                                    for e in experts])
+        # The digests of both sides run beside the checks: one after the other they were a third of verify's
+        # time (docs/BENCHMARKS.md). One phase counts the bytes of all three (what the digests did before it
+        # began comes in at once); the structure level's verdict still comes first: with a digest that
+        # differs, the checks' results are not reported.
+        advance(0, output_bytes + sum(path.stat().st_size for path in checkpoint.files) + compared, "lossless")
+        advance = _Serialized(advance)
+        if digested is None:  # the output opened now but not before: its digests start here
+            digested = _in_background(_digests, output, manifest, entries, checkpoint, held, digest_seconds)
+        held.attach(advance)
+    except BaseException:
+        held.stop()
+        raise
     audits = Audits()
     served = _served_dtype(output)
     cast = plan.scale_cast if served is None else engine_scale_cast(plan.backend, plan.layers[0].shape.scale_dtype, served)
-    # first, so that they also overlap the workers' start (the fork server's import of torch)
-    digested = _in_background(_digests, output, manifest, entries, checkpoint, advance, report.phase_seconds)
     try:
         with TensorReader() as reader:
             started = time.perf_counter()
@@ -263,6 +280,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
                 # the output differs from its digests, and the checks could not even read it: the digests say why
             report.phase_seconds["checks"] = round(time.perf_counter() - started, 3)
             structure_problems, report.source_problems, report.source_files_checked = digested.result()
+            report.phase_seconds.update(digest_seconds)
             if structure_problems:  # the structure level's verdict alone, as when it runs by itself
                 return replace(report, structure_problems=structure_problems, source_problems=[],
                                source_files_checked=0, passthrough_problems=[], passthrough_checked=0,
@@ -354,6 +372,33 @@ def _digests(output: Path, manifest: dict[str, Any], entries: list[TensorEntry],
     source_problems, checked = structure.check_source_digests(checkpoint, manifest, advance)
     seconds["source-digests"] = round(time.perf_counter() - started, 3)
     return problems, source_problems, checked
+
+
+class _Held:
+    """The early digests' progress: held (summed) until `attach` gives it somewhere to go, the lossless
+    phase's progress, then passed on; after `stop`, a call raises KeyboardInterrupt (in the digest thread:
+    it ends at its next file)."""
+
+    def __init__(self) -> None:
+        self.lock, self.held, self.target, self.stopped = threading.Lock(), 0, None, False
+
+    def __call__(self, amount: int) -> None:
+        if self.stopped:
+            raise KeyboardInterrupt
+        with self.lock:
+            if self.target is None:
+                self.held += amount
+                return
+        self.target(amount)
+
+    def attach(self, target: Callable[[int], None]) -> None:
+        with self.lock:
+            self.target, held, self.held = target, self.held, 0
+        if held:
+            target(held)
+
+    def stop(self) -> None:
+        self.stopped = True
 
 
 class _Serialized:

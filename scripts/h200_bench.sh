@@ -8,7 +8,8 @@
 # each output verified, AWQ -> cpu too), `large` (a 25 GB source grown from one layer),
 # `final3` (grown 7 GB sources, verify's worker scaling, the 25 GB source), `final4` (grown 7 GB GPTQ and
 # AWQ sources on every backend, each output verified), `large4` (the 25 GB source with the tree's memory
-# split by process, benchmarks/tree_memory.py), `gil5` (two builds A/B, their outputs verified).
+# split by process, benchmarks/tree_memory.py), `gil5` (two builds A/B, their outputs verified), `probe6` (where the 25 GB humming verify's time goes),
+# `groups6` (two builds A/B at 25 GB).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -22,6 +23,16 @@ grown() {  # $1: gptq or awq, $2: layers -> bench-data/$1-$2L, grown from one sy
   rm -rf bench-data/qwen3-like-$1-1L-128E-2048H
 }
 case $phase in
+  groups6)
+    # A/B at 25 GB: 96899ed (the morning's build) against 8a64db9 (small tensors' digests hashed in groups,
+    # 8 checks a task, the memory sampler's bounded share, the byte-table unpack), exported to .builds
+    # (carried); the GPTQ source grown to 77 layers into humming and triton, each output verified.
+    python3 -m compileall -q moeconv .builds
+    grown gptq 77
+    sync
+    python3 benchmarks/bench_builds.py run bench-data/gptq-77L --builds .builds \
+      --backends humming,triton --repeats 1 --verify --json "$out/groups.json"
+    rm -rf bench-data/gptq-77L ;;
   probe6)
     # Where the 25 GB humming verify's time goes (1.55x its conversion at 13:05 UTC, digests 23 s, checks
     # 22 s, both superlinear against 7.2 GB): the disk's reads during each step (/sys/block), the tree's

@@ -352,3 +352,60 @@ def test_any_single_byte_change_in_the_output_fails_verify(converted, tmp_path_f
         assert any(name in problem for problem in report["structure_problems"]), (name, report["structure_problems"])
 
     check()
+
+
+def test_the_digests_run_beside_the_planning(converted, monkeypatch):
+    """The digests need no plan: they have begun before the plan is made (on a large checkpoint the planning
+    takes seconds), and their progress still lands in the lossless phase's count."""
+    import threading
+
+    from moeconv import verification
+
+    began = threading.Event()
+    digests, planned = verification._digests, verification.make_plan
+
+    def digests_starting(*args):
+        began.set()
+        return digests(*args)
+
+    def plan_after_the_digests(*args, **kwargs):
+        assert began.wait(30), "the plan was asked for before the digests began"
+        return planned(*args, **kwargs)
+
+    monkeypatch.setattr(verification, "_digests", digests_starting)
+    monkeypatch.setattr(verification, "make_plan", plan_after_the_digests)
+    totals, done = {}, {}
+
+    def progress(amount, total=None, phase=None):
+        if phase is not None:
+            totals[phase], done[phase] = total, 0
+            progress.phase = phase
+        done[progress.phase] += amount
+
+    report = verify(converted[1], level="lossless", workers=2, progress=progress)
+    assert report.ok and "lossless" in report.proven
+    assert done["lossless"] == totals["lossless"] > 0
+
+
+def test_a_failed_plan_stops_the_early_digests(converted, monkeypatch):
+    import threading
+    import time
+
+    from moeconv import verification
+
+    def refused(*args, **kwargs):
+        raise MoeconvError("refused by the test")
+
+    def endless(output, manifest, entries, checkpoint, advance, seconds):  # digests that never end by themselves
+        while True:
+            advance(0)
+            time.sleep(0.01)
+
+    monkeypatch.setattr(verification, "make_plan", refused)
+    monkeypatch.setattr(verification, "_digests", endless)
+    with pytest.raises(MoeconvError, match="refused by the test"):
+        verify(converted[1], level="lossless", workers=2)
+    deadline = time.monotonic() + 30
+    while any(thread.name == "moeconv-digests" for thread in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(thread.name == "moeconv-digests" for thread in threading.enumerate())
