@@ -24,7 +24,7 @@ grown() {  # $1: gptq or awq, $2: layers -> bench-data/$1-$2L, grown from one sy
 }
 case $phase in
   groups6)
-    # A/B at 25 GB: 96899ed (the morning's build) against 8a64db9 (small tensors' digests hashed in groups,
+    # A/B at 25 GB: 96899ed (the morning's build) against b680ec3 (small tensors' digests hashed in groups, the digests begun before the plan,
     # 8 checks a task, the memory sampler's bounded share, the byte-table unpack), exported to .builds
     # (carried); the GPTQ source grown to 77 layers into humming and triton, each output verified.
     python3 -m compileall -q moeconv .builds
