@@ -82,6 +82,41 @@ def test_range_digests_equal_the_definition(tmp_path, monkeypatch, data, size, r
     assert found == {name: blocks_sha256(content[b:e], block) for name, (b, e) in ranges.items()}
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(0, 120), min_size=1, max_size=14), step=st.integers(1, 400),
+       read=st.sampled_from([32, 100, 1 << 20]), block=st.sampled_from([16, 64, 1000]))
+def test_block_hasher_groups_small_tensors_and_still_equals_the_definition(tmp_path, monkeypatch, sizes, step,
+                                                                         read, block):
+    """Many small tensors (a per-linear layout's), final a few bytes at a time: those wholly final together
+    are hashed in groups, the others piece by piece; each digest is still its definition's, and every byte
+    is handed to writeback exactly once."""
+    monkeypatch.setattr(writer_module, "_READ_BYTES", read)
+    written_back = []
+    monkeypatch.setattr(writer_module, "start_writeback", lambda fd, start, length: written_back.append(
+        (start, start + length)))
+    path = tmp_path / f"g-{len(sizes)}-{step}-{read}-{block}.safetensors"
+    names = {f"t{i}": n for i, n in enumerate(sizes)}
+    with ShardWriter(path, [TensorSpec(name, (n,), "U8") for name, n in names.items()], {"format": "pt"}) as shard:
+        ranges = shard.tensor_ranges()
+        for name, n in names.items():
+            shard.claim(name, 0, n)
+    begin, total = ranges[0][1], sum(sizes)
+    data = bytes((7 * i + 3) % 256 for i in range(total))
+    hasher = BlockHasher(path, begin, ranges, threads=2, block=block)
+    with open(path, "r+b") as handle:
+        for start in range(0, total, step):
+            handle.seek(begin + start)
+            handle.write(data[start:start + step])
+            handle.flush()
+            hasher.advance(begin + min(start + step, total))
+    content = path.read_bytes()
+    assert hasher.finish(len(content)) == (shard_sha256(content, block), {
+        name: blocks_sha256(content[b:e], block) for name, (b, e) in tensor_ranges(content).items()})
+    covered = sorted(piece for piece in written_back if piece[1] > piece[0])
+    assert covered[0][0] == 0 and covered[-1][1] == len(content)
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+
+
 def test_bytes_no_tensor_covers_are_refused(tmp_path):
     path = tmp_path / "f.safetensors"
     ranges = _shard(path, 3000)

@@ -28,6 +28,8 @@ from moeconv.errors import MoeconvError
 from moeconv.spec import DTYPE_SIZES, TensorSpec
 
 if TYPE_CHECKING:  # torch is imported where tensors are written (the workers), not by the writer's phases
+    from concurrent.futures import Future
+
     import torch
 
 _ALIGNMENT = 8
@@ -296,14 +298,14 @@ class _Hashers:
             self._pending = []
             start_writeback(fd, start, end - start)
 
-    def submit_group(self, fd: int, members: Sequence[tuple[int, int]]):
+    def submit_group(self, fd: int, members: Sequence[tuple[int, int]], writeback: bool):
         """A future of the sha256 of each of `members` ((begin, end), in file order, spanning at most
         _READ_BYTES), read in one pass and hashed on one pool thread: a per-linear layout has a thousand
-        tensors a layer, and a task (or an inline hash) for each kept verify's digests on one thread's
-        Python (docs/BENCHMARKS.md)."""
-        return self.pool.submit(self._hash_group, fd, members)
+        tensors a layer, and a task (or an inline hash) for each kept the digests on one thread's Python,
+        convert's and verify's (docs/BENCHMARKS.md)."""
+        return self.pool.submit(self._hash_group, fd, members, writeback)
 
-    def _hash_group(self, fd: int, members: Sequence[tuple[int, int]]) -> list[bytes]:
+    def _hash_group(self, fd: int, members: Sequence[tuple[int, int]], writeback: bool) -> list[bytes]:
         start, end = members[0][0], max(member_end for _, member_end in members)
         view = memoryview(self._buffer())[:end - start]
         done = 0
@@ -312,7 +314,10 @@ class _Hashers:
             if not got:
                 raise OSError(f"file ended at {start + done} while reading up to {end}")
             done += got
-        return [hashlib.sha256(view[begin - start:member_end - start]).digest() for begin, member_end in members]
+        digests = [hashlib.sha256(view[begin - start:member_end - start]).digest() for begin, member_end in members]
+        if writeback and end > start:
+            start_writeback(fd, start, end - start)
+        return digests
 
     def _buffer(self) -> bytearray:
         buffer = getattr(self._local, "buffer", None)
@@ -372,6 +377,40 @@ class _Stream:
         return combined_digest([piece.result() for piece in self.pieces])
 
 
+class _GroupPiece(NamedTuple):
+    """One member's digest of a group task (`_Hashers.submit_group`), read like the pool's futures."""
+
+    group: Future
+    index: int
+
+    def result(self) -> bytes:
+        return self.group.result()[self.index]
+
+
+def _finish_streams(hashers: _Hashers, fd: int, streams: Sequence[_Stream], writeback: bool) -> None:
+    """Finishes each of `streams` (in file order, their bytes all final). Runs of streams not yet begun that
+    are one piece each and lie within one read are hashed together, a task a run."""
+    group: list[_Stream] = []
+
+    def hash_group() -> None:
+        if group:
+            task = hashers.submit_group(fd, [(stream.begin, stream.end) for stream in group], writeback)
+            for index, stream in enumerate(group):
+                stream.pieces.append(_GroupPiece(task, index))
+                stream.submitted = stream.end
+            group.clear()
+
+    for stream in streams:
+        if stream.pieces or stream.end - stream.begin > min(stream.block, _READ_BYTES):
+            hash_group()
+            stream.finish(hashers, fd, writeback)
+            continue
+        if group and stream.end - group[0].begin > _READ_BYTES:
+            hash_group()
+        group.append(stream)
+    hash_group()
+
+
 class BlockHasher:
     """The digest of an output shard that is written in pieces (`shard_digest`), and each of its tensors'
     (the block digest of the tensor's bytes, pieces counted from its first byte): `advance(n)` says the
@@ -393,16 +432,17 @@ class BlockHasher:
         self._next = 0  # the first tensor not yet wholly final
 
     def advance(self, upto: int) -> None:
-        index = self._next
+        index, final = self._next, []
         while index < len(self._tensors) and self._tensors[index][1].begin < upto:
             stream = self._tensors[index][1]
             if stream.end <= upto:
-                stream.finish(self._hashers, self._fd, writeback=True)
+                final.append(stream)
                 if index == self._next:
                     self._next += 1
             else:
                 stream.advance(self._hashers, self._fd, upto, writeback=True)
             index += 1
+        _finish_streams(self._hashers, self._fd, final, writeback=True)
 
     def finish(self, size: int) -> tuple[str, dict[str, str]]:
         """The shard's digest (its `size` bytes: the whole file), and each tensor's digest by name."""
@@ -458,28 +498,10 @@ def range_digests(path: Path, ranges: dict[str, tuple[int, int]], threads: int |
     fd = os.open(path, os.O_RDONLY)
     hashers = _Hashers(threads or hash_threads())
     try:
-        streams, groups, members = {}, [], []  # groups: (names, future of their pieces' digests)
-
-        def close_group() -> None:
-            if members:
-                groups.append(([name for name, _ in members], hashers.submit_group(fd, [span for _, span in members])))
-                members.clear()
-
-        # A range that is one piece (at most `block`) and fits a read joins its neighbours' group; others
-        # are streamed piece by piece.
-        for name, (begin, end) in sorted(ranges.items(), key=lambda item: item[1]):
-            if end - begin > min(block, _READ_BYTES):
-                close_group()
-                streams[name] = _Stream(begin, end, block)
-                streams[name].finish(hashers, fd, writeback=False)
-                continue
-            if members and end - members[0][1][0] > _READ_BYTES:
-                close_group()
-            members.append((name, (begin, end)))
-        close_group()
-        digests = {name: combined_digest([piece]) for names, future in groups
-                   for name, piece in zip(names, future.result())}
-        return digests | {name: stream.digest() for name, stream in streams.items()}
+        streams = {name: _Stream(begin, end, block) for name, (begin, end) in ranges.items()}
+        _finish_streams(hashers, fd, sorted(streams.values(), key=lambda stream: (stream.begin, stream.end)),
+                        writeback=False)
+        return {name: stream.digest() for name, stream in streams.items()}
     finally:
         hashers.close()
         os.close(fd)
