@@ -15,7 +15,6 @@ thread (docs/BENCHMARKS.md). Only widths that divide the container are supported
 
 from __future__ import annotations
 
-import functools
 import sys
 from typing import TYPE_CHECKING
 
@@ -114,8 +113,8 @@ def words_to_bytes(words: torch.Tensor, dim: int, allow_view: bool = True) -> to
 
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Inverse of `pack`: uint8 codes, `dim` grown by the number of values per container.
-    Words are split into bytes, then bytes into values: along the innermost dimension by looking each
-    byte up in `_byte_values`, elsewhere with uint8 shifts, each slot written into its place of the result."""
+    Words are split into bytes, then bytes into values with uint8 shifts, each slot written into its
+    place of the result."""
     import torch
 
     values_per_container(bits, packed.dtype)  # refuses widths that do not tile the container
@@ -126,28 +125,24 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         return packed.contiguous()
     data, per, mask = _array(packed), 8 // bits, np.uint8((1 << bits) - 1)
     shape = data.shape[:dim] + (data.shape[dim] * per,) + data.shape[dim + 1:]
-    if dim == data.ndim - 1:  # each byte's values become adjacent bytes: one table lookup a byte
-        return torch.from_numpy(np.take(_byte_values(bits), data).view(np.uint8).reshape(shape))
+    if dim == data.ndim - 1:  # each byte's values become adjacent bytes: one little-endian word a byte
+        # Slot i moves to byte i, a left shift by i·(8 - bits); after all shifts are or-ed together one
+        # mask keeps the low `bits` of each byte, where nothing but slot i's copy has landed (every copy's
+        # slots sit on multiples of `bits`, and only slot i's reaches byte i's low bits).
+        word = np.dtype(f"u{per}").type  # native, for the arithmetic
+        wide = data.astype(word)
+        words = wide << word(8 - bits)
+        for slot in range(2, per):
+            words |= wide << word(slot * (8 - bits))
+        words |= wide
+        words &= word(sum(int(mask) << (8 * slot) for slot in range(per)))
+        return torch.from_numpy(words.astype(_WORD_OF[per], copy=False).view(np.uint8).reshape(shape))
     values = np.empty(data.shape[:dim + 1] + (per,) + data.shape[dim + 1:], dtype=np.uint8)
     for slot in range(per):  # each slot's values are a contiguous plane of the result
         place = values[(slice(None),) * (dim + 1) + (slot,)]
         np.right_shift(data, np.uint8(slot * bits), out=place)
         np.bitwise_and(place, mask, out=place)
     return torch.from_numpy(values.reshape(shape))
-
-
-@functools.lru_cache(maxsize=None)
-def _byte_values(bits: int) -> np.ndarray:
-    """For each byte value, its 8 / bits values (slot i: bits [i·bits, i·bits + bits)) as the bytes of
-    one little-endian word, byte i = slot i: a lookup replaces unpack's shifts along the innermost
-    dimension (one gather instead of four passes over the data: 1.5x faster for 4-bit codes,
-    docs/BENCHMARKS.md)."""
-    per = 8 // bits
-    table = np.zeros((256, per), dtype=np.uint8)
-    every = np.arange(256)
-    for slot in range(per):
-        table[:, slot] = (every >> (slot * bits)) & ((1 << bits) - 1)
-    return table.view(_WORD_OF[per]).reshape(256)
 
 
 def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
