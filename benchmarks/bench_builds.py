@@ -63,10 +63,10 @@ def run(source: Path, builds: Path, backends: list[str], workers: str, repeats: 
     for repeat in range(repeats):
         for backend in backends:
             for name in names:
-                shutil.rmtree(copy_target, ignore_errors=True)
+                for earlier in (copy_target, output):  # the disk may hold the source and one of them only
+                    shutil.rmtree(earlier, ignore_errors=True)
                 copy_wall, _, _ = timed(["sh", "-c", f"cp -r '{source}' '{copy_target}' && sync '{copy_target}'/*"])
                 shutil.rmtree(copy_target, ignore_errors=True)
-                shutil.rmtree(output, ignore_errors=True)
                 env = dict(os.environ, PYTHONPATH=str((builds / name).resolve()))
                 command = [sys.executable, "-m", "moeconv", "convert", str(source.resolve()), "-o", str(output.resolve()),
                            "--backend", backend, "-q", "--json"]

@@ -24,15 +24,16 @@ grown() {  # $1: gptq or awq, $2: layers -> bench-data/$1-$2L, grown from one sy
 }
 case $phase in
   groups6)
-    # A/B at 25 GB: 96899ed (the morning's build) against b680ec3 (small tensors' digests hashed in groups, the digests begun before the plan,
-    # 8 checks a task, the memory sampler's bounded share, the byte-table unpack), exported to .builds
+    # A/B at 25 GB: 96899ed (the morning's build) against df9323f (small tensors' digests hashed in groups, in convert's writer too, the digests begun before the plan,
+    # 8 checks a task, the memory sampler's bounded share), exported to .builds
     # (carried); the GPTQ source grown to 77 layers into humming and triton, each output verified.
     python3 -m compileall -q moeconv .builds
-    grown gptq 77
+    # $2: layers (77: 25 GB; the first two tries at 77 filled the 64 GB disk, the copy beside the previous output)
+    grown gptq ${2:-77}
     sync
-    python3 benchmarks/bench_builds.py run bench-data/gptq-77L --builds .builds \
-      --backends humming,triton --repeats 1 --verify --json "$out/groups.json"
-    rm -rf bench-data/gptq-77L ;;
+    python3 benchmarks/bench_builds.py run bench-data/gptq-${2:-77}L --builds .builds \
+      --backends ${3:-humming,triton} --repeats 1 --verify --json "$out/groups.json"
+    rm -rf bench-data/gptq-${2:-77}L ;;
   probe6)
     # Where the 25 GB humming verify's time goes (1.55x its conversion at 13:05 UTC, digests 23 s, checks
     # 22 s, both superlinear against 7.2 GB): the disk's reads during each step (/sys/block), the tree's
