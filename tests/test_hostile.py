@@ -545,16 +545,21 @@ def test_interrupting_verify_or_inspect_is_one_line_exit_3(pristine, tmp_path):
     """Ctrl-C outside a conversion's write loop (here: while verify runs) is exit 3 and one line too."""
     import signal
     import subprocess
-    import time
 
     exe = Path(sys.executable).with_name("moeconv")
     source = make_checkpoint(tmp_path / "src", SynthSpec(layers=6, experts=16, hidden=256, intermediate=128))
     assert subprocess.run([str(exe), "convert", str(source), "-o", str(tmp_path / "out"), "-q"]).returncode == 0
     process = subprocess.Popen([str(exe), "verify", str(tmp_path / "out")], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
-    time.sleep(4)  # torch and triton imported, verification running
+    seen = []  # its progress lines, until the first one: the verification is running (a fixed wait was
+    while not seen or not seen[-1].startswith("verify: "):  # sometimes longer than the whole verify)
+        line = process.stderr.readline()
+        if not line:
+            break
+        seen.append(line)
     process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=120)
+    _, rest = process.communicate(timeout=120)
+    stderr = "".join(seen) + rest
     if process.returncode == 0:
         pytest.skip("verify finished before the interrupt arrived")
     assert process.returncode == 3, stderr
