@@ -349,8 +349,8 @@ CHECKS_PER_TASK = 8
 def _checked(executor: Any, codec: Codec, jobs: Iterable[tuple[ConvertJob, dict[str, TensorEntry]]],
              cast: tuple[str, str] | None, audits: Audits) -> Iterator[list[tuple[str | None, str]]]:
     """Each job's problems (`_check_job`), in order, checked on the executor's workers CHECKS_PER_TASK jobs a
-    task (at 16 workers a task per job kept verify's parent busier handing tasks out and taking results back
-    than the workers were checking: docs/BENCHMARKS.md); what the audits found goes into `audits`."""
+    task: a task per expert cost verify's parent half a millisecond of pickling each, 4.8 s of its
+    interpreter's time at 25 GB on 16 workers (docs/BENCHMARKS.md). What the audits found goes into `audits`."""
     remaining = iter(jobs)
     tasks = ((codec, batch, cast) for batch in iter(lambda: tuple(itertools.islice(remaining, CHECKS_PER_TASK)), ()))
     for problems, found in executor.map(_check_task, tasks):
