@@ -27,7 +27,7 @@ from moeconv.checkpoint.writer import (
     DIGEST_KEY, BlockHasher, ShardWriter, byte_size, copy_into, file_digest, write_at,
 )
 from moeconv.errors import MoeconvError, Unfinished, human_bytes
-from moeconv.executor import Executor, peak_rss_mb, worker_descriptor, worker_reader
+from moeconv.executor import Executor, in_batches, peak_rss_mb, worker_descriptor, worker_reader
 from moeconv.worklist import OutputShard, SourceSlice
 
 if TYPE_CHECKING:  # the plan arrives made; this module only walks it (and so imports no torch)
@@ -389,7 +389,7 @@ def _fill_shard(plan: Plan, shard: OutputShard, path: Path, advance: Progress, a
         hasher = BlockHasher(temporary, writer.data_start, writer.tensor_ranges())
         fingerprints: dict[str, bytes] = {}
         try:
-            for index, (job, (counts, read)) in enumerate(zip(shard.jobs, executor.map(_run_job, tasks))):
+            for index, (job, (counts, read)) in enumerate(zip(shard.jobs, in_batches(executor, _run_job, tasks))):
                 fingerprints.update(read)
                 for name, found in counts:
                     audits.record(name, found)

@@ -17,7 +17,6 @@ level proves, is the threat model in docs/FORMAT.md).
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from concurrent.futures import Future
@@ -32,7 +31,7 @@ from moeconv.checkpoint.manifest import MANIFEST_NAME
 from moeconv.checkpoint.reader import TensorEntry, TensorReader, open_checkpoint, read_json, same_bytes
 from moeconv.errors import MoeconvError
 from moeconv.kernels.runners import LAYER_KERNELS, NUMERICS_TOLERANCE
-from moeconv.executor import Executor, start_workers, worker_reader
+from moeconv.executor import Executor, in_batches, start_workers, worker_reader
 from moeconv import structure, transform
 from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, engine_scale_cast, make_plan
 from moeconv.survey import MoELayer
@@ -343,19 +342,13 @@ def _check_jobs(report: VerifyReport, executor: Any, plan: Plan, tensors: dict[s
         result.seconds, started = result.seconds + (now - started), now
 
 
-CHECKS_PER_TASK = 8
-
-
 def _checked(executor: Any, codec: Codec, jobs: Iterable[tuple[ConvertJob, dict[str, TensorEntry]]],
              cast: tuple[str, str] | None, audits: Audits) -> Iterator[list[tuple[str | None, str]]]:
-    """Each job's problems (`_check_job`), in order, checked on the executor's workers CHECKS_PER_TASK jobs a
-    task: a task per expert cost verify's parent half a millisecond of pickling each, 4.8 s of its
-    interpreter's time at 25 GB on 16 workers (docs/BENCHMARKS.md). What the audits found goes into `audits`."""
-    remaining = iter(jobs)
-    tasks = ((codec, batch, cast) for batch in iter(lambda: tuple(itertools.islice(remaining, CHECKS_PER_TASK)), ()))
-    for problems, found in executor.map(_check_task, tasks):
+    """Each job's problems (`_check_job`), in order, checked on the executor's workers a batch of jobs a
+    task (executor.in_batches); what the audits found goes into `audits`."""
+    for problems, found in in_batches(executor, _check_task, ((codec, job, outputs, cast) for job, outputs in jobs)):
         audits.merge(found)
-        yield from problems
+        yield problems
 
 
 def _digests(output: Path, manifest: dict[str, Any], entries: list[TensorEntry], checkpoint: Any,
@@ -522,12 +515,11 @@ def _outputs_of(job: ConvertJob, tensors: dict[str, TensorEntry]) -> dict[str, T
     return {slot.tensor.name: tensors[slot.tensor.name] for slot in job.slots.values()}
 
 
-def _check_task(codec: Codec, jobs: tuple[tuple[ConvertJob, dict[str, TensorEntry]], ...],
-                cast: tuple[str, str] | None) -> tuple[list[list[tuple[str | None, str]]], Audits]:
-    """`_check_job` of each (job, its output tensors) in a worker (moeconv.executor): their problems, and what
-    the audits found in all of them."""
-    audits, reader = Audits(), worker_reader()
-    return [_check_job(codec, job, outputs, reader, audits, cast) for job, outputs in jobs], audits
+def _check_task(codec: Codec, job: ConvertJob, outputs: dict[str, TensorEntry],
+                cast: tuple[str, str] | None) -> tuple[list[tuple[str | None, str]], Audits]:
+    """`_check_job` in a worker (moeconv.executor): its problems, and what its audits found."""
+    audits = Audits()
+    return _check_job(codec, job, outputs, worker_reader(), audits, cast), audits
 
 
 def _check_job(codec: Codec, job: ConvertJob, tensors: dict[str, TensorEntry], reader: TensorReader,
