@@ -24,9 +24,10 @@ grown() {  # $1: gptq or awq, $2: layers -> bench-data/$1-$2L, grown from one sy
 }
 case $phase in
   groups6)
-    # A/B at 25 GB: 96899ed (the morning's build) against df9323f (small tensors' digests hashed in groups, in convert's writer too, the digests begun before the plan,
-    # 8 checks a task, the memory sampler's bounded share), exported to .builds
-    # (carried); the GPTQ source grown to 77 layers into humming and triton, each output verified.
+    # A/B: 96899ed (the 13:05 build) against a newer one (d0db69c: small tensors' digests hashed in groups,
+    # verify's digests begun before the plan, convert's jobs and verify's checks eight a task, the memory
+    # sampler's bounded share), exported first with `benchmarks/bench_builds.py export 96899ed d0db69c` and
+    # .builds carried; the grown GPTQ source into humming and triton, each output verified.
     python3 -m compileall -q moeconv .builds
     # $2: layers (77: 25 GB; the first two tries at 77 filled the 64 GB disk, the copy beside the previous output)
     grown gptq ${2:-77}
