@@ -29,7 +29,7 @@ case $phase in
     # sampler's bounded share), exported first with `benchmarks/bench_builds.py export 96899ed d0db69c` and
     # .builds carried; the grown GPTQ source into humming and triton, each output verified.
     python3 -m compileall -q moeconv .builds
-    # $2: layers (77: 25 GB; the first two tries at 77 filled the 64 GB disk, the copy beside the previous output)
+    # $2: layers (77: 25 GB; the first two tries at 77 most likely filled the 64 GB disk: the copy beside the previous output)
     grown gptq ${2:-77}
     sync
     python3 benchmarks/bench_builds.py run bench-data/gptq-${2:-77}L --builds .builds \
