@@ -157,11 +157,18 @@ class RayMap:
         if self.started:
             ray.shutdown()
 
+    @property
+    def workers(self) -> int:
+        """The cluster's CPUs: a task each runs at once (`map` keeps two each in flight)."""
+        import ray
+
+        return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
     def map(self, function: Callable, tasks: Iterable[tuple]) -> Iterator[Any]:
         import ray
 
         remote = ray.remote(num_cpus=1)(function)
-        window = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
+        window = 2 * self.workers
         pending: deque = deque()
         try:
             for task in tasks:

@@ -15,14 +15,13 @@ than these workers and removed (docs/BENCHMARKS.md).
 from __future__ import annotations
 
 import gc
-import itertools
 import os
 import sys
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from moeconv.checkpoint.reader import TensorReader
 from moeconv.checkpoint.writer import usable_cores
@@ -316,14 +315,15 @@ def _start_resource_tracker() -> None:
 JOBS_PER_TASK = 8
 
 
-def in_batches(executor: Any, function: Callable, tasks: Iterable[tuple], size: int = JOBS_PER_TASK) -> Iterator[Any]:
-    """`executor.map(function, tasks)` (an Executor or a RayMap), `size` tasks to each of the workers'
-    tasks: a task per expert cost the parent half a millisecond of pickling each (the objects the tasks
-    share, the codec and the output's entries, are pickled once a batch) and a future and a result each,
-    4.8 s of its interpreter at 25 GB on 16 workers (docs/BENCHMARKS.md)."""
-    remaining = iter(tasks)
-    batches = iter(lambda: tuple(itertools.islice(remaining, size)), ())
-    for results in executor.map(_each, ((function, batch) for batch in batches)):
+def in_batches(executor: Any, function: Callable, tasks: Sequence[tuple]) -> Iterator[Any]:
+    """`executor.map(function, tasks)` (an Executor or a RayMap), up to JOBS_PER_TASK tasks to each of the
+    workers' tasks: a task per expert cost the parent half a millisecond of pickling each (the objects the
+    tasks share, the codec and the output's entries, are pickled once a batch) and a future and a result
+    each, 4.8 s of its interpreter at 25 GB on 16 workers (docs/BENCHMARKS.md). Fewer where batches would
+    leave workers idle: every worker gets at least four (a small shard's jobs go one a task, as before)."""
+    size = max(1, min(JOBS_PER_TASK, len(tasks) // (4 * executor.workers)))
+    batches = [(function, tuple(tasks[start:start + size])) for start in range(0, len(tasks), size)]
+    for results in executor.map(_each, batches):
         yield from results
 
 

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from moeconv.audit import Audits
 from moeconv.backends import get_backend
@@ -330,7 +330,7 @@ def _check_jobs(report: VerifyReport, executor: Any, plan: Plan, tensors: dict[s
     kernel = LAYER_KERNELS[plan.backend.numerics.kernel]
     report.layers = [LayerResult(layer.module, tolerance=kernel.tolerance(layer.shape)) for layer in plan.layers]
     checks = [(index, e) for index, experts in enumerate(layer_experts) for e in experts]
-    expert_jobs = ((layer_jobs[index][e], _outputs_of(layer_jobs[index][e], tensors)) for index, e in checks)
+    expert_jobs = [(layer_jobs[index][e], _outputs_of(layer_jobs[index][e], tensors)) for index, e in checks]
     started = time.perf_counter()
     for (index, e), problems in zip(checks, _checked(executor, plan.codec, expert_jobs, cast, audits)):
         result, job = report.layers[index], layer_jobs[index][e]
@@ -342,11 +342,11 @@ def _check_jobs(report: VerifyReport, executor: Any, plan: Plan, tensors: dict[s
         result.seconds, started = result.seconds + (now - started), now
 
 
-def _checked(executor: Any, codec: Codec, jobs: Iterable[tuple[ConvertJob, dict[str, TensorEntry]]],
+def _checked(executor: Any, codec: Codec, jobs: list[tuple[ConvertJob, dict[str, TensorEntry]]],
              cast: tuple[str, str] | None, audits: Audits) -> Iterator[list[tuple[str | None, str]]]:
     """Each job's problems (`_check_job`), in order, checked on the executor's workers a batch of jobs a
     task (executor.in_batches); what the audits found goes into `audits`."""
-    for problems, found in in_batches(executor, _check_task, ((codec, job, outputs, cast) for job, outputs in jobs)):
+    for problems, found in in_batches(executor, _check_task, [(codec, job, outputs, cast) for job, outputs in jobs]):
         audits.merge(found)
         yield problems
 

@@ -297,3 +297,30 @@ def test_workers_share_the_parents_objects_through_their_collections(monkeypatch
     del held
     assert min(copied) > 40 << 20, copied  # the control: a collection copied the graph's pages
     assert max(frozen) < 20 << 20, frozen
+
+
+class _Recording:
+    """An executor with `workers` that runs map's tasks here and records how many jobs each task held."""
+
+    def __init__(self, workers: int):
+        self.workers, self.batches = workers, []
+
+    def map(self, function, tasks):
+        for task in tasks:
+            self.batches.append(len(task[1]))
+            yield function(*task)
+
+
+@pytest.mark.parametrize("jobs, workers, per_task", [(1000, 4, 8), (100, 4, 6), (36, 16, 1), (0, 2, None), (7, 1, 1)])
+def test_in_batches_gives_every_result_in_order_and_keeps_the_workers_busy(jobs, workers, per_task):
+    from moeconv.executor import JOBS_PER_TASK, in_batches
+
+    executor = _Recording(workers)
+    tasks = [(i, i % 7) for i in range(jobs)]
+    assert list(in_batches(executor, pow, tasks)) == [i ** (i % 7) for i in range(jobs)]
+    assert sum(executor.batches) == jobs
+    if jobs:  # up to JOBS_PER_TASK a task, and at least four tasks a worker where there are jobs for it
+        assert set(executor.batches[:-1]) <= {per_task} and executor.batches[-1] <= per_task <= JOBS_PER_TASK
+        assert len(executor.batches) >= min(jobs, 4 * workers)
+    else:
+        assert executor.batches == []
