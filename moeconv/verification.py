@@ -193,15 +193,14 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
                            f"headers differ from those recorded in {MANIFEST_NAME})")
     # The digests of both sides (the output's files and tensors, the source's shards) need no plan: they
     # start now, on a thread, beside the planning (seconds for a large checkpoint) and then the checks.
-    held, digested, digest_seconds, converted = _Held(), None, {}, None
-    if level != "structure":
-        try:
-            converted = open_checkpoint(output)
-        except MoeconvError:
-            pass  # opened again below, where its error becomes the report's
-        else:
-            digested = _in_background(_digests, output, manifest, list(converted.tensors.values()), checkpoint,
-                                      held, digest_seconds)
+    held, digested, digest_seconds = _Held(), None, {}
+    try:
+        converted, unreadable = open_checkpoint(output), None
+    except MoeconvError as error:  # a damaged shard or index: reported below, with what the digests find
+        converted, unreadable = None, error
+    if converted is not None and level != "structure":
+        digested = _in_background(_digests, output, manifest, list(converted.tensors.values()), checkpoint,
+                                  held, digest_seconds)
     try:  # until the digests' progress has somewhere to go: an error or an interrupt stops them
         backend = manifest["backend"]
         regroup_factor = arguments.get("regroup_factor", 1)
@@ -215,11 +214,9 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
         report.decided_by_user = list(plan.detection.decided_by_user) if plan.detection else []
         advance = _PhaseClock(report.phase_seconds, progress or (lambda amount, total=None, phase=None: None))
         output_bytes = sum(path.stat().st_size for path in output.iterdir() if path.is_file())
-        try:
-            converted = converted or open_checkpoint(output)
-        except MoeconvError as error:  # a damaged shard or index: the digests then name what else differs
+        if converted is None:  # the digests then name what else differs
             advance(0, output_bytes, "digests")
-            report.structure_problems = structure.check_files(output, manifest, advance) + [str(error)]
+            report.structure_problems = structure.check_files(output, manifest, advance) + [str(unreadable)]
             return report
         entries = list(converted.tensors.values())
         report.structure_problems = structure.check_reading(plan) + structure.check_structure(
@@ -248,8 +245,6 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
         # differs, the checks' results are not reported.
         advance(0, output_bytes + sum(path.stat().st_size for path in checkpoint.files) + compared, "lossless")
         advance = _Serialized(advance)
-        if digested is None:  # the output opened now but not before: its digests start here
-            digested = _in_background(_digests, output, manifest, entries, checkpoint, held, digest_seconds)
         held.attach(advance)
     except BaseException:
         held.stop()

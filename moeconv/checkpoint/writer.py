@@ -158,16 +158,24 @@ TENSOR_DIGESTS_KEY = "tensor_digests"  # a shard's tensors' digests (the block d
 _READ_BYTES = 8 * 1024 * 1024
 
 
+def _read_into(fd: int, view: memoryview, offset: int) -> None:
+    """Fills `view` with the bytes of `fd` from `offset` on (OSError where the file ends first)."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if not got:
+            raise OSError(f"file ended at {offset + done} while reading up to {offset + len(view)}")
+        done += got
+
+
 def _hash_block(fd: int, start: int, end: int, buffer: bytearray) -> bytes:
     """sha256 of bytes [start, end) of `fd`, read through `buffer` (a thread's own: no allocation per read)."""
     digest = hashlib.sha256()
-    view = memoryview(buffer)
     while start < end:
-        got = os.preadv(fd, [view[:min(len(buffer), end - start)]], start)
-        if not got:
-            raise OSError(f"file ended at {start} while hashing up to {end}")
-        digest.update(view[:got])
-        start += got
+        piece = memoryview(buffer)[:min(len(buffer), end - start)]
+        _read_into(fd, piece, start)
+        digest.update(piece)
+        start += len(piece)
     return digest.digest()
 
 
@@ -308,12 +316,7 @@ class _Hashers:
     def _hash_group(self, fd: int, members: Sequence[tuple[int, int]], writeback: bool) -> list[bytes]:
         start, end = members[0][0], max(member_end for _, member_end in members)
         view = memoryview(self._buffer())[:end - start]
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], start + done)
-            if not got:
-                raise OSError(f"file ended at {start + done} while reading up to {end}")
-            done += got
+        _read_into(fd, view, start)
         digests = [hashlib.sha256(view[begin - start:member_end - start]).digest() for begin, member_end in members]
         if writeback and end > start:
             start_writeback(fd, start, end - start)
