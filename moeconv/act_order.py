@@ -87,21 +87,17 @@ def fold(producers: dict[str, QuantizedWeight], inputs: torch.Tensor | None) -> 
             for projection, weight in producers.items()}
 
 
-def static_form(codes: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor, g_idx: torch.Tensor | None,
-                group_size: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """A linear's codes (N, K), zeros and scales (N, G) as stored, read with its g_idx: the same in
+def static_form(codes: np.ndarray, zeros: np.ndarray | None, scales: np.ndarray, g_idx: np.ndarray | None,
+                group_size: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """A linear's codes (N, K), zeros and scales (N, G) as stored (numpy), read with its g_idx: the same in
     static groups (relabelled groups reordered), and for act-order the input permutation P under which
     that holds (the stored linear is W[:, P]; None otherwise). Irregular groups are refused."""
-    import torch
-
     order = group_order(g_idx, group_size)
     if order.kind == IRREGULAR:
         raise MoeconvError(describe(order.kind, "linear"))
     if order.kind == RELABELLED:
-        groups = torch.from_numpy(order.groups)
-        scales = scales[:, groups].contiguous()
-        zeros = None if zeros is None else zeros[:, groups].contiguous()
+        scales = np.ascontiguousarray(scales[:, order.groups])
+        zeros = None if zeros is None else np.ascontiguousarray(zeros[:, order.groups])
     if order.kind != PERMUTED:
         return codes, zeros, scales, None
-    channels = torch.from_numpy(order.channels)
-    return codes[:, channels].contiguous(), zeros, scales, channels
+    return np.ascontiguousarray(codes[:, order.channels]), zeros, scales, order.channels

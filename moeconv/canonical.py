@@ -7,7 +7,7 @@ to one. Equality of canonical forms is what "lossless" means in `verify`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
@@ -41,25 +41,27 @@ class QuantizedWeight:
     zeros: uint8 (N, K / g) of TRUE zero points, or None for the implicit 2^(bits−1).
     scales: (N, K / g) in the source dtype, never silently cast.
     group_size: g, with g == K for channel-wise quantization.
+
+    The fields are torch tensors, or numpy arrays in the stored form (BF16 scales as their uint16 bit
+    patterns, as `TensorReader.read_raw` gives them) where a format or a layout decodes without torch
+    (`decode_stored`, for verify's workers); `mismatch` compares either, the other methods take tensors.
     """
 
-    codes: torch.Tensor
-    zeros: torch.Tensor | None
-    scales: torch.Tensor
+    codes: torch.Tensor | np.ndarray
+    zeros: torch.Tensor | np.ndarray | None
+    scales: torch.Tensor | np.ndarray
     bits: int
     group_size: int
 
     def __post_init__(self) -> None:
-        import torch
-
         n, k = self.codes.shape
-        assert self.codes.dtype == torch.uint8, self.codes.dtype
+        assert _dtype_name(self.codes) == "uint8", self.codes.dtype
         assert self.bits in SUPPORTED_BITS, self.bits
         assert k % self.group_size == 0, (k, self.group_size)
         groups = k // self.group_size
         assert tuple(self.scales.shape) == (n, groups), (self.scales.shape, n, groups)
         if self.zeros is not None:
-            assert self.zeros.dtype == torch.uint8, self.zeros.dtype
+            assert _dtype_name(self.zeros) == "uint8", self.zeros.dtype
             assert tuple(self.zeros.shape) == (n, groups), (self.zeros.shape, n, groups)
 
     @property
@@ -110,15 +112,26 @@ class QuantizedWeight:
         return None
 
 
-def _tensor_mismatch(a: torch.Tensor, b: torch.Tensor) -> str | None:
+def _dtype_name(values: torch.Tensor | np.ndarray) -> str:
+    return str(values.dtype).removeprefix("torch.")
+
+
+def _stored_bytes(values: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The values' bytes, flat and contiguous. reshape(-1) first: a transposed (N, 1) tensor counts as
+    contiguous but has stride(-1) != 1."""
+    if isinstance(values, np.ndarray):
+        return np.ascontiguousarray(values.reshape(-1)).view(np.uint8)
     import torch
 
-    if a.dtype != b.dtype or a.shape != b.shape:
+    return np.ascontiguousarray(values.reshape(-1).view(torch.uint8).numpy())
+
+
+def _tensor_mismatch(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> str | None:
+    if isinstance(a, np.ndarray) != isinstance(b, np.ndarray) or a.dtype != b.dtype or a.shape != b.shape:
         return f"{a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
     # Compare bytes, not values: NaN scales and -0.0 must round-trip too.
-    # reshape(-1) first: a transposed (N, 1) tensor counts as contiguous but has stride(-1) != 1.
     # Compared in numpy: faster than torch's on one thread (docs/BENCHMARKS.md, verify's bit-exact check).
-    mine, theirs = (np.ascontiguousarray(t.reshape(-1).view(torch.uint8).numpy()) for t in (a, b))
+    mine, theirs = _stored_bytes(a), _stored_bytes(b)
     # as 8-byte words where the length allows: one comparison per 8 bytes (3x faster on 1.5 MB of codes)
     unit = np.uint64 if mine.size % 8 == 0 else np.uint8
     if np.array_equal(mine.view(unit), theirs.view(unit)):
@@ -205,3 +218,26 @@ def coarsen(weight: QuantizedWeight, factor: int, name: str) -> QuantizedWeight:
         wide.append(blocks[..., 0].contiguous())
     return QuantizedWeight(codes=weight.codes, zeros=wide[1], scales=wide[0], bits=weight.bits,
                            group_size=weight.group_size * factor)
+
+
+def stored_arrays(tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Tensors as the numpy arrays `decode_stored` reads (no copy; BF16 as its uint16 bit patterns)."""
+    import torch
+
+    return {name: tensor.view(torch.int16).numpy().view(np.uint16) if tensor.dtype == torch.bfloat16
+            else tensor.numpy() for name, tensor in tensors.items()}
+
+
+def as_tensors(weight: QuantizedWeight) -> QuantizedWeight:
+    """A weight decoded in the stored form (numpy) as torch tensors (no copy of writable arrays). Scales
+    are floating point in every format, so uint16 scales are BF16 bit patterns and become BF16 again."""
+    import torch
+
+    def tensor(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values if values.flags.writeable else values.copy())
+
+    scales = tensor(weight.scales)
+    if weight.scales.dtype == np.uint16:
+        scales = scales.view(torch.bfloat16)
+    return QuantizedWeight(codes=tensor(weight.codes), zeros=None if weight.zeros is None else tensor(weight.zeros),
+                           scales=scales, bits=weight.bits, group_size=weight.group_size)

@@ -25,10 +25,10 @@ if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
-_CONTAINER_BITS = {"int32": 32, "uint8": 8}  # by torch dtype name
+_CONTAINER_BITS = {"int32": 32, "uint8": 8}  # by dtype name (torch's without its prefix, or numpy's)
 
 
-def values_per_container(bits: int, container: torch.dtype) -> int:
+def values_per_container(bits: int, container: torch.dtype | np.dtype | str) -> int:
     width = _CONTAINER_BITS[str(container).removeprefix("torch.")]
     if width % bits:
         raise ValueError(f"{bits}-bit values do not tile a {width}-bit container")
@@ -112,20 +112,26 @@ def words_to_bytes(words: torch.Tensor, dim: int, allow_view: bool = True) -> to
 
 
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Inverse of `pack`: uint8 codes, `dim` grown by the number of values per container.
-    Words are split into bytes, then bytes into values with uint8 shifts, each slot written into its
-    place of the result."""
+    """Inverse of `pack`: uint8 codes, `dim` grown by the number of values per container
+    (`unpack_array` on the tensor's array)."""
     import torch
 
+    return torch.from_numpy(unpack_array(_array(packed), bits, dim))
+
+
+def unpack_array(packed: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """`unpack` in numpy, for the workers that decode without torch: int32 words (or uint8 bytes)
+    -> uint8 codes. Words are split into bytes, then bytes into values with uint8 shifts, each slot
+    written into its place of the result."""
     values_per_container(bits, packed.dtype)  # refuses widths that do not tile the container
-    dim = dim % packed.dim()
-    if packed.dtype is torch.int32:
-        packed = words_to_bytes(packed, dim)
+    axis = axis % packed.ndim
+    if packed.dtype == np.int32:
+        packed = _word_array_bytes(packed, axis)
     if bits == 8:
-        return packed.contiguous()
-    data, per, mask = _array(packed), 8 // bits, np.uint8((1 << bits) - 1)
-    shape = data.shape[:dim] + (data.shape[dim] * per,) + data.shape[dim + 1:]
-    if dim == data.ndim - 1:  # each byte's values become adjacent bytes: one little-endian word a byte
+        return np.ascontiguousarray(packed)
+    data, per, mask = np.ascontiguousarray(packed), 8 // bits, np.uint8((1 << bits) - 1)
+    shape = data.shape[:axis] + (data.shape[axis] * per,) + data.shape[axis + 1:]
+    if axis == data.ndim - 1:  # each byte's values become adjacent bytes: one little-endian word a byte
         # Slot i moves to byte i, a left shift by i·(8 - bits); after all shifts are or-ed together one
         # mask keeps the low `bits` of each byte, where nothing but slot i's copy has landed (every copy's
         # slots sit on multiples of `bits`, and only slot i's reaches byte i's low bits).
@@ -136,13 +142,23 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
             words |= wide << word(slot * (8 - bits))
         words |= wide
         words &= word(sum(int(mask) << (8 * slot) for slot in range(per)))
-        return torch.from_numpy(words.astype(_WORD_OF[per], copy=False).view(np.uint8).reshape(shape))
-    values = np.empty(data.shape[:dim + 1] + (per,) + data.shape[dim + 1:], dtype=np.uint8)
+        return words.astype(_WORD_OF[per], copy=False).view(np.uint8).reshape(shape)
+    values = np.empty(data.shape[:axis + 1] + (per,) + data.shape[axis + 1:], dtype=np.uint8)
     for slot in range(per):  # each slot's values are a contiguous plane of the result
-        place = values[(slice(None),) * (dim + 1) + (slot,)]
+        place = values[(slice(None),) * (axis + 1) + (slot,)]
         np.right_shift(data, np.uint8(slot * bits), out=place)
         np.bitwise_and(place, mask, out=place)
-    return torch.from_numpy(values.reshape(shape))
+    return values.reshape(shape)
+
+
+def _word_array_bytes(words: np.ndarray, axis: int) -> np.ndarray:
+    """`words_to_bytes` in numpy: int32 words -> bytes along `axis`, least significant first (a view of
+    the memory along the innermost axis on a little-endian host, else shifts)."""
+    if _LITTLE_ENDIAN and axis == words.ndim - 1:
+        return np.ascontiguousarray(words).view(np.uint8)
+    unsigned = words.view(np.uint32)
+    split = np.stack([((unsigned >> np.uint32(8 * i)) & np.uint32(0xFF)).astype(np.uint8) for i in range(4)], axis + 1)
+    return split.reshape(words.shape[:axis] + (words.shape[axis] * 4,) + words.shape[axis + 1:])
 
 
 def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
@@ -182,11 +198,16 @@ def add_to_words(words: torch.Tensor, addend: int) -> torch.Tensor:
 
 
 def int8_to_offset_codes(weight: torch.Tensor) -> torch.Tensor:
-    """Signed int8 w -> uint8 codes w + 128: the two's-complement byte with its top bit flipped
-    (a byte reinterpreted as a byte, so no byte-order question arises)."""
+    """Signed int8 w -> uint8 codes w + 128 (`int8_array_to_offset_codes` on the tensor's array)."""
     import torch
 
-    return weight.view(torch.uint8) ^ 0x80
+    return torch.from_numpy(int8_array_to_offset_codes(weight.numpy()))
+
+
+def int8_array_to_offset_codes(weight: np.ndarray) -> np.ndarray:
+    """Signed int8 w -> uint8 codes w + 128: the two's-complement byte with its top bit flipped
+    (a byte reinterpreted as a byte, so no byte-order question arises)."""
+    return np.ascontiguousarray(weight).view(np.uint8) ^ np.uint8(0x80)
 
 
 def offset_codes_to_int8(codes: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
+from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, as_tensors
 from moeconv.spec import TensorSpec
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import numpy as np
     import torch
 
 
@@ -45,6 +46,10 @@ class ExpertWeights(NamedTuple):
     gate: QuantizedWeight
     up: QuantizedWeight
     down: QuantizedWeight
+
+    def as_tensors(self) -> ExpertWeights:
+        """Weights decoded in the stored form (numpy) as torch tensors (canonical.as_tensors)."""
+        return ExpertWeights(*(as_tensors(weight) for weight in self))
 
 
 class Numerics(NamedTuple):
@@ -107,6 +112,15 @@ class Backend(Protocol):
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
         """Inverse of `encode_expert`."""
 
+    def decodes_stored(self, layer: MoELayerShape) -> bool:
+        """Whether `decode_expert_stored` (and `decode_linear_stored`, for a backend that converts dense
+        linears) decode this layer's layout in numpy, so that verify's workers need no torch for it.
+        Default: False."""
+
+    def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
+        """As `decode_expert`, on the stored arrays (BF16 as uint16 bit patterns), the weights in that
+        stored form (numpy). Only where `decodes_stored`."""
+
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         """Backend fields of the output's quantization config."""
 
@@ -122,6 +136,9 @@ class Backend(Protocol):
     def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, torch.Tensor]: ...
 
     def decode_linear(self, tensors: dict[str, torch.Tensor], linear: LinearShape) -> QuantizedWeight: ...
+
+    def decode_linear_stored(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
+        """As `decode_linear`, on the stored arrays, as `decode_expert_stored` (where `decodes_stored`)."""
 
     def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,
                                        unquantized_modules: list[str],
@@ -145,6 +162,15 @@ class BackendDefaults:
 
     def dense_linear_backend(self, source_format: Any) -> str | None:
         return None
+
+    def decodes_stored(self, layer: MoELayerShape) -> bool:
+        return False
+
+    def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
+        raise NotImplementedError(f"backend {self.name!r} decodes torch tensors only")
+
+    def decode_linear_stored(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
+        raise NotImplementedError(f"backend {self.name!r} decodes torch tensors only")
 
     def linear_refusal(self, linear: LinearShape) -> str | None:
         return f"backend {self.name!r} copies dense linears as they are"

@@ -30,6 +30,7 @@ from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, pac
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import numpy as np
     import torch
 
 # The compressed-tensors release vLLM 0.33 pins; the config below is what its QuantizationConfig reads.
@@ -95,10 +96,10 @@ class CompressedTensorsBackend(PerLinearBackend):
             tensors["weight_zero_point"] = zeros
         return tensors
 
-    def decode_linear(self, tensors: dict[str, torch.Tensor], linear: LinearShape) -> QuantizedWeight:
+    def decode_linear_stored(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
         """Inverse of `encode_linear`; raises ValueError when weight_shape is not [N, K]."""
         if linear.activation_bits == 8:
-            return QuantizedWeight(codes=packing.int8_to_offset_codes(tensors["weight"]).contiguous(), zeros=None,
+            return QuantizedWeight(codes=packing.int8_array_to_offset_codes(tensors["weight"]), zeros=None,
                                    scales=tensors["weight_scale"], bits=8, group_size=linear.in_features)
         stated = tensors["weight_shape"].tolist()
         if stated != [linear.out_features, linear.in_features]:

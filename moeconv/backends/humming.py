@@ -25,6 +25,7 @@ from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, pac
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import numpy as np
     import torch
 
 # Humming's pack kernels work on runs of 32 values (upstream asserts L % 32 == 0).
@@ -69,7 +70,7 @@ class HummingBackend(PerLinearBackend):
             tensors["zero_point"] = zeros
         return tensors
 
-    def decode_linear(self, tensors: dict[str, torch.Tensor], linear: LinearShape) -> QuantizedWeight:
+    def decode_linear_stored(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
         return from_packed_words(tensors["weight"], tensors.get("zero_point"), tensors["weight_scale"], linear)
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from moeconv import packing
 from moeconv.backends.base import BackendDefaults, ExpertWeights, Numerics
 from moeconv.spec import TensorSpec
-from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight
+from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight, as_tensors, stored_arrays
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
     import torch
@@ -35,12 +37,21 @@ class PerLinearBackend(BackendDefaults):
                 for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer))
                 for suffix, tensor in self.encode_linear(getattr(expert, projection), linear).items()}
 
+    def decodes_stored(self, layer: MoELayerShape) -> bool:
+        return True
+
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
+        return self.decode_expert_stored(stored_arrays(slices), layer).as_tensors()
+
+    def decode_linear(self, tensors: dict[str, torch.Tensor], linear: LinearShape) -> QuantizedWeight:
+        return as_tensors(self.decode_linear_stored(stored_arrays(tensors), linear))
+
+    def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
         decoded = {}
         for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer)):
             prefix = f"{name}."
             own = {key[len(prefix):]: tensor for key, tensor in slices.items() if key.startswith(prefix)}
-            decoded[projection] = self.decode_linear(own, linear)
+            decoded[projection] = self.decode_linear_stored(own, linear)
         return ExpertWeights(**decoded)
 
 
@@ -76,9 +87,9 @@ def packed_words(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | 
     return codes, zeros
 
 
-def from_packed_words(codes: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor,
+def from_packed_words(codes: np.ndarray, zeros: np.ndarray | None, scales: np.ndarray,
                       linear: LinearShape) -> QuantizedWeight:
-    """Inverse of `packed_words`."""
-    return QuantizedWeight(codes=packing.unpack(codes, linear.bits, dim=1),
-                           zeros=None if zeros is None else packing.unpack(zeros, linear.bits, dim=0),
+    """Inverse of `packed_words`, on the stored arrays."""
+    return QuantizedWeight(codes=packing.unpack_array(codes, linear.bits, axis=1),
+                           zeros=None if zeros is None else packing.unpack_array(zeros, linear.bits, axis=0),
                            scales=scales, bits=linear.bits, group_size=linear.effective_group_size)

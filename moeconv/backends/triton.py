@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
+
 from moeconv import packing
 from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics, Serving, vllm_serve
 from moeconv.spec import TensorSpec
-from moeconv.canonical import MoELayerShape, QuantizedWeight, is_channelwise
+from moeconv.canonical import MoELayerShape, QuantizedWeight, is_channelwise, stored_arrays
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
     import torch
@@ -134,16 +136,23 @@ class TritonBackend(BackendDefaults):
                 slices[names.qzeros] = packing.pack(zeros, rows[0].bits, dim=0, container=torch.uint8)
         return slices
 
+    def decodes_stored(self, layer: MoELayerShape) -> bool:
+        """The WNA16 layout's bytes only move; the int8 layout's F32 scales are cast back (in torch)."""
+        return layer.activation_bits == 16
+
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
+        if layer.activation_bits == 8:
+            w13, w2 = (_int8_decode(prefix, slices, layer) for prefix in ("w13", "w2"))
+            return ExpertWeights(*_split_rows(w13, layer.intermediate), down=w2)
+        return self.decode_expert_stored(stored_arrays(slices), layer).as_tensors()
+
+    def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
         decoded = {}
         for prefix in ("w13", "w2"):
-            if layer.activation_bits == 8:
-                decoded[prefix] = _int8_decode(prefix, slices, layer)
-                continue
             names = WNA16[prefix]
-            codes = packing.unpack(slices[names.qweight], layer.bits, dim=1)
+            codes = packing.unpack_array(slices[names.qweight], layer.bits, axis=1)
             zeros_packed = slices.get(names.qzeros)
-            zeros = None if zeros_packed is None else packing.unpack(zeros_packed, layer.bits, dim=0)
+            zeros = None if zeros_packed is None else packing.unpack_array(zeros_packed, layer.bits, axis=0)
             decoded[prefix] = QuantizedWeight(
                 codes=codes,
                 zeros=zeros,
@@ -169,17 +178,18 @@ class TritonBackend(BackendDefaults):
 
 
 def _split_rows(weight: QuantizedWeight, rows: int) -> tuple[QuantizedWeight, QuantizedWeight]:
+    """The first `rows` output rows and the rest (gate and up of w13), tensors or arrays as given."""
     def part(index: slice) -> QuantizedWeight:
-        zeros = None if weight.zeros is None else weight.zeros[index].contiguous()
-        return QuantizedWeight(
-            codes=weight.codes[index].contiguous(),
-            zeros=zeros,
-            scales=weight.scales[index].contiguous(),
-            bits=weight.bits,
-            group_size=weight.group_size,
-        )
+        return QuantizedWeight(codes=_contiguous(weight.codes[index]),
+                               zeros=None if weight.zeros is None else _contiguous(weight.zeros[index]),
+                               scales=_contiguous(weight.scales[index]), bits=weight.bits,
+                               group_size=weight.group_size)
 
     return part(slice(0, rows)), part(slice(rows, None))
+
+
+def _contiguous(rows: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    return np.ascontiguousarray(rows) if isinstance(rows, np.ndarray) else rows.contiguous()
 
 
 def _int8_refusal(layer: MoELayerShape) -> str | None:

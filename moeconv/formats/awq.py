@@ -13,13 +13,15 @@ from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING, Any, Mapping
 
+import numpy as np
+
 from moeconv import packing
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
 from moeconv.formats.base import (
     Detection,
-    FormatDefaults,
+    StoredDecoding,
     Linear,
     Read,
     SourceFormat,
@@ -49,20 +51,17 @@ def _interleave(columns: torch.Tensor) -> torch.Tensor:
     return grouped[..., list(AWQ_ORDER)].reshape(columns.shape)
 
 
-def _natural_columns(words: torch.Tensor) -> torch.Tensor:
+def _natural_columns(words: np.ndarray) -> np.ndarray:
     """AWQ's (rows, N/8) int32 words -> (N, rows) uint8 codes. The words are transposed first (one
     int32 transpose moves 8 codes; transposing the unpacked bytes was most of the decode's time), then
-    slot NATURAL_FROM_SLOTS[j] of word (m, r) is column 8m + j (the arithmetic shift's sign bits fall
-    outside the 0xF mask)."""
-    import torch
-
-    transposed = words.T.contiguous()
-    planes = [((transposed >> (4 * slot)) & 0xF).to(torch.uint8) for slot in NATURAL_FROM_SLOTS]
-    return torch.stack(planes, dim=1).reshape(-1, words.shape[0])
+    slot NATURAL_FROM_SLOTS[j] of word (m, r) is column 8m + j."""
+    transposed = np.ascontiguousarray(words.T).view(np.uint32)
+    planes = [((transposed >> np.uint32(4 * slot)) & np.uint32(0xF)).astype(np.uint8) for slot in NATURAL_FROM_SLOTS]
+    return np.stack(planes, axis=1).reshape(-1, words.shape[0])
 
 
 @dataclass(frozen=True)
-class AWQ(FormatDefaults):
+class AWQ(StoredDecoding):
     bits: int = 4
     group_size: int = 128
     zero_point: bool = True
@@ -108,7 +107,7 @@ class AWQ(FormatDefaults):
             return None
         return cls(bits=4, group_size=group_size, zero_point=_zero_point_from_data(linears, configured, read, detection))
 
-    def check_symmetric_zeros(self, qzeros: torch.Tensor) -> None:
+    def check_symmetric_zeros(self, qzeros: np.ndarray) -> None:
         """zero_point false: stored qzeros must all be the zero 8, or dropping them changes the weight."""
         if bool((qzeros != SYMMETRIC_WORD).any()):
             raise MoeconvError(f"zero_point is false but qzeros hold zero points other than 8 "
@@ -129,21 +128,17 @@ class AWQ(FormatDefaults):
         }
         return shapes
 
-    def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
-        codes = _natural_columns(tensors["qweight"])
+    def decode_stored(self, stored: Mapping[str, np.ndarray]) -> tuple[QuantizedWeight, None]:
+        codes = _natural_columns(stored["qweight"])
         zeros = None
         if self.zero_point:
-            zeros = _natural_columns(tensors["qzeros"])
-        elif "qzeros" in tensors:
-            self.check_symmetric_zeros(tensors["qzeros"])
+            zeros = _natural_columns(stored["qzeros"])
+        elif "qzeros" in stored:
+            self.check_symmetric_zeros(stored["qzeros"])
         in_features = codes.shape[1]
-        return QuantizedWeight(
-            codes=codes,
-            zeros=zeros,
-            scales=tensors["scales"].T.contiguous(),
-            bits=self.bits,
-            group_size=effective_group_size(in_features, self.group_size),
-        )
+        weight = QuantizedWeight(codes=codes, zeros=zeros, scales=np.ascontiguousarray(stored["scales"].T),
+                                 bits=self.bits, group_size=effective_group_size(in_features, self.group_size))
+        return weight, None
 
     def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         import torch

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
-from moeconv.canonical import CHANNELWISE, QuantizedWeight, effective_group_size, groups_of, is_channelwise  # noqa: F401
+from moeconv import act_order
+from moeconv.canonical import (  # noqa: F401
+    CHANNELWISE, QuantizedWeight, as_tensors, effective_group_size, groups_of, is_channelwise, stored_arrays)
 from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
 
@@ -106,6 +108,14 @@ class SourceFormat(Protocol):
         """As `decode`, and for an act-order linear the input permutation P under which its groups are
         static (the stored linear is W[:, P]; act_order.py). Default: `decode`, and no permutation."""
 
+    # The format decodes the stored arrays in numpy (`decode_stored`), so verify's workers need no torch for
+    # it. Default: False (it decodes torch tensors only).
+    decodes_stored: bool
+
+    def decode_stored(self, stored: Mapping[str, np.ndarray]) -> tuple[QuantizedWeight, np.ndarray | None]:
+        """As `decode_ordered`, on the stored arrays (`TensorReader.read_raw`: BF16 as uint16 bit patterns),
+        the weight in that stored form (numpy). Only where `decodes_stored`."""
+
     def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         """The canonical form -> this format's tensors (keyed by suffix)."""
 
@@ -132,6 +142,10 @@ class FormatDefaults:
     vector_suffixes: tuple[str, ...] = ()
     audited_suffixes: tuple[str, ...] = ()
     group_index_suffix: str | None = None
+    decodes_stored: bool = False
+
+    def decode_stored(self, stored: Mapping[str, np.ndarray]) -> tuple[QuantizedWeight, np.ndarray | None]:
+        raise NotImplementedError(f"{type(self).__name__} decodes torch tensors only")
 
     @staticmethod
     def configures_act_order(config: Mapping[str, Any]) -> bool:
@@ -145,6 +159,26 @@ class FormatDefaults:
 
     def written_suffixes(self) -> tuple[str, ...]:
         return self.suffixes()
+
+
+class StoredDecoding(FormatDefaults):
+    """The defaults of a format whose decoding only moves bits (`decode_stored`, in numpy): `decode` and
+    `decode_ordered` are that decoding of the tensors' arrays, as tensors again (no copies)."""
+
+    decodes_stored: bool = True
+
+    def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
+        """Static groups only: no group index, or one that relabels whole groups (act_order.py)."""
+        weight, inputs = self.decode_ordered(tensors)
+        if inputs is not None:
+            raise MoeconvError(act_order.describe(act_order.PERMUTED, "linear"))
+        return weight
+
+    def decode_ordered(self, tensors: Mapping[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None]:
+        import torch
+
+        weight, inputs = self.decode_stored(stored_arrays(tensors))
+        return as_tensors(weight), None if inputs is None else torch.from_numpy(inputs)
 
 
 def config_int(config: Mapping[str, Any], key: str, default: int, where: str, *fallbacks: str) -> int:

@@ -29,12 +29,14 @@ import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
+import numpy as np
+
 from moeconv import act_order, packing
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
 from moeconv.checkpoint.schema import section
-from moeconv.formats.base import (Detection, FormatDefaults, Linear, Read, SourceFormat, checked_group_size, config_bool, config_int,
+from moeconv.formats.base import (Detection, StoredDecoding, Linear, Read, SourceFormat, checked_group_size, config_bool, config_int,
                                   effective_group_size, group_size_from_shapes, groups_of)
 from moeconv.models import ARCHITECTURES
 
@@ -62,7 +64,7 @@ _EXPERT_LINEAR_NAMES = tuple(
 
 
 @dataclass(frozen=True)
-class CompressedTensors(FormatDefaults):
+class CompressedTensors(StoredDecoding):
     format: str = PACK_QUANTIZED
     bits: int = 4
     group_size: int = 128  # -1: channel strategy
@@ -182,29 +184,22 @@ class CompressedTensors(FormatDefaults):
             "weight_g_idx": TensorSpec("weight_g_idx", (in_features,), "I32"),
         }
 
-    def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
-        """Static groups only: no weight_g_idx, or one that relabels whole groups (act_order.py)."""
-        weight, inputs = self.decode_ordered(tensors)
-        if inputs is not None:
-            raise MoeconvError(act_order.describe(act_order.PERMUTED, "linear"))
-        return weight
-
-    def decode_ordered(self, tensors: Mapping[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None]:
+    def decode_stored(self, stored: Mapping[str, np.ndarray]) -> tuple[QuantizedWeight, np.ndarray | None]:
         """The canonical form, and for actorder "group" the input permutation P under which it holds
         (the stored linear is W[:, P]); None for static groups."""
         if self.packed:
-            codes = packing.unpack(tensors["weight_packed"], self.bits, dim=1)
-            stated = tuple(tensors["weight_shape"].tolist())
+            codes = packing.unpack_array(stored["weight_packed"], self.bits, axis=1)
+            stated = tuple(stored["weight_shape"].tolist())
             if stated != tuple(codes.shape):
                 raise MoeconvError(f"weight_shape says {list(stated)}, weight_packed holds {list(codes.shape)}")
         else:
-            codes = packing.int8_to_offset_codes(tensors["weight"]).contiguous()
+            codes = packing.int8_array_to_offset_codes(stored["weight"])
         zeros = None
         if not self.symmetric:
-            zeros = packing.unpack(tensors["weight_zero_point"], self.bits, dim=0)
+            zeros = packing.unpack_array(stored["weight_zero_point"], self.bits, axis=0)
         group_size = effective_group_size(codes.shape[1], self.group_size)
-        codes, zeros, scales, inputs = act_order.static_form(codes, zeros, tensors["weight_scale"].contiguous(),
-                                                             tensors.get("weight_g_idx"), group_size)
+        codes, zeros, scales, inputs = act_order.static_form(codes, zeros, np.ascontiguousarray(stored["weight_scale"]),
+                                                             stored.get("weight_g_idx"), group_size)
         return QuantizedWeight(codes=codes, zeros=zeros, scales=scales, bits=self.bits, group_size=group_size), inputs
 
     def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:

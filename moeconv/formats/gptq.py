@@ -24,7 +24,7 @@ from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
 from moeconv.formats.base import (
     Detection,
-    FormatDefaults,
+    StoredDecoding,
     Linear,
     Read,
     SourceFormat,
@@ -44,7 +44,7 @@ V1, V2 = "gptq", "gptq_v2"
 
 
 @dataclass(frozen=True)
-class GPTQ(FormatDefaults):
+class GPTQ(StoredDecoding):
     bits: int = 4
     group_size: int = 128
     sym: bool = True
@@ -100,27 +100,20 @@ class GPTQ(FormatDefaults):
     def zero_offset_word(self) -> int:
         return packing.repeated_word(1, self.bits) if self.checkpoint_format == V1 else 0
 
-    def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
-        """Static groups only: a g_idx that is k // g, or that relabels whole groups (act_order.py)."""
-        weight, inputs = self.decode_ordered(tensors)
-        if inputs is not None:
-            raise MoeconvError(act_order.describe(act_order.PERMUTED, "linear"))
-        return weight
-
-    def decode_ordered(self, tensors: Mapping[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None]:
+    def decode_stored(self, stored: Mapping[str, np.ndarray]) -> tuple[QuantizedWeight, np.ndarray | None]:
         """The canonical form, and for an act-order g_idx (every group g channels wide, in any order)
         the input permutation P under which it holds: the source linear is `W[:, P]` = the returned
         weight. P is None for static (or relabelled) groups."""
         # Transpose the packed words (b/8 of the bytes of the codes), then unpack along the rows.
-        codes = packing.unpack(tensors["qweight"].T.contiguous(), self.bits, dim=1)
+        codes = packing.unpack_array(stored["qweight"].T, self.bits, axis=1)
         in_features = codes.shape[1]
         group_size = effective_group_size(in_features, self.group_size)
-        scales = tensors["scales"].T.contiguous()
+        scales = np.ascontiguousarray(stored["scales"].T)
         zeros = None
         if not self.sym:
-            true_words = packing.add_to_words(tensors["qzeros"], self.zero_offset_word())
-            zeros = packing.unpack(true_words, self.bits, dim=1).T.contiguous()
-        codes, zeros, scales, inputs = act_order.static_form(codes, zeros, scales, tensors.get("g_idx"), group_size)
+            true_words = packing.add_to_word_array(stored["qzeros"], self.zero_offset_word())
+            zeros = np.ascontiguousarray(packing.unpack_array(true_words, self.bits, axis=1).T)
+        codes, zeros, scales, inputs = act_order.static_form(codes, zeros, scales, stored.get("g_idx"), group_size)
         return QuantizedWeight(codes=codes, zeros=zeros, scales=scales, bits=self.bits, group_size=group_size), inputs
 
     @staticmethod
