@@ -61,24 +61,24 @@ class Audits:
             self.casts[key] += other.casts[key]
         self.casts["max_relative_change"] = max(self.casts["max_relative_change"], other.casts["max_relative_change"])
 
-    def record_cast(self, scales: torch.Tensor, engine_dtype: torch.dtype) -> None:
-        """What an engine's cast of `scales` to `engine_dtype` does to them: values that change, values
-        that become infinite, the largest relative change among the finite ones."""
-        import torch
-
-        finite = torch.isfinite(scales)
-        cast = scales.to(engine_dtype)
-        back = cast.to(scales.dtype)
-        changed = finite & (back.view(torch.int16) != scales.view(torch.int16)) if scales.element_size() == 2 \
-            else finite & (back != scales)
-        overflow = finite & ~torch.isfinite(cast)
+    def record_cast(self, scales: np.ndarray | torch.Tensor, stored: str, engine: str) -> None:
+        """What an engine's cast of `scales` (of torch dtype `stored`: float16, bfloat16 or float32, BF16 in
+        numpy given as the float32 values it holds) to `engine` does to them: values that change, values
+        that become infinite, the largest relative change among the finite ones. Each of the three dtypes
+        holds only float32 values, so every cast is a rounding of float32 values (`_rounded`)."""
+        values = _floats(scales).astype(np.float32, copy=False).reshape(-1)
+        finite = np.isfinite(values)
+        cast = _rounded(values, engine)
+        changed = finite & (_rounded(cast, stored).view(np.uint32) != values.view(np.uint32))
+        overflow = finite & ~np.isfinite(cast)
         self.casts["checked"] += int(finite.sum())
         self.casts["changed"] += int(changed.sum())
         self.casts["overflow"] += int(overflow.sum())
-        kept = finite & ~overflow & (scales != 0)
+        kept = finite & ~overflow & (values != 0)
         if bool(kept.any()):
-            relative = ((cast.double() - scales.double()).abs() / scales.double().abs())[kept].max()
-            self.casts["max_relative_change"] = max(self.casts["max_relative_change"], float(relative))
+            before, after = values[kept].astype(np.float64), cast[kept].astype(np.float64)
+            relative = float((np.abs(after - before) / np.abs(before)).max())
+            self.casts["max_relative_change"] = max(self.casts["max_relative_change"], relative)
 
     def record(self, name: str, counts: dict[str, int]) -> None:
         for kind, found in counts.items():
@@ -91,3 +91,20 @@ class Audits:
         if not self.totals.get(kind):
             return {}
         return {"count": self.totals[kind], "first_tensor": self.first[kind]}
+
+
+def _rounded(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 `values` cast to the torch dtype `dtype` (float16, bfloat16 or float32) and back, exactly:
+    IEEE round to nearest even, as torch casts (BF16: float32's top half, rounded on the bits; NaN becomes
+    torch's 0x7FC0; float16 through numpy's own cast)."""
+    if dtype == "float32":
+        return values
+    if dtype == "float16":
+        with np.errstate(over="ignore"):
+            return values.astype(np.float16).astype(np.float32)
+    if dtype != "bfloat16":
+        raise ValueError(f"no cast to {dtype}")
+    bits = values.view(np.uint32)
+    top = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    top[np.isnan(values)] = 0x7FC0
+    return (top << np.uint32(16)).view(np.float32)

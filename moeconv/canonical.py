@@ -192,9 +192,16 @@ def regroup(weight: QuantizedWeight, factor: int) -> QuantizedWeight:
     moe_wna16 loader does when the group size does not divide a per-rank size."""
     if factor == 1:
         return weight
-    zeros = None if weight.zeros is None else weight.zeros.repeat_interleave(factor, dim=1)
-    return QuantizedWeight(codes=weight.codes, zeros=zeros, scales=weight.scales.repeat_interleave(factor, dim=1),
+    zeros = None if weight.zeros is None else _repeat_groups(weight.zeros, factor)
+    return QuantizedWeight(codes=weight.codes, zeros=zeros, scales=_repeat_groups(weight.scales, factor),
                            bits=weight.bits, group_size=weight.group_size // factor)
+
+
+def _repeat_groups(values: torch.Tensor | np.ndarray, factor: int) -> torch.Tensor | np.ndarray:
+    """(N, G) -> (N, G · factor), each group repeated: tensors, or arrays in the stored form."""
+    if isinstance(values, np.ndarray):
+        return np.repeat(values, factor, axis=1)
+    return values.repeat_interleave(factor, dim=1)
 
 
 def coarsen(weight: QuantizedWeight, factor: int, name: str) -> QuantizedWeight:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from moeconv import act_order, transcoders
+from moeconv import act_order, transcoders, transform
 from moeconv._version import __version__
 from moeconv.backends import all_backends, auto_order, get_backend
 from moeconv.backends.base import Backend, Serving
@@ -69,6 +69,9 @@ class Plan:
     # Some job decodes to the canonical form (torch): a dense linear or an expert without a transcoder,
     # or one a transcoder declines (a non-trivial g_idx). Else the workers need no torch.
     workers_need_torch: bool = field(init=False)
+    # verify's checks decode in numpy where every job's layout and format do (transform.decodes_stored) and no
+    # layer folds an act-order permutation; else its workers need torch.
+    checks_need_torch: bool = field(init=False)
 
     def __post_init__(self) -> None:
         answer = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen: set once here)
@@ -105,6 +108,10 @@ class Plan:
                    and act_order_suspected(self.checkpoint, self.source_format, self.detection))
                or any(isinstance(job, LinearJob) and (self.codec.linear_transcoder is None
                                                       or job.shape.activation_bits != 16) for job in self.jobs))
+        checked = [job for job in self.jobs if isinstance(job, LinearJob)] + [
+            jobs[0] for jobs in self.layer_jobs.values() if jobs]  # a layer's experts share its shape
+        answer("checks_need_torch", any(layer.act_order != act_order.STATIC for layer in self.layers)
+               or not all(transform.decodes_stored(job, self.codec) for job in checked))
 
     @property
     def output_bytes(self) -> int:

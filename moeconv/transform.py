@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
+
 from moeconv import act_order
 from moeconv.audit import count as audit_counts
 from moeconv.backends.base import Backend, ExpertWeights
@@ -26,7 +28,6 @@ from moeconv.transcoders import LinearTranscoder, Transcoder
 from moeconv.worklist import ConvertJob, ExpertJob, SourceSlice
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import numpy as np
     import torch
 
 Audit = tuple[str, dict[str, int]]  # (source linear, audit counts)
@@ -51,6 +52,11 @@ class Codec:
         """As `decode_source`, and for an act-order linear the input permutation under which its groups
         are static (act_order.py); formats that store no g_idx have none."""
         weight, inputs = self.source_format.decode_ordered(tensors)
+        return regroup(weight, self.regroup_factor), inputs
+
+    def decode_stored(self, stored: dict[str, np.ndarray]) -> tuple[QuantizedWeight, np.ndarray | None]:
+        """As `decode_ordered`, in numpy on the stored arrays (where the format `decodes_stored`)."""
+        weight, inputs = self.source_format.decode_stored(stored)
         return regroup(weight, self.regroup_factor), inputs
 
 
@@ -106,6 +112,39 @@ def decode(job: ConvertJob, codec: Codec, blocks: dict[str, torch.Tensor]) -> di
     if isinstance(job, ExpertJob):
         return codec.backend.decode_expert(blocks, job.shape)._asdict()
     return {"linear": job.encoder.decode_linear(blocks, job.shape)}
+
+
+def decodes_stored(job: ConvertJob, codec: Codec) -> bool:
+    """Whether `decode_stored` and `source_weights_stored` read this job in numpy (no torch)."""
+    layout = codec.backend if isinstance(job, ExpertJob) else job.encoder
+    return layout.decodes_stored(job.shape) and codec.source_format.decodes_stored
+
+
+def decode_stored(job: ConvertJob, codec: Codec, blocks: dict[str, np.ndarray]) -> dict[str, QuantizedWeight]:
+    """`decode` in numpy, on the output blocks' stored arrays (where `decodes_stored`)."""
+    if isinstance(job, ExpertJob):
+        return codec.backend.decode_expert_stored(blocks, job.shape)._asdict()
+    return {"linear": job.encoder.decode_linear_stored(blocks, job.shape)}
+
+
+def source_weights_stored(job: ConvertJob, codec: Codec, reader: TensorReader
+                          ) -> tuple[dict[str, QuantizedWeight], list[Audit]] | None:
+    """`source_weights` in numpy, the weights in the stored form (where `decodes_stored`); None for an
+    act-order expert, whose fold takes the canonical route. The audits count the stored tensors, as the
+    transcoders' conversions do."""
+    sources = job.sources if isinstance(job, ExpertJob) else {"linear": job.sources}
+    stored = {projection: {suffix: reader.read_raw(piece.entry) for suffix, piece in linear.items()}
+              for projection, linear in sources.items()}
+    weights = {}
+    for projection, tensors in stored.items():
+        weight, inputs = _decoded(codec.decode_stored, sources[projection], tensors)
+        if inputs is not None:
+            return None
+        weights[projection] = weight
+    audits = [(_linear_name(linear) if isinstance(job, ExpertJob) else job.prefix,
+               audit_counts(codec.source_format, _readable_linear(linear, stored[projection]), None))
+              for projection, linear in sources.items()]
+    return weights, audits
 
 
 def _read_expert(job: ExpertJob, read: Callable[[TensorEntry], Any]) -> dict[str, dict[str, Any]]:

@@ -24,11 +24,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+import numpy as np
+
 from moeconv.audit import Audits
 from moeconv.backends import get_backend
 from moeconv.checkpoint import manifest as manifests
 from moeconv.checkpoint.manifest import MANIFEST_NAME
-from moeconv.checkpoint.reader import TensorEntry, TensorReader, open_checkpoint, read_json, same_bytes
+from moeconv.checkpoint.reader import TensorEntry, TensorReader, bf16_as_float32, open_checkpoint, read_json, same_bytes
 from moeconv.errors import MoeconvError
 from moeconv.kernels.runners import LAYER_KERNELS, NUMERICS_TOLERANCE
 from moeconv.executor import Executor, in_batches, start_workers, worker_reader
@@ -41,6 +43,8 @@ from moeconv.source import resolve_source
 
 if TYPE_CHECKING:  # the checks import it in the workers; a lossless verify's own process never does
     import torch
+
+    from moeconv.canonical import QuantizedWeight
 
 
 @dataclass
@@ -178,8 +182,6 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     sealed = structure.check_seal(manifest) or structure.check_version(manifest)
     if sealed:  # nothing it says (backend, arguments, source) can be planned from
         return VerifyReport(str(output), str(source or ""), structure_problems=sealed, level=level)
-    if level != "structure" and executor == "local":
-        start_workers(workers)  # the lossless checkers' torch imports while the digests are taken
     recorded, arguments = manifest["source"], manifest["arguments"]
     if source is None:
         source = recorded.get("path")
@@ -208,6 +210,8 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
                          max_shard_size=_recorded_shard_size(arguments),
                          regroup=isinstance(regroup_factor, int) and regroup_factor > 1,
                          zero_format=arguments.get("zero_format"))
+        if level != "structure" and executor == "local" and plan.checks_need_torch:
+            start_workers(workers)  # the checkers' torch import, while the digests are taken
         kernel = LAYER_KERNELS[plan.backend.numerics.kernel]
         report = VerifyReport(str(output), str(checkpoint.root), targets=manifest["targets"], level=level,
                               tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
@@ -256,13 +260,14 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
         with TensorReader() as reader:
             started = time.perf_counter()
             try:
-                # Pass-through bytes need no worker: compared here while the fork server imports torch.
+                # Pass-through bytes need no worker: compared here (while the fork server imports torch, if
+                # the checks need it).
                 report.passthrough_problems, report.passthrough_checked = _check_passthrough(
                     copies, converted.tensors, advance)
                 report.phase_seconds["pass-through"] = round(time.perf_counter() - started, 3)
                 started = time.perf_counter()
-                executor = _checkers(executor, workers, ray_address)
-                # the rest of the workers' start: the fork server's import of torch
+                executor = _checkers(executor, workers, ray_address, plan.checks_need_torch)
+                # the rest of the workers' start: the fork server's import of torch, where they need it
                 report.phase_seconds["workers-start"] = round(time.perf_counter() - started, 3)
                 started = time.perf_counter()
                 with executor:
@@ -444,10 +449,11 @@ def _recorded_shard_size(arguments: dict[str, Any]) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else DEFAULT_MAX_SHARD_SIZE
 
 
-def _checkers(executor: str, workers: int | None, ray_address: str | None) -> Any:
-    """What runs the lossless checks: this machine's worker processes, or Ray tasks."""
+def _checkers(executor: str, workers: int | None, ray_address: str | None, needs_torch: bool) -> Any:
+    """What runs the lossless checks: this machine's worker processes (forked from this process where
+    the checks need no torch), or Ray tasks."""
     if executor == "local":
-        return Executor(workers)
+        return Executor(workers, needs_torch=needs_torch)
     if executor == "ray":
         from moeconv.distributed import RayMap
 
@@ -520,19 +526,38 @@ def _check_task(codec: Codec, job: ConvertJob, outputs: dict[str, TensorEntry],
 def _check_job(codec: Codec, job: ConvertJob, tensors: dict[str, TensorEntry], reader: TensorReader,
                audits: Audits, cast: tuple[str, str] | None) -> list[tuple[str | None, str]]:
     """(projection, mismatch) for every canonical weight whose output bytes do not decode to exactly
-    what the source format's decoder gives; (None, why) when the layout cannot be decoded at all."""
-    import torch
-
+    what the source format's decoder gives; (None, why) when the layout cannot be decoded at all. In
+    numpy where the job's layout and format decode the stored arrays (`transform.decodes_stored`), else,
+    or for an act-order fold, in torch."""
+    if transform.decodes_stored(job, codec):
+        try:
+            converted = transform.decode_stored(job, codec, {
+                suffix: reader.read_raw_slice(tensors[slot.tensor.name], slot.offset, slot.shape)
+                for suffix, slot in job.slots.items()})
+        except ValueError as error:  # the layout's own redundancy (e.g. weight_shape) disagrees
+            return [(None, str(error))]
+        decoded = transform.source_weights_stored(job, codec, reader)
+        if decoded is not None:
+            return _compared(job, converted, *decoded, audits, cast)
     try:
         converted = transform.decode(job, codec, _output_blocks(job, tensors, reader))
     except ValueError as error:  # the layout's own redundancy (e.g. CPU compensation sums) disagrees
         return [(None, str(error))]
-    source, counts = transform.source_weights(job, codec, reader)
+    return _compared(job, converted, *transform.source_weights(job, codec, reader), audits, cast)
+
+
+def _compared(job: ConvertJob, converted: dict[str, QuantizedWeight], source: dict[str, QuantizedWeight],
+              counts: list[tuple[str, dict[str, int]]], audits: Audits,
+              cast: tuple[str, str] | None) -> list[tuple[str | None, str]]:
+    """The mismatches of the output's decoding against the source's (both tensors, or both stored arrays);
+    the source's audit counts and engine cast recorded."""
     for name, found in counts:
         audits.record(name, found)
     if cast is not None:
-        for weight in source.values():
-            audits.record_cast(weight.scales, getattr(torch, cast[1]))
+        for weight in source.values():  # stored BF16 bit patterns as the values they hold
+            scales = weight.scales
+            audits.record_cast(bf16_as_float32(scales) if isinstance(scales, np.ndarray) and cast[0] == "bfloat16"
+                               else scales, *cast)
     return [(key if isinstance(job, ExpertJob) else None, problem) for key, weight in source.items()
             if (problem := converted[key].mismatch(weight))]
 

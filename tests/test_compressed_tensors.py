@@ -354,11 +354,39 @@ def test_the_engine_scale_cast_is_counted_and_an_overflow_fails():
     from moeconv.audit import Audits
 
     audits = Audits()
-    audits.record_cast(torch.tensor([1.0, 1.0 + 2**-10, 0.5, 3.0 + 2**-9], dtype=torch.float16), torch.bfloat16)
+    audits.record_cast(torch.tensor([1.0, 1.0 + 2**-10, 0.5, 3.0 + 2**-9], dtype=torch.float16), "float16", "bfloat16")
     assert audits.casts["checked"] == 4 and audits.casts["changed"] == 2 and audits.casts["overflow"] == 0
     assert audits.casts["max_relative_change"] == pytest.approx(2**-10 / (1.0 + 2**-10))  # beats 2^-9 / 3
-    audits.record_cast(torch.tensor([131072.0, 2.0], dtype=torch.bfloat16), torch.float16)  # > 65504: inf
+    audits.record_cast(torch.tensor([131072.0, 2.0], dtype=torch.bfloat16), "bfloat16", "float16")  # > 65504: inf
     assert audits.casts["overflow"] == 1 and audits.casts["checked"] == 6
+
+
+_CAST_EDGES = [0.0, -0.0, 1.0, 1.0 + 2**-10, 65504.0, 65520.0, 131072.0, 3.4e38, 2**-24, 2**-25, 2**-14, 1e-40,
+               2**-126, float("inf"), float("-inf"), float("nan")]
+
+
+@given(values=st.lists(st.one_of(st.sampled_from(_CAST_EDGES), st.floats(width=32)), min_size=1, max_size=64),
+       pair=st.sampled_from([("float16", "bfloat16"), ("bfloat16", "float16"), ("float32", "float16"),
+                             ("float32", "bfloat16"), ("float16", "float32"), ("bfloat16", "float32")]))
+def test_the_cast_audit_counts_what_torchs_own_cast_does(values, pair):
+    """The audit casts in numpy (verify's workers have no torch); torch's own `.to()` is the reference, here on
+    edge values (overflow, subnormals, ties, signed zeros, NaN) and any float32, stored in the pair's first dtype."""
+    from moeconv.audit import Audits
+
+    stored, engine = (getattr(torch, name) for name in pair)
+    scales = torch.tensor(values, dtype=torch.float32).to(stored)
+    finite = torch.isfinite(scales)
+    cast = scales.to(engine)
+    changed = finite & (cast.to(stored).float().view(torch.int32) != scales.float().view(torch.int32))
+    overflow = finite & ~torch.isfinite(cast)
+    kept = finite & ~overflow & (scales != 0)
+    audits = Audits()
+    audits.record_cast(scales, *pair)
+    assert audits.casts["checked"] == int(finite.sum())
+    assert audits.casts["changed"] == int(changed.sum())
+    assert audits.casts["overflow"] == int(overflow.sum())
+    expected = float(((cast.double() - scales.double()).abs() / scales.double().abs())[kept].max()) if kept.any() else 0.0
+    assert audits.casts["max_relative_change"] == expected
 
 
 def test_fp16_scales_served_bf16_are_reported(tmp_path, capsys):

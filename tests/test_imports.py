@@ -190,3 +190,45 @@ def test_a_lossless_verify_imports_torch_only_in_its_workers(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert "exit: 0" in done.stdout, done.stdout + done.stderr
     assert "torch loaded: False" in done.stdout and "triton loaded: False" in done.stdout, done.stdout + done.stderr
+
+
+NO_TORCH = """
+import sys
+
+class NoTorch:  # any import of torch, in this process or a worker forked from it, fails
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked for this test")
+
+sys.meta_path.insert(0, NoTorch())
+""" + RUN
+
+
+@pytest.mark.parametrize("backend", ["triton", "humming", "compressed-tensors"])
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_lossless_verify_of_a_numpy_decoded_output_imports_torch_nowhere(tmp_path, backend, workers):
+    """Asymmetric GPTQ, its dense linears converted too: every job's layout and format decode the stored
+    arrays in numpy (Plan.checks_need_torch false), so verify's workers are forked from its process and no
+    process of the tree can import torch (the import fails here) and the verdict is still reached."""
+    import moeconv
+    from moeconv.synth import SynthSpec, make_checkpoint
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=128, intermediate=64, experts=4, layers=2))
+    moeconv.convert(source, tmp_path / "out", backend=backend, workers=1)
+    done = subprocess.run([sys.executable, "-c", NO_TORCH, "verify", str(tmp_path / "out"), "--level", "lossless",
+                           "--workers", workers, "-q"], capture_output=True, text=True, timeout=300)
+    assert "exit: 0" in done.stdout and "torch loaded: False" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_checks_need_torch_for_the_cpu_layout_and_act_order(tmp_path):
+    """What still decodes in torch: the x86 cpu layout (blocked, with compensation sums), and an act-order
+    down projection's fold into its gate and up rows."""
+    from moeconv.checkpoint.reader import open_checkpoint
+    from moeconv.plan import make_plan
+    from moeconv.synth import SynthSpec, make_checkpoint
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=128, intermediate=64, experts=4, layers=1))
+    needs = {backend: make_plan(open_checkpoint(source), backend=backend).checks_need_torch
+             for backend in ("triton", "humming", "compressed-tensors", "cpu")}
+    assert needs == {"triton": False, "humming": False, "compressed-tensors": False, "cpu": True}
+    assert make_plan(open_checkpoint(ACT_ORDER), backend="triton").checks_need_torch

@@ -112,10 +112,9 @@ class Backend(Protocol):
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
         """Inverse of `encode_expert`."""
 
-    def decodes_stored(self, layer: MoELayerShape) -> bool:
-        """Whether `decode_expert_stored` (and `decode_linear_stored`, for a backend that converts dense
-        linears) decode this layer's layout in numpy, so that verify's workers need no torch for it.
-        Default: False."""
+    def decodes_stored(self, layer: MoELayerShape | LinearShape) -> bool:
+        """Whether `decode_expert_stored` (or `decode_linear_stored`, given a dense linear's shape) decodes
+        this layer's layout in numpy, so that verify's workers need no torch for it. Default: False."""
 
     def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
         """As `decode_expert`, on the stored arrays (BF16 as uint16 bit patterns), the weights in that
@@ -163,7 +162,7 @@ class BackendDefaults:
     def dense_linear_backend(self, source_format: Any) -> str | None:
         return None
 
-    def decodes_stored(self, layer: MoELayerShape) -> bool:
+    def decodes_stored(self, layer: MoELayerShape | LinearShape) -> bool:
         return False
 
     def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:

@@ -37,7 +37,7 @@ class PerLinearBackend(BackendDefaults):
                 for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer))
                 for suffix, tensor in self.encode_linear(getattr(expert, projection), linear).items()}
 
-    def decodes_stored(self, layer: MoELayerShape) -> bool:
+    def decodes_stored(self, layer: MoELayerShape | LinearShape) -> bool:
         return True
 
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:

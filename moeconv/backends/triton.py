@@ -22,7 +22,7 @@ import numpy as np
 from moeconv import packing
 from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics, Serving, vllm_serve
 from moeconv.spec import TensorSpec
-from moeconv.canonical import MoELayerShape, QuantizedWeight, is_channelwise, stored_arrays
+from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise, stored_arrays
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
     import torch
@@ -136,7 +136,7 @@ class TritonBackend(BackendDefaults):
                 slices[names.qzeros] = packing.pack(zeros, rows[0].bits, dim=0, container=torch.uint8)
         return slices
 
-    def decodes_stored(self, layer: MoELayerShape) -> bool:
+    def decodes_stored(self, layer: MoELayerShape | LinearShape) -> bool:
         """The WNA16 layout's bytes only move; the int8 layout's F32 scales are cast back (in torch)."""
         return layer.activation_bits == 16
 

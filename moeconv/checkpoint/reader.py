@@ -313,10 +313,21 @@ class TensorReader:
 
     def read_slice(self, entry: TensorEntry, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
         """The `shape`-shaped block of `entry`'s dtype that starts `offset` bytes into its data."""
+        return self._read(entry, entry.begin + offset, self._block_length(entry, offset, shape), shape)
+
+    def read_raw_slice(self, entry: TensorEntry, offset: int, shape: tuple[int, ...]) -> np.ndarray:
+        """`read_slice`'s block as `read_raw` gives a tensor: numpy, BF16 as its uint16 bit patterns."""
+        if entry.dtype not in NUMPY_DTYPES:
+            raise MoeconvError(f"{entry.file}: tensor {entry.name} is {entry.dtype}, which numpy does not read")
+        data = self._bytes(entry, entry.begin + offset, self._block_length(entry, offset, shape))
+        return np.frombuffer(data, dtype=NUMPY_DTYPES[entry.dtype]).reshape(shape)
+
+    @staticmethod
+    def _block_length(entry: TensorEntry, offset: int, shape: tuple[int, ...]) -> int:
         length = DTYPE_SIZES[entry.dtype] * prod(shape)
         if offset < 0 or offset + length > entry.nbytes:
             raise MoeconvError(f"{entry.file}: tensor {entry.name} has no {list(shape)} block at byte {offset}")
-        return self._read(entry, entry.begin + offset, length, shape)
+        return length
 
     def close(self) -> None:
         for fd in self._files.values():
