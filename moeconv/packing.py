@@ -161,20 +161,6 @@ def _word_array_bytes(words: np.ndarray, axis: int) -> np.ndarray:
     return split.reshape(words.shape[:axis] + (words.shape[axis] * 4,) + words.shape[axis + 1:])
 
 
-def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
-    """`unpack` of int32 words in numpy, for the detection the parent runs without torch: uint8 values,
-    `axis` grown by 32 / bits, value i of a word in its bits [i·bits, (i + 1)·bits) (the same order as
-    `unpack`'s bytes, least significant first, then slots from the low bits)."""
-    per = values_per_container(bits, "int32")
-    words = np.asarray(words).view(np.uint32)
-    axis = axis % words.ndim
-    shifts = np.arange(per, dtype=np.uint32) * np.uint32(bits)
-    values = (words[..., None] >> shifts) & np.uint32((1 << bits) - 1)  # (..., per)
-    values = np.moveaxis(values, -1, axis + 1)
-    shape = words.shape[:axis] + (words.shape[axis] * per,) + words.shape[axis + 1:]
-    return values.reshape(shape).astype(np.uint8)
-
-
 def add_to_word_array(words: np.ndarray, addend: int) -> np.ndarray:
     """`add_to_words` in numpy: int32 words + addend modulo 2^32."""
     total = (np.asarray(words).astype(np.int64) + addend) & 0xFFFFFFFF

@@ -333,7 +333,7 @@ def _gptq_rows(fmt: GPTQ, linear: Linear) -> tuple | None:
     zeros = None
     if not fmt.sym:
         true_words = packing.add_to_word_array(linear["qzeros"], fmt.zero_offset_word())
-        zeros = packing.unpack_words(true_words, fmt.bits, axis=1).T
+        zeros = packing.unpack_array(true_words, fmt.bits, axis=1).T
     return qweight.view(np.uint32).T, zeros, linear["scales"].T
 
 
@@ -349,7 +349,7 @@ def _compressed_tensors_rows(fmt: CompressedTensors, linear: Linear) -> tuple | 
     if words is None:
         return None
     packed, zero_words = words
-    zeros = None if zero_words is None else packing.unpack_words(zero_words, fmt.bits, axis=0)
+    zeros = None if zero_words is None else packing.unpack_array(zero_words, fmt.bits, axis=0)
     return packed.view(np.uint32), zeros, linear["weight_scale"]
 
 

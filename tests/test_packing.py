@@ -71,19 +71,18 @@ def test_byte_split_view_equals_the_shifts(shape, seed):
 
 @given(bits=st.sampled_from([2, 4, 8]), rows=st.integers(1, 5), columns=st.integers(1, 6), axis=st.sampled_from([0, 1]),
        addend=st.sampled_from([0, 0x11111111, 0x01010101, -0x11111111]), seed=st.integers(0, 2**31))
-def test_the_numpy_unpack_of_words_is_the_torch_one(bits, rows, columns, axis, addend, seed):
-    """What the parent's detection reads without torch (unpack_words, add_to_word_array) against the
-    torch unpack the codecs use and Python's integer arithmetic, on any int32 words (sign bit and
-    borrows included)."""
+def test_the_numpy_unpack_of_words_is_pythons_integer_arithmetic(bits, rows, columns, axis, addend, seed):
+    """What the parent's detection and verify's workers read without torch (unpack_array, add_to_word_array)
+    against Python's integer arithmetic, on any int32 words (sign bit and borrows included), along the
+    innermost axis (a view of the words' bytes) and the other (shifts); the torch unpack gives the same."""
     words = torch.randint(-2**31, 2**31, (rows, columns), dtype=torch.int64,
                           generator=torch.Generator().manual_seed(seed)).to(torch.int32)
     shifted = packing.add_to_word_array(words.numpy(), addend)
     wrapped = [[(word + addend) % (1 << 32) for word in row] for row in words.tolist()]  # Python's integers
     assert shifted.dtype.name == "int32" and shifted.view("uint32").tolist() == wrapped
     assert torch.equal(packing.add_to_words(words, addend), torch.from_numpy(shifted))
-    values = packing.unpack_words(shifted, bits, axis)
-    expected = packing.unpack(torch.from_numpy(shifted), bits, axis).numpy()
-    assert values.dtype.name == "uint8" and values.shape == expected.shape and (values == expected).all()
+    values = packing.unpack_array(shifted, bits, axis)
+    assert torch.equal(packing.unpack(torch.from_numpy(shifted), bits, axis), torch.from_numpy(values))
     # both against Python's integers: value i of a word is (word >> i·bits) & mask, placed along `axis`
     per, mask = 32 // bits, (1 << bits) - 1
     slots = [[[(word >> (i * bits)) & mask for i in range(per)] for word in row] for row in wrapped]
@@ -91,4 +90,4 @@ def test_the_numpy_unpack_of_words_is_the_torch_one(bits, rows, columns, axis, a
         by_integers = [[value for word in row for value in word] for row in slots]
     else:
         by_integers = [[slots[r][c][i] for c in range(columns)] for r in range(rows) for i in range(per)]
-    assert expected.tolist() == by_integers
+    assert values.dtype.name == "uint8" and values.tolist() == by_integers

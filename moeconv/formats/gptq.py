@@ -146,7 +146,7 @@ class GPTQ(StoredDecoding):
         """v1 asymmetric only: stored zero slots that are all ones, i.e. true zero 0 (see module doc)."""
         if not self.has_ambiguous_zeros:
             return 0
-        return int((packing.unpack_words(np.asarray(qzeros), self.bits, axis=1) == (1 << self.bits) - 1).sum())
+        return int((packing.unpack_array(np.asarray(qzeros), self.bits, axis=1) == (1 << self.bits) - 1).sum())
 
     vector_suffixes = ("g_idx",)
     group_index_suffix = "g_idx"  # act-order's group of each input channel (act_order.py)
@@ -262,8 +262,8 @@ def _gptq_version(linears: list[Linear], bits: int, group_size: int, label: str,
     offsets, per_linear, read_bytes = [], [], 0
     for tensors, _, _ in linears:
         qweight, qzeros = read(tensors["qweight"]), read(tensors["qzeros"])
-        codes = packing.unpack_words(qweight, bits, axis=0).T  # (N, K)
-        v1_zeros, v2_zeros = (packing.unpack_words(packing.add_to_word_array(qzeros, offset), bits, axis=1).T
+        codes = packing.unpack_array(qweight, bits, axis=0).T  # (N, K)
+        v1_zeros, v2_zeros = (packing.unpack_array(packing.add_to_word_array(qzeros, offset), bits, axis=1).T
                               for offset in (packing.repeated_word(1, bits), 0))  # (N, G) each
         out_features, in_features = codes.shape
         g = effective_group_size(in_features, group_size)
