@@ -409,3 +409,20 @@ def test_a_failed_plan_stops_the_early_digests(converted, monkeypatch):
     while any(thread.name == "moeconv-digests" for thread in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(thread.name == "moeconv-digests" for thread in threading.enumerate())
+
+
+@pytest.mark.parametrize("backend", ["triton", "compressed-tensors"])
+def test_a_stated_shape_that_disagrees_fails_in_the_numpy_decoding(tmp_path, backend):
+    """compressed-tensors states each linear's [N, K] (weight_shape, I64), which its decoding checks: a
+    dense linear's (written in that layout beside either backend's experts), changed and resealed, fails the
+    lossless level, naming the linear, through verify's numpy decoding (no torch: Plan.checks_need_torch)."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(layers=1, experts=4, hidden=128, intermediate=64))
+    plan = make_plan(source, backend=backend)
+    assert not plan.checks_need_torch
+    convert(plan, tmp_path / "out")
+    name = next(name for name in open_checkpoint(tmp_path / "out").tensors
+                if name.endswith(".weight_shape") and ".experts." not in name)
+    _flip_byte(tmp_path / "out", name, expert=0, offset=0, mask=0x01)  # N (little-endian I64) + 1 or - 1
+    failures = verify(tmp_path / "out", level="lossless").failures()
+    assert any(name.removesuffix(".weight_shape") in failure and "weight_shape says" in failure
+               for failure in failures), failures
