@@ -70,7 +70,7 @@ class Plan:
     # or one a transcoder declines (a non-trivial g_idx). Else the workers need no torch.
     workers_need_torch: bool = field(init=False)
     # verify's checks decode in numpy where every job's layout and format do (transform.decodes_stored) and no
-    # layer folds an act-order permutation; else its workers need torch.
+    # layer folds an act-order permutation (relabelled groups are only reordered); else its workers need torch.
     checks_need_torch: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -110,7 +110,7 @@ class Plan:
                                                       or job.shape.activation_bits != 16) for job in self.jobs))
         checked = [job for job in self.jobs if isinstance(job, LinearJob)] + [
             jobs[0] for jobs in self.layer_jobs.values() if jobs]  # a layer's experts share its shape
-        answer("checks_need_torch", any(layer.act_order != act_order.STATIC for layer in self.layers)
+        answer("checks_need_torch", any(layer.act_order == act_order.FOLDED for layer in self.layers)
                or not all(transform.decodes_stored(job, self.codec) for job in checked))
 
     @property
