@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from moeconv.packing import bf16_as_float32, float32_cast
+
 if TYPE_CHECKING:  # the counts run where tensors are (the workers); the totals need no torch
     import torch
 
@@ -65,7 +67,7 @@ class Audits:
         """What an engine's cast of `scales` (of torch dtype `stored`: float16, bfloat16 or float32, BF16 in
         numpy given as the float32 values it holds) to `engine` does to them: values that change, values
         that become infinite, the largest relative change among the finite ones. Each of the three dtypes
-        holds only float32 values, so every cast is a rounding of float32 values (`_rounded`)."""
+        holds only float32 values, so every cast is a rounding of float32 values (`packing.float32_cast`)."""
         values = _floats(scales).astype(np.float32, copy=False).reshape(-1)
         finite = np.isfinite(values)
         cast = _rounded(values, engine)
@@ -94,17 +96,6 @@ class Audits:
 
 
 def _rounded(values: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 `values` cast to the torch dtype `dtype` (float16, bfloat16 or float32) and back, exactly:
-    IEEE round to nearest even, as torch casts (BF16: float32's top half, rounded on the bits; NaN becomes
-    torch's 0x7FC0; float16 through numpy's own cast)."""
-    if dtype == "float32":
-        return values
-    if dtype == "float16":
-        with np.errstate(over="ignore"):
-            return values.astype(np.float16).astype(np.float32)
-    if dtype != "bfloat16":
-        raise ValueError(f"no cast to {dtype}")
-    bits = values.view(np.uint32)
-    top = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    top[np.isnan(values)] = 0x7FC0
-    return (top << np.uint32(16)).view(np.float32)
+    """float32 `values` cast to the torch dtype `dtype` (packing.float32_cast) and read back as float32, exactly."""
+    cast = float32_cast(values, dtype)
+    return bf16_as_float32(cast) if dtype == "bfloat16" else cast.astype(np.float32, copy=False)

@@ -201,3 +201,31 @@ def offset_codes_to_int8(codes: torch.Tensor) -> torch.Tensor:
     import torch
 
     return (codes ^ 0x80).view(torch.int8)
+
+
+def bf16_as_float32(bits: np.ndarray) -> np.ndarray:
+    """BF16 bit patterns (uint16) as the float32 values they are, exactly (BF16 is float32's top half)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def float32_cast(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 `values` cast to torch's `dtype` (float16, bfloat16 or float32), in that dtype's stored form
+    (BF16 as uint16 bit patterns): finite values and infinities rounded to nearest even, bit for bit as
+    torch's `.to()` rounds them (BF16 on the bits, float16 by numpy's own cast). A NaN stays a NaN of its sign
+    with the payload bits the dtype holds, so that every value of the dtype comes back exactly (torch's NaN
+    bits differ between its vectorized and scalar paths: 0xFFFF and 0x7FC0 for BF16 on the dev machine)."""
+    values = np.asarray(values, dtype=np.float32)
+    if dtype == "float32":
+        return values
+    if dtype == "float16":
+        with np.errstate(over="ignore", invalid="ignore"):
+            return values.astype(np.float16)
+    if dtype != "bfloat16":
+        raise ValueError(f"no cast to {dtype}")
+    bits = values.view(np.uint32)
+    top = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():  # the top half, made quiet where its payload bits would all be zero (an infinity)
+        kept = (bits[nan] >> np.uint32(16)).astype(np.uint16)
+        top[nan] = np.where(kept & np.uint16(0x7F), kept, kept | np.uint16(0x40))
+    return top

@@ -34,11 +34,11 @@ from typing import Callable, Mapping, Union
 import numpy as np
 
 from moeconv import act_order, packing
+from moeconv.packing import bf16_as_float32
 from moeconv.backends import cpu
 from moeconv.backends.base import FUSED_GEMMS
 from moeconv.backends.triton import WNA16
 from moeconv.canonical import MoELayerShape, effective_group_size
-from moeconv.checkpoint.reader import bf16_as_float32
 from moeconv.errors import MoeconvError
 from moeconv.formats.awq import AWQ, NATURAL_FROM_SLOTS
 from moeconv.formats.compressed_tensors import CompressedTensors

@@ -21,7 +21,8 @@ from moeconv import act_order
 from moeconv.audit import count as audit_counts
 from moeconv.backends.base import Backend, ExpertWeights
 from moeconv.canonical import QuantizedWeight, regroup
-from moeconv.checkpoint.reader import TensorEntry, TensorReader, bf16_as_float32
+from moeconv.checkpoint.reader import TensorEntry, TensorReader
+from moeconv.packing import bf16_as_float32
 from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat
 from moeconv.transcoders import LinearTranscoder, Transcoder

@@ -30,8 +30,9 @@ from moeconv.audit import Audits
 from moeconv.backends import get_backend
 from moeconv.checkpoint import manifest as manifests
 from moeconv.checkpoint.manifest import MANIFEST_NAME
-from moeconv.checkpoint.reader import TensorEntry, TensorReader, bf16_as_float32, open_checkpoint, read_json, same_bytes
+from moeconv.checkpoint.reader import TensorEntry, TensorReader, open_checkpoint, read_json, same_bytes
 from moeconv.errors import MoeconvError
+from moeconv.packing import bf16_as_float32
 from moeconv.kernels.runners import LAYER_KERNELS, NUMERICS_TOLERANCE
 from moeconv.executor import Executor, in_batches, start_workers, worker_reader
 from moeconv import structure, transform

@@ -204,16 +204,22 @@ sys.meta_path.insert(0, NoTorch())
 """ + RUN
 
 
-@pytest.mark.parametrize("backend", ["triton", "humming", "compressed-tensors"])
+@pytest.mark.parametrize("backend", ["triton", "humming", "compressed-tensors", "triton-w8a8"])
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_lossless_verify_of_a_numpy_decoded_output_imports_torch_nowhere(tmp_path, backend, workers):
-    """Asymmetric GPTQ, its dense linears converted too: every job's layout and format decode the stored
-    arrays in numpy (Plan.checks_need_torch false), so verify's workers are forked from its process and no
-    process of the tree can import torch (the import fails here) and the verdict is still reached."""
+    """Asymmetric GPTQ (or compressed-tensors W8A8 into triton's int8 layout), its dense linears converted
+    too: every job's layout and format decode the stored arrays in numpy (Plan.checks_need_torch false), so
+    verify's workers are forked from its process and no process of the tree can import torch (the import
+    fails here) and the verdict is still reached."""
     import moeconv
+    from moeconv.formats import CompressedTensors
     from moeconv.synth import SynthSpec, make_checkpoint
 
-    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=128, intermediate=64, experts=4, layers=2))
+    spec = SynthSpec(hidden=128, intermediate=64, experts=4, layers=2)
+    if backend == "triton-w8a8":
+        backend, spec = "triton", SynthSpec(hidden=128, intermediate=64, experts=4, layers=2, source_format=(
+            CompressedTensors(format="int-quantized", bits=8, group_size=-1, activation_bits=8)))
+    source = make_checkpoint(tmp_path / "src", spec)
     moeconv.convert(source, tmp_path / "out", backend=backend, workers=1)
     done = subprocess.run([sys.executable, "-c", NO_TORCH, "verify", str(tmp_path / "out"), "--level", "lossless",
                            "--workers", workers, "-q"], capture_output=True, text=True, timeout=300)

@@ -91,3 +91,36 @@ def test_the_numpy_unpack_of_words_is_pythons_integer_arithmetic(bits, rows, col
     else:
         by_integers = [[slots[r][c][i] for c in range(columns)] for r in range(rows) for i in range(per)]
     assert values.dtype.name == "uint8" and values.tolist() == by_integers
+
+
+@given(bits=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64),
+       dtype=st.sampled_from(["float16", "bfloat16", "float32"]))
+def test_the_numpy_float32_cast_rounds_as_torch_does(bits, dtype):
+    """Any float32 bit pattern that is not a NaN (infinities, subnormals, ties, overflow) cast as torch's
+    `.to()` casts it, bit for bit, in the dtype's stored form (BF16 as uint16 bit patterns); a NaN stays a
+    NaN of its sign."""
+    import numpy as np
+
+    values = np.array(bits, dtype=np.uint32).view(np.float32)
+    expected = torch.from_numpy(values.copy()).to(getattr(torch, dtype))
+    if dtype == "bfloat16":
+        expected = expected.view(torch.int16).numpy().view(np.uint16)
+    else:
+        expected = expected.numpy()
+    found = packing.float32_cast(values, dtype)
+    nan = np.isnan(values)
+    assert found.dtype == expected.dtype
+    assert found[~nan].view(np.uint8).tobytes() == expected[~nan].view(np.uint8).tobytes()
+    back = packing.bf16_as_float32(found[nan]) if dtype == "bfloat16" else found[nan].astype(np.float32)
+    assert np.isnan(back).all() and (np.signbit(back) == np.signbit(values[nan])).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_every_16_bit_value_comes_back_from_float32_exactly(dtype):
+    """All 65,536 bit patterns, NaNs included: a scale stored as float32 (the int8 layouts) and cast back is
+    the source's own bytes."""
+    import numpy as np
+
+    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    widened = packing.bf16_as_float32(patterns) if dtype == "bfloat16" else patterns.view(np.float16).astype(np.float32)
+    assert packing.float32_cast(widened, dtype).view(np.uint16).tobytes() == patterns.tobytes()

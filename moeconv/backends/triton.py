@@ -21,7 +21,7 @@ import numpy as np
 
 from moeconv import packing
 from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics, Serving, vllm_serve
-from moeconv.spec import TensorSpec
+from moeconv.spec import TORCH_NAMES, TensorSpec
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise, stored_arrays
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
@@ -137,18 +137,17 @@ class TritonBackend(BackendDefaults):
         return slices
 
     def decodes_stored(self, layer: MoELayerShape | LinearShape) -> bool:
-        """The WNA16 layout's bytes only move; the int8 layout's F32 scales are cast back (in torch)."""
-        return layer.activation_bits == 16
+        return True
 
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
-        if layer.activation_bits == 8:
-            w13, w2 = (_int8_decode(prefix, slices, layer) for prefix in ("w13", "w2"))
-            return ExpertWeights(*_split_rows(w13, layer.intermediate), down=w2)
         return self.decode_expert_stored(stored_arrays(slices), layer).as_tensors()
 
     def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
         decoded = {}
         for prefix in ("w13", "w2"):
+            if layer.activation_bits == 8:
+                decoded[prefix] = _int8_decode(prefix, slices, layer)
+                continue
             names = WNA16[prefix]
             codes = packing.unpack_array(slices[names.qweight], layer.bits, axis=1)
             zeros_packed = slices.get(names.qzeros)
@@ -219,15 +218,10 @@ def _int8_encode(prefix: str, rows: tuple[QuantizedWeight, ...]) -> dict[str, to
             names.weight_scale: torch.cat([w.scales for w in rows]).to(torch.float32)}
 
 
-def _int8_decode(prefix: str, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> QuantizedWeight:
-    from moeconv.spec import TORCH_DTYPES
-
+def _int8_decode(prefix: str, slices: dict[str, np.ndarray], layer: MoELayerShape) -> QuantizedWeight:
+    """The int8 layout's stored arrays back to the canonical form: the codes' bytes moved, the F32 scales cast
+    back to the source's scale dtype, rounding as torch's casts do (packing.float32_cast)."""
     names = INT8[prefix]
-    codes = packing.int8_to_offset_codes(slices[names.weight]).contiguous()
-    return QuantizedWeight(
-        codes=codes,
-        zeros=None,
-        scales=slices[names.weight_scale].to(TORCH_DTYPES[layer.scale_dtype]),
-        bits=8,
-        group_size=codes.shape[1],
-    )
+    codes = packing.int8_array_to_offset_codes(slices[names.weight])
+    return QuantizedWeight(codes=codes, zeros=None, bits=8, group_size=codes.shape[1],
+                           scales=packing.float32_cast(slices[names.weight_scale], TORCH_NAMES[layer.scale_dtype]))

@@ -27,6 +27,7 @@ import numpy as np
 from moeconv.checkpoint.schema import (MAX_HEADER_BYTES, MAX_TENSORS, check_tensor_count, header_entries, open_regular,
                                        parse_header, read_json_object, section, weight_map)
 from moeconv.errors import MoeconvError
+from moeconv.packing import bf16_as_float32
 from moeconv.spec import DTYPE_SIZES
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not by reading headers
@@ -37,11 +38,6 @@ INDEX_NAME = "model.safetensors.index.json"
 # BF16, which numpy lacks, is read as its 16 bits and widened to float32 exactly.
 NUMPY_DTYPES = {"U8": np.uint8, "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "F16": np.float16,
                 "F32": np.float32, "F64": np.float64, "BOOL": np.bool_, "BF16": np.uint16}
-
-
-def bf16_as_float32(bits: np.ndarray) -> np.ndarray:
-    """BF16 bit patterns (uint16) as the float32 values they are, exactly (BF16 is float32's top half)."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 @dataclass(frozen=True, slots=True)  # one per tensor: a 600 GB checkpoint has hundreds of thousands
