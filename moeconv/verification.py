@@ -1,5 +1,5 @@
-"""Proof that a converted checkpoint is right (DESIGN.md §7; what each level proves, and what no
-level proves, is the threat model in docs/FORMAT.md).
+"""Proof that a converted checkpoint is right (what each level proves, and what no level proves, is the
+threat model in docs/FORMAT.md).
 
 1. structure: every file of the output folder is one the manifest lists, with its size and digest
    (blocks hashed in parallel), and the manifest matches its own digest; every tensor the layout
@@ -9,7 +9,8 @@ level proves, is the threat model in docs/FORMAT.md).
 2. lossless: every source shard hashes to the digest recorded as the conversion read it; every
    conversion job of the plan (each expert, each dense linear a backend converts) decodes from the
    output back to the canonical form, and equals what the SOURCE format's decoder gives for the
-   source tensors, bit for bit; pass-through tensors are byte-identical to the source.
+   source tensors, bit for bit (both read in numpy where the layout and the format can be, else in
+   torch; never through the converter's transcoders); pass-through tensors are byte-identical to the source.
 3. numerics: the reference kernel the backend names (moeconv.kernels.runners) runs on the converted
    tensors for random tokens and routing; the reference dequantizes the source independently and
    computes in float64.
