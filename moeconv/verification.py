@@ -507,10 +507,11 @@ def _sampled(count: int, sample: int | None, generator: torch.Generator | None) 
     return sorted(torch.randperm(count, generator=generator)[:sample].tolist())
 
 
-def _output_blocks(job: ConvertJob, tensors: dict[str, TensorEntry], reader: TensorReader) -> dict[str, torch.Tensor]:
-    """The bytes the job wrote, read back from the output, keyed by backend suffix."""
-    return {suffix: reader.read_slice(tensors[slot.tensor.name], slot.offset, slot.shape)
-            for suffix, slot in job.slots.items()}
+def _output_blocks(job: ConvertJob, tensors: dict[str, TensorEntry],
+                   read: Callable[[TensorEntry, int, tuple[int, ...]], Any]) -> dict[str, Any]:
+    """The bytes the job wrote, read back from the output (`read`: TensorReader.read_slice for tensors,
+    read_raw_slice for the stored arrays), keyed by backend suffix."""
+    return {suffix: read(tensors[slot.tensor.name], slot.offset, slot.shape) for suffix, slot in job.slots.items()}
 
 
 def _outputs_of(job: ConvertJob, tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
@@ -533,16 +534,14 @@ def _check_job(codec: Codec, job: ConvertJob, tensors: dict[str, TensorEntry], r
     or for an act-order fold, in torch."""
     if transform.decodes_stored(job, codec):
         try:
-            converted = transform.decode_stored(job, codec, {
-                suffix: reader.read_raw_slice(tensors[slot.tensor.name], slot.offset, slot.shape)
-                for suffix, slot in job.slots.items()})
+            converted = transform.decode_stored(job, codec, _output_blocks(job, tensors, reader.read_raw_slice))
         except ValueError as error:  # the layout's own redundancy (e.g. weight_shape) disagrees
             return [(None, str(error))]
         decoded = transform.source_weights_stored(job, codec, reader)
         if decoded is not None:
             return _compared(job, converted, *decoded, audits, cast)
     try:
-        converted = transform.decode(job, codec, _output_blocks(job, tensors, reader))
+        converted = transform.decode(job, codec, _output_blocks(job, tensors, reader.read_slice))
     except ValueError as error:  # the layout's own redundancy (e.g. CPU compensation sums) disagrees
         return [(None, str(error))]
     return _compared(job, converted, *transform.source_weights(job, codec, reader), audits, cast)
@@ -572,7 +571,7 @@ def _kernel_tensors(plan: Plan, jobs: list[ExpertJob], tensors: dict[str, Tensor
     import torch
 
     layout = plan.backend.numerics.layout
-    blocks = [_output_blocks(job, tensors, reader) for job in jobs]
+    blocks = [_output_blocks(job, tensors, reader.read_slice) for job in jobs]
     if layout is not None:
         target = get_backend(layout)
         blocks = [target.encode_expert(plan.backend.decode_expert(own, job.shape), job.shape)

@@ -177,18 +177,14 @@ class TritonBackend(BackendDefaults):
 
 
 def _split_rows(weight: QuantizedWeight, rows: int) -> tuple[QuantizedWeight, QuantizedWeight]:
-    """The first `rows` output rows and the rest (gate and up of w13), tensors or arrays as given."""
+    """The first `rows` output rows and the rest (gate and up of w13), of a weight in the stored form."""
     def part(index: slice) -> QuantizedWeight:
-        return QuantizedWeight(codes=_contiguous(weight.codes[index]),
-                               zeros=None if weight.zeros is None else _contiguous(weight.zeros[index]),
-                               scales=_contiguous(weight.scales[index]), bits=weight.bits,
+        return QuantizedWeight(codes=np.ascontiguousarray(weight.codes[index]),
+                               zeros=None if weight.zeros is None else np.ascontiguousarray(weight.zeros[index]),
+                               scales=np.ascontiguousarray(weight.scales[index]), bits=weight.bits,
                                group_size=weight.group_size)
 
     return part(slice(0, rows)), part(slice(rows, None))
-
-
-def _contiguous(rows: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
-    return np.ascontiguousarray(rows) if isinstance(rows, np.ndarray) else rows.contiguous()
 
 
 def _int8_refusal(layer: MoELayerShape) -> str | None:

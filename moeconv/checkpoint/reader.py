@@ -298,14 +298,17 @@ class TensorReader:
         return bf16_as_float32(values) if entry.dtype == "BF16" else values
 
     def read_raw(self, entry: TensorEntry) -> np.ndarray:
-        """A whole tensor's stored bytes as a numpy array of its dtype, without torch (BF16 as its uint16
-        bit patterns, which numpy has no type for): what a packed-to-packed transcoder moves."""
+        """A whole tensor's stored bytes as a numpy array of its dtype, without torch (BF16 as its uint16 bit
+        patterns, which numpy has no type for): what a packed-to-packed transcoder moves."""
+        array = self._read_raw(entry, entry.begin, entry.nbytes, entry.shape)
+        if self.fingerprints is not None:
+            self.fingerprints[entry.name] = zlib.crc32(array.data).to_bytes(4, "little")
+        return array
+
+    def _read_raw(self, entry: TensorEntry, begin: int, length: int, shape: tuple[int, ...]) -> np.ndarray:
         if entry.dtype not in NUMPY_DTYPES:
             raise MoeconvError(f"{entry.file}: tensor {entry.name} is {entry.dtype}, which numpy does not read")
-        data = self._bytes(entry, entry.begin, entry.nbytes)
-        if self.fingerprints is not None:
-            self.fingerprints[entry.name] = zlib.crc32(data).to_bytes(4, "little")
-        return np.frombuffer(data, dtype=NUMPY_DTYPES[entry.dtype]).reshape(entry.shape)
+        return np.frombuffer(self._bytes(entry, begin, length), dtype=NUMPY_DTYPES[entry.dtype]).reshape(shape)
 
     def read_slice(self, entry: TensorEntry, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
         """The `shape`-shaped block of `entry`'s dtype that starts `offset` bytes into its data."""
@@ -313,10 +316,7 @@ class TensorReader:
 
     def read_raw_slice(self, entry: TensorEntry, offset: int, shape: tuple[int, ...]) -> np.ndarray:
         """`read_slice`'s block as `read_raw` gives a tensor: numpy, BF16 as its uint16 bit patterns."""
-        if entry.dtype not in NUMPY_DTYPES:
-            raise MoeconvError(f"{entry.file}: tensor {entry.name} is {entry.dtype}, which numpy does not read")
-        data = self._bytes(entry, entry.begin + offset, self._block_length(entry, offset, shape))
-        return np.frombuffer(data, dtype=NUMPY_DTYPES[entry.dtype]).reshape(shape)
+        return self._read_raw(entry, entry.begin + offset, self._block_length(entry, offset, shape), shape)
 
     @staticmethod
     def _block_length(entry: TensorEntry, offset: int, shape: tuple[int, ...]) -> int:
