@@ -9,7 +9,9 @@
 # `final3` (grown 7 GB sources, verify's worker scaling, the 25 GB source), `final4` (grown 7 GB GPTQ and
 # AWQ sources on every backend, each output verified), `large4` (the 25 GB source with the tree's memory
 # split by process, benchmarks/tree_memory.py), `gil5` (two builds A/B, their outputs verified), `probe6` (where the 25 GB humming verify's time goes),
-# `groups6` (two builds A/B at 25 GB).
+# `groups6` (two builds A/B at 25 GB), `numpy7` (96899ed against the numpy checks' build at 7.2 GB, verified),
+# `large7` (the same two builds at 25 GB), `awq7n` (the grown 7.2 GB AWQ source on every backend, verified,
+# then the fixed cost).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -23,6 +25,29 @@ grown() {  # $1: gptq or awq, $2: layers -> bench-data/$1-$2L, grown from one sy
   rm -rf bench-data/qwen3-like-$1-1L-128E-2048H
 }
 case $phase in
+  numpy7|large7)
+    # A/B: 96899ed (the 12:28 build measured here) against the build whose verify checks in numpy with
+    # workers that never import torch (exported with `benchmarks/bench_builds.py export 96899ed <commit>`,
+    # .builds carried); numpy7: the GPTQ source grown to 22 layers (7.2 GB), three backends, two rounds;
+    # large7: grown to 77 layers (25 GB), humming and triton, one round. Rows are printed as they come.
+    python3 -m compileall -q moeconv .builds
+    if [ $phase = numpy7 ]; then layers=22 backends=humming,compressed-tensors,triton repeats=2
+    else layers=77 backends=humming,triton repeats=1; fi
+    grown gptq $layers
+    sync
+    python3 benchmarks/bench_builds.py run bench-data/gptq-${layers}L --builds .builds --backends $backends \
+      --repeats $repeats --verify --json "$out/$phase.json" | tee "$out/$phase-rows.txt"
+    rm -rf bench-data/gptq-${layers}L ;;
+  awq7n)
+    # The grown 7.2 GB AWQ source on every backend at the current build, each output verified, then the
+    # fixed cost of a tiny conversion with and without bytecode.
+    python3 -m compileall -q moeconv
+    grown awq 22
+    sync
+    python3 benchmarks/bench_convert.py --source bench-data/awq-22L --format awq \
+      --backends triton,compressed-tensors,humming,cpu --repeats 1 --verify --json "$out/awq22.json"
+    rm -rf bench-data/awq-22L
+    python3 benchmarks/bench_startup.py --repeats 3 --modes warm,no-pyc --json "$out/startup.json" ;;
   groups6)
     # A/B: 96899ed (the 13:05 build) against a newer one (d0db69c: small tensors' digests hashed in groups,
     # verify's digests begun before the plan, convert's jobs and verify's checks eight a task, the memory
