@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moeconv.packing import bf16_as_float32, float32_cast
+from moeconv.packing import as_float32, float32_cast
 
 if TYPE_CHECKING:  # the counts run where tensors are (the workers); the totals need no torch
     import torch
@@ -97,5 +97,4 @@ class Audits:
 
 def _rounded(values: np.ndarray, dtype: str) -> np.ndarray:
     """float32 `values` cast to the torch dtype `dtype` (packing.float32_cast) and read back as float32, exactly."""
-    cast = float32_cast(values, dtype)
-    return bf16_as_float32(cast) if dtype == "bfloat16" else cast.astype(np.float32, copy=False)
+    return as_float32(float32_cast(values, dtype))

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
+from moeconv.packing import stored_array
+
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
     import torch
 
@@ -205,10 +207,9 @@ def _repeat_groups(values: torch.Tensor | np.ndarray, factor: int) -> torch.Tens
 
 
 def coarsen(weight: QuantizedWeight, factor: int, name: str) -> QuantizedWeight:
-    """Inverse of `regroup`: groups `factor` times wider. Raises ValueError naming the tensor when the
-    `factor` scales or zero points of a wider group are not all the same (bytes no regrouping made)."""
-    import torch
-
+    """Inverse of `regroup`, on a weight in the stored form: groups `factor` times wider. Raises ValueError
+    naming the tensor when the `factor` scales or zero points of a wider group are not all the same (bytes
+    no regrouping made)."""
     if factor == 1:
         return weight
     n, groups = weight.scales.shape
@@ -217,22 +218,18 @@ def coarsen(weight: QuantizedWeight, factor: int, name: str) -> QuantizedWeight:
         if part is None:
             wide.append(None)
             continue
-        blocks = part.reshape(n, groups // factor, factor).contiguous()
-        first = blocks[..., :1].expand_as(blocks).contiguous()
-        if not torch.equal(first.view(torch.uint8), blocks.view(torch.uint8)):  # bytes: NaN scales repeat too
+        bits = part.view(f"u{part.itemsize}").reshape(n, groups // factor, factor)  # bits: NaN scales repeat too
+        if not np.array_equal(bits, np.broadcast_to(bits[..., :1], bits.shape)):
             raise ValueError(f"{name}: the {factor} groups that make one source group of "
                              f"{weight.group_size * factor} do not repeat the same scale and zero point")
-        wide.append(blocks[..., 0].contiguous())
+        wide.append(np.ascontiguousarray(part.reshape(n, groups // factor, factor)[..., 0]))
     return QuantizedWeight(codes=weight.codes, zeros=wide[1], scales=wide[0], bits=weight.bits,
                            group_size=weight.group_size * factor)
 
 
 def stored_arrays(tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """Tensors as the numpy arrays `decode_stored` reads (no copy; BF16 as its uint16 bit patterns)."""
-    import torch
-
-    return {name: tensor.view(torch.int16).numpy().view(np.uint16) if tensor.dtype == torch.bfloat16
-            else tensor.numpy() for name, tensor in tensors.items()}
+    return {name: stored_array(tensor) for name, tensor in tensors.items()}
 
 
 def as_tensors(weight: QuantizedWeight) -> QuantizedWeight:

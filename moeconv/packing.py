@@ -208,6 +208,27 @@ def bf16_as_float32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def as_float32(values: np.ndarray) -> np.ndarray:
+    """Floating-point values in the stored form (BF16 as its uint16 bit patterns, float16, float32) as the
+    float32 values they are, exactly."""
+    return bf16_as_float32(values) if values.dtype == np.uint16 else values.astype(np.float32, copy=False)
+
+
+def float32_tensor(scales: torch.Tensor) -> torch.Tensor:
+    """A float16, bfloat16 or float32 tensor widened to float32 exactly (`as_float32`): torch's own cast
+    quiets a float16 signalling NaN, which the layouts' float32 scales would then not give back."""
+    import torch
+
+    return torch.from_numpy(as_float32(stored_array(scales)))
+
+
+def stored_array(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor as the numpy array of its stored form, without a copy (BF16 as its uint16 bit patterns)."""
+    import torch
+
+    return tensor.view(torch.int16).numpy().view(np.uint16) if tensor.dtype == torch.bfloat16 else tensor.numpy()
+
+
 def float32_cast(values: np.ndarray, dtype: str) -> np.ndarray:
     """float32 `values` cast to torch's `dtype` (float16, bfloat16 or float32), in that dtype's stored form
     (BF16 as uint16 bit patterns): finite values and infinities rounded to nearest even, bit for bit as

@@ -34,7 +34,7 @@ from typing import Callable, Mapping, Union
 import numpy as np
 
 from moeconv import act_order, packing
-from moeconv.packing import bf16_as_float32
+from moeconv.packing import as_float32
 from moeconv.backends import cpu
 from moeconv.backends.base import FUSED_GEMMS
 from moeconv.backends.triton import WNA16
@@ -353,11 +353,6 @@ def _compressed_tensors_rows(fmt: CompressedTensors, linear: Linear) -> tuple | 
     return packed.view(np.uint32), zeros, linear["weight_scale"]
 
 
-def _float32(scales: np.ndarray) -> np.ndarray:
-    """Stored scales as float32, exactly (BF16 arrives as its uint16 bit patterns)."""
-    return bf16_as_float32(scales) if scales.dtype == np.uint16 else scales.astype(np.float32)
-
-
 def _spread_nibbles(words: np.ndarray) -> np.ndarray:
     """uint32 words -> uint64 words with nibble t of each at bits [8t, 8t + 4) (the others zero)."""
     spread = words.astype(np.uint64)
@@ -394,7 +389,7 @@ def _cpu_blocked(rows: np.ndarray, zeros: np.ndarray | None, scales: np.ndarray,
     compensation = np.ascontiguousarray(sums.reshape(nc, cpu.BLOCK_N, kc).transpose(0, 2, 1), dtype="<i4")
     blocks = lambda per_channel: np.ascontiguousarray(  # noqa: E731 (N, G) -> (N/32, G, 32)
         per_channel.reshape(nc, cpu.BLOCK_N, -1).transpose(0, 2, 1))
-    return (np.concatenate([nibbles, compensation.view(np.uint8)], axis=-1), blocks(_float32(scales)),
+    return (np.concatenate([nibbles, compensation.view(np.uint8)], axis=-1), blocks(as_float32(scales)),
             blocks(zeros.view(np.int8)))
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from moeconv.backends import REGISTRY, all_backends, get_backend
 from moeconv.backends.base import ExpertWeights
-from moeconv.canonical import MoELayerShape
+from moeconv.canonical import MoELayerShape, QuantizedWeight, stored_arrays
 from moeconv.spec import TORCH_DTYPES
 from moeconv.formats import AWQ, GPTQ, CompressedTensors
 
@@ -88,3 +88,27 @@ def test_every_output_records_what_it_targets(tmp_path):
         moeconv.convert(source, tmp_path / name, backend=name)
         assert json.loads((tmp_path / name / "moeconv.json").read_text())["targets"] == backend.targets
         assert moeconv.verify(tmp_path / name, level="lossless").to_json()["targets"] == backend.targets
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+@pytest.mark.parametrize("name, w8a8", [("cpu", False), ("cpu", True), ("triton", True)])
+def test_every_16_bit_scale_comes_back_from_float32_scales(name, w8a8, dtype):
+    """The layouts that store float32 scales (the x86 cpu ones, triton's int8): every one of the 65,536
+    float16 or bfloat16 patterns, NaNs (signalling ones too) and infinities included, as an expert's scales,
+    encoded and decoded in numpy (`decode_expert_stored`), is the same pattern. torch's own float16 -> float32
+    cast quiets a signalling NaN; the encoders widen exactly (packing.float32_tensor)."""
+    backend = get_backend(name)
+    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(TORCH_DTYPES[dtype])
+    if w8a8:  # one scale per channel: the gate's and the up's 32,768 channels hold the patterns
+        shape = MoELayerShape(1, 32, 1 << 15, 8, -1, True, dtype, activation_bits=8)
+        scales = (patterns[: 1 << 15, None], patterns[1 << 15:, None], patterns[:32, None])
+    else:  # groups of 4 along K = 1,024: each projection's (1,024, 256) scales hold the patterns 4 times
+        shape = MoELayerShape(1, 1024, 1024, 4, 4, True, dtype)
+        scales = (patterns.reshape(1024, 64).repeat(1, 4),) * 3
+    weights = [QuantizedWeight(codes=torch.randint(0, 1 << shape.bits, (s.shape[0], k), dtype=torch.uint8),
+                               zeros=None, scales=s.contiguous(), bits=shape.bits, group_size=k // s.shape[1])
+               for s, k in zip(scales, (shape.hidden, shape.hidden, shape.intermediate))]
+    slices = backend.encode_expert(ExpertWeights(*weights), shape)
+    decoded = backend.decode_expert_stored(stored_arrays(slices), shape).as_tensors()
+    for projection, weight, back in zip(ExpertWeights._fields, weights, decoded):
+        assert back.mismatch(weight) is None, projection

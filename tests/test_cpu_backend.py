@@ -341,7 +341,7 @@ def test_w8a8_reference_against_the_float_reference(hidden, intermediate):
     # row 3, byte 5 of w13 (K = 64) is byte 3·68 + 5 = 1·128 + 20·4 + 1 of block 0: channel 20, k = 5
     ("w13_vnni_weight", (3, 5), "w13_vnni_weight: 1 compensation value(s) disagree with 128·Σ_k w (first: channel 20)"),
     ("w2_vnni_weight", (31, 35), "w2_vnni_weight: 1 compensation value(s) disagree with 128·Σ_k w (first: channel 31)"),
-    ("w2_weight_scale", (0, 0), "w2_weight_scale: scales that are not exactly torch.bfloat16 values"),
+    ("w2_weight_scale", (0, 0), "w2_weight_scale: scales that are not exactly bfloat16 values"),
 ])
 def test_int8_decode_refuses_bytes_no_canonical_weight_encodes_to(suffix, index, message):
     shape, _, tensors, _, _ = _random_layer(64, 32, 1, w8a8=True)

@@ -204,20 +204,20 @@ sys.meta_path.insert(0, NoTorch())
 """ + RUN
 
 
-@pytest.mark.parametrize("backend", ["triton", "humming", "compressed-tensors", "triton-w8a8"])
+@pytest.mark.parametrize("backend", ["triton", "humming", "compressed-tensors", "cpu", "triton-w8a8", "cpu-w8a8"])
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_lossless_verify_of_a_numpy_decoded_output_imports_torch_nowhere(tmp_path, backend, workers):
-    """Asymmetric GPTQ (or compressed-tensors W8A8 into triton's int8 layout), its dense linears converted
-    too: every job's layout and format decode the stored arrays in numpy (Plan.checks_need_torch false), so
-    verify's workers are forked from its process and no process of the tree can import torch (the import
-    fails here) and the verdict is still reached."""
+    """Asymmetric GPTQ (or compressed-tensors W8A8 into the int8 layouts of triton and the x86 cpu kernel), its
+    dense linears converted where the backend converts them: every job's layout and format decode the stored
+    arrays in numpy (Plan.checks_need_torch false), so verify's workers are forked from its process and no
+    process of the tree can import torch (the import fails here) and the verdict is still reached."""
     import moeconv
     from moeconv.formats import CompressedTensors
     from moeconv.synth import SynthSpec, make_checkpoint
 
     spec = SynthSpec(hidden=128, intermediate=64, experts=4, layers=2)
-    if backend == "triton-w8a8":
-        backend, spec = "triton", SynthSpec(hidden=128, intermediate=64, experts=4, layers=2, source_format=(
+    if backend.endswith("-w8a8"):
+        backend, spec = backend.removesuffix("-w8a8"), SynthSpec(hidden=128, intermediate=64, experts=4, layers=2, source_format=(
             CompressedTensors(format="int-quantized", bits=8, group_size=-1, activation_bits=8)))
     source = make_checkpoint(tmp_path / "src", spec)
     moeconv.convert(source, tmp_path / "out", backend=backend, workers=1)
@@ -226,9 +226,9 @@ def test_a_lossless_verify_of_a_numpy_decoded_output_imports_torch_nowhere(tmp_p
     assert "exit: 0" in done.stdout and "torch loaded: False" in done.stdout, done.stdout + done.stderr
 
 
-def test_the_checks_need_torch_for_the_cpu_layout_and_act_order(tmp_path):
-    """What still decodes in torch: the x86 cpu layout (blocked, with compensation sums), and an act-order
-    down projection's fold into its gate and up rows."""
+def test_only_an_act_order_fold_needs_torch_in_the_checks(tmp_path):
+    """What still decodes in torch: an act-order down projection's fold into its gate and up rows. Every
+    backend's layout, the x86 cpu one's compensation sums included, decodes in numpy."""
     from moeconv.checkpoint.reader import open_checkpoint
     from moeconv.plan import make_plan
     from moeconv.synth import SynthSpec, make_checkpoint
@@ -236,5 +236,5 @@ def test_the_checks_need_torch_for_the_cpu_layout_and_act_order(tmp_path):
     source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=128, intermediate=64, experts=4, layers=1))
     needs = {backend: make_plan(open_checkpoint(source), backend=backend).checks_need_torch
              for backend in ("triton", "humming", "compressed-tensors", "cpu")}
-    assert needs == {"triton": False, "humming": False, "compressed-tensors": False, "cpu": True}
+    assert needs == {"triton": False, "humming": False, "compressed-tensors": False, "cpu": False}
     assert make_plan(open_checkpoint(ACT_ORDER), backend="triton").checks_need_torch

@@ -38,10 +38,12 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
+
 from moeconv import packing
 from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics, Serving
-from moeconv.spec import TensorSpec
-from moeconv.canonical import MoELayerShape, QuantizedWeight, coarsen, is_channelwise, regroup
+from moeconv.spec import TORCH_NAMES, TensorSpec
+from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, coarsen, is_channelwise, regroup, stored_arrays
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
     import torch
@@ -125,10 +127,16 @@ class CpuBackend(BackendDefaults):
     def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
         return _layout(layer).encode_expert(expert, layer)
 
+    def decodes_stored(self, layer: MoELayerShape | LinearShape) -> bool:
+        return isinstance(layer, MoELayerShape)  # dense linears pass through
+
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
+        return self.decode_expert_stored(stored_arrays(slices), layer).as_tensors()
+
+    def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
         """Raises ValueError naming the tensor when the bytes hold something no canonical weight
         encodes to: wrong compensation sums, inexact fp32 scales, symmetric zeros other than 8."""
-        return _layout(layer).decode_expert(slices, layer)
+        return _layout(layer).decode_expert_stored(slices, layer)
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         return _layout(layer).quantization_config(layer)
@@ -182,18 +190,15 @@ class Int4BlockedLayout:
                 slices[name] = torch.cat(parts)
         return slices
 
-    def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
-        from moeconv.spec import TORCH_DTYPES
-
-        scale_dtype = TORCH_DTYPES[layer.scale_dtype]
+    def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
         decoded = []
         for prefix, _, in_features in _gemms(layer):
             names = blocked_suffixes(prefix)
             blocked = BlockedInt4(*(slices[name] for name in names))
             projections = _gate_and_up(blocked, layer.intermediate // BLOCK_N) if prefix == "w13" else [blocked]
             source_g, g = layer.group_size_for(in_features), layer_group_size(layer)
-            decoded += [coarsen(unblock_int4(projection, names, g, scale_dtype, layer.symmetric), source_g // g,
-                                names.scales) for projection in projections]
+            decoded += [coarsen(unblock_int4(projection, names, g, TORCH_NAMES[layer.scale_dtype], layer.symmetric),
+                                source_g // g, names.scales) for projection in projections]
         return ExpertWeights(*decoded)
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
@@ -241,21 +246,20 @@ class Int8VnniLayout:
             names = vnni_suffixes(prefix)
             signed = torch.cat([packing.offset_codes_to_int8(w.codes) for w in projections])
             slices[names.weight] = pack_int8_vnni(signed)
-            slices[names.scale] = torch.cat([w.scales for w in projections]).to(torch.float32)
+            slices[names.scale] = packing.float32_tensor(torch.cat([w.scales for w in projections]))
         return slices
 
-    def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
-        from moeconv.spec import TORCH_DTYPES
-
-        scale_dtype = TORCH_DTYPES[layer.scale_dtype]
+    def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
         decoded = []
-        for prefix, out_features, in_features in _gemms(layer):
+        for prefix, _, in_features in _gemms(layer):
             names = vnni_suffixes(prefix)
-            codes = packing.int8_to_offset_codes(unpack_int8_vnni(slices[names.weight], names.weight))
-            scales = _exact_scales(slices[names.scale], scale_dtype, names.scale)
-            rows = layer.intermediate if prefix == "w13" else out_features  # w13: gate rows, then up rows
-            decoded += [QuantizedWeight(codes=c.contiguous(), zeros=None, scales=s.contiguous(), bits=8,
-                                        group_size=in_features) for c, s in zip(codes.split(rows), scales.split(rows))]
+            codes = packing.int8_array_to_offset_codes(unpack_int8_vnni(slices[names.weight], names.weight))
+            scales = _exact_scales(slices[names.scale], TORCH_NAMES[layer.scale_dtype], names.scale)
+            rows = layer.intermediate  # w13: gate rows, then up rows
+            parts = (slice(0, rows), slice(rows, None)) if prefix == "w13" else (slice(None),)
+            decoded += [QuantizedWeight(codes=np.ascontiguousarray(codes[part]), zeros=None,
+                                        scales=np.ascontiguousarray(scales[part]), bits=8, group_size=in_features)
+                        for part in parts]
         return ExpertWeights(*decoded)
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
@@ -295,42 +299,42 @@ def block_int4(weight: QuantizedWeight) -> BlockedInt4:
     # with `high` selecting the nibble.
     codes = weight.codes.view(nc, 2, 2, 8, kc, block_k // VNNI, VNNI).permute(0, 4, 5, 1, 3, 6, 2)
     nibbles = packing.pack(codes, 4, dim=-1, container=torch.uint8).reshape(nc, kc, -1)
-    compensation = _compensation(weight.codes, zeros, weight.group_size, block_k)  # (N/32, K/block_k, 32)
+    compensation = torch.from_numpy(  # (N/32, K/block_k, 32)
+        _compensation(weight.codes.numpy(), zeros.numpy(), weight.group_size, block_k))
     compensation_bytes = packing.unpack(compensation, 8, dim=-1)  # int32 -> 4 bytes each, little-endian
     return BlockedInt4(
         qweight=torch.cat([nibbles, compensation_bytes], dim=-1),
-        scales=_channel_blocks(weight.scales.to(torch.float32)),
+        scales=_channel_blocks(packing.float32_tensor(weight.scales)),
         zeros=_channel_blocks(zeros.to(torch.int8)),
     )
 
 
-def unblock_int4(blocked: BlockedInt4, names: BlockedInt4, group_size: int, scale_dtype: torch.dtype,
+def unblock_int4(blocked: BlockedInt4, names: BlockedInt4, group_size: int, scale_dtype: str,
                  symmetric: bool) -> QuantizedWeight:
-    """Inverse of `block_int4`; checks every byte that the canonical form does not carry."""
-    import torch
-
+    """Inverse of `block_int4`, on the stored arrays (the weight in the stored form); checks every byte that
+    the canonical form does not carry. `scale_dtype`: the source's, as torch names it."""
     nc, kc, block_bytes = blocked.qweight.shape
     block_k = (block_bytes - COMPENSATION_BYTES) * 2 // BLOCK_N
     nibbles = blocked.qweight[..., : block_bytes - COMPENSATION_BYTES]
     # (nc, kc, q, h, ni, ki, high) -> (nc, h, high, ni, kc, q, ki) = (N, K)
-    codes = packing.unpack(nibbles.reshape(nc, kc, block_k // VNNI, 2, 8, VNNI, 1), 4, dim=-1)
-    codes = codes.permute(0, 3, 6, 4, 1, 2, 5).reshape(nc * BLOCK_N, kc * block_k)
+    codes = packing.unpack_array(nibbles.reshape(nc, kc, block_k // VNNI, 2, 8, VNNI, 1), 4, axis=-1)
+    codes = np.ascontiguousarray(codes.transpose(0, 3, 6, 4, 1, 2, 5)).reshape(nc * BLOCK_N, kc * block_k)
     zeros = _unblock_channels(blocked.zeros)
     if symmetric and bool((zeros != SYMMETRIC_ZERO).any()):
         raise ValueError(f"{names.zeros}: a symmetric layer stores zero point {SYMMETRIC_ZERO} everywhere, "
                          f"found {sorted(set(zeros[zeros != SYMMETRIC_ZERO].tolist()))[:4]}")
     if bool(((zeros < 0) | (zeros > 15)).any()):
         raise ValueError(f"{names.zeros}: 4-bit zero points must be in [0, 15]")
-    zeros = zeros.to(torch.uint8)
-    stored = packing.pack(blocked.qweight[..., block_bytes - COMPENSATION_BYTES:], 8, dim=-1, container=torch.int32)
+    zeros = zeros.astype(np.uint8)
+    stored = _int32_words(blocked.qweight[..., block_bytes - COMPENSATION_BYTES:])
     wrong = stored != _compensation(codes, zeros, group_size, block_k)
     if bool(wrong.any()):
-        first = wrong.nonzero()[0].tolist()
+        first = np.argwhere(wrong)[0].tolist()
         raise ValueError(f"{names.qweight}: {int(wrong.sum())} compensation sum(s) disagree with the codes "
                          f"(first: channel block {first[0]}, K block {first[1]}, channel {first[2]})")
     scales = _exact_scales(_unblock_channels(blocked.scales), scale_dtype, names.scales)
-    return QuantizedWeight(codes=codes.contiguous(), zeros=None if symmetric else zeros, scales=scales,
-                           bits=4, group_size=group_size)
+    return QuantizedWeight(codes=codes, zeros=None if symmetric else zeros, scales=scales, bits=4,
+                           group_size=group_size)
 
 
 def pack_int8_vnni(weight: torch.Tensor) -> torch.Tensor:
@@ -340,57 +344,54 @@ def pack_int8_vnni(weight: torch.Tensor) -> torch.Tensor:
 
     n, k = weight.shape
     quads = weight.view(torch.uint8).view(n // BLOCK_N, BLOCK_N, k // VNNI, VNNI).transpose(1, 2)  # (nb, q, n, ki)
-    compensation = packing.unpack(int8_compensation(weight).view(n // BLOCK_N, BLOCK_N), 8, dim=-1)
+    compensation = packing.unpack(torch.from_numpy(int8_compensation(weight.numpy())).view(n // BLOCK_N, BLOCK_N),
+                                  8, dim=-1)
     blocks = torch.cat([quads.reshape(n // BLOCK_N, -1), compensation], dim=-1)
     return blocks.view(torch.int8).reshape(n, k + COMPENSATION_BYTES_PER_ROW)
 
 
-def unpack_int8_vnni(packed: torch.Tensor, name: str) -> torch.Tensor:
-    """Inverse of `pack_int8_vnni`; raises ValueError naming the tensor when a compensation value is not
-    128·Σ_k w of its channel."""
-    import torch
-
+def unpack_int8_vnni(packed: np.ndarray, name: str) -> np.ndarray:
+    """Inverse of `pack_int8_vnni`, on the stored array; raises ValueError naming the tensor when a
+    compensation value is not 128·Σ_k w of its channel."""
     n, row_bytes = packed.shape
     k = row_bytes - COMPENSATION_BYTES_PER_ROW
-    blocks = packed.view(torch.uint8).reshape(n // BLOCK_N, BLOCK_N * row_bytes)
-    quads = blocks[:, : BLOCK_N * k].reshape(n // BLOCK_N, k // VNNI, BLOCK_N, VNNI).transpose(1, 2)
-    weight = quads.reshape(n, k).view(torch.int8)
-    stored = packing.pack(blocks[:, BLOCK_N * k:], 8, dim=-1, container=torch.int32).flatten()
-    wrong = stored != int8_compensation(weight)
+    blocks = np.ascontiguousarray(packed).view(np.uint8).reshape(n // BLOCK_N, BLOCK_N * row_bytes)
+    quads = blocks[:, : BLOCK_N * k].reshape(n // BLOCK_N, k // VNNI, BLOCK_N, VNNI).transpose(0, 2, 1, 3)
+    weight = np.ascontiguousarray(quads).reshape(n, k).view(np.int8)
+    wrong = _int32_words(blocks[:, BLOCK_N * k:]).reshape(-1) != int8_compensation(weight)
     if bool(wrong.any()):
         raise ValueError(f"{name}: {int(wrong.sum())} compensation value(s) disagree with 128·Σ_k w "
-                         f"(first: channel {int(wrong.nonzero()[0])})")
+                         f"(first: channel {int(np.flatnonzero(wrong)[0])})")
     return weight
 
 
-def int8_compensation(weight: torch.Tensor) -> torch.Tensor:
+def int8_compensation(weight: np.ndarray) -> np.ndarray:
     """int32 (N,): 128·Σ_k w[n, k], what the u8·s8 dot product of q + 128 with w has in excess of q·w
     (int32 arithmetic, wrapping as the kernel's accumulators do)."""
-    import torch
-
-    return ACTIVATION_ZERO_POINT * weight.sum(dim=1, dtype=torch.int32)
+    return np.int32(ACTIVATION_ZERO_POINT) * weight.sum(axis=1, dtype=np.int32)
 
 
-def _exact_scales(scales32: torch.Tensor, scale_dtype: torch.dtype, name: str) -> torch.Tensor:
-    """The fp32 scales back in the source dtype; refuses any that dtype cannot hold exactly."""
-    import torch
+def _int32_words(stored: np.ndarray) -> np.ndarray:
+    """Little-endian int32 words from bytes along the last axis (4 bytes a word)."""
+    return np.ascontiguousarray(stored).view("<i4").astype(np.int32, copy=False)
 
-    scales = scales32.to(scale_dtype)
-    if not torch.equal(scales.to(torch.float32).view(torch.int32), scales32.view(torch.int32)):
+
+def _exact_scales(scales32: np.ndarray, scale_dtype: str, name: str) -> np.ndarray:
+    """The fp32 scales back in the source dtype's stored form; refuses any that dtype cannot hold exactly."""
+    scales = packing.float32_cast(scales32, scale_dtype)
+    if not np.array_equal(packing.as_float32(scales).view(np.int32), scales32.view(np.int32)):
         raise ValueError(f"{name}: scales that are not exactly {scale_dtype} values")
     return scales
 
 
-def _compensation(codes: torch.Tensor, zeros: torch.Tensor, group_size: int, block_k: int) -> torch.Tensor:
+def _compensation(codes: np.ndarray, zeros: np.ndarray, group_size: int, block_k: int) -> np.ndarray:
     """int32 (N/32, K/block_k, 32): Σ over each K block of (code − zero) = Σ code − block_k · zero,
     per channel (a K block lies inside one group)."""
-    import torch
-
     n, k = codes.shape
-    code_sums = codes.view(n, k // block_k, block_k).sum(dim=-1, dtype=torch.int32)
-    block_zeros = zeros.to(torch.int32).repeat_interleave(group_size // block_k, dim=1)
-    sums = code_sums - block_k * block_zeros
-    return sums.view(n // BLOCK_N, BLOCK_N, -1).transpose(1, 2).contiguous()
+    code_sums = codes.reshape(n, k // block_k, block_k).sum(axis=-1, dtype=np.int32)
+    block_zeros = np.repeat(zeros.astype(np.int32), group_size // block_k, axis=1)
+    sums = code_sums - np.int32(block_k) * block_zeros
+    return np.ascontiguousarray(sums.reshape(n // BLOCK_N, BLOCK_N, -1).transpose(0, 2, 1))
 
 
 def _channel_blocks(per_channel: torch.Tensor) -> torch.Tensor:
@@ -399,12 +400,12 @@ def _channel_blocks(per_channel: torch.Tensor) -> torch.Tensor:
     return per_channel.view(n // BLOCK_N, BLOCK_N, groups).transpose(1, 2).contiguous()
 
 
-def _unblock_channels(blocked: torch.Tensor) -> torch.Tensor:
+def _unblock_channels(blocked: np.ndarray) -> np.ndarray:
     """(N/32, G, 32) -> (N, G)."""
     nc, groups, _ = blocked.shape
-    return blocked.transpose(1, 2).reshape(nc * BLOCK_N, groups)
+    return np.ascontiguousarray(blocked.transpose(0, 2, 1)).reshape(nc * BLOCK_N, groups)
 
 
 def _gate_and_up(w13: BlockedInt4, gate_blocks: int) -> list[BlockedInt4]:
     """The gate's channel blocks come first, then the up's."""
-    return [BlockedInt4(*parts) for parts in zip(*(tensor.split(gate_blocks) for tensor in w13))]
+    return [BlockedInt4(*(array[:gate_blocks] for array in w13)), BlockedInt4(*(array[gate_blocks:] for array in w13))]

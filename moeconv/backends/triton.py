@@ -211,7 +211,7 @@ def _int8_encode(prefix: str, rows: tuple[QuantizedWeight, ...]) -> dict[str, to
 
     names = INT8[prefix]
     return {names.weight: torch.cat([packing.offset_codes_to_int8(w.codes) for w in rows]),
-            names.weight_scale: torch.cat([w.scales for w in rows]).to(torch.float32)}
+            names.weight_scale: packing.float32_tensor(torch.cat([w.scales for w in rows]))}
 
 
 def _int8_decode(prefix: str, slices: dict[str, np.ndarray], layer: MoELayerShape) -> QuantizedWeight:
