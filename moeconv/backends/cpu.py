@@ -315,10 +315,12 @@ def unblock_int4(blocked: BlockedInt4, names: BlockedInt4, group_size: int, scal
     the canonical form does not carry. `scale_dtype`: the source's, as torch names it."""
     nc, kc, block_bytes = blocked.qweight.shape
     block_k = (block_bytes - COMPENSATION_BYTES) * 2 // BLOCK_N
-    nibbles = blocked.qweight[..., : block_bytes - COMPENSATION_BYTES]
-    # (nc, kc, q, h, ni, ki, high) -> (nc, h, high, ni, kc, q, ki) = (N, K)
-    codes = packing.unpack_array(nibbles.reshape(nc, kc, block_k // VNNI, 2, 8, VNNI, 1), 4, axis=-1)
-    codes = np.ascontiguousarray(codes.transpose(0, 3, 6, 4, 1, 2, 5)).reshape(nc * BLOCK_N, kc * block_k)
+    # A block's bytes go (q, h, ni, ki): the 4 bytes of k = 4q..4q+3 move together, as one 32-bit word, to
+    # (nc, h, ni, kc, q); then each byte's low nibble is channel 16h + ni, its high nibble 16h + 8 + ni.
+    words = _quads(blocked.qweight)[..., : block_k * BLOCK_N // 8].reshape(nc, kc, block_k // VNNI, 2, 8)
+    rows = np.ascontiguousarray(words.transpose(0, 3, 4, 1, 2)).view(np.uint8)  # (nc, h, ni, K) bytes
+    codes = packing.unpack_array(rows.reshape(nc, 2, 1, 8, kc * block_k), 4, axis=2).reshape(
+        nc * BLOCK_N, kc * block_k)
     zeros = _unblock_channels(blocked.zeros)
     if symmetric and bool((zeros != SYMMETRIC_ZERO).any()):
         raise ValueError(f"{names.zeros}: a symmetric layer stores zero point {SYMMETRIC_ZERO} everywhere, "
@@ -356,8 +358,8 @@ def unpack_int8_vnni(packed: np.ndarray, name: str) -> np.ndarray:
     n, row_bytes = packed.shape
     k = row_bytes - COMPENSATION_BYTES_PER_ROW
     blocks = np.ascontiguousarray(packed).view(np.uint8).reshape(n // BLOCK_N, BLOCK_N * row_bytes)
-    quads = blocks[:, : BLOCK_N * k].reshape(n // BLOCK_N, k // VNNI, BLOCK_N, VNNI).transpose(0, 2, 1, 3)
-    weight = np.ascontiguousarray(quads).reshape(n, k).view(np.int8)
+    quads = _quads(blocks)[:, : BLOCK_N * k // VNNI].reshape(n // BLOCK_N, k // VNNI, BLOCK_N)  # (nb, q, n)
+    weight = np.ascontiguousarray(quads.transpose(0, 2, 1)).view(np.int8).reshape(n, k)
     wrong = _int32_words(blocks[:, BLOCK_N * k:]).reshape(-1) != int8_compensation(weight)
     if bool(wrong.any()):
         raise ValueError(f"{name}: {int(wrong.sum())} compensation value(s) disagree with 128·Σ_k w "
@@ -369,6 +371,12 @@ def int8_compensation(weight: np.ndarray) -> np.ndarray:
     """int32 (N,): 128·Σ_k w[n, k], what the u8·s8 dot product of q + 128 with w has in excess of q·w
     (int32 arithmetic, wrapping as the kernel's accumulators do)."""
     return np.int32(ACTIVATION_ZERO_POINT) * weight.sum(axis=1, dtype=np.int32)
+
+
+def _quads(stored: np.ndarray) -> np.ndarray:
+    """Bytes as 32-bit words of 4 consecutive bytes along the last axis, to be moved, never read as numbers
+    (so byte order does not matter): a transpose moves 4 bytes at a time."""
+    return np.ascontiguousarray(stored).view(np.uint32)
 
 
 def _int32_words(stored: np.ndarray) -> np.ndarray:
