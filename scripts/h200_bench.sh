@@ -11,7 +11,8 @@
 # split by process, benchmarks/tree_memory.py), `gil5` (two builds A/B, their outputs verified), `probe6` (where the 25 GB humming verify's time goes),
 # `groups6` (two builds A/B at 25 GB), `numpy7` (96899ed against the numpy checks' build at 7.2 GB, verified),
 # `large7` (the same two builds at 25 GB), `awq7n` (the grown 7.2 GB AWQ source on every backend, verified,
-# then the fixed cost).
+# then the fixed cost), `cpu7` (the cpu layout's numpy checks and two rounds of the per-linear backends, 7.2 GB AWQ
+# and GPTQ).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -38,6 +39,20 @@ case $phase in
     python3 benchmarks/bench_builds.py run bench-data/gptq-${layers}L --builds .builds --backends $backends \
       --repeats $repeats --verify --json "$out/$phase.json" | tee "$out/$phase-rows.txt"
     rm -rf bench-data/gptq-${layers}L ;;
+  cpu7)
+    # verify of the cpu layout with its checks in numpy (workers without torch), from the grown 7.2 GB AWQ and
+    # GPTQ sources; AWQ into compressed-tensors and humming again, two rounds each (whole process vs copy).
+    python3 -m compileall -q moeconv
+    grown awq 22
+    sync
+    python3 benchmarks/bench_convert.py --source bench-data/awq-22L --format awq \
+      --backends cpu,compressed-tensors,humming --repeats 2 --verify --json "$out/awq22.json"
+    rm -rf bench-data/awq-22L
+    grown gptq 22
+    sync
+    python3 benchmarks/bench_convert.py --source bench-data/gptq-22L --format gptq \
+      --backends cpu --repeats 2 --verify --json "$out/gptq22.json"
+    rm -rf bench-data/gptq-22L ;;
   awq7n)
     # The grown 7.2 GB AWQ source on every backend at the current build, each output verified, then the
     # fixed cost of a tiny conversion with and without bytecode.
