@@ -31,7 +31,7 @@ from moeconv.audit import Audits
 from moeconv.backends import get_backend
 from moeconv.checkpoint import manifest as manifests
 from moeconv.checkpoint.manifest import MANIFEST_NAME
-from moeconv.checkpoint.reader import TensorEntry, TensorReader, open_checkpoint, read_json, same_bytes
+from moeconv.checkpoint.reader import TensorEntry, TensorReader, collection_paused, open_checkpoint, read_json, same_bytes
 from moeconv.errors import MoeconvError
 from moeconv.packing import bf16_as_float32
 from moeconv.kernels.runners import LAYER_KERNELS, NUMERICS_TOLERANCE
@@ -177,84 +177,88 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
         raise MoeconvError(f"{output}: not a folder (give the folder `moeconv convert -o` wrote)")
     if not (output / MANIFEST_NAME).exists():
         raise MoeconvError(f"{output}: no {MANIFEST_NAME}: not a folder written by `moeconv convert`")
-    try:  # a damaged output is a failed verification (exit 1), not a usage error
-        manifest = manifests.read(output)
-    except MoeconvError as error:
-        return VerifyReport(str(output), str(source or ""), structure_problems=[str(error)], level=level)
-    sealed = structure.check_seal(manifest) or structure.check_version(manifest)
-    if sealed:  # nothing it says (backend, arguments, source) can be planned from
-        return VerifyReport(str(output), str(source or ""), structure_problems=sealed, level=level)
-    recorded, arguments = manifest["source"], manifest["arguments"]
-    if source is None:
-        source = recorded.get("path")
-        if not isinstance(source, str):
-            return VerifyReport(str(output), "", level=level, structure_problems=[
-                f"{output / MANIFEST_NAME}: source.path is missing; pass --source"])
-    resolved = resolve_source(source)  # a folder, or a Hub id (from the cache or the Hub)
-    checkpoint = open_checkpoint(resolved.path, origin=resolved.origin)
-    if recorded.get("headers_sha256") not in (None, checkpoint.headers_sha256):
-        raise MoeconvError(f"{checkpoint.root}: not the source {output} was made from (its configs and shard "
-                           f"headers differ from those recorded in {MANIFEST_NAME})")
-    # The digests of both sides (the output's files and tensors, the source's shards) need no plan: they
-    # start now, on a thread, beside the planning (seconds for a large checkpoint) and then the checks.
-    held, digested, digest_seconds = _Held(), None, {}
-    try:
-        converted, unreadable = open_checkpoint(output), None
-    except MoeconvError as error:  # a damaged shard or index: reported below, with what the digests find
-        converted, unreadable = None, error
-    if converted is not None and level != "structure":
-        digested = _in_background(_digests, output, manifest, list(converted.tensors.values()), checkpoint,
-                                  held, digest_seconds)
-    try:  # until the digests' progress has somewhere to go: an error or an interrupt stops them
-        backend = manifest["backend"]
-        regroup_factor = arguments.get("regroup_factor", 1)
-        plan = make_plan(checkpoint, backend=backend, trust=arguments.get("trust"), tp=arguments.get("tp", 1),
-                         max_shard_size=_recorded_shard_size(arguments),
-                         regroup=isinstance(regroup_factor, int) and regroup_factor > 1,
-                         zero_format=arguments.get("zero_format"))
-        if level != "structure" and executor == "local" and plan.checks_need_torch:
-            start_workers(workers)  # the checkers' torch import, while the digests are taken
-        kernel = LAYER_KERNELS[plan.backend.numerics.kernel]
-        report = VerifyReport(str(output), str(checkpoint.root), targets=manifest["targets"], level=level,
-                              tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
-        report.decided_by_user = list(plan.detection.decided_by_user) if plan.detection else []
-        advance = _PhaseClock(report.phase_seconds, progress or (lambda amount, total=None, phase=None: None))
-        output_bytes = sum(path.stat().st_size for path in output.iterdir() if path.is_file())
-        if converted is None:  # the digests then name what else differs
-            advance(0, output_bytes, "digests")
-            report.structure_problems = structure.check_files(output, manifest, advance) + [str(unreadable)]
-            return report
-        entries = list(converted.tensors.values())
-        report.structure_problems = structure.check_reading(plan) + structure.check_structure(
-            plan, output, manifest, converted.tensors)
-        if report.structure_problems or level == "structure":
-            held.stop()  # the early digests: taken again here, phase by phase, for the structure's verdict alone
-            advance(0, output_bytes, "digests")
-            hashed: dict[str, dict[str, str]] = {}  # each shard's tensors' digests, taken once for the shard's digest
-            report.structure_problems += structure.check_files(output, manifest, advance, hashed)
-            # each tensor too: a damaged shard is then named with the tensors whose bytes changed
-            advance(0, sum(entry.nbytes for entry in entries), "tensor-digests")
-            report.structure_problems += structure.check_tensor_digests(entries, manifest, advance, hashed)
-            if not report.structure_problems:
-                report.proven["structure"] = PROOFS["structure"]
-            return report
-        generator = _generator(seed) if sample is not None or level == "numerics" else None
-        layer_experts = [_sampled(layer.shape.experts, sample, generator) for layer in plan.layers]
-        layer_jobs = [plan.layer_jobs[layer.module] for layer in plan.layers]
-        copies = [job for job in plan.jobs if isinstance(job, CopyJob)]
-        linears = [job for job in plan.jobs if isinstance(job, LinearJob)]
-        compared = _input_bytes(copies + linears + [jobs[e] for jobs, experts in zip(layer_jobs, layer_experts)
-                                                    for e in experts])
-        # The digests of both sides run beside the checks: one after the other they were a third of verify's
-        # time (docs/BENCHMARKS.md). One phase counts the bytes of all three (what the digests did before it
-        # began comes in at once); the structure level's verdict still comes first: with a digest that
-        # differs, the checks' results are not reported.
-        advance(0, output_bytes + sum(path.stat().st_size for path in checkpoint.files) + compared, "lossless")
-        advance = _Serialized(advance)
-        held.attach(advance)
-    except BaseException:
-        held.stop()
-        raise
+    # Reading the manifest and both checkpoints' headers, planning and the structure checks make hundreds
+    # of thousands of long-lived objects and no cycles: the cycle collector's passes over them were a
+    # third of this part's time (docs/BENCHMARKS.md).
+    with collection_paused():
+        try:  # a damaged output is a failed verification (exit 1), not a usage error
+            manifest = manifests.read(output)
+        except MoeconvError as error:
+            return VerifyReport(str(output), str(source or ""), structure_problems=[str(error)], level=level)
+        sealed = structure.check_seal(manifest) or structure.check_version(manifest)
+        if sealed:  # nothing it says (backend, arguments, source) can be planned from
+            return VerifyReport(str(output), str(source or ""), structure_problems=sealed, level=level)
+        recorded, arguments = manifest["source"], manifest["arguments"]
+        if source is None:
+            source = recorded.get("path")
+            if not isinstance(source, str):
+                return VerifyReport(str(output), "", level=level, structure_problems=[
+                    f"{output / MANIFEST_NAME}: source.path is missing; pass --source"])
+        resolved = resolve_source(source)  # a folder, or a Hub id (from the cache or the Hub)
+        checkpoint = open_checkpoint(resolved.path, origin=resolved.origin)
+        if recorded.get("headers_sha256") not in (None, checkpoint.headers_sha256):
+            raise MoeconvError(f"{checkpoint.root}: not the source {output} was made from (its configs and shard "
+                               f"headers differ from those recorded in {MANIFEST_NAME})")
+        # The digests of both sides (the output's files and tensors, the source's shards) need no plan: they
+        # start now, on a thread, beside the planning (seconds for a large checkpoint) and then the checks.
+        held, digested, digest_seconds = _Held(), None, {}
+        try:
+            converted, unreadable = open_checkpoint(output), None
+        except MoeconvError as error:  # a damaged shard or index: reported below, with what the digests find
+            converted, unreadable = None, error
+        if converted is not None and level != "structure":
+            digested = _in_background(_digests, output, manifest, list(converted.tensors.values()), checkpoint,
+                                      held, digest_seconds)
+        try:  # until the digests' progress has somewhere to go: an error or an interrupt stops them
+            backend = manifest["backend"]
+            regroup_factor = arguments.get("regroup_factor", 1)
+            plan = make_plan(checkpoint, backend=backend, trust=arguments.get("trust"), tp=arguments.get("tp", 1),
+                             max_shard_size=_recorded_shard_size(arguments),
+                             regroup=isinstance(regroup_factor, int) and regroup_factor > 1,
+                             zero_format=arguments.get("zero_format"))
+            if level != "structure" and executor == "local" and plan.checks_need_torch:
+                start_workers(workers)  # the checkers' torch import, while the digests are taken
+            kernel = LAYER_KERNELS[plan.backend.numerics.kernel]
+            report = VerifyReport(str(output), str(checkpoint.root), targets=manifest["targets"], level=level,
+                                  tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
+            report.decided_by_user = list(plan.detection.decided_by_user) if plan.detection else []
+            advance = _PhaseClock(report.phase_seconds, progress or (lambda amount, total=None, phase=None: None))
+            output_bytes = sum(path.stat().st_size for path in output.iterdir() if path.is_file())
+            if converted is None:  # the digests then name what else differs
+                advance(0, output_bytes, "digests")
+                report.structure_problems = structure.check_files(output, manifest, advance) + [str(unreadable)]
+                return report
+            entries = list(converted.tensors.values())
+            report.structure_problems = structure.check_reading(plan) + structure.check_structure(
+                plan, output, manifest, converted.tensors)
+            if report.structure_problems or level == "structure":
+                held.stop()  # the early digests: taken again here, phase by phase, for the structure's verdict alone
+                advance(0, output_bytes, "digests")
+                hashed: dict[str, dict[str, str]] = {}  # each shard's tensors' digests, taken once for the shard's digest
+                report.structure_problems += structure.check_files(output, manifest, advance, hashed)
+                # each tensor too: a damaged shard is then named with the tensors whose bytes changed
+                advance(0, sum(entry.nbytes for entry in entries), "tensor-digests")
+                report.structure_problems += structure.check_tensor_digests(entries, manifest, advance, hashed)
+                if not report.structure_problems:
+                    report.proven["structure"] = PROOFS["structure"]
+                return report
+            generator = _generator(seed) if sample is not None or level == "numerics" else None
+            layer_experts = [_sampled(layer.shape.experts, sample, generator) for layer in plan.layers]
+            layer_jobs = [plan.layer_jobs[layer.module] for layer in plan.layers]
+            copies = [job for job in plan.jobs if isinstance(job, CopyJob)]
+            linears = [job for job in plan.jobs if isinstance(job, LinearJob)]
+            compared = _input_bytes(copies + linears + [jobs[e] for jobs, experts in zip(layer_jobs, layer_experts)
+                                                        for e in experts])
+            # The digests of both sides run beside the checks: one after the other they were a third of verify's
+            # time (docs/BENCHMARKS.md). One phase counts the bytes of all three (what the digests did before it
+            # began comes in at once); the structure level's verdict still comes first: with a digest that
+            # differs, the checks' results are not reported.
+            advance(0, output_bytes + sum(path.stat().st_size for path in checkpoint.files) + compared, "lossless")
+            advance = _Serialized(advance)
+            held.attach(advance)
+        except BaseException:
+            held.stop()
+            raise
     audits = Audits()
     served = _served_dtype(output)
     cast = plan.scale_cast if served is None else engine_scale_cast(plan.backend, plan.layers[0].shape.scale_dtype, served)
