@@ -12,7 +12,8 @@
 # `groups6` (two builds A/B at 25 GB), `numpy7` (96899ed against the numpy checks' build at 7.2 GB, verified),
 # `large7` (the same two builds at 25 GB), `awq7n` (the grown 7.2 GB AWQ source on every backend, verified,
 # then the fixed cost), `cpu7` (the cpu layout's numpy checks and two rounds of the per-linear backends, 7.2 GB AWQ
-# and GPTQ).
+# and GPTQ), `prep8` (cd0a9f0 against the build whose verify prepares with the collector paused and compares JSON
+# files by their serializations: 7.2 GB into the per-linear layouts, then 25 GB into humming).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -39,6 +40,20 @@ case $phase in
     python3 benchmarks/bench_builds.py run bench-data/gptq-${layers}L --builds .builds --backends $backends \
       --repeats $repeats --verify --json "$out/$phase.json" | tee "$out/$phase-rows.txt"
     rm -rf bench-data/gptq-${layers}L ;;
+  prep8)
+    # A/B with .builds carried (`benchmarks/bench_builds.py export cd0a9f0 <commit>`): what verify spends before
+    # its checks, on the outputs with the most tensors (humming: 1,170 a layer; compressed-tensors).
+    python3 -m compileall -q moeconv .builds
+    grown gptq 22
+    sync
+    python3 benchmarks/bench_builds.py run bench-data/gptq-22L --builds .builds --backends humming,compressed-tensors \
+      --repeats 1 --verify --json "$out/prep7.json" | tee "$out/prep7-rows.txt"
+    rm -rf bench-data/gptq-22L
+    grown gptq 77
+    sync
+    python3 benchmarks/bench_builds.py run bench-data/gptq-77L --builds .builds --backends humming \
+      --repeats 1 --verify --json "$out/prep25.json" | tee "$out/prep25-rows.txt"
+    rm -rf bench-data/gptq-77L ;;
   cpu7)
     # verify of the cpu layout with its checks in numpy (workers without torch), from the grown 7.2 GB AWQ and
     # GPTQ sources; AWQ into compressed-tensors and humming again, two rounds each (whole process vs copy).
