@@ -127,8 +127,9 @@ LEVELS = ("structure", "lossless", "numerics")  # each includes the ones before 
 # bytes: hashed in the same pass, counted again). Above it, one phase, lossless: the output's file bytes
 # and the source's shard bytes hashed (on a thread) while the source bytes of the checked jobs are read
 # and compared (in the workers), all three counted; then kernel: MoE layers run through the reference
-# kernel. `phase_seconds` also gives, inside lossless, how long the output's digests, the source's, the
-# workers' start and the checks each took (the digests overlap the other two).
+# kernel. `phase_seconds` also gives what came before the first phase (`prepare`: the manifest, both
+# checkpoints' headers, the plan, the structure checks) and, inside lossless, how long the output's digests,
+# the source's, the workers' start and the checks each took (the digests overlap the other two).
 PHASE_UNITS = {"digests": "bytes", "tensor-digests": "bytes", "lossless": "bytes", "kernel": "layers"}
 
 # What passing each level proves, as the report states it (docs/FORMAT.md, "What verify proves").
@@ -172,6 +173,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     """
     if level not in LEVELS:
         raise MoeconvError(f"verify level {level!r} is not one of {', '.join(LEVELS)}")
+    began = time.perf_counter()
     output = Path(output).expanduser().resolve()
     if not output.is_dir():
         raise MoeconvError(f"{output}: not a folder (give the folder `moeconv convert -o` wrote)")
@@ -222,7 +224,8 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
             report = VerifyReport(str(output), str(checkpoint.root), targets=manifest["targets"], level=level,
                                   tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
             report.decided_by_user = list(plan.detection.decided_by_user) if plan.detection else []
-            advance = _PhaseClock(report.phase_seconds, progress or (lambda amount, total=None, phase=None: None))
+            advance = _PhaseClock(report.phase_seconds, progress or (lambda amount, total=None, phase=None: None),
+                                  began)
             output_bytes = sum(path.stat().st_size for path in output.iterdir() if path.is_file())
             if converted is None:  # the digests then name what else differs
                 advance(0, output_bytes, "digests")
@@ -433,14 +436,17 @@ def _in_background(function: Callable[..., Any], *args: Any) -> Future:
 
 class _PhaseClock:
     """verify's progress callback, passed through, that also times each phase (from its start to the
-    next one's, or to the last call) into `seconds`."""
+    next one's, or to the last call) into `seconds`, and what came before the first (`began`: reading the
+    manifest, opening both checkpoints, the plan, the structure checks) as `prepare`."""
 
-    def __init__(self, seconds: dict[str, float], progress: Callable[..., None]):
-        self.seconds, self.progress, self.phase, self.started = seconds, progress, None, 0.0
+    def __init__(self, seconds: dict[str, float], progress: Callable[..., None], began: float):
+        self.seconds, self.progress, self.phase, self.started = seconds, progress, None, began
 
     def __call__(self, amount: int, total: int | None = None, phase: str | None = None) -> None:
         now = time.perf_counter()
         if phase is not None:
+            if self.phase is None:
+                self.seconds["prepare"] = round(now - self.started, 3)
             self.phase, self.started = phase, now
             self.progress(amount, total, phase)
         else:

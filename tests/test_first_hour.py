@@ -91,6 +91,27 @@ def test_verify_progress_counts_what_each_phase_says(tmp_path, capsys):
     assert {name for phase, name in threads if phase == "lossless"} <= {"moeconv-digests", "MainThread"}
 
 
+def test_verify_times_each_phase_and_what_comes_before(tmp_path):
+    """`phase_seconds`: `prepare` (the manifest, both checkpoints, the plan, the structure checks), then each
+    phase of the level, and inside lossless its parts; every one a duration, none longer than verify took."""
+    import time
+
+    from moeconv.api import convert
+    from moeconv.verification import verify
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec())
+    convert(source, tmp_path / "out", workers=1)
+    for level, phases in (("structure", {"prepare", "digests", "tensor-digests"}),
+                          ("lossless", {"prepare", "lossless", "pass-through", "workers-start", "checks", "digests",
+                                        "source-digests"})):
+        started = time.perf_counter()
+        report = verify(tmp_path / "out", level=level, workers=1)
+        took = time.perf_counter() - started
+        assert report.ok and set(report.phase_seconds) == phases, (level, report.phase_seconds)
+        assert all(0 <= seconds <= took for seconds in report.phase_seconds.values()), report.phase_seconds
+        assert report.phase_seconds["prepare"] > 0
+
+
 def test_verify_report_says_what_ran_and_ends_with_the_verdict(tmp_path, capsys):
     source = make_checkpoint(tmp_path / "src", SynthSpec())
     assert run_main(capsys, "convert", source, "-o", tmp_path / "cpu", "--backend", "cpu", "-q")[0] == 0
