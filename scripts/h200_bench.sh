@@ -26,6 +26,13 @@ grown() {  # $1: gptq or awq, $2: layers -> bench-data/$1-$2L, grown from one sy
   python3 benchmarks/grow_checkpoint.py bench-data/qwen3-like-$1-1L-128E-2048H bench-data/$1-$2L --layers $2
   rm -rf bench-data/qwen3-like-$1-1L-128E-2048H
 }
+verified() {  # $1: gptq or awq, $2: layers, $3: backends, $4: repeats, $5: json -> bench_convert.py on the grown source, verified
+  grown $1 $2
+  sync
+  python3 benchmarks/bench_convert.py --source bench-data/$1-$2L --format $1 --backends $3 --repeats $4 --verify \
+    --json "$out/$5"
+  rm -rf bench-data/$1-$2L
+}
 case $phase in
   numpy7|large7)
     # A/B: 96899ed (the 12:28 build measured here) against the build whose verify checks in numpy with
@@ -58,25 +65,13 @@ case $phase in
     # verify of the cpu layout with its checks in numpy (workers without torch), from the grown 7.2 GB AWQ and
     # GPTQ sources; AWQ into compressed-tensors and humming again, two rounds each (whole process vs copy).
     python3 -m compileall -q moeconv
-    grown awq 22
-    sync
-    python3 benchmarks/bench_convert.py --source bench-data/awq-22L --format awq \
-      --backends cpu,compressed-tensors,humming --repeats 2 --verify --json "$out/awq22.json"
-    rm -rf bench-data/awq-22L
-    grown gptq 22
-    sync
-    python3 benchmarks/bench_convert.py --source bench-data/gptq-22L --format gptq \
-      --backends cpu --repeats 2 --verify --json "$out/gptq22.json"
-    rm -rf bench-data/gptq-22L ;;
+    verified awq 22 cpu,compressed-tensors,humming 2 awq22.json
+    verified gptq 22 cpu 2 gptq22.json ;;
   awq7n)
     # The grown 7.2 GB AWQ source on every backend at the current build, each output verified, then the
     # fixed cost of a tiny conversion with and without bytecode.
     python3 -m compileall -q moeconv
-    grown awq 22
-    sync
-    python3 benchmarks/bench_convert.py --source bench-data/awq-22L --format awq \
-      --backends triton,compressed-tensors,humming,cpu --repeats 1 --verify --json "$out/awq22.json"
-    rm -rf bench-data/awq-22L
+    verified awq 22 triton,compressed-tensors,humming,cpu 1 awq22.json
     python3 benchmarks/bench_startup.py --repeats 3 --modes warm,no-pyc --json "$out/startup.json" ;;
   groups6)
     # A/B: 96899ed (the 13:05 build) against a newer one (d0db69c: small tensors' digests hashed in groups,
