@@ -272,6 +272,10 @@ CATALOGUE = {
                            "must be a non-negative integer, not 2.0"),
     "negative offsets": (lambda r: _edit_header(r, lambda h: _first_tensor(h).update(data_offsets=[-2, 0])),
                          "must be a non-negative integer, not -2"),
+    "header entry with another key": (lambda r: _edit_header(r, lambda h: _first_tensor(h).update(offsets=[0, 2])),
+                                      "header entry must have exactly dtype, shape and data_offsets"),
+    "offsets not the shape's bytes": (lambda r: _edit_header(r, lambda h: _first_tensor(h).update(
+        shape=[*_first_tensor(h)["shape"], 2])), "data_offsets hold"),
     "offsets past the buffer": (lambda r: _edit_header(r, lambda h: _first_tensor(h).update(data_offsets=[0, 10**12])),
                                 "lie outside"),
     "overlapping tensors": (lambda r: _edit_header(r, lambda h: [info.update(data_offsets=[0, info["data_offsets"][1]
