@@ -33,7 +33,7 @@ from moeconv.checkpoint import manifest as manifests
 from moeconv.checkpoint.manifest import MANIFEST_NAME
 from moeconv.checkpoint.reader import TensorEntry, TensorReader, collection_paused, open_checkpoint, read_json, same_bytes
 from moeconv.errors import MoeconvError
-from moeconv.packing import bf16_as_float32
+from moeconv.packing import as_float32
 from moeconv.kernels.runners import LAYER_KERNELS, NUMERICS_TOLERANCE
 from moeconv.executor import Executor, in_batches, start_workers, worker_reader
 from moeconv import structure, transform
@@ -567,8 +567,7 @@ def _compared(job: ConvertJob, converted: dict[str, QuantizedWeight], source: di
     if cast is not None:
         for weight in source.values():  # stored BF16 bit patterns as the values they hold
             scales = weight.scales
-            audits.record_cast(bf16_as_float32(scales) if isinstance(scales, np.ndarray) and cast[0] == "bfloat16"
-                               else scales, *cast)
+            audits.record_cast(as_float32(scales) if isinstance(scales, np.ndarray) else scales, *cast)
     return [(key if isinstance(job, ExpertJob) else None, problem) for key, weight in source.items()
             if (problem := converted[key].mismatch(weight))]
 
