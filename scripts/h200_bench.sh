@@ -34,6 +34,23 @@ verified() {  # $1: gptq or awq, $2: layers, $3: backends, $4: repeats, $5: json
   rm -rf bench-data/$1-$2L
 }
 case $phase in
+  digest9)
+    # A/B: a7f7845 (sha256 block digests, manifest version 3) against 124f8b0 (BLAKE3, version 4), both
+    # exported with `benchmarks/bench_builds.py export a7f7845 124f8b0` and .builds carried, the blake3 wheel
+    # (cp312) in .whl carried: the grown 7.2 GB GPTQ source into three backends and the AWQ one into triton,
+    # each output verified; CPU seconds per row.
+    pip install -q --no-deps .whl/blake3-*.whl
+    python3 -m compileall -q moeconv .builds
+    grown gptq 22
+    sync
+    python3 benchmarks/bench_builds.py run bench-data/gptq-22L --builds .builds --backends triton,compressed-tensors,humming \
+      --repeats 1 --verify --json "$out/digest9-gptq.json" | tee "$out/digest9-gptq-rows.txt"
+    rm -rf bench-data/gptq-22L
+    grown awq 22
+    sync
+    python3 benchmarks/bench_builds.py run bench-data/awq-22L --builds .builds --backends triton,humming \
+      --repeats 1 --verify --json "$out/digest9-awq.json" | tee "$out/digest9-awq-rows.txt"
+    rm -rf bench-data/awq-22L ;;
   numpy7|large7)
     # A/B: 96899ed (the 12:28 build measured here) against the build whose verify checks in numpy with
     # workers that never import torch (exported with `benchmarks/bench_builds.py export 96899ed <commit>`,
