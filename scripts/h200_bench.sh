@@ -39,7 +39,7 @@ case $phase in
     # exported with `benchmarks/bench_builds.py export a7f7845 124f8b0` and .builds carried, the blake3 wheel
     # (cp312) in .whl carried: the grown 7.2 GB GPTQ source into three backends and the AWQ one into triton,
     # each output verified; CPU seconds per row.
-    pip install -q --no-deps .whl/blake3-*.whl
+    python3 -m pip install -q --no-deps .whl/blake3-*.whl
     python3 -m compileall -q moeconv .builds
     grown gptq 22
     sync
