@@ -360,11 +360,10 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     named = source.architecture.engine_name  # outputs carry the names the engine's model class maps (models.py)
     units: list[tuple[str, Unit]] = [(layer.module, layer_unit(target, layer, named(layer.module))) for layer in layers]
     others = [name for name in checkpoint.tensors if name not in expert_names]
-    group_index = source_format.group_index_suffix
     dense, linears = _dense_backend(checkpoint, target, source_format, others, factor)
-    if group_index:
+    if source_format.group_index_suffix:
         with TensorReader() as reader:
-            check_dense_g_idx(checkpoint, others, group_index, source_format.group_size, reader, dense is not None)
+            check_dense_g_idx(checkpoint, others, source_format, reader, dense is not None)
     fp8: dict[str, str] = {}  # FP8 block-scaled tensors a whole-checkpoint config describes: source -> output name
     if dense is not None:
         units += [(linear.prefix, single(linear_job(dense, linear, named(linear.prefix)))) for linear in linears]

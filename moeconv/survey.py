@@ -23,6 +23,7 @@ from moeconv.checkpoint.reader import Checkpoint, TensorEntry, TensorReader
 from moeconv.detect import Detection, detect, sample_linears
 from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat, format_from_config
+from moeconv.formats.base import check_header
 from moeconv.models import Architecture, architecture_from_config
 from moeconv.spec import FLOAT_DTYPES, TensorSpec
 
@@ -188,11 +189,17 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
                 out_features, in_features = (hidden, intermediate) if projection == "down" else (intermediate, hidden)
                 _check_linear(expert.get(projection, {}), f"{module}.{e}", projection, source_format,
                               out_features, in_features)
-        scale_dtypes = {entry.dtype for expert in ordered for linear in expert.values()
-                        for entry in linear.values() if entry.dtype in FLOAT_DTYPES and len(entry.shape) == 2}
-        # scales: the only 2-D floats (a 1-D float is a per-input-channel vector: ModelOpt's pre_quant_scale)
-        if len(scale_dtypes) != 1:
-            raise MoeconvError(f"{checkpoint.root}: {module} mixes scale dtypes {sorted(scale_dtypes)}")
+        scale_dtypes: dict[str, TensorEntry] = {}  # dtype -> the first scale tensor in it
+        for expert in ordered:
+            for linear in expert.values():
+                for entry in linear.values():
+                    # scales: the only 2-D floats (a 1-D float is a per-input-channel vector: ModelOpt's pre_quant_scale)
+                    if entry.dtype in FLOAT_DTYPES and len(entry.shape) == 2:
+                        scale_dtypes.setdefault(entry.dtype, entry)
+        if len(scale_dtypes) > 1:
+            first, other = list(scale_dtypes.values())[:2]
+            raise MoeconvError(f"{other.file}: tensor {other.name} is {other.dtype}{list(other.shape)}, but "
+                               f"{first.name} is {first.dtype}: {module} mixes scale dtypes {sorted(scale_dtypes)}")
         shape = MoELayerShape(
             experts=experts_expected,
             hidden=hidden,
@@ -200,7 +207,7 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
             bits=source_format.bits,
             group_size=source_format.group_size,
             symmetric=source_format.symmetric,
-            scale_dtype=scale_dtypes.pop(),
+            scale_dtype=next(iter(scale_dtypes)),
             activation_bits=source_format.activation_bits,
             projection_names=architecture.engine_projection_names(tuple(
                 architecture.parse(next(iter(ordered[0][projection].values())).name).projection_name
@@ -252,15 +259,17 @@ def scan_act_order(layers: list[MoELayer], suffix: str,
     return scanned, refusals
 
 
-def check_dense_g_idx(checkpoint: Checkpoint, names: list[str], suffix: str, group_size: int,
+def check_dense_g_idx(checkpoint: Checkpoint, names: list[str], source_format: SourceFormat,
                       reader: TensorReader, converts: bool) -> None:
-    """A dense linear's g_idx must be k // g when it is copied (engines read it with static groups),
-    or at most relabel whole groups when a backend re-encodes it: act-order is not folded outside
-    the routed experts."""
+    """A dense linear's g_idx (the format's `group_index_suffix`) must be k // g when it is copied (engines
+    read it with static groups), or at most relabel whole groups when a backend re-encodes it: act-order
+    is not folded outside the routed experts. Its header is checked first: one vector of K integers."""
+    suffix, group_size = source_format.group_index_suffix, source_format.group_size
     for name in names:
         if not name.endswith(f".{suffix}"):
             continue
         entry = checkpoint.tensors[name]
+        check_header(entry, _expected(source_format, 1, entry.shape[-1] if entry.shape else 0)[suffix], source_format)
         g_idx = reader.read_array(entry)
         kind = act_order.group_order(g_idx, effective_group_size(g_idx.size, group_size)).kind
         if kind == act_order.STATIC or (converts and kind == act_order.RELABELLED):
@@ -338,22 +347,17 @@ def _check_linear(linear: dict[str, TensorEntry], prefix: str, projection: str, 
     if partial and found[1] >= in_features:  # stored as it is, or padded to whole groups (AutoRound's RTN)
         padded = f" (stored padded to K = {found[1]})" if found[1] > in_features else ""
         raise MoeconvError(f"{any_entry.file}: {any_entry.name.rsplit('.', 1)[0]}: {partial}{padded}")
-    if found != (out_features, in_features):
-        entry = any_entry
-        raise MoeconvError(
-            f"{entry.file}: tensor {entry.name} is a {found[0]}x{found[1]} (out x in) linear, but config.json "
-            f"makes the {projection} projection {out_features}x{in_features}"
-        )
     expected = _expected(source_format, out_features, in_features)
+    if found != (out_features, in_features):
+        # named: the tensor whose header gives the wrong size (a zero-sized qweight, not its g_idx)
+        entry = next((entry for suffix, entry in linear.items() if tuple(entry.shape) != expected[suffix].shape),
+                     any_entry)
+        raise MoeconvError(
+            f"{entry.file}: tensor {entry.name} is {entry.dtype}{list(entry.shape)}, which makes a {found[0]}x{found[1]} "
+            f"(out x in) linear, but config.json makes the {projection} projection {out_features}x{in_features}"
+        )
     for suffix, entry in linear.items():
-        want = expected[suffix]
-        dtype_ok = entry.dtype == want.dtype if want.dtype else entry.dtype in FLOAT_DTYPES
-        if entry.shape != want.shape or not dtype_ok:
-            raise MoeconvError(
-                f"{entry.file}: tensor {entry.name} is {entry.dtype}{list(entry.shape)}, expected "
-                f"{want.dtype or 'a float dtype'}{list(want.shape)} for {source_format.method} "
-                f"{source_format.bits}-bit group {source_format.group_size}"
-            )
+        check_header(entry, expected[suffix], source_format)
 
 
 def _partial_group(source_format: SourceFormat, in_features: int) -> str | None:

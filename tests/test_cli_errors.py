@@ -65,7 +65,7 @@ EXPERT = "model.layers.1.mlp.experts.2"
 @pytest.mark.parametrize("break_it, expected", [
     (lambda s: (s / "model-00002-of-00004.safetensors").unlink(), "model-00002-of-00004.safetensors: shard is missing"),
     (lambda s: _edit_config(s, moe_intermediate_size=32),
-     "is a 64x128 (out x in) linear, but config.json makes the gate projection 32x128"),
+     "which makes a 64x128 (out x in) linear, but config.json makes the gate projection 32x128"),
     (lambda s: _edit_config(s, quantization_config={"bits": 3}), "GPTQ with 3 bits is not supported"),
     (lambda s: _edit_config(s, model_type="dbrx"), "unsupported architecture 'dbrx'; supported: deepseek_v2"),
     (lambda s: _edit_config(s, num_experts=6), "has experts 0..3 (4), but config.json says 6"),

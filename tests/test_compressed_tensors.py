@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,8 @@ from moeconv.backends.base import ExpertWeights
 from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.errors import MoeconvError
 from moeconv.formats import CompressedTensors, format_from_config
+from moeconv.formats.base import config_pattern
+from moeconv.formats.compressed_tensors import _EXPERT_LINEAR_NAMES
 from moeconv.kernels.fused_moe import GemmConfig, align_tokens_to_experts
 from moeconv.kernels.int8_moe import int8_fused_moe, int8_moe_gemm, quantize_per_token
 from moeconv.kernels.reference import random_routing, reference_fused_moe, relative_error
@@ -162,6 +165,55 @@ def test_a_group_that_misses_the_experts_is_refused():
     config["config_groups"]["group_0"]["targets"] = ["re:.*self_attn.*"]
     with pytest.raises(MoeconvError, match="no group's targets cover the routed experts"):
         format_from_config(config, WHERE)
+
+
+
+# Patterns as configs write them (llm-compressor recipes, moonshotai/Kimi-K2-Thinking's `ignore`), and some
+# that take in none or part of the experts.
+ORDINARY_PATTERNS = [r".*mlp.experts.*", r"model.layers.\d+.mlp.*", r".*experts\.\d+\.(gate|up|down)_proj$",
+                     r".*self_attn.*", r"re:.*", r".*mlp\.(gate|up|gate_up|down)_proj.*", r".*shared_experts.*",
+                     r".*mlp.gate$", r"(?i).*EXPERTS\.0\.W1$", r"model\.layers\.[1-9]\d*\..*", r"^model\.layers\.0\.",
+                     r".*block_sparse_moe.experts.*", r".*(w1|w3)$", r"lm_head", r"[a-z._]+\d+\.[a-z_]+\.experts"]
+OTHER_NAMES = ["model.layers.3.self_attn.q_proj", "lm_head", "model.layers.1.mlp.gate", "model.embed_tokens",
+               "model.layers.0.mlp.shared_experts.gate_proj", "model.layers.12.mlp.gate_up_proj"]
+
+
+@pytest.mark.parametrize("pattern", ORDINARY_PATTERNS)
+def test_target_patterns_match_as_pythons_re_matches_them(pattern):
+    """RE2 (linear time) answers what compressed-tensors' `re.match` answers, on every module name moeconv
+    matches targets against; and a group whose only target is the pattern covers the experts exactly when
+    Python's `re.match` takes in one of them."""
+    compiled = config_pattern(pattern, WHERE)
+    for name in (*_EXPERT_LINEAR_NAMES, *OTHER_NAMES):
+        assert (compiled.match(name) is not None) == (re.match(pattern, name) is not None), name
+    config = _config()
+    config["config_groups"]["group_0"]["targets"] = [f"re:{pattern}"]
+    if any(re.match(pattern, name) for name in _EXPERT_LINEAR_NAMES):
+        assert format_from_config(config, WHERE) == W4A16
+    else:
+        with pytest.raises(MoeconvError, match="no group's targets cover the routed experts"):
+            format_from_config(config, WHERE)
+
+
+def test_the_ordinary_patterns_take_in_the_experts_and_not():
+    """The list above holds patterns of both outcomes, so the test above tests both."""
+    covering = {any(re.match(pattern, name) for name in _EXPERT_LINEAR_NAMES) for pattern in ORDINARY_PATTERNS}
+    assert covering == {True, False}
+
+
+@pytest.mark.timeout(30, method="thread")  # a backtracking match holds the GIL: only the thread method ends it
+@pytest.mark.parametrize("pattern", [r"(.*.*)*X", r"(.|..)*Q", r"(a|a)*b", r"((.*)*)*\d{50}"])
+def test_backtracking_targets_are_matched_in_linear_time(pattern):
+    import time
+
+    config = _config()
+    config["config_groups"]["group_0"]["targets"] = [f"re:{pattern}"]
+    started = time.perf_counter()
+    with pytest.raises(MoeconvError, match="no group's targets cover the routed experts"):
+        format_from_config(config, WHERE)
+    config["config_groups"]["group_0"]["targets"] = [f"re:{pattern}", "Linear"]
+    assert format_from_config(config, WHERE) == W4A16
+    assert time.perf_counter() - started < 0.5
 
 
 # ------------------------------------------------------------------------------ Triton W8A8 layout

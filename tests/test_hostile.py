@@ -338,6 +338,156 @@ def test_catalogue_is_one_line_exit_2_nothing_written(pristine, tmp_path, capsys
     assert {path.name: path.stat().st_mtime_ns for path in root.iterdir()} == before  # the source untouched
 
 
+
+# ------------------------------------------------------------------------------ tensors against their format
+
+
+def _edit_tensor(root: Path, name: str, edit) -> None:
+    """`edit(entry)` on tensor `name`'s header entry, in whichever shard holds it."""
+    shard = root / json.loads((root / "model.safetensors.index.json").read_text())["weight_map"][name]
+    header, data = _split_shard(shard)
+    edit(header[name])
+    _write_shard(shard, header, data)
+
+
+def _zero_sized_first_in_its_linear(root: Path, name: str) -> None:
+    """`name` emptied (shape [0, N], no bytes), and the linear's g_idx moved to the head of the header, as
+    a checkpoint whose header lists names in order has it (the linear's first tensor was named)."""
+    shard = root / json.loads((root / "model.safetensors.index.json").read_text())["weight_map"][name]
+    header, data = _split_shard(shard)
+    header[name].update(shape=[0, header[name]["shape"][1]],
+                        data_offsets=[header[name]["data_offsets"][0]] * 2)
+    g_idx = name.rsplit(".", 1)[0] + ".g_idx"
+    _write_shard(shard, {g_idx: header.pop(g_idx), **header}, data)
+
+
+FIRST = "model.layers.0.mlp.experts.0.gate_proj"  # the first linear detection samples
+OTHER = "model.layers.1.mlp.experts.2.up_proj"
+
+
+def _same_bytes_as(dtype: str, columns: float = 1):
+    """The entry's dtype replaced, its last dimension scaled so that its bytes stay the same."""
+    return lambda entry: entry.update(dtype=dtype, shape=[*entry["shape"][:-1], int(entry["shape"][-1] * columns)])
+
+
+# name -> (source format, the edit, the text the one-line refusal holds: the tensor, what it is, what it should be)
+TENSOR_CATALOGUE = {
+    "qweight F32 (the same bytes)": ("gptq", lambda r: _edit_tensor(r, f"{FIRST}.qweight", _same_bytes_as("F32")),
+                                     f"tensor {FIRST}.qweight is F32[16, 64], expected I32[16, 64]"),
+    "qweight F16 twice as wide": ("gptq", lambda r: _edit_tensor(r, f"{FIRST}.qweight", _same_bytes_as("F16", 2)),
+                                  f"tensor {FIRST}.qweight is F16[16, 128]"),
+    "qzeros F32": ("gptq", lambda r: _edit_tensor(r, f"{FIRST}.qzeros", _same_bytes_as("F32")),
+                   f"tensor {FIRST}.qzeros is F32[4, 8], expected I32[4, 8]"),
+    "qzeros F16 twice as wide": ("gptq", lambda r: _edit_tensor(r, f"{FIRST}.qzeros", _same_bytes_as("F16", 2)),
+                                 f"tensor {FIRST}.qzeros is F16[4, 16], expected I32[4, 8]"),
+    "qzeros of half the groups": ("gptq", lambda r: _edit_tensor(r, f"{FIRST}.qzeros", lambda e: e.update(
+        shape=[2, 8], data_offsets=[e["data_offsets"][0], e["data_offsets"][0] + 64])),
+                                  f"tensor {FIRST}.qzeros is I32[2, 8], expected I32[4, 8]"),
+    "scales I16": ("gptq", lambda r: _edit_tensor(r, f"{OTHER}.scales", _same_bytes_as("I16")),
+                   f"tensor {OTHER}.scales is I16[4, 64], expected a float dtype[4, 64]"),
+    "scales BF16 in one expert": ("gptq", lambda r: _edit_tensor(r, f"{OTHER}.scales", _same_bytes_as("BF16")),
+                                  f"tensor {OTHER}.scales is BF16[4, 64], but"),
+    "g_idx F16": ("gptq", lambda r: _edit_tensor(r, f"{FIRST}.g_idx", _same_bytes_as("F16", 2)),
+                  f"tensor {FIRST}.g_idx is F16[256], expected I32[128]"),
+    "g_idx F32": ("gptq", lambda r: _edit_tensor(r, f"{OTHER}.g_idx", _same_bytes_as("F32")),
+                  f"tensor {OTHER}.g_idx is F32[128], expected I32[128]"),
+    "zero-sized qweight of one expert": ("gptq", lambda r: _zero_sized_first_in_its_linear(r, f"{OTHER}.qweight"),
+                                         f"tensor {OTHER}.qweight is I32[0, 64], which makes a 64x0"),
+    "weight_packed F16": ("ct-pack", lambda r: _edit_tensor(r, f"{FIRST}.weight_packed", _same_bytes_as("F16", 2)),
+                          f"tensor {FIRST}.weight_packed is F16[64, 32]"),
+    "weight_packed F32": ("ct-pack", lambda r: _edit_tensor(r, f"{FIRST}.weight_packed", _same_bytes_as("F32")),
+                          f"tensor {FIRST}.weight_packed is F32[64, 16], expected I32[64, 16]"),
+    "weight_zero_point F32": ("ct-pack", lambda r: _edit_tensor(r, f"{OTHER}.weight_zero_point", _same_bytes_as("F32")),
+                              f"tensor {OTHER}.weight_zero_point is F32[8, 4], expected I32[8, 4]"),
+    "weight_shape F64": ("ct-pack", lambda r: _edit_tensor(r, f"{OTHER}.weight_shape", _same_bytes_as("F64")),
+                         f"tensor {OTHER}.weight_shape is F64[2], expected I64[2]"),
+    "weight_scale I16": ("ct-pack", lambda r: _edit_tensor(r, f"{OTHER}.weight_scale", _same_bytes_as("I16")),
+                         f"tensor {OTHER}.weight_scale is I16[64, 4], expected a float dtype[64, 4]"),
+    "awq qzeros F32": ("awq", lambda r: _edit_tensor(r, f"{FIRST}.qzeros", _same_bytes_as("F32")),
+                       f"tensor {FIRST}.qzeros is F32[2, 8], expected I32[2, 8]"),
+    "awq qzeros of one group": ("awq", lambda r: _edit_tensor(r, f"{FIRST}.qzeros", lambda e: e.update(
+        shape=[1, 8], data_offsets=[e["data_offsets"][0], e["data_offsets"][0] + 32])),
+                                f"tensor {FIRST}.qzeros is I32[1, 8], expected I32[2, 8]"),
+}
+
+
+@pytest.fixture(scope="module")
+def pristine_of(tmp_path_factory):
+    """The pristine checkpoint of a format in FORMATS, made once per module."""
+    made: dict[str, Path] = {}
+
+    def pristine(key: str) -> Path:
+        if key not in made:
+            made[key] = _pristine(tmp_path_factory.mktemp(f"pristine-{key}"), FORMATS[key])
+        return made[key]
+    return pristine
+
+
+@pytest.mark.filterwarnings("error")  # a warning on the way (numpy's cast of NaN words) fails the refusal
+@pytest.mark.parametrize("name", list(TENSOR_CATALOGUE))
+def test_a_tensor_unlike_its_format_is_refused_naming_it(pristine_of, tmp_path, capsys, name):
+    """Every tensor's dtype and shape against what its format declares, from the header, before any value
+    is read: one line naming the tensor, for inspect and convert alike, nothing written, no warning."""
+    key, break_it, expected = TENSOR_CATALOGUE[name]
+    root = _copy(pristine_of(key), tmp_path / "src")
+    break_it(root)
+    before = {path.name: path.stat().st_mtime_ns for path in root.iterdir()}
+    for command in (("inspect", root), ("convert", root, "-o", tmp_path / "out", "-q")):
+        code, out, err = run_main(capsys, *command)
+        assert code == 2, (command[0], out, err)
+        assert expected in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "Warning" not in err, err
+    assert not (tmp_path / "out").exists()
+    assert {path.name: path.stat().st_mtime_ns for path in root.iterdir()} == before
+
+
+# ------------------------------------------------------------------------------ config patterns
+
+
+def _targets(*targets: str):
+    return lambda r: _edit_json(r, "config.json", _quant(lambda q: q["config_groups"]["group_0"].update(
+        targets=list(targets))))
+
+
+@pytest.mark.timeout(30, method="thread")  # a backtracking match holds the GIL: only the thread method ends it
+@pytest.mark.parametrize("pattern", [r"(.*.*)*X", r"(.|..)*Q", r"(\w+\.?)*!"])
+def test_a_backtracking_target_pattern_is_answered_at_once(pristine_of, tmp_path, capsys, pattern):
+    """Alone, a pattern that takes in no expert is the refusal it always was; beside one that does, the
+    checkpoint reads as before. Python's `re` takes hours on either against an expert's module name."""
+    import time
+
+    root = _copy(pristine_of("ct-pack"), tmp_path / "src")
+    _targets(f"re:{pattern}")(root)
+    for command in (("inspect", root), ("convert", root, "-o", tmp_path / "out", "-q")):
+        started = time.perf_counter()
+        code, out, err = run_main(capsys, *command)
+        assert time.perf_counter() - started < 5, command  # a hang would take hours
+        assert code == 2 and "no group's targets cover the routed experts" in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+    _targets(f"re:{pattern}", r"re:.*mlp\.experts.*")(root)
+    code, out, err = run_main(capsys, "inspect", root, "--json")
+    assert code == 0 and json.loads(out)["config_format"]["method"] == "compressed-tensors", err
+
+
+@pytest.mark.parametrize("pattern, message", [
+    (r"(a)\1", "uses syntax moeconv does not match in linear time (RE2: invalid escape sequence: \\1)"),
+    (r".*(?=experts)", "uses syntax moeconv does not match in linear time"),
+    (r".*\Z", "\\Z (write $)"),
+    (r".*mlp{,3}", "has a repeat {,n}"),
+    (r"[[:alpha:]].*", "is not a valid Python pattern (Possible nested set"),
+    ("(" * 3000 + ")" * 3000, "is longer than the 4096 characters"),
+    ("(" * 1500 + ")" * 1500, "nests its groups deeper than Python's parser goes"),
+])
+def test_a_target_pattern_moeconv_cannot_match_faithfully_is_one_line(pristine_of, tmp_path, capsys, pattern, message):
+    root = _copy(pristine_of("ct-pack"), tmp_path / "src")
+    _targets(f"re:{pattern}")(root)
+    code, out, err = run_main(capsys, "inspect", root)
+    assert code == 2 and message in err, err
+    assert "quantization_config.config_groups.group_0.targets: pattern" in err and str(root / "config.json") in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
 def test_duplicate_header_keys_with_different_entries(pristine, tmp_path):
     root = _copy(pristine, tmp_path / "src")
     header, data = _split_shard(_shard(root))

@@ -26,6 +26,7 @@ from moeconv.formats.base import (
     Read,
     SourceFormat,
     check_bits,
+    check_headers,
     checked_group_size,
     config_bool,
     config_int,
@@ -105,6 +106,7 @@ class AWQ(StoredDecoding):
                                             configured.group_size, detection)
         if group_size is None:
             return None
+        check_headers(linears[:SAMPLE_LINEARS], cls(bits=4, group_size=group_size))  # the linears read below
         return cls(bits=4, group_size=group_size, zero_point=_zero_point_from_data(linears, configured, read, detection))
 
     def check_symmetric_zeros(self, qzeros: np.ndarray) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
@@ -9,7 +11,7 @@ from moeconv import act_order
 from moeconv.canonical import (  # noqa: F401
     CHANNELWISE, QuantizedWeight, as_tensors, effective_group_size, groups_of, is_channelwise, stored_arrays)
 from moeconv.errors import MoeconvError
-from moeconv.spec import TensorSpec
+from moeconv.spec import FLOAT_DTYPES, TensorSpec
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
     import numpy as np
@@ -21,6 +23,7 @@ class HeaderEntry(Protocol):
     file it is in. Values come only through a `Read`."""
 
     name: str
+    dtype: str
     shape: tuple[int, ...]
     file: Any
 
@@ -241,6 +244,32 @@ def group_size_from_shapes(scales: list[tuple[HeaderEntry, int, int]], configure
     return -1
 
 
+def check_header(entry: HeaderEntry, spec: TensorSpec, source_format: SourceFormat) -> None:
+    """One stored tensor against what its format declares (`expected`), from the header alone: run before
+    any of its bytes are decoded, since words read as floats (or floats as words) decode to nonsense, with
+    numpy's warnings or a traceback on the way."""
+    dtype_ok = entry.dtype == spec.dtype if spec.dtype else entry.dtype in FLOAT_DTYPES
+    if not dtype_ok or tuple(entry.shape) != tuple(spec.shape):
+        raise MoeconvError(
+            f"{entry.file}: tensor {entry.name} is {entry.dtype}{list(entry.shape)}, expected "
+            f"{spec.dtype or 'a float dtype'}{list(spec.shape)} for {source_format.method} "
+            f"{source_format.bits}-bit group {source_format.group_size}")
+
+
+def check_headers(linears: list[Linear], source_format: SourceFormat) -> None:
+    """`check_header` on every tensor of `linears` that `source_format` declares, with the parameters the
+    shapes gave (`from_data`, before it reads a value); other suffixes are refused where the layers are
+    grouped (survey.py)."""
+    expected: dict[tuple[int, int], dict[str, TensorSpec]] = {}
+    for tensors, out_features, in_features in linears:
+        specs = expected.get((out_features, in_features))
+        if specs is None:
+            specs = expected[out_features, in_features] = source_format.expected(out_features, in_features)
+        for suffix, entry in tensors.items():
+            if suffix in specs:
+                check_header(entry, specs[suffix], source_format)
+
+
 def checked_group_size(group_size: int, where: str) -> int:
     """A configured group size, normalised once: a power of two, or CHANNELWISE for -1 and 0 (configs
     write both), so nothing past `from_config` meets the second spelling."""
@@ -255,3 +284,59 @@ def check_bits(bits: int, allowed: tuple[int, ...], method: str, where: str) -> 
     if bits not in allowed:
         choices = ", ".join(map(str, allowed))
         raise MoeconvError(f"{where}: {method} with {bits} bits is not supported (supported: {choices})")
+
+
+
+
+# `{,n}`: Python reads 0 to n repeats, RE2 the literal text (checked on the pattern's text, escaped or not).
+_OPEN_MINIMUM = re.compile(r"\{,\d*\}")
+SHOWN_PATTERN = 80  # characters of a refused pattern a message quotes
+# Module-name patterns are tens of characters; past this, compiling alone (Python's parser: 2 s a megabyte)
+# would be the cost.
+MAX_PATTERN = 4096
+
+
+def config_pattern(pattern: str, where: str) -> Any:
+    """A regular expression from a config (compressed-tensors' `re:` targets), compiled for RE2, whose
+    matching takes time linear in the name: Python's `re`, which compressed-tensors matches with,
+    backtracks, and a pattern written to (`(.*.*)*X`) hangs it for good, while a time budget would make
+    the answer depend on the host's load. Python's parser stays the judge of the syntax, so a pattern
+    means to moeconv what it means to compressed-tensors; what RE2 cannot run in linear time
+    (backreferences, lookaround), or reads otherwise than Python (`{,n}`, a POSIX class in a set), is
+    refused naming the pattern and `where` (the config field)."""
+    import re2
+
+    shown = repr(pattern) if len(pattern) <= SHOWN_PATTERN else \
+        f"{pattern[:SHOWN_PATTERN]!r}... ({len(pattern)} characters)"
+
+    def refused(why: str) -> MoeconvError:
+        return MoeconvError(f"{where}: pattern {shown} {why}")
+
+    if len(pattern) > MAX_PATTERN:
+        raise refused(f"is longer than the {MAX_PATTERN} characters moeconv takes in a module-name pattern")
+    options = re2.Options()
+    options.log_errors = False  # RE2 would also print its refusal on stderr
+    try:
+        compiled = re2.compile(pattern, options)
+    except re2.error as error:
+        _check_python_syntax(pattern, refused)  # an invalid pattern is refused as that
+        reason = error.args[0].decode() if isinstance(error.args[0], bytes) else error.args[0]
+        raise refused(f"uses syntax moeconv does not match in linear time (RE2: {reason}): backreferences, "
+                      f"lookaround, possessive repeats and \\Z (write $) are not taken") from None
+    if _OPEN_MINIMUM.search(pattern):
+        raise refused("has a repeat {,n}, which Python reads as {0,n} and RE2 as text; write {0,n}")
+    _check_python_syntax(pattern, refused)
+    return compiled
+
+
+def _check_python_syntax(pattern: str, refused: Callable[[str], MoeconvError]) -> None:
+    """Python's parser on the pattern (compiling, never matching: no backtracking), its warnings refusals
+    too: they mark what it reads otherwise than other engines (a nested set)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            re.compile(pattern)
+        except (re.error, FutureWarning, DeprecationWarning) as error:
+            raise refused(f"is not a valid Python pattern ({error})") from None
+        except RecursionError:
+            raise refused("nests its groups deeper than Python's parser goes") from None

@@ -25,7 +25,6 @@ several groups with the same scheme).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -37,7 +36,7 @@ from moeconv.errors import MoeconvError
 from moeconv.spec import TensorSpec
 from moeconv.checkpoint.schema import section
 from moeconv.formats.base import (Detection, StoredDecoding, Linear, Read, SourceFormat, checked_group_size, config_bool, config_int,
-                                  effective_group_size, group_size_from_shapes, groups_of)
+                                  config_pattern, effective_group_size, group_size_from_shapes, groups_of)
 from moeconv.models import ARCHITECTURES
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
@@ -98,7 +97,7 @@ class CompressedTensors(StoredDecoding):
         schemes = {
             name: _scheme(group, group.get("format") or config.get("format"), f"{field}.config_groups.{name}")
             for name, group in groups.items()
-            if _targets_experts(group.get("targets") or [])
+            if _targets_experts(group.get("targets") or [], f"{field}.config_groups.{name}.targets")
         }
         if not schemes:
             raise MoeconvError(f"{field}.config_groups: no group's targets cover the routed experts")
@@ -258,17 +257,15 @@ class CompressedTensors(StoredDecoding):
         }
 
 
-def _targets_experts(targets: list[str]) -> bool:
+def _targets_experts(targets: list[str], where: str) -> bool:
     """Whether a config group's targets (class names, module names, `re:` patterns) take in expert
-    linears, matched as compressed-tensors does (`re.match` for patterns)."""
+    linears, matched as compressed-tensors does (`re.match` for patterns), in linear time
+    (`config_pattern`). `where`: the targets' config field, for refusals."""
     for target in targets:
         if target == "Linear":
             return True
         if target.startswith("re:"):
-            try:
-                pattern = re.compile(target[3:])
-            except re.error as error:
-                raise MoeconvError(f"quantization_config target {target!r} is not a valid pattern ({error})") from None
+            pattern = config_pattern(target[3:], where)
             if any(pattern.match(name) for name in _EXPERT_LINEAR_NAMES):
                 return True
         elif any(name == target or name.endswith("." + target) for name in _EXPERT_LINEAR_NAMES):

@@ -29,6 +29,7 @@ from moeconv.formats.base import (
     Read,
     SourceFormat,
     check_bits,
+    check_headers,
     checked_group_size,
     config_bool,
     config_int,
@@ -174,6 +175,7 @@ class GPTQ(StoredDecoding):
                                             configured.group_size, detection)
         if group_size is None:
             return None
+        check_headers(linears[:SAMPLE_LINEARS], GPTQ(bits, group_size))  # the linears read below
         found = _gptq_from_data(linears, bits, group_size, configured, read, detection)
         _check_act_order(linears[:SAMPLE_LINEARS], read, detection)
         return found

@@ -38,6 +38,7 @@ from moeconv.formats.base import (
     Linear,
     Read,
     SourceFormat,
+    check_headers,
     checked_group_size,
     config_bool,
     config_int,
@@ -112,6 +113,7 @@ class ModelOpt(FormatDefaults):
                                             configured.group_size, detection)
         if group_size is None:
             return None
+        check_headers(linears, cls(group_size=group_size))  # every pre_quant_scale is read below
         stored = [tensors[PRE_QUANT_SCALE] for tensors, _, _ in linears if PRE_QUANT_SCALE in tensors]
         scaled = [entry.name.rsplit(".", 1)[0] for entry in stored if not bool((read(entry) == 1).all())]
         if scaled:
