@@ -286,8 +286,6 @@ def check_bits(bits: int, allowed: tuple[int, ...], method: str, where: str) -> 
         raise MoeconvError(f"{where}: {method} with {bits} bits is not supported (supported: {choices})")
 
 
-
-
 # `{,n}`: Python reads 0 to n repeats, RE2 the literal text (checked on the pattern's text, escaped or not).
 _OPEN_MINIMUM = re.compile(r"\{,\d*\}")
 SHOWN_PATTERN = 80  # characters of a refused pattern a message quotes
