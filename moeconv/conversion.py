@@ -24,7 +24,7 @@ from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
 from moeconv.checkpoint.writer import (
-    DIGEST_KEY, BlockHasher, ShardWriter, byte_size, copy_into, file_digest, write_at,
+    CURRENT, BlockHasher, ShardWriter, byte_size, copy_into, file_digest, write_at,
 )
 from moeconv.errors import MoeconvError, Unfinished, human_bytes
 from moeconv.executor import Executor, in_batches, peak_rss_mb, worker_descriptor, worker_reader
@@ -456,7 +456,7 @@ class SourceDigests:
 
 
 def _sized_digest(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, DIGEST_KEY: file_digest(path)}
+    return {"bytes": path.stat().st_size, CURRENT.file_key: file_digest(path)}
 
 
 def _write_metadata(plan: Plan, staging: Path, files: dict[str, dict[str, Any]], sides: SideFiles,
