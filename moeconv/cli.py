@@ -6,6 +6,7 @@ Results go to stdout, progress and errors to stderr. Exit codes: 0 ok, 1 verific
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import sys
@@ -167,6 +168,7 @@ def convert(
     from moeconv.conversion import check_output_folder, convert as run_conversion
 
     _removed_device(device)
+    _quiet_hub(quiet)
     if output is None and not dry_run:
         raise typer.BadParameter("an output folder is required (or --dry-run)", param_hint="'-o' / '--output'")
     if trust_config and trust_data:
@@ -245,6 +247,13 @@ def _progress_for_verify(quiet: bool):
                 state["advance"](amount)
 
         yield progress
+
+
+def _quiet_hub(quiet: bool) -> None:
+    """-q silences huggingface_hub's own bars too (its "Fetching N files", even from the cache): its
+    environment switch, read when the library is first imported, which is later (source.py)."""
+    if quiet:
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 
 
 @contextmanager
@@ -328,6 +337,7 @@ def verify(
     from moeconv.errors import VerificationFailed
     from moeconv.verification import verify as run_verification
 
+    _quiet_hub(quiet)
     with _progress_for_verify(quiet) as progress:
         report = run_verification(output, source=source, sample=sample, level=level, tokens=tokens,
                                   numerics_layers=numerics_layers, progress=progress, workers=workers,

@@ -24,10 +24,12 @@ from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
 from moeconv.checkpoint.writer import (
-    DIGEST_KEY, BlockHasher, ShardWriter, byte_size, copy_into, file_digest, write_at,
+    CURRENT, BlockHasher, ShardWriter, byte_size, copy_into, file_digest, write_at,
 )
 from moeconv.errors import MoeconvError, Unfinished, human_bytes
 from moeconv.executor import Executor, in_batches, peak_rss_mb, worker_descriptor, worker_reader
+from moeconv import provenance
+from moeconv.provenance import Anchor, recorded_anchor
 from moeconv.worklist import OutputShard, SourceSlice
 
 if TYPE_CHECKING:  # the plan arrives made; this module only walks it (and so imports no torch)
@@ -219,7 +221,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
             journal = Journal.open(staging, plan.identity)
             _check_free_space(plan, staging, journal, sides.nbytes)
             audits = Audits()
-            hashing = SourceDigests(source.files)
+            hashing = SourceDigests(source.files, source.root, recorded_anchor(source.origin))
             try:
                 todo = []
                 for shard in plan.shards:
@@ -440,15 +442,25 @@ def _run_job(job, codec, path: Path, positions: dict[str, int]) -> tuple[list, d
 
 class SourceDigests:
     """The block digest (writer.file_digest) of every source shard, taken on a thread while the
-    conversion runs, so the manifest records the source's data as this run read it."""
+    conversion runs, so the manifest records the source's data as this run read it; for a Hub snapshot
+    (`anchor`), every file of it against the digest the Hub published, on a second thread: a cached
+    blob changed since its download is refused, never converted."""
 
-    def __init__(self, files: list[Path]):
+    def __init__(self, files: list[Path], root: Path, anchor: Anchor | None):
         from concurrent.futures import ThreadPoolExecutor
 
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moeconv-source-hash")
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="moeconv-source-hash")
         self._digests = {path.name: self._pool.submit(_sized_digest, path) for path in files}
+        self._anchor = anchor
+        self._published = None if anchor is None else self._pool.submit(
+            provenance.mismatches, root, anchor, sorted(anchor.published))
 
     def result(self) -> dict[str, dict[str, Any]]:
+        problems = [] if self._published is None else self._published.result()
+        if problems:
+            more = f" (and {len(problems) - 1} more file(s))" if len(problems) > 1 else ""
+            raise MoeconvError(f"{problems[0]}{more}: the Hugging Face cache changed since the download; remove "
+                               f"{self._anchor.repo} from the cache (`hf cache delete`) and download it again")
         return {name: future.result() for name, future in self._digests.items()}
 
     def cancel(self) -> None:
@@ -456,7 +468,7 @@ class SourceDigests:
 
 
 def _sized_digest(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, DIGEST_KEY: file_digest(path)}
+    return {"bytes": path.stat().st_size, CURRENT.file_key: file_digest(path)}
 
 
 def _write_metadata(plan: Plan, staging: Path, files: dict[str, dict[str, Any]], sides: SideFiles,

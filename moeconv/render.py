@@ -141,6 +141,7 @@ def print_verify(report) -> None:
         ("structure, index, configs, digests", structure),
         ("source shards hashed as recorded", f"{report.source_files_checked - len(report.source_problems)}"
                                              f"/{report.source_files_checked}" if lossless else not_run),
+        ("provenance", report.provenance),
         ("levels proven (docs/FORMAT.md)", ", ".join(report.proven) or "none"),
         ("pass-through tensors byte-identical", f"{report.passthrough_checked - len(report.passthrough_problems)}"
                                                 f"/{report.passthrough_checked}" if lossless else not_run),
@@ -187,7 +188,11 @@ def verdict(report) -> str:
     kernels = sum(layer.relative_error is not None for layer in report.layers)
     if kernels:
         checked.append(f"kernel within {report.tolerance:g} on {kernels} layer(s)")
-    return f"verdict: ok ({', '.join(checked)}; --level {report.level})"
+    anchor = report.source_anchor
+    where = (f"source anchored to {anchor['repo']}@{anchor['revision']}" if anchor and report.published_files_checked
+             else f"source recorded as {anchor['repo']}@{anchor['revision']}, not checked at this level" if anchor
+             else "source not anchored (a local folder)")
+    return f"verdict: ok ({', '.join(checked)}; {where}; --level {report.level})"
 
 
 def print_plan(summary: dict[str, Any]) -> None:

@@ -1,7 +1,9 @@
 """A local folder or a Hugging Face Hub id -> a checkpoint folder on disk.
 
 Hub ids go through `huggingface_hub.snapshot_download`, restricted to the files a conversion needs,
-into the normal cache; `HF_HUB_OFFLINE=1` and `local_files_only` are honoured by the library.
+into the normal cache; `HF_HUB_OFFLINE=1` and `local_files_only` are honoured by the library. A Hub
+source, or a folder that is a snapshot in a Hub cache, carries its anchor (moeconv.provenance): the
+repository, the commit and the digests the Hub published for its files.
 """
 
 from __future__ import annotations
@@ -12,27 +14,36 @@ from pathlib import Path
 from typing import Any
 
 from moeconv.errors import MoeconvError
+from moeconv.provenance import anchor_of
 
 # safetensors shards and index, configs, tokenizer and generation files.
 ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.py"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_AT_REVISION = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)@(?P<revision>[^@]+)$")  # org/model@rev
 
 
 @dataclass(frozen=True)
 class ResolvedSource:
     path: Path
-    origin: dict[str, Any] = field(default_factory=dict)  # {"repo", "revision"} for Hub sources
+    # Hub snapshots: {"repo", "revision" (a commit), "published": provenance.Anchor.to_json()}
+    origin: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_source(source: str | Path, revision: str | None = None, local_files_only: bool = False) -> ResolvedSource:
-    """A folder that exists wins; otherwise `org/name` is fetched (or found in the cache)."""
+    """A folder that exists wins; otherwise `org/name` (or `org/name@revision`) is fetched (or found in
+    the cache)."""
     path = Path(source).expanduser()
     if path.is_dir():
         if revision:
             raise MoeconvError(f"{path}: --revision applies to Hub ids, not to a local folder")
-        return ResolvedSource(path)
+        return ResolvedSource(path, _origin(path))
     text = str(source)
+    pinned = _AT_REVISION.match(text)
+    if pinned and revision is not None and revision != pinned["revision"]:
+        raise MoeconvError(f"{text}: names revision {pinned['revision']}, but --revision says {revision}")
+    if pinned:
+        text, revision = pinned["repo"], pinned["revision"]
     if not _REPO_ID.match(text):
         raise MoeconvError(f"{text}: not a folder, and not a Hugging Face id like org/model")
     if revision is not None and not _is_revision_name(revision):
@@ -63,7 +74,17 @@ def resolve_source(source: str | Path, revision: str | None = None, local_files_
         # a ref file naming `../../elsewhere` would make the snapshot a folder outside the cache
         raise MoeconvError(f"{wanted}: the Hugging Face cache names {folder}, not a snapshot of a commit; "
                            f"its refs are damaged (remove the repository from the cache to download it again)")
-    return ResolvedSource(folder, {"repo": text, "revision": folder.name})
+    origin = _origin(folder)
+    if origin.get("repo") != text:
+        raise MoeconvError(f"{wanted}: the Hugging Face cache's snapshot {folder} holds files that are not links to "
+                           f"its blobs (changed in place): remove the repository from the cache to download it again")
+    return ResolvedSource(folder, origin)
+
+
+def _origin(folder: Path) -> dict[str, Any]:
+    """A Hub snapshot's repository, commit and published digests; nothing for another folder."""
+    anchor = anchor_of(folder)
+    return {} if anchor is None else {"repo": anchor.repo, "revision": anchor.revision, "published": anchor.to_json()}
 
 
 def _is_revision_name(revision: str) -> bool:

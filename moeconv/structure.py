@@ -15,7 +15,7 @@ from moeconv.checkpoint import manifest as manifests
 from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, read_json
 from moeconv.checkpoint.side_files import side_files
-from moeconv.checkpoint.writer import (DIGEST_KEY, SHARD_DIGEST_KEY, TENSOR_DIGESTS_KEY, file_digest, range_digests,
+from moeconv.checkpoint.writer import (CURRENT, TENSOR_DIGESTS_KEY, DigestScheme, file_digest, range_digests,
                                       shard_file_digests)
 from moeconv.errors import MoeconvError
 from moeconv.plan import Plan
@@ -43,25 +43,33 @@ def check_seal(manifest: dict[str, Any]) -> list[str]:
 
 
 def check_version(manifest: dict[str, Any]) -> list[str]:
-    """The manifest's version: older ones record other digests (docs/FORMAT.md), which verify does not take."""
-    found = manifest.get("manifest_version")
-    if found == manifests.MANIFEST_VERSION:
+    """The manifest's version: those before 3 record other digests (docs/FORMAT.md), which verify does not take."""
+    if manifests.scheme_of(manifest) is not None:
         return []
-    return [f"{MANIFEST_NAME}: manifest_version {found}, not {manifests.MANIFEST_VERSION} (files -> shard -> "
-            f"{SHARD_DIGEST_KEY}, made of its {TENSOR_DIGESTS_KEY}; written by an older moeconv); convert again"]
+    read = " or ".join(map(str, manifests.SCHEMES))
+    return [f"{MANIFEST_NAME}: manifest_version {manifest.get('manifest_version')}, not {read} (files -> shard -> "
+            f"{CURRENT.shard_key}, made of its {TENSOR_DIGESTS_KEY}; written by an older moeconv); convert again"]
+
+
+def _scheme(manifest: dict[str, Any]) -> DigestScheme:
+    """The digests of a manifest whose version check_version passed."""
+    scheme = manifests.scheme_of(manifest)
+    if scheme is None:
+        raise MoeconvError(check_version(manifest)[0])
+    return scheme
 
 
 _SECTIONS = ("files", "metadata_files", "copied_files")  # the manifest's lists of the files the output holds
 
 
-def _digest_of(path: Path, key: str, tensors: dict[str, dict[str, str]]) -> str | None:
+def _digest_of(path: Path, key: str, tensors: dict[str, dict[str, str]], scheme: DigestScheme) -> str | None:
     """A listed file's digest as its section records it; a shard's tensors' digests, hashed on the way
     (each byte once), go into `tensors` by file name. None for a shard whose header cannot be read or
     whose tensors leave bytes uncovered."""
     if key != "files":
-        return file_digest(path)
+        return file_digest(path, scheme=scheme)
     try:
-        digest, tensors[path.name] = shard_file_digests(path)
+        digest, tensors[path.name] = shard_file_digests(path, scheme=scheme)
     except ValueError:
         return None
     return digest
@@ -72,10 +80,10 @@ def check_files(output: Path, manifest: dict[str, Any], advance: Callable[..., N
     """Every file of the output folder against the manifest: each listed one a regular file (not a link)
     of the recorded size and digest, and nothing else there. `tensors` receives each shard's tensors'
     digests (for check_tensor_digests, which then reads nothing again)."""
-    problems, listed = [], {MANIFEST_NAME}
+    problems, listed, scheme = [], {MANIFEST_NAME}, _scheme(manifest)
     tensors = {} if tensors is None else tensors
     for key in _SECTIONS:
-        files, digest_key = manifests.recorded_files(manifest, key), manifests.digest_key_of(key)
+        files, digest_key = manifests.recorded_files(manifest, key, scheme), manifests.digest_key_of(key, scheme)
         if files is None:
             problems.append(f"{MANIFEST_NAME}: {key} must map plain file names to their bytes and {digest_key}")
             continue
@@ -89,7 +97,7 @@ def check_files(output: Path, manifest: dict[str, Any], advance: Callable[..., N
                 continue
             if not stat.S_ISREG(info.st_mode):
                 problems.append(f"{name}: not a regular file (a link or a folder), but {MANIFEST_NAME} lists a file")
-            elif info.st_size != recorded["bytes"] or _digest_of(path, key, tensors) != recorded[digest_key]:
+            elif info.st_size != recorded["bytes"] or _digest_of(path, key, tensors, scheme) != recorded[digest_key]:
                 problems.append(f"{name}: digest or size differs from {MANIFEST_NAME}")
             advance(info.st_size)
     for path in sorted(output.iterdir()):
@@ -108,7 +116,7 @@ def check_tensor_digests(entries: list, manifest: dict[str, Any], advance: Calla
     digests check_files took while checking the shards' own, by file name, which are not hashed again."""
     recorded = manifests.recorded_tensor_digests(manifest)
     if recorded is None:
-        return [f"{MANIFEST_NAME}: records no digest per tensor (manifest_version {manifests.MANIFEST_VERSION}: "
+        return [f"{MANIFEST_NAME}: records no digest per tensor (manifest_version 3 and later: "
                 f"files -> shard -> {TENSOR_DIGESTS_KEY}; written by a moeconv before 2026-12-02); convert again"]
     problems = []
     held = {entry.name for entry in entries}
@@ -120,7 +128,8 @@ def check_tensor_digests(entries: list, manifest: dict[str, Any], advance: Calla
     for path, inside in by_file.items():
         digests = (hashed or {}).get(path.name, {})
         if any(entry.name not in digests for entry in inside):
-            digests = range_digests(path, {entry.name: (entry.begin, entry.end) for entry in inside})
+            digests = range_digests(path, {entry.name: (entry.begin, entry.end) for entry in inside},
+                                    scheme=_scheme(manifest))
         for entry in inside:
             shard, digest = recorded.get(entry.name, (None, None))
             if shard != path.name:
@@ -186,7 +195,7 @@ def _check_json_files(plan: Plan, output: Path, manifest: dict[str, Any]) -> lis
             problems.append(f"{QUANTIZE_CONFIG_NAME}: does not match config.json's quantization_config")
         elif name == INDEX_NAME:
             problems += _field_problems(name, have, want, "the index of this conversion")
-    derived = manifests.derived(plan)
+    derived = manifests.derived(plan, _scheme(manifest))
     problems += _field_problems(MANIFEST_NAME, {key: manifest.get(key) for key in derived}, derived,
                                 "what this conversion records")
     return problems
@@ -195,14 +204,14 @@ def _check_json_files(plan: Plan, output: Path, manifest: dict[str, Any]) -> lis
 def _check_side_files(plan: Plan, output: Path, manifest: dict[str, Any]) -> list[str]:
     """The copied files against the source's files of those names, and the source folder's other files
     against those recorded as skipped (convert's own selection, side_files.py)."""
-    expected = side_files(plan.checkpoint, skip_unsafe=True)
-    copied = manifests.recorded_files(manifest, "copied_files") or {}
+    expected, scheme = side_files(plan.checkpoint, skip_unsafe=True), _scheme(manifest)
+    copied = manifests.recorded_files(manifest, "copied_files", scheme) or {}
     skipped = manifest.get("skipped_files") if isinstance(manifest.get("skipped_files"), dict) else {}
     problems = []
     for side in expected.copied:
         if side.name not in copied:
             problems.append(f"{side.name}: a file of the source that the output lacks (not in {MANIFEST_NAME})")
-        elif file_digest(side.path) != copied[side.name][DIGEST_KEY]:
+        elif file_digest(side.path, scheme=scheme) != copied[side.name][scheme.file_key]:
             problems.append(f"{side.name}: differs from the source's {side.path}")
     names = {side.name for side in expected.copied}
     problems += [f"{name}: copied into the output, but the source has no such file to copy"
@@ -216,16 +225,17 @@ def _check_side_files(plan: Plan, output: Path, manifest: dict[str, Any]) -> lis
 def check_source_digests(checkpoint: Any, manifest: dict[str, Any],
                           advance: Callable[..., None]) -> tuple[list[str], int]:
     """Every source shard against the digest recorded while the conversion read it."""
-    recorded = manifests.recorded_files(manifest["source"], "file_digests")
+    scheme = _scheme(manifest)
+    recorded = manifests.recorded_files(manifest["source"], "file_digests", scheme)
     if recorded is None:
         return [f"{MANIFEST_NAME}: source.file_digests must map the source's shards to their bytes and "
-                f"{DIGEST_KEY}"], 0
+                f"{scheme.file_key}"], 0
     problems = []
     if set(recorded) != {path.name for path in checkpoint.files}:
         problems.append(f"{MANIFEST_NAME}: source.file_digests {sorted(recorded)} != the source's shards")
     for path in checkpoint.files:
         if path.name in recorded and (path.stat().st_size != recorded[path.name]["bytes"]
-                                      or file_digest(path) != recorded[path.name][DIGEST_KEY]):
+                                      or file_digest(path, scheme=scheme) != recorded[path.name][scheme.file_key]):
             problems.append(f"{path}: the source shard's data differs from what the conversion read "
                             f"(its digest in {MANIFEST_NAME})")
         advance(path.stat().st_size)
@@ -244,7 +254,7 @@ def check_structure(plan: Plan, output: Path, manifest: dict[str, Any], tensors:
                             f"expected {want.dtype}{list(want.shape)}")
     problems += [f"{tensors[name].file.name}: unexpected tensor {name}" for name in sorted(set(tensors) - set(expected))]
     shard_files = {entry.file.name for entry in tensors.values()}
-    files = manifests.recorded_files(manifest) or {}
+    files = manifests.recorded_files(manifest, "files", _scheme(manifest)) or {}
     if shard_files != set(files):
         problems.append(f"{MANIFEST_NAME}: files {sorted(files)} != index's {sorted(shard_files)}")
     return problems + _check_json_files(plan, output, manifest) + _check_side_files(plan, output, manifest)

@@ -36,7 +36,7 @@ from moeconv.errors import MoeconvError
 from moeconv.packing import as_float32
 from moeconv.kernels.runners import LAYER_KERNELS, NUMERICS_TOLERANCE
 from moeconv.executor import Executor, in_batches, start_workers, worker_reader
-from moeconv import structure, transform
+from moeconv import provenance, structure, transform
 from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, engine_scale_cast, make_plan
 from moeconv.survey import MoELayer
 from moeconv.transform import Codec
@@ -88,6 +88,12 @@ class VerifyReport:
     level: str = "numerics"  # the level asked for
     source_files_checked: int = 0  # source shards hashed against the digests recorded at conversion
     source_problems: list[str] = field(default_factory=list)
+    # Where the source came from (moeconv.provenance): the Hub repository and commit it is anchored to
+    # ({} for a local folder), how many of its files were hashed against the published digests, the line.
+    source_anchor: dict[str, str] = field(default_factory=dict)
+    published_files_checked: int = 0
+    provenance_problems: list[str] = field(default_factory=list)
+    provenance: str = ""
     proven: dict[str, list[str]] = field(default_factory=dict)  # level -> what passing it proved (PROOFS)
     # What the source's data could not decide and the user chose at conversion (--gptq-zero-format,
     # --trust-config): lossless then means "exact under that choice", not "the data confirms it".
@@ -96,11 +102,13 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return (not self.structure_problems and not self.source_problems and not self.passthrough_problems and not self.dense_linear_problems
+        return (not self.structure_problems and not self.source_problems and not self.provenance_problems
+                and not self.passthrough_problems and not self.dense_linear_problems
                 and all(l.ok for l in self.layers) and not self.engine_scale_cast.get("overflow"))
 
     def failures(self) -> list[str]:
-        found = self.structure_problems + self.source_problems + self.passthrough_problems + self.dense_linear_problems
+        found = (self.structure_problems + self.source_problems + self.provenance_problems + self.passthrough_problems
+                 + self.dense_linear_problems)
         cast = self.engine_scale_cast
         if cast.get("overflow"):
             found.append(f"{cast['overflow']} scales overflow to inf when the engine casts them from "
@@ -135,7 +143,7 @@ PHASE_UNITS = {"digests": "bytes", "tensor-digests": "bytes", "lossless": "bytes
 # What passing each level proves, as the report states it (docs/FORMAT.md, "What verify proves").
 PROOFS = {
     "structure": [
-        "every file in the output folder is listed in moeconv.json with its size and SHA-256 block digest, and "
+        "every file in the output folder is listed in moeconv.json with its size and block digest, and "
         "nothing else is there; moeconv.json matches its own digest (this proves the output is as recorded, "
         "not who recorded it: the levels below compare it with the source)",
         "every tensor of every shard hashes to the digest moeconv.json records for it (what vLLM's plugin checks "
@@ -197,6 +205,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
                 return VerifyReport(str(output), "", level=level, structure_problems=[
                     f"{output / MANIFEST_NAME}: source.path is missing; pass --source"])
         resolved = resolve_source(source)  # a folder, or a Hub id (from the cache or the Hub)
+        anchor = _anchor(output, source, recorded, resolved.origin)
         checkpoint = open_checkpoint(resolved.path, origin=resolved.origin)
         if recorded.get("headers_sha256") not in (None, checkpoint.headers_sha256):
             raise MoeconvError(f"{checkpoint.root}: not the source {output} was made from (its configs and shard "
@@ -210,7 +219,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
             converted, unreadable = None, error
         if converted is not None and level != "structure":
             digested = _in_background(_digests, output, manifest, list(converted.tensors.values()), checkpoint,
-                                      held, digest_seconds)
+                                      anchor, held, digest_seconds)
         try:  # until the digests' progress has somewhere to go: an error or an interrupt stops them
             backend = manifest["backend"]
             regroup_factor = arguments.get("regroup_factor", 1)
@@ -222,7 +231,10 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
                 start_workers(workers)  # the checkers' torch import, while the digests are taken
             kernel = LAYER_KERNELS[plan.backend.numerics.kernel]
             report = VerifyReport(str(output), str(checkpoint.root), targets=manifest["targets"], level=level,
-                                  tolerance=max(kernel.tolerance(l.shape) for l in plan.layers))
+                                  tolerance=max(kernel.tolerance(l.shape) for l in plan.layers),
+                                  source_anchor={} if anchor is None else {"repo": anchor.repo,
+                                                                           "revision": anchor.revision},
+                                  provenance=provenance.describe(anchor, 0, []))
             report.decided_by_user = list(plan.detection.decided_by_user) if plan.detection else []
             advance = _PhaseClock(report.phase_seconds, progress or (lambda amount, total=None, phase=None: None),
                                   began)
@@ -256,7 +268,10 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
             # time (docs/BENCHMARKS.md). One phase counts the bytes of all three (what the digests did before it
             # began comes in at once); the structure level's verdict still comes first: with a digest that
             # differs, the checks' results are not reported.
-            advance(0, output_bytes + sum(path.stat().st_size for path in checkpoint.files) + compared, "lossless")
+            published = 0 if anchor is None else sum(
+                (checkpoint.root / name).stat().st_size for name in anchor.published if (checkpoint.root / name).is_file())
+            advance(0, output_bytes + sum(path.stat().st_size for path in checkpoint.files) + compared + published,
+                    "lossless")
             advance = _Serialized(advance)
             held.attach(advance)
         except BaseException:
@@ -287,12 +302,17 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
                     raise
                 # the output differs from its digests, and the checks could not even read it: the digests say why
             report.phase_seconds["checks"] = round(time.perf_counter() - started, 3)
-            structure_problems, report.source_problems, report.source_files_checked = digested.result()
+            (structure_problems, report.source_problems, report.source_files_checked,
+             report.provenance_problems) = digested.result()
+            if anchor is not None:
+                report.published_files_checked = len(anchor.published)
+                report.provenance = provenance.describe(anchor, len(anchor.published), report.provenance_problems)
             report.phase_seconds.update(digest_seconds)
             if structure_problems:  # the structure level's verdict alone, as when it runs by itself
                 return replace(report, structure_problems=structure_problems, source_problems=[],
                                source_files_checked=0, passthrough_problems=[], passthrough_checked=0,
-                               dense_linear_problems=[], dense_linears_checked=0, layers=[])
+                               dense_linear_problems=[], dense_linears_checked=0, layers=[], provenance_problems=[],
+                               published_files_checked=0, provenance=provenance.describe(anchor, 0, []))
             report.proven["structure"] = PROOFS["structure"]
             # The kernel check last, in its own phase: on a CPU the Triton interpreter takes seconds a layer.
             checked = [] if level != "numerics" else report.layers[:numerics_layers]
@@ -317,6 +337,9 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     if report.ok:
         report.proven["lossless"] = PROOFS["lossless"] + ([f"(only {sample} random experts per layer were "
                                                             f"decoded: --sample)"] if sample else [])
+        if anchor is not None:
+            report.proven["lossless"].append(f"every file of the source matches the digest the Hub published for it "
+                                             f"in {anchor.repo}@{anchor.revision}")
         if level == "numerics" and any(layer.relative_error is not None for layer in report.layers):
             report.proven["numerics"] = PROOFS["numerics"]
     return report
@@ -361,9 +384,11 @@ def _checked(executor: Any, codec: Codec, jobs: list[tuple[ConvertJob, dict[str,
 
 
 def _digests(output: Path, manifest: dict[str, Any], entries: list[TensorEntry], checkpoint: Any,
-             advance: Callable[..., None], seconds: dict[str, float]) -> tuple[list[str], list[str], int]:
-    """The structure level's digests (the output's files, then its tensors, from the same pass) and the
-    source's shard digests: (structure problems, source problems, source shards checked). `seconds`
+             anchor: provenance.Anchor | None, advance: Callable[..., None],
+             seconds: dict[str, float]) -> tuple[list[str], list[str], int, list[str]]:
+    """The structure level's digests (the output's files, then its tensors, from the same pass), the
+    source's shard digests and, for an anchored source, its files against the published digests:
+    (structure problems, source problems, source shards checked, files unlike their published digests). `seconds`
     gets each one's duration (they overlap verify's other work)."""
     started = time.perf_counter()
     hashed: dict[str, dict[str, str]] = {}
@@ -373,7 +398,25 @@ def _digests(output: Path, manifest: dict[str, Any], entries: list[TensorEntry],
     started = time.perf_counter()
     source_problems, checked = structure.check_source_digests(checkpoint, manifest, advance)
     seconds["source-digests"] = round(time.perf_counter() - started, 3)
-    return problems, source_problems, checked
+    if anchor is None:
+        return problems, source_problems, checked, []
+    started = time.perf_counter()
+    unpublished = provenance.mismatches(checkpoint.root, anchor, sorted(anchor.published), advance)
+    seconds["source-published-digests"] = round(time.perf_counter() - started, 3)
+    return problems, source_problems, checked, unpublished
+
+
+def _anchor(output: Path, source: str | Path, recorded: dict[str, Any],
+            origin: dict[str, Any]) -> provenance.Anchor | None:
+    """What the source is checked against: the Hub snapshot the conversion read (recorded in the manifest),
+    else the one `--source` names now (a check anchored after a conversion from a local copy); a source
+    of another commit than the one converted is refused."""
+    converted, named = provenance.recorded_anchor(recorded), provenance.recorded_anchor(origin)
+    if converted is not None and named is not None and (named.repo, named.revision) != (converted.repo,
+                                                                                          converted.revision):
+        raise MoeconvError(f"{source}: is {named.repo}@{named.revision}, but {output} was converted from "
+                           f"{converted.repo}@{converted.revision}; pass --source {converted.repo}@{converted.revision}")
+    return converted or named
 
 
 class _Held:

@@ -6,6 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
+import blake3
 import pytest
 from typer.testing import CliRunner
 
@@ -60,25 +61,31 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def blocks_sha256(data: bytes, block: int) -> str:
-    """The manifest's file digest written out from its definition in docs/FORMAT.md: sha256 over the
-    concatenated sha256 digests of each block (one empty block for an empty file)."""
+HASHES = {"blake3": lambda data: blake3.blake3(data).digest(),  # manifest version 4
+          "sha256": lambda data: hashlib.sha256(data).digest()}  # manifest version 3
+
+
+def blocks_digest(data: bytes, block: int, hash_name: str = "blake3") -> str:
+    """The manifest's file digest written out from its definition in docs/FORMAT.md, with the hash libraries
+    themselves: the hash over the concatenated hashes of each block (one empty block for an empty file)."""
+    hash_of = HASHES[hash_name]
     pieces = [data[start:start + block] for start in range(0, max(len(data), 1), block)]
-    return hashlib.sha256(b"".join(hashlib.sha256(piece).digest() for piece in pieces)).hexdigest()
+    return hash_of(b"".join(hash_of(piece) for piece in pieces)).hex()
 
 
-def shard_sha256(data: bytes, block: int = 64 << 20) -> str:
-    """An output shard's digest written out from its definition in docs/FORMAT.md (manifest version 3):
-    sha256 over the sha256 of the bytes before the first tensor's data, then each tensor's block digest
-    (64 MiB pieces from its first byte) as 32 bytes, in the order of the tensors' offsets; the tensors
-    must cover every byte after the header."""
+def shard_digest_of(data: bytes, block: int = 64 << 20, hash_name: str = "blake3") -> str:
+    """An output shard's digest written out from its definition in docs/FORMAT.md (manifest version 3 with
+    sha256, 4 with BLAKE3): the hash over the hash of the bytes before the first tensor's data, then each
+    tensor's block digest (64 MiB pieces from its first byte) as 32 bytes, in the order of the tensors'
+    offsets; the tensors must cover every byte after the header."""
     ranges = sorted(tensor_ranges(data).values())
     data_start = 8 + int.from_bytes(data[:8], "little")
     assert [begin for begin, _ in ranges] == [data_start] + [end for _, end in ranges[:-1]]
     assert (ranges[-1][1] if ranges else data_start) == len(data)
-    parts = [hashlib.sha256(data[:data_start]).digest()]
-    parts += [bytes.fromhex(blocks_sha256(data[begin:end], block)) for begin, end in ranges]
-    return hashlib.sha256(b"".join(parts)).hexdigest()
+    hash_of = HASHES[hash_name]
+    parts = [hash_of(data[:data_start])]
+    parts += [bytes.fromhex(blocks_digest(data[begin:end], block, hash_name)) for begin, end in ranges]
+    return hash_of(b"".join(parts)).hex()
 
 
 def tensor_ranges(data: bytes) -> dict[str, tuple[int, int]]:
@@ -99,7 +106,6 @@ def reseal(folder: Path, *changed: Path, edit=None) -> None:
     import json
 
     from moeconv.checkpoint.manifest import SELF_DIGEST_KEY, self_digest
-    from moeconv.checkpoint.writer import DIGEST_KEY, file_digest
 
     path = folder / "moeconv.json"
     manifest = json.loads(path.read_text())
@@ -109,11 +115,12 @@ def reseal(folder: Path, *changed: Path, edit=None) -> None:
         section = next(key for key in ("files", "metadata_files", "copied_files") if file.name in manifest[key])
         if section == "files":  # a shard: its digest and its tensors'
             data = file.read_bytes()
-            manifest[section][file.name] = {"bytes": len(data), "sha256_header_and_tensors": shard_sha256(data)}
+            manifest[section][file.name] = {"bytes": len(data), "blake3_header_and_tensors": shard_digest_of(data)}
             manifest[section][file.name]["tensor_digests"] = {
-                name: blocks_sha256(data[begin:end], 64 << 20) for name, (begin, end) in tensor_ranges(data).items()}
+                name: blocks_digest(data[begin:end], 64 << 20) for name, (begin, end) in tensor_ranges(data).items()}
         else:
-            manifest[section][file.name] = {"bytes": file.stat().st_size, DIGEST_KEY: file_digest(file)}
+            manifest[section][file.name] = {"bytes": file.stat().st_size,
+                                            "blake3_64mib_blocks": blocks_digest(file.read_bytes(), 64 << 20)}
     manifest[SELF_DIGEST_KEY] = self_digest(manifest)
     path.write_text(json.dumps(manifest))
 

@@ -21,7 +21,7 @@ from moeconv.plan import make_plan
 from moeconv.worklist import LinearJob
 from moeconv.synth import SynthSpec, make_checkpoint
 
-from helpers import blocks_sha256, cli, shard_sha256, tensor_ranges
+from helpers import blocks_digest, cli, shard_digest_of, tensor_ranges
 
 CASES = [
     ("mixtral", "legacy", GPTQ(4, 32, sym=False)),
@@ -114,8 +114,8 @@ def test_convert_round_trip(tmp_path, architecture, naming, source_format):
     for path in shards:
         data = path.read_bytes()
         assert manifest["files"][path.name] == {
-            "bytes": path.stat().st_size, "sha256_header_and_tensors": shard_sha256(data),
-            "tensor_digests": {name: blocks_sha256(data[begin:end], 64 << 20)
+            "bytes": path.stat().st_size, "blake3_header_and_tensors": shard_digest_of(data),
+            "tensor_digests": {name: blocks_digest(data[begin:end], 64 << 20)
                                for name, (begin, end) in tensor_ranges(data).items()}}
         # Tensor bytes per shard stay under the limit (as transformers counts it), unless the shard
         # holds a single MoE layer that is larger than the limit by itself.

@@ -117,7 +117,8 @@ def test_verify_report_says_what_ran_and_ends_with_the_verdict(tmp_path, capsys)
     assert run_main(capsys, "convert", source, "-o", tmp_path / "cpu", "--backend", "cpu", "-q")[0] == 0
     code, out, _ = run_main(capsys, "verify", tmp_path / "cpu", "--level", "structure", "-q")
     assert code == 0 and "0/0" not in out and "tolerance" not in out and "not run (--level structure)" in out
-    assert out.splitlines()[-1] == "verdict: ok (structure and digests; --level structure)"
+    assert out.splitlines()[-1] == ("verdict: ok (structure and digests; source not anchored (a local folder); "
+                                    "--level structure)")
     code, out, _ = run_main(capsys, "verify", tmp_path / "cpu", "-q")
     flat = " ".join(out.split())
     assert code == 0 and "rel err = ||out - ref|| / ||ref||, against a float64 reference of the source, is what is " \
@@ -126,4 +127,4 @@ def test_verify_report_says_what_ran_and_ends_with_the_verdict(tmp_path, capsys)
     shards = len(list(source.glob("*.safetensors")))
     assert out.splitlines()[-1] == (f"verdict: ok (structure and digests, {shards} source shard(s) as recorded, "
                                     f"8 expert(s) in 2 MoE layer(s) bit-exact against the source, kernel within 0.06 "
-                                    f"on 2 layer(s); --level numerics)")
+                                    f"on 2 layer(s); source not anchored (a local folder); --level numerics)")

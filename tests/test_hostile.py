@@ -802,14 +802,14 @@ def test_side_files_are_copied_only_when_regular_and_of_a_model_folders_kinds(pr
     code, out, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q", "--json")
     assert code == 0, err
     manifest = json.loads((tmp_path / "out" / "moeconv.json").read_text())
-    from helpers import blocks_sha256
+    from helpers import blocks_digest
 
     copied = manifest["copied_files"]
     assert set(copied) == {"generation_config.json", "tokenizer_config.json", "tokenizer.json", "LICENSE", "vocab.txt"}
     for name, recorded in copied.items():
         data = (source / name).read_bytes()
         assert (tmp_path / "out" / name).read_bytes() == data
-        assert recorded == {"bytes": len(data), "sha256_64mib_blocks": blocks_sha256(data, 64 << 20)}
+        assert recorded == {"bytes": len(data), "blake3_64mib_blocks": blocks_digest(data, 64 << 20)}
     skipped = manifest["skipped_files"]
     assert skipped == json.loads(out)["skipped_files"]
     assert "a folder" in skipped["extra"] and "not a regular file" in skipped["merges.txt"]

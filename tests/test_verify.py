@@ -132,12 +132,12 @@ def test_a_wrong_tensor_digest_in_a_resealed_manifest_fails_structure(damaged):
     assert report.structure_problems == [f"{shard}: tensor {name}: its bytes differ from moeconv.json's digest"]
     reseal(out, edit=lambda m: [m.pop("manifest_version")] + [f.pop("tensor_digests") for f in m["files"].values()])
     assert verify(out, level="structure").structure_problems == [
-        "moeconv.json: manifest_version None, not 3 (files -> shard -> sha256_header_and_tensors, made of its "
+        "moeconv.json: manifest_version None, not 3 or 4 (files -> shard -> blake3_header_and_tensors, made of its "
         "tensor_digests; written by an older moeconv); convert again"]
     # a version 2 manifest (a shard's digest over its 64 MiB blocks, beside its tensors'): the same one line
     reseal(out, edit=lambda m: m.update({"manifest_version": 2}))
     assert verify(out, level="structure").structure_problems == [
-        "moeconv.json: manifest_version 2, not 3 (files -> shard -> sha256_header_and_tensors, made of its "
+        "moeconv.json: manifest_version 2, not 3 or 4 (files -> shard -> blake3_header_and_tensors, made of its "
         "tensor_digests; written by an older moeconv); convert again"]
 
 
@@ -444,3 +444,29 @@ def test_a_stated_shape_that_disagrees_fails_in_the_numpy_decoding(tmp_path, bac
     failures = verify(tmp_path / "out", level="lossless").failures()
     assert any(name.removesuffix(".weight_shape") in failure and "weight_shape says" in failure
                for failure in failures), failures
+
+
+V3_OUTPUT = Path(__file__).parent / "data" / "manifest_v3"
+V3_LAYER = "model.layers.0.mlp.experts"
+
+
+def test_an_output_of_manifest_version_3_still_verifies_and_still_catches_a_flipped_byte(tmp_path):
+    """An output written by the last moeconv of manifest version 3 (sha256 block digests; made by that
+    moeconv, tests/data/manifest_v3/README.md) passes every level, read with the digests it records; a
+    flipped tensor byte fails at structure, naming the shard and the tensor."""
+    import shutil
+
+    source, out = tmp_path / "source", tmp_path / "output"
+    shutil.copytree(V3_OUTPUT / "source", source)
+    shutil.copytree(V3_OUTPUT / "output", out)
+    assert json.loads((out / "moeconv.json").read_text())["manifest_version"] == 3
+    report = verify(out, source=source, level="lossless")
+    assert report.ok, report.failures()
+    shard = out / "model-00001-of-00001.safetensors"
+    entry = open_checkpoint(out).tensors[f"{V3_LAYER}.w13_qweight"]
+    data = bytearray(shard.read_bytes())
+    data[entry.begin] ^= 1
+    shard.write_bytes(bytes(data))
+    assert verify(out, source=source, level="structure").structure_problems == [
+        f"{shard.name}: digest or size differs from moeconv.json",
+        f"{shard.name}: tensor {V3_LAYER}.w13_qweight: its bytes differ from moeconv.json's digest"]

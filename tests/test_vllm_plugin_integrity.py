@@ -21,7 +21,7 @@ from moeconv.synth import SynthSpec, make_checkpoint
 from moeconv.vllm_plugin.config import PluginRefusal
 from moeconv.vllm_plugin.integrity import ENV, TensorDigests, requested, tensor_bytes
 
-from helpers import blocks_sha256, reseal
+from helpers import blocks_digest, reseal
 
 STACKED = "model.layers.1.mlp.experts.w2_qweight"
 DENSE = "model.layers.0.self_attn.q_proj.qweight"
@@ -61,7 +61,7 @@ def test_every_tensor_as_written_passes_and_its_digest_is_the_definition(output)
         entry = open_checkpoint(output).tensors[name]
         with open(shard, "rb") as handle:  # the digest of the file's bytes, from docs/FORMAT.md's definition
             handle.seek(entry.begin)
-            assert digests.recorded[name] == (shard.name, blocks_sha256(handle.read(entry.nbytes), 64 << 20))
+            assert digests.recorded[name] == (shard.name, blocks_digest(handle.read(entry.nbytes), 64 << 20))
 
 
 @pytest.mark.parametrize("name", [STACKED, DENSE])
@@ -86,8 +86,8 @@ def test_a_flipped_byte_in_one_tensor_is_refused_naming_the_tensor_and_its_shard
 
 def test_tensor_digest_cuts_pieces_from_the_tensors_first_byte():
     data = bytes(range(256)) * 40 + b"tail"
-    assert tensor_digest(data, threads=3, block=1000) == blocks_sha256(data, 1000)
-    assert tensor_digest(b"", block=1000) == blocks_sha256(b"", 1000)
+    assert tensor_digest(data, threads=3, block=1000) == blocks_digest(data, 1000)
+    assert tensor_digest(b"", block=1000) == blocks_digest(b"", 1000)
     assert tensor_digest(data, threads=3, block=1000) != tensor_digest(data[:-1] + b"u", threads=3, block=1000)
     weights = torch.tensor([[1.5, -2.25], [3.0, 65504.0]], dtype=torch.bfloat16)
     assert bytes(tensor_bytes(weights)) == weights.view(torch.int16).numpy().astype("<i2").tobytes()

@@ -7,10 +7,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moeconv.checkpoint import writer as writer_module
-from moeconv.checkpoint.writer import BlockHasher, ShardWriter, file_digest, shard_file_digests
+from moeconv.checkpoint.writer import BLAKE3, SHA256, BlockHasher, ShardWriter, file_digest, shard_file_digests
 from moeconv.spec import TensorSpec
 
-from helpers import blocks_sha256, shard_sha256, tensor_ranges
+from helpers import blocks_digest, shard_digest_of, tensor_ranges
 
 
 def _shard(path, size):
@@ -24,8 +24,11 @@ def _shard(path, size):
     return ranges
 
 
+@pytest.mark.parametrize("scheme", [BLAKE3, SHA256], ids=lambda scheme: scheme.name)
 @pytest.mark.parametrize("size", [0, 1, 999, 1000, 1001, 256 * 4099])
-def test_block_hasher_and_shard_digest_equal_the_definition(tmp_path, size, monkeypatch):
+def test_block_hasher_and_shard_digest_equal_the_definition(tmp_path, size, scheme, monkeypatch):
+    """Both schemes a manifest may record (version 4: BLAKE3, version 3: sha256) against their definitions,
+    written with the hash libraries themselves."""
     path = tmp_path / "f.safetensors"
     ranges = _shard(path, size)
     begin = ranges[0][1]
@@ -33,7 +36,7 @@ def test_block_hasher_and_shard_digest_equal_the_definition(tmp_path, size, monk
     written_back = []
     monkeypatch.setattr(writer_module, "start_writeback", lambda fd, start, length: written_back.append(
         (start, start + length)))
-    hasher = BlockHasher(path, begin, ranges, threads=3, block=1000)
+    hasher = BlockHasher(path, begin, ranges, threads=3, block=1000, scheme=scheme)
     with open(path, "r+b") as handle:
         for start in range(0, len(data), 70_000):  # written front to back, announced piece by piece
             handle.seek(begin + start)
@@ -41,13 +44,13 @@ def test_block_hasher_and_shard_digest_equal_the_definition(tmp_path, size, monk
             handle.flush()
             hasher.advance(begin + min(start + 70_000, len(data)))
     content = path.read_bytes()
-    expected = shard_sha256(content, 1000)
+    expected = shard_digest_of(content, 1000, scheme.name)
     digest, tensor_digests = hasher.finish(len(content))
     assert (digest, tensor_digests) == (expected, {
-        name: blocks_sha256(content[b:e], 1000) for name, (b, e) in tensor_ranges(content).items()})
-    assert shard_file_digests(path, threads=2, block=1000) == (digest, tensor_digests)
-    assert shard_file_digests(path)[0] == shard_sha256(content)
-    assert file_digest(path, threads=1) == blocks_sha256(content, 64 * 1024 * 1024)  # a non-shard file's
+        name: blocks_digest(content[b:e], 1000, scheme.name) for name, (b, e) in tensor_ranges(content).items()})
+    assert shard_file_digests(path, threads=2, block=1000, scheme=scheme) == (digest, tensor_digests)
+    assert shard_file_digests(path, scheme=scheme)[0] == shard_digest_of(content, hash_name=scheme.name)
+    assert file_digest(path, threads=1, scheme=scheme) == blocks_digest(content, 64 << 20, scheme.name)  # a non-shard file's
     # every byte was handed to the kernel's writeback once, header included
     covered = sorted(written_back)
     assert covered[0][0] == 0 and covered[-1][1] == len(content)
@@ -59,7 +62,7 @@ def test_block_hasher_and_shard_digest_equal_the_definition(tmp_path, size, monk
         changed[position] ^= 1
         path.write_bytes(bytes(changed))
         try:
-            assert shard_file_digests(path, block=1000)[0] != expected
+            assert shard_file_digests(path, block=1000, scheme=scheme)[0] != expected
         except ValueError:  # the header no longer reads, or no longer tiles the data: refused, not passed
             assert position < begin and position != metadata
 
@@ -79,7 +82,7 @@ def test_range_digests_equal_the_definition(tmp_path, monkeypatch, data, size, r
     ranges = {f"t{i}": tuple(sorted(data.draw(st.tuples(bounds, bounds)))) for i in range(data.draw(st.integers(1, 12)))}
     monkeypatch.setattr(writer_module, "_READ_BYTES", read)
     found = writer_module.range_digests(path, ranges, threads=2, block=block)
-    assert found == {name: blocks_sha256(content[b:e], block) for name, (b, e) in ranges.items()}
+    assert found == {name: blocks_digest(content[b:e], block) for name, (b, e) in ranges.items()}
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -110,8 +113,8 @@ def test_block_hasher_groups_small_tensors_and_still_equals_the_definition(tmp_p
             handle.flush()
             hasher.advance(begin + min(start + step, total))
     content = path.read_bytes()
-    assert hasher.finish(len(content)) == (shard_sha256(content, block), {
-        name: blocks_sha256(content[b:e], block) for name, (b, e) in tensor_ranges(content).items()})
+    assert hasher.finish(len(content)) == (shard_digest_of(content, block), {
+        name: blocks_digest(content[b:e], block) for name, (b, e) in tensor_ranges(content).items()})
     covered = sorted(piece for piece in written_back if piece[1] > piece[0])
     assert covered[0][0] == 0 and covered[-1][1] == len(content)
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moeconv.checkpoint.schema import is_plain_file_name
-from moeconv.checkpoint.writer import SHARD_DIGEST_KEY, TENSOR_DIGESTS_KEY, shard_file_digests
+from moeconv.checkpoint.writer import CURRENT, TENSOR_DIGESTS_KEY, shard_file_digests
 from moeconv.errors import MoeconvError
 
 
@@ -26,7 +26,7 @@ def read_journal(path: Path) -> dict[str, Any] | None:
     done = recorded.get("done") if isinstance(recorded, dict) else None
     if not isinstance(done, dict) or not all(
             is_plain_file_name(name) and isinstance(info, dict) and isinstance(info.get("bytes"), int)
-            and isinstance(info.get(SHARD_DIGEST_KEY), str) and isinstance(info.get("source"), str)
+            and isinstance(info.get(CURRENT.shard_key), str) and isinstance(info.get("source"), str)
             and isinstance(info.get(TENSOR_DIGESTS_KEY), dict) for name, info in done.items()):
         return None
     return recorded
@@ -65,7 +65,7 @@ class Journal:
             for name, info in recorded["done"].items():
                 file = staging / name
                 if file.is_file() and file.stat().st_size == info["bytes"] and _digests(file) == (
-                        info[SHARD_DIGEST_KEY], info[TENSOR_DIGESTS_KEY]):
+                        info[CURRENT.shard_key], info[TENSOR_DIGESTS_KEY]):
                     journal.done[name] = info
                     journal.reused.append(name)
             for leftover in staging.iterdir():  # partial shards, side files and configs of the last run
@@ -82,7 +82,7 @@ class Journal:
 
     def files(self) -> dict[str, dict[str, Any]]:
         """Each finished shard's size, digest and tensors' digests, as the manifest records them."""
-        return {name: {key: info[key] for key in ("bytes", SHARD_DIGEST_KEY, TENSOR_DIGESTS_KEY)}
+        return {name: {key: info[key] for key in ("bytes", CURRENT.shard_key, TENSOR_DIGESTS_KEY)}
                 for name, info in self.done.items()}
 
     def is_done(self, name: str) -> bool:
@@ -92,7 +92,7 @@ class Journal:
         """`source`: the fingerprint of the source tensors the shard was converted from (see
         moeconv.conversion._source_fingerprint), so that a resume notices a source changed in between; `tensors`: each
         tensor's digest, which the manifest records."""
-        self.done[name] = {"bytes": (self.staging / name).stat().st_size, SHARD_DIGEST_KEY: digest, "source": source,
+        self.done[name] = {"bytes": (self.staging / name).stat().st_size, CURRENT.shard_key: digest, "source": source,
                            TENSOR_DIGESTS_KEY: tensors}
         self._save()
 

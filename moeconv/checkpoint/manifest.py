@@ -15,7 +15,7 @@ from typing import Any
 
 from moeconv._version import __version__
 from moeconv.checkpoint.schema import is_plain_file_name, read_json_object, section
-from moeconv.checkpoint.writer import BLOCK_BYTES, DIGEST_KEY, SHARD_DIGEST_KEY, TENSOR_DIGESTS_KEY
+from moeconv.checkpoint.writer import BLAKE3, BLOCK_BYTES, CURRENT, SHA256, TENSOR_DIGESTS_KEY, DigestScheme
 from moeconv.errors import MoeconvError
 
 MANIFEST_NAME = "moeconv.json"
@@ -23,7 +23,16 @@ QUANTIZE_CONFIG_NAME = "quantize_config.json"
 SELF_DIGEST_KEY = "manifest_sha256"
 # 2: each shard's `tensor_digests` (docs/FORMAT.md); manifests without the field are version 1.
 # 3: each shard's digest is made of its tensors' (`sha256_header_and_tensors`, writer.shard_digest).
-MANIFEST_VERSION = 3
+# 4: every block digest is BLAKE3's (`blake3_64mib_blocks`, `blake3_header_and_tensors`); 3 still verifies.
+MANIFEST_VERSION = 4
+SCHEMES = {3: SHA256, 4: BLAKE3}  # the versions verify reads, and the digests each records
+assert SCHEMES[MANIFEST_VERSION] is CURRENT
+
+
+def scheme_of(manifest: dict[str, Any]) -> DigestScheme | None:
+    """The digests a manifest records, by its version; None for a version verify does not read."""
+    version = manifest.get("manifest_version")
+    return SCHEMES.get(version) if type(version) is int else None
 
 
 def output_config(plan: Any) -> dict[str, Any]:
@@ -70,9 +79,9 @@ def build(plan: Any, files: dict[str, dict[str, Any]], written: dict[str, dict[s
     return built
 
 
-def derived(plan: Any) -> dict[str, Any]:
+def derived(plan: Any, scheme: DigestScheme = CURRENT) -> dict[str, Any]:
     """The sections that follow from the plan alone (what verify, having planned from the source,
-    expects to find)."""
+    expects to find), for a manifest whose digests are `scheme`'s."""
     tensors: dict[str, dict[str, Any]] = {}
     for job in plan.jobs:
         transform = "copy" if job.copies else f"{plan.source_format.method}->{plan.layout_of(job)}"
@@ -88,9 +97,10 @@ def derived(plan: Any) -> dict[str, Any]:
         # How the format was decided: the data's evidence, and what the user chose where it could not decide.
         "format_decision": {"evidence": plan.detection.evidence if plan.detection else [],
                             "decided_by_user": plan.detection.decided_by_user if plan.detection else []},
-        "file_digest": f"{DIGEST_KEY}: sha256 of the sha256 digests of each {BLOCK_BYTES >> 20} MiB block, in order",
-        "shard_digest": f"{SHARD_DIGEST_KEY}: sha256 of the sha256 of the bytes before the first tensor's data, then "
-                        f"each tensor's {TENSOR_DIGESTS_KEY} entry (32 bytes), in file-offset order",
+        "file_digest": f"{scheme.file_key}: {scheme.name} of the {scheme.name} digests of each {BLOCK_BYTES >> 20} MiB "
+                       f"block, in order",
+        "shard_digest": f"{scheme.shard_key}: {scheme.name} of the {scheme.name} of the bytes before the first tensor's "
+                        f"data, then each tensor's {TENSOR_DIGESTS_KEY} entry (32 bytes), in file-offset order",
         "tensors": tensors,
     }
 
@@ -108,15 +118,16 @@ def read(output: Path) -> dict[str, Any]:
     return manifest
 
 
-def digest_key_of(section: str) -> str:
+def digest_key_of(section: str, scheme: DigestScheme) -> str:
     """The digest a section records for each of its files: the shards' is made of their tensors'."""
-    return SHARD_DIGEST_KEY if section == "files" else DIGEST_KEY
+    return scheme.shard_key if section == "files" else scheme.file_key
 
 
-def recorded_files(manifest: dict[str, Any], key: str = "files") -> dict[str, dict[str, Any]] | None:
+def recorded_files(manifest: dict[str, Any], key: str, scheme: DigestScheme) -> dict[str, dict[str, Any]] | None:
     """The files a section lists (name -> bytes and digest): `files` the shards, `metadata_files` the
-    index and configs, `copied_files` the side files; None when that section is malformed."""
-    files, digest_key = manifest.get(key), digest_key_of(key)
+    index and configs, `copied_files` the side files, a manifest's `source` section's `file_digests` the
+    source's shards; None when that section is malformed."""
+    files, digest_key = manifest.get(key), digest_key_of(key, scheme)
     if not isinstance(files, dict) or not all(
             is_plain_file_name(name) and isinstance(recorded, dict) and isinstance(recorded.get("bytes"), int)
             and isinstance(recorded.get(digest_key), str) for name, recorded in files.items()):
@@ -125,10 +136,11 @@ def recorded_files(manifest: dict[str, Any], key: str = "files") -> dict[str, di
 
 
 def recorded_tensor_digests(manifest: dict[str, Any]) -> dict[str, tuple[str, str]] | None:
-    """Each output tensor's shard and digest (`files` -> shard -> `tensor_digests`, manifest version 3);
-    None when the manifest is of an older version or that section is malformed."""
-    files = recorded_files(manifest)
-    if files is None or manifest.get("manifest_version") != MANIFEST_VERSION:
+    """Each output tensor's shard and digest (`files` -> shard -> `tensor_digests`, manifest version 3 and
+    later); None when the manifest is of an older version or that section is malformed."""
+    scheme = scheme_of(manifest)
+    files = None if scheme is None else recorded_files(manifest, "files", scheme)
+    if files is None:
         return None
     digests: dict[str, tuple[str, str]] = {}
     for shard, recorded in files.items():

@@ -10,7 +10,6 @@ following it would copy moeconv's environment or a secret into a folder made to 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import stat
@@ -20,7 +19,7 @@ from typing import Any
 
 from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, QUANTIZATION_CONFIG_NAMES, boundary, inside
-from moeconv.checkpoint.writer import BLOCK_BYTES, DIGEST_KEY, combined_digest
+from moeconv.checkpoint.writer import BLOCK_BYTES, CURRENT, combined_digest
 from moeconv.errors import MoeconvError
 
 # Configs, tokenizer and vocabulary files, chat templates, READMEs, and the remote code an auto_map names.
@@ -100,7 +99,7 @@ def copy_side_file(side: SideFile, folder: Path) -> dict[str, int | str]:
     try:
         if not stat.S_ISREG(os.fstat(source).st_mode):
             raise MoeconvError(f"{side.path}: is no longer a regular file")
-        blocks, digest, in_block, size = [], hashlib.sha256(), 0, 0
+        blocks, digest, in_block, size = [], CURRENT.new(), 0, 0
         target = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             while data := os.read(source, min(_READ_BYTES, BLOCK_BYTES - in_block)):
@@ -111,7 +110,7 @@ def copy_side_file(side: SideFile, folder: Path) -> dict[str, int | str]:
                 in_block, size = in_block + len(data), size + len(data)
                 if in_block == BLOCK_BYTES:
                     blocks.append(digest.digest())
-                    digest, in_block = hashlib.sha256(), 0
+                    digest, in_block = CURRENT.new(), 0
             if in_block or not blocks:
                 blocks.append(digest.digest())
             os.fsync(target)
@@ -123,4 +122,4 @@ def copy_side_file(side: SideFile, folder: Path) -> dict[str, int | str]:
         raise
     finally:
         os.close(source)
-    return {"bytes": size, DIGEST_KEY: combined_digest(blocks)}
+    return {"bytes": size, CURRENT.file_key: combined_digest(blocks)}

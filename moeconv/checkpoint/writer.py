@@ -18,11 +18,13 @@ import json
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
+from blake3 import blake3
 
 from moeconv.errors import MoeconvError
 from moeconv.spec import DTYPE_SIZES, TensorSpec
@@ -152,10 +154,34 @@ def copy_into(fd: int, position: int, source: Path, begin: int, end: int, name: 
 
 
 BLOCK_BYTES = 64 * 1024 * 1024  # the unit of a block digest (docs/FORMAT.md, moeconv.json)
-DIGEST_KEY = "sha256_64mib_blocks"  # a non-shard file's digest (index, configs, side files, source shards)
-SHARD_DIGEST_KEY = "sha256_header_and_tensors"  # an output shard's digest, made of its tensors' (shard_digest)
 TENSOR_DIGESTS_KEY = "tensor_digests"  # a shard's tensors' digests (the block digest of each tensor's bytes)
 _READ_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class DigestScheme:
+    """The hash a manifest's block digests are made of, and the keys it records them under (docs/FORMAT.md).
+    Every digest of one manifest uses one scheme, chosen by its `manifest_version`: BLAKE3 from version 4
+    (collision-resistant like sha256, which an output's integrity needs against a crafted file, and several
+    times faster a core: docs/BENCHMARKS.md), SHA256 for version 3, which still verifies."""
+
+    name: str
+    file_key: str  # a non-shard file's digest (index, configs, side files, source shards)
+    shard_key: str  # an output shard's digest, made of its tensors' (shard_digest)
+
+    def new(self):
+        """A fresh hasher (`update`, `digest`); both libraries release the GIL while they hash."""
+        return blake3() if self.name == "blake3" else hashlib.sha256()
+
+    def of(self, data) -> bytes:
+        hasher = self.new()
+        hasher.update(data)
+        return hasher.digest()
+
+
+SHA256 = DigestScheme("sha256", "sha256_64mib_blocks", "sha256_header_and_tensors")
+BLAKE3 = DigestScheme("blake3", "blake3_64mib_blocks", "blake3_header_and_tensors")
+CURRENT = BLAKE3  # what a conversion writes
 
 
 def _read_into(fd: int, view: memoryview, offset: int) -> None:
@@ -168,9 +194,9 @@ def _read_into(fd: int, view: memoryview, offset: int) -> None:
         done += got
 
 
-def _hash_block(fd: int, start: int, end: int, buffer: bytearray) -> bytes:
-    """sha256 of bytes [start, end) of `fd`, read through `buffer` (a thread's own: no allocation per read)."""
-    digest = hashlib.sha256()
+def _hash_block(fd: int, start: int, end: int, buffer: bytearray, scheme: DigestScheme) -> bytes:
+    """The digest of bytes [start, end) of `fd`, read through `buffer` (a thread's own: no allocation per read)."""
+    digest = scheme.new()
     while start < end:
         piece = memoryview(buffer)[:min(len(buffer), end - start)]
         _read_into(fd, piece, start)
@@ -179,19 +205,19 @@ def _hash_block(fd: int, start: int, end: int, buffer: bytearray) -> bytes:
     return digest.digest()
 
 
-def combined_digest(block_digests: Sequence[bytes]) -> str:
-    """A block digest: the sha256 of the BLOCK_BYTES blocks' sha256 digests, concatenated in order.
-    Not the sha256 of the bytes, because one sha256 stream is one core (about 1 GB/s): blocks are
-    hashed on every core, so hashing keeps up with a conversion on many cores."""
-    return hashlib.sha256(b"".join(block_digests)).hexdigest()
+def combined_digest(block_digests: Sequence[bytes], scheme: DigestScheme = CURRENT) -> str:
+    """A block digest: the hash of the BLOCK_BYTES blocks' digests, concatenated in order. Not the hash
+    of the bytes, because one hash stream is one core: blocks are hashed on every core, so hashing
+    keeps up with a conversion on many cores."""
+    return scheme.of(b"".join(block_digests)).hex()
 
 
-def shard_digest(header_sha256: bytes, tensor_digests: Sequence[str]) -> str:
-    """An output shard's digest (SHARD_DIGEST_KEY, docs/FORMAT.md): the sha256 of the sha256 of the bytes
+def shard_digest(header_digest: bytes, tensor_digests: Sequence[str], scheme: DigestScheme = CURRENT) -> str:
+    """An output shard's digest (the scheme's `shard_key`, docs/FORMAT.md): the hash of the hash of the bytes
     before the first tensor's data (the 8-byte length, the header JSON and its padding) followed by each
     tensor's digest (hex, as recorded) as 32 bytes, in file-offset order. The tensors tile the rest of the
     file (`tiling`), so every byte is covered, and each byte is hashed once: for its tensor."""
-    return hashlib.sha256(header_sha256 + b"".join(bytes.fromhex(digest) for digest in tensor_digests)).hexdigest()
+    return scheme.of(header_digest + b"".join(bytes.fromhex(digest) for digest in tensor_digests)).hex()
 
 
 def tiling(ranges: Sequence[tuple[str, int, int]], data_start: int, size: int) -> list[tuple[str, int, int]]:
@@ -253,7 +279,7 @@ _switch = {"pools": 0, "default": sys.getswitchinterval()}
 def _hash_pool_opened() -> None:
     """While any hash pool lives, the interpreter asks a thread running Python to hand the GIL over
     after HASHING_SWITCH_SECONDS instead of its default 5 ms. A hash thread releases the GIL for every
-    preadv and sha256 call and must get it back after each: beside a busy Python thread (convert's and
+    preadv and hash call and must get it back after each: beside a busy Python thread (convert's and
     verify's main threads take the workers' results) each return waited up to the whole interval, and
     a per-linear layout has four tensors per linear, thousands of returns a layer (docs/BENCHMARKS.md).
     The default comes back when the last pool closes."""
@@ -272,11 +298,12 @@ def _hash_pool_closed() -> None:
 
 
 class _Hashers:
-    """Threads that hash blocks (hashlib and preadv release the GIL), each with its own read buffer."""
+    """Threads that hash blocks (the hash libraries and preadv release the GIL), each with its own read buffer."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, scheme: DigestScheme = CURRENT):
         from concurrent.futures import ThreadPoolExecutor
 
+        self.scheme = scheme
         self._local = threading.local()
         self.pool: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moeconv-hash")
         _hash_pool_opened()
@@ -307,7 +334,7 @@ class _Hashers:
             start_writeback(fd, start, end - start)
 
     def submit_group(self, fd: int, members: Sequence[tuple[int, int]], writeback: bool):
-        """A future of the sha256 of each of `members` ((begin, end), in file order, spanning at most
+        """A future of the digest of each of `members` ((begin, end), in file order, spanning at most
         _READ_BYTES), read in one pass and hashed on one pool thread: a per-linear layout has a thousand
         tensors a layer, and a task (or an inline hash) for each kept the digests on one thread's Python,
         convert's and verify's (docs/BENCHMARKS.md)."""
@@ -317,7 +344,7 @@ class _Hashers:
         start, end = members[0][0], max(member_end for _, member_end in members)
         view = memoryview(self._buffer())[:end - start]
         _read_into(fd, view, start)
-        digests = [hashlib.sha256(view[begin - start:member_end - start]).digest() for begin, member_end in members]
+        digests = [self.scheme.of(view[begin - start:member_end - start]) for begin, member_end in members]
         if writeback and end > start:
             start_writeback(fd, start, end - start)
         return digests
@@ -329,7 +356,7 @@ class _Hashers:
         return buffer
 
     def _run(self, fd: int, start: int, end: int, writeback: bool) -> bytes:
-        digest = _hash_block(fd, start, end, self._buffer())
+        digest = _hash_block(fd, start, end, self._buffer(), self.scheme)
         if writeback and end > start:
             start_writeback(fd, start, end - start)
         return digest
@@ -376,8 +403,8 @@ class _Stream:
         self.pieces.append(hashers.submit(fd, self.submitted, end, writeback))
         self.submitted = end
 
-    def digest(self) -> str:
-        return combined_digest([piece.result() for piece in self.pieces])
+    def digest(self, scheme: DigestScheme) -> str:
+        return combined_digest([piece.result() for piece in self.pieces], scheme)
 
 
 class _GroupPiece(NamedTuple):
@@ -425,9 +452,10 @@ class BlockHasher:
     file); the bytes before `data_start` (length, header, padding) are hashed at `finish`."""
 
     def __init__(self, path: Path, data_start: int, tensors: Sequence[tuple[str, int, int]],
-                 threads: int | None = None, block: int = BLOCK_BYTES):
+                 threads: int | None = None, block: int = BLOCK_BYTES, scheme: DigestScheme = CURRENT):
         self._fd = os.open(path, os.O_RDONLY)
-        self._hashers = _Hashers(threads or hash_threads())
+        self._scheme = scheme
+        self._hashers = _Hashers(threads or hash_threads(), scheme)
         self._data_start = data_start
         self._header = _Stream(0, data_start, 1 << 62)
         self._tensors = [(name, _Stream(begin, end, block))
@@ -456,9 +484,9 @@ class BlockHasher:
             for _, stream in self._tensors:
                 stream.finish(self._hashers, self._fd, writeback=True)
             self._hashers.flush()
-            tensors = {name: stream.digest() for name, stream in self._tensors}
+            tensors = {name: stream.digest(self._scheme) for name, stream in self._tensors}
             header = self._header.pieces[0].result()
-            return shard_digest(header, [tensors[name] for name, _ in self._tensors]), tensors
+            return shard_digest(header, [tensors[name] for name, _ in self._tensors], self._scheme), tensors
         finally:
             self.cancel()
 
@@ -488,50 +516,52 @@ def _sync_file_range():
     return function
 
 
-def file_digest(path: Path, threads: int | None = None, block: int = BLOCK_BYTES) -> str:
+def file_digest(path: Path, threads: int | None = None, block: int = BLOCK_BYTES, scheme: DigestScheme = CURRENT) -> str:
     """The block digest (`combined_digest`) of a finished file that is not an output shard, its blocks
     hashed in parallel, never the whole file in memory."""
-    return range_digests(path, {"": (0, Path(path).stat().st_size)}, threads, block)[""]
+    return range_digests(path, {"": (0, Path(path).stat().st_size)}, threads, block, scheme)[""]
 
 
 def range_digests(path: Path, ranges: dict[str, tuple[int, int]], threads: int | None = None,
-                  block: int = BLOCK_BYTES) -> dict[str, str]:
+                  block: int = BLOCK_BYTES, scheme: DigestScheme = CURRENT) -> dict[str, str]:
     """`combined_digest` of each byte range [begin, end) of a finished file, its blocks counted from the
     range's first byte (a tensor's digest: `tensor_digest`), all hashed in parallel, never in memory whole."""
     fd = os.open(path, os.O_RDONLY)
-    hashers = _Hashers(threads or hash_threads())
+    hashers = _Hashers(threads or hash_threads(), scheme)
     try:
         streams = {name: _Stream(begin, end, block) for name, (begin, end) in ranges.items()}
         _finish_streams(hashers, fd, sorted(streams.values(), key=lambda stream: (stream.begin, stream.end)),
                         writeback=False)
-        return {name: stream.digest() for name, stream in streams.items()}
+        return {name: stream.digest(scheme) for name, stream in streams.items()}
     finally:
         hashers.close()
         os.close(fd)
 
 
-def shard_file_digests(path: Path, threads: int | None = None, block: int = BLOCK_BYTES) -> tuple[str, dict[str, str]]:
+def shard_file_digests(path: Path, threads: int | None = None, block: int = BLOCK_BYTES,
+                       scheme: DigestScheme = CURRENT) -> tuple[str, dict[str, str]]:
     """A finished shard's digest (`shard_digest`) and its tensors' digests, each byte read and hashed once;
     ValueError when its header cannot be read or its tensors do not tile its data (a gap, an overlap,
     bytes after the last tensor: the shard digest would not cover them)."""
     data_start, ranges = header_ranges(path)
     ordered = tiling(ranges, data_start, Path(path).stat().st_size)
-    tensors = range_digests(path, {name: (begin, end) for name, begin, end in ordered}, threads, block)
+    tensors = range_digests(path, {name: (begin, end) for name, begin, end in ordered}, threads, block, scheme)
     with open(path, "rb") as handle:
-        header = hashlib.sha256(handle.read(data_start)).digest()
-    return shard_digest(header, [tensors[name] for name, _, _ in ordered]), tensors
+        header = scheme.of(handle.read(data_start))
+    return shard_digest(header, [tensors[name] for name, _, _ in ordered], scheme), tensors
 
 
-def tensor_digest(data: memoryview | bytes, threads: int | None = None, block: int = BLOCK_BYTES) -> str:
+def tensor_digest(data: memoryview | bytes, threads: int | None = None, block: int = BLOCK_BYTES,
+                  scheme: DigestScheme = CURRENT) -> str:
     """The digest a manifest records for a tensor (its `tensor_digests`): `combined_digest` of its bytes
     cut into `block`-byte pieces from its first byte, here of bytes already in memory (or memory-mapped),
-    hashed on up to `threads` threads (hashlib releases the GIL)."""
+    hashed on up to `threads` threads (the hash libraries release the GIL)."""
     view = memoryview(data).cast("B")
     starts = range(0, len(view), block) if len(view) else [0]
     pieces = [view[start:start + block] for start in starts]
     if len(pieces) == 1:
-        return combined_digest([hashlib.sha256(pieces[0]).digest()])
+        return combined_digest([scheme.of(pieces[0])], scheme)
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(min(len(pieces), threads or hash_threads()), thread_name_prefix="moeconv-hash") as pool:
-        return combined_digest(list(pool.map(lambda piece: hashlib.sha256(piece).digest(), pieces)))
+        return combined_digest(list(pool.map(scheme.of, pieces)), scheme)

@@ -2,10 +2,10 @@
 is checked against the digest `moeconv.json` records for it, before the plugin copies it or the model's
 own loader takes it.
 
-The manifest (version 3, docs/FORMAT.md) records each shard's tensors' digests (`tensor_digests`:
-moeconv.checkpoint.writer.tensor_digest, the sha256 of the sha256 digests of the tensor's 64 MiB
-pieces). The check hashes exactly the bytes the loader read for the tensor (the memory-mapped tensor
-itself, pieces on up to 8 threads, about 1 GB/s a core), so a flipped byte anywhere in it stops start-up
+The manifest (version 3 and later, docs/FORMAT.md) records each shard's tensors' digests (`tensor_digests`:
+moeconv.checkpoint.writer.tensor_digest, the hash of the hashes of the tensor's 64 MiB pieces: BLAKE3
+from version 4, sha256 in version 3). The check hashes exactly the bytes the loader read for the tensor
+(the memory-mapped tensor itself, pieces on up to 8 threads), so a flipped byte anywhere in it stops start-up
 with one line naming the tensor and its shard, and no other bytes are read. Off by default.
 """
 
@@ -56,7 +56,7 @@ class TensorDigests:
         if recorded is None:
             raise PluginRefusal(f"{ENV}=1: {path} records no digest per tensor (an output of an older moeconv, "
                                 f"or a damaged manifest): reconvert, or load without {ENV}")
-        self.root, self.recorded = root, recorded
+        self.root, self.recorded, self.scheme = root, recorded, manifests.scheme_of(manifest)
 
     def check(self, name: str, tensor: torch.Tensor) -> None:
         """Refuses when `tensor` (the loader's tensor `name`, as read from its shard) is not the bytes
@@ -65,6 +65,6 @@ class TensorDigests:
         if recorded is None:
             raise PluginRefusal(f"{name}: {ENV}=1, but {manifests.MANIFEST_NAME} records no digest for it")
         shard, digest = recorded
-        if tensor_digest(tensor_bytes(tensor)) != digest:
+        if tensor_digest(tensor_bytes(tensor), scheme=self.scheme) != digest:
             raise PluginRefusal(f"{name}: its bytes in {shard} differ from the digest {manifests.MANIFEST_NAME} "
                                 f"records: the output was corrupted or changed; restore or reconvert it")
