@@ -6,10 +6,12 @@ interrupted run never leaves a folder that looks finished. The source is only ev
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import stat
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
 from moeconv.checkpoint.writer import (
     CURRENT, BlockHasher, ShardWriter, byte_size, copy_into, file_digest, write_at,
 )
-from moeconv.errors import MoeconvError, Unfinished, human_bytes
+from moeconv.errors import MoeconvError, PlantedLink, Unfinished, human_bytes
 from moeconv.executor import Executor, in_batches, peak_rss_mb, worker_descriptor, worker_reader
 from moeconv import provenance
 from moeconv.provenance import Anchor, recorded_anchor
@@ -109,18 +111,52 @@ def staging_folder(output: Path) -> Path:
     return output.parent / f".{output.name}.moeconv-partial"
 
 
+def lock_file(output: Path) -> Path:
+    """The file `_exclusive` locks, beside the staging folder."""
+    output = resolved_output(output)
+    return output.parent / f".{output.name}.moeconv-lock"
+
+
+def _check_source_apart(output: Path, source: Path, files: list[Path]) -> None:
+    """Refuses, before anything is written or deleted, a source (its folder or any file it is read
+    from, links resolved) inside what convert writes or removes: the output, its staging folder (a
+    refusal removes it) or its lock file."""
+    places = (resolved_output(output), staging_folder(output), lock_file(output))
+    for path in (source, *files):
+        resolved = Path(path).resolve()
+        for place in places:
+            if resolved == place or place in resolved.parents:
+                raise MoeconvError(f"{path}: the source lies in {place}, which convert writes and removes; "
+                                   f"move the source or choose another -o")
+
+
+def _staging_names(plan: Plan, sides: SideFiles) -> set[str]:
+    """Every file convert writes in the staging folder (the journal adds its own): the shards and the
+    side files, each first under its `.partial` name, the index, the configs and the manifest."""
+    copied = [shard.file_name for shard in plan.shards] + [side.name for side in sides.copied]
+    return {*copied, *(name + ".partial" for name in copied), INDEX_NAME, "config.json", QUANTIZE_CONFIG_NAME,
+            MANIFEST_NAME}
+
+
 @contextmanager
 def _exclusive(output: Path):
     """One writer per output: an advisory lock beside the staging folder, held for the whole run. The
-    kernel drops it when the process dies, so a resume after a crash simply takes it over."""
+    kernel drops it when the process dies, so a resume after a crash simply takes it over. Opened
+    without following a link, and only a regular file of one name is written: the PID written there
+    must not land in a file outside (a planted link, or a hard link to someone's file)."""
     import fcntl
 
-    path = output.parent / f".{output.name}.moeconv-lock"
+    path = lock_file(output)
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise PlantedLink(path) from None
             raise MoeconvError(f"{output.parent}: cannot create files there ({error.strerror})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _not_a_lock(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -129,11 +165,14 @@ def _exclusive(output: Path):
             raise MoeconvError(f"{output}: another moeconv (pid {other}) is converting into this folder; "
                                f"wait for it or stop it") from None
         try:
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            if os.lstat(path).st_ino == os.fstat(fd).st_ino:
                 break
         except FileNotFoundError:
             pass
         os.close(fd)  # the holder removed the file between our open and our lock: take the new one
+    if os.fstat(fd).st_nlink != 1:  # another name of someone's file
+        os.close(fd)
+        raise _not_a_lock(path)
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
@@ -143,10 +182,14 @@ def _exclusive(output: Path):
         os.close(fd)
 
 
+def _not_a_lock(path: Path) -> MoeconvError:
+    """The lock's name holds another file (or a FIFO): writing the PID there would replace its bytes."""
+    return MoeconvError(f"{path}: not a lock file moeconv made (a hard link to another file, or not a regular "
+                        f"file); moeconv does not write into it: remove it")
+
+
 def _space_error(error: OSError, output: Path, needed: int) -> MoeconvError:
     """A write that failed for the filesystem's reasons, as one line naming the output."""
-    import errno
-
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         return MoeconvError(f"{output}: no space left on the device; the conversion needs "
                             f"{human_bytes(needed)} there (free some and rerun to resume)")
@@ -210,6 +253,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
     check_output_folder(output, plan.checkpoint.root)
     source = plan.checkpoint
     sides = side_files(source, skip_unsafe_files)
+    _check_source_apart(output, source.root, [*source.files, *(side.path for side in sides.copied)])
     output = resolved_output(output)
     advance = progress or (lambda nbytes: None)
     runner = _runner(executor, workers, ray_address)
@@ -218,7 +262,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
     with _exclusive(output):
         check_output_folder(output)  # again, under the lock: another writer may have finished it
         try:
-            journal = Journal.open(staging, plan.identity)
+            journal = Journal.open(staging, plan.identity, _staging_names(plan, sides))
             _check_free_space(plan, staging, journal, sides.nbytes)
             audits = Audits()
             hashing = SourceDigests(source.files, source.root, recorded_anchor(source.origin))
@@ -238,7 +282,7 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
                                 sides, hashing.result())
             except MoeconvError as error:
                 if not isinstance(error, Unfinished):
-                    shutil.rmtree(staging, ignore_errors=True)  # a refusal, not an interruption: nothing to resume
+                    journal.discard()  # a refusal, not an interruption: nothing to resume
                 raise
             finally:
                 hashing.cancel()
@@ -364,7 +408,7 @@ def _check_free_space(plan: Plan, staging: Path, journal: Journal, side_bytes: i
     free = shutil.disk_usage(staging).free
     if needed > free:
         if not journal.done:
-            shutil.rmtree(staging, ignore_errors=True)
+            journal.discard()
         raise MoeconvError(f"{staging.parent}: {human_bytes(free)} free, but the conversion needs "
                            f"{human_bytes(needed)} more there; free some space or choose another -o")
 

@@ -27,6 +27,14 @@ class MoeconvError(Exception):
         super().__init__(_CONTROL.sub(lambda match: repr(match.group())[1:-1], str(message)))
 
 
+class PlantedLink(MoeconvError):
+    """A symbolic link where convert keeps its lock or its unfinished output: following it would write
+    or delete files outside the output."""
+
+    def __init__(self, path: object) -> None:
+        super().__init__(f"{path}: is a symbolic link; moeconv does not follow links next to its output: remove it")
+
+
 class Unfinished(MoeconvError):
     """The work stopped for a reason outside the input (a Ray cluster that failed): unlike a refusal,
     what is finished stays for a resume."""

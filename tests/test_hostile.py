@@ -855,11 +855,12 @@ def test_a_failed_side_file_copy_never_survives(pristine, tmp_path, capsys, monk
     assert not [p.name for p in staging.iterdir() if "tokenizer" in p.name]
     assert not (tmp_path / ".out.moeconv-lock").exists()
     monkeypatch.setattr(side_files.os, "write", real)
-    (staging / "stale.json").write_text("{}")  # a leftover of some earlier run: never reaches the output
+    (staging / "config.json").write_text("{}")  # a leftover of some earlier run: never reaches the output
     (source / "tokenizer.json").unlink()
     code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
     assert code == 0, err
-    assert not (tmp_path / "out" / "tokenizer.json").exists() and not (tmp_path / "out" / "stale.json").exists()
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"]
     code, out, err = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless")
     assert code == 0, out + err
 
@@ -913,3 +914,137 @@ def test_too_many_tensors_across_headers_are_refused(pristine, tmp_path, monkeyp
     monkeypatch.setattr(reader, "MAX_TENSORS", 10)
     with pytest.raises(MoeconvError, match=r"safetensors: with the shards before it: lists \d+ tensors, more than the 10"):
         open_checkpoint(source)
+
+
+# ------------------------------------------------------------------------------ the paths around the output
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """Every entry under `folder` (links not followed): a file's sha256, a link's target, a folder's kind."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        name = str(path.relative_to(folder))
+        if path.is_symlink():
+            found[name] = f"-> {os.readlink(path)}"
+        elif path.is_dir():
+            found[name] = "folder"
+        else:
+            found[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+def _interrupted(capsys, monkeypatch, source: Path, output: Path) -> Path:
+    """A conversion of `source` into `output` stopped (Ctrl-C) before its metadata: its staging folder,
+    journal and finished shards left for a resume."""
+    convert_module = importlib.import_module("moeconv.conversion")
+    real = convert_module._write_metadata
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert_module, "_write_metadata", interrupted)
+    assert run_main(capsys, "convert", source, "-o", output, "-q")[0] == 3
+    monkeypatch.setattr(convert_module, "_write_metadata", real)
+    staging = output.parent / f".{output.name}.moeconv-partial"
+    assert (staging / "moeconv-progress.json").is_file()
+    return staging
+
+
+@pytest.mark.parametrize("planted", ["symlink", "hard link"])
+def test_a_planted_lock_file_is_refused_and_the_file_it_names_is_unchanged(pristine, tmp_path, capsys, planted):
+    """The lock `.OUT.moeconv-lock` planted as a link to someone's file: convert wrote its PID through
+    it (1,700 bytes replaced by 5). Now it refuses in one line naming the lock, before any work."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(bytes(range(256)) * 6 + b"x" * 164)
+    before = victim.read_bytes()
+    lock = tmp_path / ".out.moeconv-lock"
+    if planted == "symlink":
+        lock.symlink_to(victim)
+    else:
+        os.link(victim, lock)
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    expected = ("is a symbolic link; moeconv does not follow links next to its output: remove it"
+                if planted == "symlink" else "not a lock file moeconv made (a hard link to another file")
+    assert f"{lock}: {expected}" in err, err
+    assert victim.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.moeconv-lock", "victim.txt"]
+
+
+def test_a_staging_folder_planted_as_a_link_is_refused_and_nothing_is_deleted(pristine, tmp_path, capsys, monkeypatch):
+    """The staging folder planted as a link to a folder holding a journal of this very job and someone's
+    files: the resume deleted those files through the link. Now it refuses in one line naming the link;
+    the folder it points to, journal and all, is as it was."""
+    staging = _interrupted(capsys, monkeypatch, pristine, tmp_path / "out")
+    victim = tmp_path / "victim"
+    staging.rename(victim)
+    (victim / "thesis.tex").write_text("four years")
+    (victim / "data").mkdir()
+    (victim / "data" / "results.csv").write_text("1,2,3")
+    before = _tree(victim)
+    staging.symlink_to(victim)
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{staging}: is a symbolic link; moeconv does not follow links next to its output: remove it" in err
+    assert _tree(victim) == before
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.moeconv-lock").exists()
+
+
+@pytest.mark.parametrize("journal", ["of this job", "none"])
+@pytest.mark.parametrize("stranger", ["a file", "a folder", "a link"])
+def test_a_staging_folder_holding_files_moeconv_did_not_write_keeps_them(pristine, tmp_path, capsys, monkeypatch,
+                                                                          journal, stranger):
+    """A real staging folder (of an interrupted run of this job, or none moeconv made) that holds an
+    entry the job does not write: refused in one line naming it, nothing there deleted (the old resume
+    removed every unrecorded file, and a folder without a journal whole). Once it is moved away, the
+    resume finishes byte-identical to an uninterrupted conversion."""
+    assert run_main(capsys, "convert", pristine, "-o", tmp_path / "clean", "-q")[0] == 0
+    staging = tmp_path / ".out.moeconv-partial"
+    if journal == "of this job":
+        _interrupted(capsys, monkeypatch, pristine, tmp_path / "out")
+    else:
+        staging.mkdir()
+    (tmp_path / "elsewhere.txt").write_text("not moeconv's")
+    entry = staging / "notes.txt"
+    if stranger == "a file":
+        entry.write_text("mine")
+    elif stranger == "a folder":
+        entry.mkdir()
+        (entry / "inside.txt").write_text("mine too")
+    else:
+        entry.symlink_to(tmp_path / "elsewhere.txt")
+    before = _tree(staging)
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert str(entry) in err, err
+    assert ("is a symbolic link; moeconv does not follow links" if stranger == "a link"
+            else f"moeconv deletes only its own files in {staging.name}: move it away") in err, err
+    assert _tree(staging) == before
+    assert (tmp_path / "elsewhere.txt").read_text() == "not moeconv's"
+    assert not (tmp_path / "out").exists()
+    entry.rename(tmp_path / "moved")
+    code, out, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q", "--json")
+    assert code == 0, err
+    assert bool(json.loads(out)["resumed_files"]) == (journal == "of this job")
+    assert _tree(tmp_path / "out") == _tree(tmp_path / "clean")
+    assert not staging.exists()
+
+
+@pytest.mark.parametrize("place", ["inside the staging folder", "the staging folder", "the lock", "inside the output"])
+def test_a_source_inside_what_convert_writes_or_removes_is_refused(pristine, tmp_path, capsys, place):
+    """A source that lived in OUT's staging folder was deleted by the cleanup. A source in the output,
+    its staging folder or at its lock's name is refused in one line, before anything is written or
+    deleted: every source file's digest and the folder around are unchanged."""
+    where = {"inside the staging folder": tmp_path / ".out.moeconv-partial" / "src",
+             "the staging folder": tmp_path / ".out.moeconv-partial",
+             "the lock": tmp_path / ".out.moeconv-lock",
+             "inside the output": tmp_path / "out" / "src"}[place]
+    where.parent.mkdir(exist_ok=True)
+    source = _copy(pristine, where)
+    before = _tree(tmp_path)
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    expected = ("output folder exists and is not empty" if place == "inside the output"
+                else "which convert writes and removes; move the source or choose another -o")
+    assert expected in err, err
+    assert _tree(tmp_path) == before

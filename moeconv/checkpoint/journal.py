@@ -1,19 +1,20 @@
 """The staging folder's journal of an unfinished conversion: which shards are finished (size,
 digest, tensors' digests, and the fingerprint of the source tensors they were made from), replaced
 atomically after each shard, so an interrupted `convert` resumes where it stopped and a changed job
-or a damaged journal starts over."""
+or a damaged journal starts over. The folder holds only the files the job writes: nothing else there is
+ever deleted, and a link there is never followed."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
 from moeconv.checkpoint.schema import is_plain_file_name
 from moeconv.checkpoint.writer import CURRENT, TENSOR_DIGESTS_KEY, shard_file_digests
-from moeconv.errors import MoeconvError
+from moeconv.errors import MoeconvError, PlantedLink
 
 
 def read_journal(path: Path) -> dict[str, Any] | None:
@@ -32,6 +33,31 @@ def read_journal(path: Path) -> dict[str, Any] | None:
     return recorded
 
 
+def _staging_entries(staging: Path) -> set[str] | None:
+    """The names in the staging folder (None when there is none), each checked without following a
+    link: the folder, or an entry in it, that is a link is refused (deleting through it would delete
+    someone's files), and so is an entry that is not a regular file."""
+    try:
+        mode = staging.lstat().st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(mode):
+        raise PlantedLink(staging)
+    if not stat.S_ISDIR(mode):
+        raise MoeconvError(f"{staging}: is not a folder; moeconv keeps an unfinished conversion under that name: "
+                           f"remove it")
+    names = set()
+    for entry in staging.iterdir():
+        mode = entry.lstat().st_mode
+        if stat.S_ISLNK(mode):
+            raise PlantedLink(entry)
+        if not stat.S_ISREG(mode):
+            raise MoeconvError(f"{entry}: not a file moeconv writes (a folder, device or FIFO); moeconv deletes only "
+                               f"its own files in {staging.name}: move it away, or remove that folder")
+        names.add(entry.name)
+    return names
+
+
 def _digests(shard: Path) -> tuple[str, dict[str, str]] | None:
     """A finished shard's digest and its tensors' (each byte hashed once), None when it is not a whole shard."""
     try:
@@ -45,38 +71,45 @@ class Journal:
 
     NAME = "moeconv-progress.json"
 
-    def __init__(self, staging: Path, job: dict[str, Any]):
+    def __init__(self, staging: Path, job: dict[str, Any], names: set[str]):
         self.staging, self.job = staging, job
+        self.names = names | {self.NAME, self.NAME + ".tmp"}  # every file the job writes in the staging folder
         self.done: dict[str, dict[str, Any]] = {}
         self.reused: list[str] = []
 
     @classmethod
-    def open(cls, staging: Path, job: dict[str, Any]) -> Journal:
-        journal = cls(staging, job)
-        path = staging / cls.NAME
-        recorded = read_journal(path)
-        if recorded is not None:
-            if recorded.get("job") != job:
-                before = recorded["job"] if isinstance(recorded.get("job"), dict) else {}
-                changed = sorted(key for key in job if before.get(key) != job[key])
-                raise MoeconvError(
-                    f"{staging}: an unfinished conversion with a different {', '.join(changed)} is there; "
-                    f"rerun with the same source and arguments to resume it, or remove that folder")
-            for name, info in recorded["done"].items():
-                file = staging / name
-                if file.is_file() and file.stat().st_size == info["bytes"] and _digests(file) == (
-                        info[CURRENT.shard_key], info[TENSOR_DIGESTS_KEY]):
-                    journal.done[name] = info
-                    journal.reused.append(name)
-            for leftover in staging.iterdir():  # partial shards, side files and configs of the last run
-                if leftover.name not in journal.done and leftover.name != cls.NAME:
-                    if leftover.is_dir() and not leftover.is_symlink():
-                        shutil.rmtree(leftover)
-                    else:
-                        leftover.unlink()
-        else:
-            shutil.rmtree(staging, ignore_errors=True)  # no journal yet: nothing finished there
-            staging.mkdir(parents=True)
+    def open(cls, staging: Path, job: dict[str, Any], names: set[str]) -> Journal:
+        """The staging folder's journal, the folder made when missing. `names`: every file the job
+        writes there (the journal adds its own). A resume keeps the finished shards the journal
+        records and removes the rest of those names; anything else there (a link, a folder, a file
+        the job does not write) is refused before anything is deleted, so a folder planted under the
+        staging name, or someone's files in it, lose nothing."""
+        journal = cls(staging, job, names)
+        entries = _staging_entries(staging)
+        if entries is None:
+            staging.mkdir()
+            journal._save()
+            return journal
+        recorded = read_journal(staging / cls.NAME)
+        if recorded is not None and recorded.get("job") != job:
+            before = recorded["job"] if isinstance(recorded.get("job"), dict) else {}
+            changed = sorted(key for key in job if before.get(key) != job[key])
+            raise MoeconvError(
+                f"{staging}: an unfinished conversion with a different {', '.join(changed)} is there; "
+                f"rerun with the same source and arguments to resume it, or remove that folder")
+        foreign = sorted(entries - journal.names)
+        if foreign:
+            others = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+            raise MoeconvError(f"{staging / foreign[0]}{others}: not a file this conversion writes; moeconv deletes "
+                               f"only its own files in {staging.name}: move it away, or remove that folder")
+        for name, info in (recorded["done"] if recorded else {}).items():
+            file = staging / name
+            if name in entries and file.stat().st_size == info["bytes"] and _digests(file) == (
+                    info[CURRENT.shard_key], info[TENSOR_DIGESTS_KEY]):
+                journal.done[name] = info
+                journal.reused.append(name)
+        for leftover in entries - set(journal.done) - {cls.NAME}:  # partial shards, side files and configs
+            (staging / leftover).unlink()
         journal._save()
         return journal
 
@@ -103,3 +136,13 @@ class Journal:
 
     def remove(self) -> None:
         (self.staging / self.NAME).unlink()
+
+    def discard(self) -> None:
+        """After a refusal (nothing to resume): the files the job wrote are removed, then the folder.
+        Only those names: a file that appeared there since `open` stays, and so does the folder."""
+        for name in self.names:
+            (self.staging / name).unlink(missing_ok=True)
+        try:
+            self.staging.rmdir()
+        except OSError:
+            pass  # not empty: what the job did not write is not its to delete

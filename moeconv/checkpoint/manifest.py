@@ -57,7 +57,7 @@ def build(plan: Any, files: dict[str, dict[str, Any]], written: dict[str, dict[s
           copied: dict[str, dict[str, Any]], skipped: dict[str, str],
           source_digests: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The manifest of `plan`'s output (a moeconv.plan.Plan). `files`: each shard's bytes and digest
-    (SHARD_DIGEST_KEY: writer.shard_digest) and its tensors' (`tensor_digests`: writer.tensor_digest); `written`: the
+    (the scheme's shard_key: writer.shard_digest) and its tensors' (`tensor_digests`: writer.tensor_digest); `written`: the
     index's and configs'; `copied`: the source's side files
     copied as they are; `skipped`: the source's files left out, with why; `source_digests`: each
     source shard's bytes and digest, hashed as the conversion ran."""

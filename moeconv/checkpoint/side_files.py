@@ -100,7 +100,7 @@ def copy_side_file(side: SideFile, folder: Path) -> dict[str, int | str]:
         if not stat.S_ISREG(os.fstat(source).st_mode):
             raise MoeconvError(f"{side.path}: is no longer a regular file")
         blocks, digest, in_block, size = [], CURRENT.new(), 0, 0
-        target = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        target = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         try:
             while data := os.read(source, min(_READ_BYTES, BLOCK_BYTES - in_block)):
                 view = memoryview(data)

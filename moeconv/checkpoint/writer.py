@@ -67,7 +67,7 @@ class ShardWriter:
         self.size = self._data_start + offset
         self._written = dict.fromkeys(self._layout, 0)
         self._counting = threading.Lock()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         os.pwrite(self._fd, len(encoded).to_bytes(8, "little") + encoded, 0)
         os.ftruncate(self._fd, self.size)
 
