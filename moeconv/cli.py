@@ -1,7 +1,7 @@
 """The `moeconv` command line: parses, calls the library, renders with Rich. Nothing else.
 
 Results go to stdout, progress and errors to stderr. Exit codes: 0 ok, 1 verification failed,
-2 usage or input error, 3 interrupted (run the same command again to resume).
+2 usage or input error, 3 interrupted (convert: run the same command again to resume).
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def convert(
             report = run_conversion(plan, output, progress=advance, workers=workers, executor=executor,
                                     ray_address=ray_address, skip_unsafe_files=skip_unsafe_files)
         except KeyboardInterrupt:  # in-process callers (main() turns signals into exit 3 itself)
-            err.print("[bold red]interrupted[/]: run the same command again to resume")
+            err.print(f"[bold red]interrupted[/]: {RESUME}")
             raise typer.Exit(3) from None
     for name, reason in report.skipped_files.items():
         err.print(escape(f"note: {name} not copied: {reason}"), highlight=False, soft_wrap=True)
@@ -361,7 +361,8 @@ def demo(
         spec = SynthSpec(architecture="qwen3_moe", source_format=GPTQ(bits=4, group_size=32, sym=False),
                          layers=3, dense_layers=1, experts=8, hidden=256, intermediate=128)
         source = make_checkpoint(root / "source", spec, max_shard_size=1_000_000)
-        err.print(f"made a synthetic {spec.architecture} checkpoint (GPTQ v1 4-bit asymmetric, g=32): {source}")
+        kept = "" if workdir else " (a temporary folder, removed when the demo ends: --workdir DIR keeps it)"
+        err.print(f"made a synthetic {spec.architecture} checkpoint (GPTQ v1 4-bit asymmetric, g=32): {source}{kept}")
         render.print_inspect(inspect_source(source), str(source))
         plan = make_plan(source, backend="triton", max_shard_size=1_000_000)
         report = run_conversion(plan, root / "converted")
@@ -374,6 +375,11 @@ def demo(
             raise VerificationFailed(f"demo: verification failed: {result.failures()[0]}")
         out.print("[bold green]demo ok[/]: every expert bit-exact, kernel within tolerance, "
                   "every other tensor byte-identical.")
+        out.print(DEMO_NEXT, highlight=False, soft_wrap=True, markup=False)
+
+
+DEMO_NEXT = ("next, your own checkpoint: moeconv inspect SRC, then moeconv convert SRC -o OUT --backend auto "
+             "(its last lines say how to verify OUT and serve it with vLLM or SGLang)")
 
 
 def main() -> None:
@@ -416,6 +422,15 @@ def _end_now(code: Any) -> None:
     os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
+# What an interrupted convert keeps: finished shards (a one-shard output keeps nothing, and starts over).
+RESUME = "run the same command again to resume (finished shards are kept, the rest is written again)"
+
+
+def _command_name() -> str:
+    """The subcommand on this process's command line (an interrupt outlives Click's context)."""
+    return next((arg for arg in sys.argv[1:] if not arg.startswith("-")), "")
+
+
 def _main() -> None:
     import signal
 
@@ -431,7 +446,8 @@ def _main() -> None:
         err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
         sys.exit(error.exit_code)
     except Interrupted as interruption:
-        err.print(f"[bold red]interrupted[/] ({interruption}): run the same command again to resume")
+        again = RESUME if _command_name() == "convert" else "nothing was changed; run the command again to start over"
+        err.print(f"[bold red]interrupted[/] ({interruption}): {again}")
         sys.exit(Interrupted.exit_code)
     finally:
         for sig, handler in previous.items():
