@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 import threading
 
 from moeconv.formats import CompressedTensors
@@ -274,3 +276,90 @@ def test_demo_says_its_folder_goes_and_what_to_do_next(tmp_path, capsys):
     assert code == 0 and "(a temporary folder, removed when the demo ends: --workdir DIR keeps it)" in err
     assert out.splitlines()[-1] == DEMO_NEXT
     assert DEMO_NEXT.startswith("next, your own checkpoint: moeconv inspect SRC, then moeconv convert SRC -o OUT")
+
+
+def _packaged_tree(into):
+    """The files the wheel is built from, copied (the build leaves build/ and *.egg-info where it runs)."""
+    import shutil
+
+    from helpers import ROOT
+
+    into.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, into / name)
+    shutil.copytree(ROOT / "moeconv", into / "moeconv", ignore=shutil.ignore_patterns("__pycache__"))
+    return into
+
+
+def _wheel(tmp_path):
+    import importlib.util
+    import subprocess
+    import sys
+
+    import pytest
+
+    if importlib.util.find_spec("setuptools") is None:
+        pytest.skip("setuptools is not installed here: the wheel cannot be built without the network")
+    tree = _packaged_tree(tmp_path / "tree")
+    (tmp_path / "dist").mkdir()
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                           "-q", "-w", str(tmp_path / "dist"), str(tree)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (wheel,) = (tmp_path / "dist").glob("moeconv-*.whl")
+    return wheel
+
+
+def test_the_wheel_holds_the_license_and_opens_with_what_moeconv_is(tmp_path):
+    import zipfile
+
+    wheel = _wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        info = next(name.rsplit("/", 1)[0] for name in names if name.endswith(".dist-info/METADATA"))
+        metadata = archive.read(f"{info}/METADATA").decode()
+        license_text = archive.read(f"{info}/licenses/LICENSE").decode()
+    assert "Apache License" in license_text and "Version 2.0" in license_text
+    headers, _, description = metadata.partition("\n\n")
+    assert "License-Expression: Apache-2.0" in headers and "License-File: LICENSE" in headers
+    assert "Project-URL" not in headers  # there is no public home yet: none is invented
+    assert description.startswith("# moeconv\n\nConvert quantized Mixture-of-Experts checkpoints (AWQ, GPTQ, "
+                                  "compressed-tensors, AutoRound, NVIDIA ModelOpt\nINT4)"), description[:200]
+    quick_start = description.index("## Quick start")
+    assert quick_start < description.index("vllm serve") and quick_start < description.index("sglang.launch_server")
+
+
+def test_the_wheel_installs_into_an_engine_environment_and_registers_its_plugins(tmp_path):
+    """docs/SERVING.md: `pip install --no-deps` of the built wheel into an engine's environment keeps the
+    engine's torch (here a stand-in distribution the environment already holds) and registers both plugins."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    wheel = _wheel(tmp_path)
+    engine = tmp_path / "engine-env"
+    made = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(engine)], capture_output=True, text=True,
+                          timeout=300)
+    if made.returncode != 0:
+        pytest.skip(f"no venv can be made here: {made.stderr.strip()[-200:]}")
+    python = engine / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    # The engine's own torch, as pip sees an installed distribution.
+    (Path(site) / "torch").mkdir()
+    (Path(site) / "torch" / "__init__.py").write_text('__version__ = "2.14.0+engine"\n')
+    (Path(site) / "torch-2.14.0.dist-info").mkdir()
+    (Path(site) / "torch-2.14.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.14.0\n")
+    (Path(site) / "torch-2.14.0.dist-info" / "RECORD").write_text("")
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+                           "-q", str(wheel)], capture_output=True, text=True, timeout=300)  # this pip, into that venv
+    assert done.returncode == 0, done.stdout + done.stderr
+    probe = ("import importlib.metadata as m, json, torch; print(json.dumps({'torch': torch.__version__, "
+             "'vllm': [e.value for e in m.entry_points(group='vllm.general_plugins')], "
+             "'sglang': [e.value for e in m.entry_points(group='sglang.srt.plugins')], "
+             "'installed': sorted(d.metadata['Name'] for d in m.distributions())}))")
+    alone = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # only what that venv holds
+    found = json.loads(subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=True,
+                                      cwd=tmp_path, env=alone).stdout)
+    assert found == {"torch": "2.14.0+engine", "vllm": ["moeconv.vllm_plugin:register"],
+                     "sglang": ["moeconv.sglang_plugin:register"], "installed": ["moeconv", "torch"]}, found
