@@ -225,6 +225,12 @@ VERIFY_PHASES = {"digests": "verify: digests of the output's files",
                  "kernel": "verify: kernel check, MoE layers"}
 
 
+# Said before verify's default starts: what it runs, and how to run more or less.
+VERIFY_DEFAULT = ("verify: digests, then every tensor bit-exact against the source, then the kernel check: on a "
+                  "GPU every MoE layer, on a CPU (seconds a layer) a sample of 4, named in the verdict; --level "
+                  "numerics runs it on every layer, --level lossless on none")
+
+
 @contextmanager
 def _progress_for_verify(quiet: bool):
     """verify learns each phase's total only when it starts it: `progress(0, total, phase)`, then
@@ -271,7 +277,8 @@ def _progress(description: str, total: int, quiet: bool, unit: str = "bytes"):
         nonlocal done
         done += amount
         now = time.monotonic()
-        if now - last[0] >= LINE_SECONDS or done >= total:
+        first = not counted and done == amount  # the first item counted: its rate gives the ETA at once
+        if first or now - last[0] >= LINE_SECONDS or done >= total:
             last[0] = now
             rate = done / max(now - started, 1e-9)
             eta = (total - done) / rate if rate else float("inf")
@@ -310,9 +317,11 @@ def verify(
                                           help="Source checkpoint (default: the one in moeconv.json)."),
     sample: Optional[int] = typer.Option(None, "--sample", min=1, metavar="N",
                                          help="Check N random experts per layer, not all."),
-    level: str = typer.Option("numerics", "--level", metavar="structure|lossless|numerics",
-                              help="How far to check: structure (files, checksums), lossless (and bit-exact decode "
-                                   "against the source), numerics (and the kernel against a float64 reference)."),
+    level: Optional[str] = typer.Option(None, "--level", metavar="structure|lossless|numerics",
+                                        help="How far to check: structure (files, checksums), lossless (and bit-exact "
+                                             "decode against the source), numerics (and the kernel against a float64 "
+                                             "reference on every MoE layer). Default: lossless, and the kernel on "
+                                             "every layer on a GPU, on a sample of 4 layers on a CPU."),
     tokens: int = typer.Option(8, "--tokens", min=1, metavar="N", help="Random tokens per layer for the kernel check."),
     numerics_layers: Optional[int] = typer.Option(None, "--numerics-layers", min=0, metavar="N",
                                                   help="Kernel check on the first N MoE layers only."),
@@ -328,6 +337,8 @@ def verify(
     from moeconv.errors import VerificationFailed
     from moeconv.verification import verify as run_verification
 
+    if level is None and not quiet and not as_json:
+        err.print(VERIFY_DEFAULT, highlight=False, soft_wrap=True, markup=False)
     with _progress_for_verify(quiet) as progress:
         report = run_verification(output, source=source, sample=sample, level=level, tokens=tokens,
                                   numerics_layers=numerics_layers, progress=progress, workers=workers,

@@ -233,10 +233,14 @@ def verdict(report) -> str:
         experts = sum(layer.experts_checked for layer in report.layers)
         checked.append(f"{experts} expert(s) in {len(report.layers)} MoE layer(s) bit-exact against the source")
     kernels = sum(layer.relative_error is not None for layer in report.layers)
-    if kernels:
+    if kernels and report.kernel_sample:
+        checked.append(f"kernel within {report.tolerance:g} on a sample of {kernels} of {len(report.layers)} layers "
+                       f"({', '.join(report.kernel_sample)}; --level numerics for all)")
+    elif kernels:
         checked.append(f"kernel within {report.tolerance:g} on {kernels} layer(s)")
     noted = "".join(f"; but {caveat}" for caveat in caveats(report))
-    return f"verdict: ok ({', '.join(checked)}; --level {report.level}){noted}"
+    level = "verify's default level" if report.kernel_sample else f"--level {report.level}"
+    return f"verdict: ok ({', '.join(checked)}; {level}){noted}"
 
 
 def print_plan(summary: dict[str, Any]) -> None:

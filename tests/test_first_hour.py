@@ -363,3 +363,36 @@ def test_the_wheel_installs_into_an_engine_environment_and_registers_its_plugins
                                       cwd=tmp_path, env=alone).stdout)
     assert found == {"torch": "2.14.0+engine", "vllm": ["moeconv.vllm_plugin:register"],
                      "sglang": ["moeconv.sglang_plugin:register"], "installed": ["moeconv", "torch"]}, found
+
+
+def test_verify_s_default_samples_the_kernel_on_a_cpu_says_so_up_front_and_names_the_sample(tmp_path, capsys):
+    """10 MoE layers on a CPU: verify's default says before it starts what it runs and how to run more, checks
+    every expert bit for bit, runs the kernel on 4 layers from the first to the last, and names them in the
+    verdict; --level numerics runs all 10."""
+    from moeconv.cli import VERIFY_DEFAULT
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(layers=10, experts=2, hidden=64, intermediate=64))
+    assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
+    code, out, err = run_main(capsys, "verify", tmp_path / "out")
+    assert code == 0 and err.splitlines()[0] == VERIFY_DEFAULT
+    assert "on a CPU (seconds a layer) a sample of 4, named in the verdict; --level numerics runs it on every layer" \
+           in VERIFY_DEFAULT
+    sample = ", ".join(f"model.layers.{index}.mlp.experts" for index in (0, 3, 6, 9))
+    assert out.splitlines()[-1].endswith(
+        f"20 expert(s) in 10 MoE layer(s) bit-exact against the source, kernel within 0.01 on a sample of 4 of 10 "
+        f"layers ({sample}; --level numerics for all); verify's default level)"), out
+    code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "numerics", "-q")
+    assert code == 0 and out.splitlines()[-1].endswith("kernel within 0.01 on 10 layer(s); --level numerics)"), out
+
+
+def test_verify_after_the_source_moved_points_to_source_and_says_where_the_path_came_from(tmp_path, capsys):
+    source = make_checkpoint(tmp_path / "src", SynthSpec())
+    assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
+    source.rename(tmp_path / "moved")
+    code, _, err = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "-q")
+    assert code == 2 and err == (
+        f"error: {source.resolve()}: not a folder, and not a Hugging Face id like org/model (the source path recorded "
+        f"in {tmp_path / 'out' / 'moeconv.json'} at conversion; if the source moved, or this is another machine, pass "
+        f"--source SRC)\n"), err
+    code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "-q", "--source", tmp_path / "moved")
+    assert code == 0 and out.splitlines()[-1].startswith("verdict: ok"), out
