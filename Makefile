@@ -73,4 +73,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_convert.py
 
 clean:
-	rm -rf $(VENV) .venv-packers build *.egg-info
+	rm -rf $(VENV) .venv-packers .venv-engines .venv-sglang build dist *.egg-info

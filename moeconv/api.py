@@ -64,10 +64,11 @@ def convert(source: str | Path, output: str | Path, *, backend: str = "triton", 
 
 
 def verify(output: str | Path, *, source: str | Path | None = None, sample: int | None = None,
-           level: str = "numerics", tokens: int = 8, numerics_layers: int | None = None, workers: int | None = None,
+           level: str | None = None, tokens: int = 8, numerics_layers: int | None = None, workers: int | None = None,
            executor: str = "local", ray_address: str | None = None) -> VerifyReport:
     """Checks a folder written by `convert` (structure and sha256, bit-exact decode against the source,
-    kernel numerics; `level` stops after "structure" or "lossless") and returns the report; `report.ok`
+    kernel numerics; `level` stops after "structure" or "lossless"; None, the default, runs the kernel on a
+    sample of the MoE layers on a CPU, "numerics" on every layer) and returns the report; `report.ok`
     is the verdict. `source` (a folder or a Hub
     id) defaults to the one recorded in the output's manifest; a different checkpoint is refused.
     workers / executor / ray_address: where the bit-exact checks run, as for `convert`."""

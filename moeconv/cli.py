@@ -1,7 +1,7 @@
 """The `moeconv` command line: parses, calls the library, renders with Rich. Nothing else.
 
 Results go to stdout, progress and errors to stderr. Exit codes: 0 ok, 1 verification failed,
-2 usage or input error, 3 interrupted (run the same command again to resume).
+2 usage or input error, 3 interrupted (convert: run the same command again to resume).
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def convert(
             report = run_conversion(plan, output, progress=advance, workers=workers, executor=executor,
                                     ray_address=ray_address, skip_unsafe_files=skip_unsafe_files)
         except KeyboardInterrupt:  # in-process callers (main() turns signals into exit 3 itself)
-            err.print("[bold red]interrupted[/]: run the same command again to resume")
+            err.print(f"[bold red]interrupted[/]: {RESUME}")
             raise typer.Exit(3) from None
     for name, reason in report.skipped_files.items():
         err.print(escape(f"note: {name} not copied: {reason}"), highlight=False, soft_wrap=True)
@@ -225,6 +225,12 @@ VERIFY_PHASES = {"digests": "verify: digests of the output's files",
                  "tensor-digests": "verify: digests of the output's tensors",
                  "lossless": "verify: digests of both sides and the bit-exact check, bytes read",
                  "kernel": "verify: kernel check, MoE layers"}
+
+
+# Said before verify's default starts: what it runs, and how to run more or less.
+VERIFY_DEFAULT = ("verify: digests, then every tensor bit-exact against the source, then the kernel check: on a "
+                  "GPU every MoE layer, on a CPU (seconds a layer) a sample of 4, named in the verdict; --level "
+                  "numerics runs it on every layer, --level lossless on none")
 
 
 @contextmanager
@@ -280,7 +286,8 @@ def _progress(description: str, total: int, quiet: bool, unit: str = "bytes"):
         nonlocal done
         done += amount
         now = time.monotonic()
-        if now - last[0] >= LINE_SECONDS or done >= total:
+        first = not counted and done == amount  # the first item counted: its rate gives the ETA at once
+        if first or now - last[0] >= LINE_SECONDS or done >= total:
             last[0] = now
             rate = done / max(now - started, 1e-9)
             eta = (total - done) / rate if rate else float("inf")
@@ -319,9 +326,11 @@ def verify(
                                           help="Source checkpoint (default: the one in moeconv.json)."),
     sample: Optional[int] = typer.Option(None, "--sample", min=1, metavar="N",
                                          help="Check N random experts per layer, not all."),
-    level: str = typer.Option("numerics", "--level", metavar="structure|lossless|numerics",
-                              help="How far to check: structure (files, checksums), lossless (and bit-exact decode "
-                                   "against the source), numerics (and the kernel against a float64 reference)."),
+    level: Optional[str] = typer.Option(None, "--level", metavar="structure|lossless|numerics",
+                                        help="How far to check: structure (files, checksums), lossless (and bit-exact "
+                                             "decode against the source), numerics (and the kernel against a float64 "
+                                             "reference on every MoE layer). Default: lossless, and the kernel on "
+                                             "every layer on a GPU, on a sample of 4 layers on a CPU."),
     tokens: int = typer.Option(8, "--tokens", min=1, metavar="N", help="Random tokens per layer for the kernel check."),
     numerics_layers: Optional[int] = typer.Option(None, "--numerics-layers", min=0, metavar="N",
                                                   help="Kernel check on the first N MoE layers only."),
@@ -338,6 +347,8 @@ def verify(
     from moeconv.verification import verify as run_verification
 
     _quiet_hub(quiet)
+    if level is None and not quiet and not as_json:
+        err.print(VERIFY_DEFAULT, highlight=False, soft_wrap=True, markup=False)
     with _progress_for_verify(quiet) as progress:
         report = run_verification(output, source=source, sample=sample, level=level, tokens=tokens,
                                   numerics_layers=numerics_layers, progress=progress, workers=workers,
@@ -371,7 +382,8 @@ def demo(
         spec = SynthSpec(architecture="qwen3_moe", source_format=GPTQ(bits=4, group_size=32, sym=False),
                          layers=3, dense_layers=1, experts=8, hidden=256, intermediate=128)
         source = make_checkpoint(root / "source", spec, max_shard_size=1_000_000)
-        err.print(f"made a synthetic {spec.architecture} checkpoint (GPTQ v1 4-bit asymmetric, g=32): {source}")
+        kept = "" if workdir else " (a temporary folder, removed when the demo ends: --workdir DIR keeps it)"
+        err.print(f"made a synthetic {spec.architecture} checkpoint (GPTQ v1 4-bit asymmetric, g=32): {source}{kept}")
         render.print_inspect(inspect_source(source), str(source))
         plan = make_plan(source, backend="triton", max_shard_size=1_000_000)
         report = run_conversion(plan, root / "converted")
@@ -384,6 +396,11 @@ def demo(
             raise VerificationFailed(f"demo: verification failed: {result.failures()[0]}")
         out.print("[bold green]demo ok[/]: every expert bit-exact, kernel within tolerance, "
                   "every other tensor byte-identical.")
+        out.print(DEMO_NEXT, highlight=False, soft_wrap=True, markup=False)
+
+
+DEMO_NEXT = ("next, your own checkpoint: moeconv inspect SRC, then moeconv convert SRC -o OUT --backend auto "
+             "(its last lines say how to verify OUT and serve it with vLLM or SGLang)")
 
 
 def main() -> None:
@@ -426,6 +443,15 @@ def _end_now(code: Any) -> None:
     os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
+# What an interrupted convert keeps: finished shards (a one-shard output keeps nothing, and starts over).
+RESUME = "run the same command again to resume (finished shards are kept, the rest is written again)"
+
+
+def _command_name() -> str:
+    """The subcommand on this process's command line (an interrupt outlives Click's context)."""
+    return next((arg for arg in sys.argv[1:] if not arg.startswith("-")), "")
+
+
 def _main() -> None:
     import signal
 
@@ -441,7 +467,8 @@ def _main() -> None:
         err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
         sys.exit(error.exit_code)
     except Interrupted as interruption:
-        err.print(f"[bold red]interrupted[/] ({interruption}): run the same command again to resume")
+        again = RESUME if _command_name() == "convert" else "nothing was changed; run the command again to start over"
+        err.print(f"[bold red]interrupted[/] ({interruption}): {again}")
         sys.exit(Interrupted.exit_code)
     finally:
         for sig, handler in previous.items():

@@ -97,6 +97,9 @@ def check_output_folder(output: Path, source_root: Path | None = None) -> None:
     output = resolved_output(given)
     if output.exists() and not output.is_dir():
         raise MoeconvError(f"{output}: exists and is a file, not a folder; choose another -o")
+    if output.is_dir() and (output / MANIFEST_NAME).is_file():  # a finished conversion: nothing resumes
+        raise MoeconvError(f"{output}: a finished moeconv conversion is already there (`moeconv verify {output}` "
+                           f"checks it); choose another -o, or remove it to convert again")
     if output.is_dir() and any(output.iterdir()):
         raise MoeconvError(f"{output}: output folder exists and is not empty; choose another -o or remove it")
     if source_root is not None:

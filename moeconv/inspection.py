@@ -11,7 +11,7 @@ from moeconv.audit import count as audit_counts
 from moeconv.backends import all_backends
 from moeconv.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
 from moeconv.errors import MoeconvError
-from moeconv.plan import choose_backend, eligibility, serving
+from moeconv.plan import attention_quantized, choose_backend, eligibility, serving, sglang_serving
 from moeconv.spec import FLOAT_DTYPES
 from moeconv.survey import survey
 
@@ -50,30 +50,35 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
         "tensors": len(checkpoint.tensors),
         "shards": [{"file": path.name, "bytes": path.stat().st_size} for path in checkpoint.files],
         "tp": tp,
-        "backends": {name: _verdict(backend, layers, source_format, checkpoint.quantization_config)
+        "backends": {name: _verdict(backend, layers, source_format, checkpoint.quantization_config,
+                                    found.architecture.model_type, attention_quantized(checkpoint, source_format))
                      for name, backend in all_backends().items()},
         "auto": _auto(layers, source_format, checkpoint.quantization_config),
     }
+    if detection.undecided:  # every verdict above holds once the user decides; convert refuses until then
+        report["convert_refuses"] = "; ".join(detection.undecided[:1] + detection.advice[:1])
     audits = _audit(source_format, layers)
     for kind in audits.totals:
         report[kind] = audits.report(kind)
     return report
 
 
-def _verdict(backend, layers, source_format, source_config) -> dict[str, Any]:
+def _verdict(backend, layers, source_format, source_config, model_type, attention_is_quantized) -> dict[str, Any]:
     """Whether the backend takes the checkpoint (as it is, or after --regroup), with each layer's reason,
-    and which engine would serve its output."""
+    and how each engine (vLLM, SGLang) would serve its output."""
     factor, reason = eligibility(backend, layers, allow_regroup=True)
     refusals = {layer.module: backend.refusal(layer.shape) for layer in layers}
     first = layers[0].shape
+    shape = replace(first, group_size=first.group_size // factor)
     return {
         "eligible": reason is None and factor == 1,
         "eligible_with_regroup": reason is None,
         "regroup_factor": factor,
         "reason": reason or next((f"{m}: {r}" for m, r in refusals.items() if r), None),
         "layers": {module: refusal or "ok" for module, refusal in refusals.items()},
-        "serving": serving(backend, source_format, replace(first, group_size=first.group_size // factor),
-                           factor=factor, source_config=source_config)._asdict(),
+        "serving": serving(backend, source_format, shape, factor=factor, source_config=source_config)._asdict(),
+        "sglang_serving": sglang_serving(backend, source_format, shape, model_type, attention_is_quantized,
+                                         source_config=source_config)._asdict(),
     }
 
 

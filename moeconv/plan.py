@@ -16,9 +16,9 @@ from typing import Any, Mapping
 
 from moeconv import act_order, transcoders, transform
 from moeconv._version import __version__
-from moeconv.backends import all_backends, auto_order, get_backend
+from moeconv.backends import all_backends, auto_order, backend_name, get_backend
 from moeconv.backends.base import Backend, Serving
-from moeconv.canonical import MoELayerShape
+from moeconv.canonical import MoELayerShape, is_channelwise
 from moeconv.checkpoint.reader import Checkpoint, TensorReader, collection_paused, open_checkpoint
 from moeconv.detect import Detection
 from moeconv.errors import MoeconvError
@@ -64,7 +64,8 @@ class Plan:
     codec: Codec = field(init=False)
     quantization_config: dict[str, Any] = field(init=False)  # config.json's, and quantize_config.json
     identity: dict[str, Any] = field(init=False)  # everything that decides the bytes: a resumed run must match it
-    serving: Serving = field(init=False)  # which engine serves the output, and how (`{output}`), or why none does
+    serving: Serving = field(init=False)  # how vLLM serves the output (`{output}`), or why it does not
+    sglang_serving: Serving = field(init=False)  # the same for SGLang (sglang_serving)
     scale_cast: tuple[str, str] | None = field(init=False)  # torch dtype names, at the config's model dtype
     # Some job decodes to the canonical form (torch): a dense linear or an expert without a transcoder,
     # or one a transcoder declines (a non-trivial g_idx). Else the workers need no torch.
@@ -99,9 +100,14 @@ class Plan:
             "format": self.source_format.describe(),
             "source": self.checkpoint.identity(),
         })
-        answer("serving", serving(self.backend, self.source_format, first, self.dense_backend is not None,
-                                  source_config=self.checkpoint.quantization_config))
         answer("scale_cast", engine_scale_cast(self.backend, first.scale_dtype, _model_dtype(self.checkpoint)))
+        kept = f" --dtype {self.scale_cast[0]}" if self.scale_cast else ""  # the scales as stored (detection note)
+        answer("serving", _with_flags(serving(self.backend, self.source_format, first, self.dense_backend is not None,
+                                              source_config=self.checkpoint.quantization_config), kept))
+        answer("sglang_serving", _with_flags(sglang_serving(
+            self.backend, self.source_format, first, self.architecture.model_type,
+            attention_quantized(self.checkpoint, self.source_format), self.dense_backend is not None,
+            self.checkpoint.quantization_config), kept))
         answer("workers_need_torch", self.codec.transcoder is None
                or any(layer.act_order != act_order.STATIC for layer in self.layers)
                or (self.detection is not None
@@ -139,6 +145,7 @@ class Plan:
             "skipped_backends": [{"backend": name, "reason": reason} for name, reason in self.skipped_backends],
             "auto_choice": self.choice,
             "serving": self.serving._asdict(),
+            "sglang_serving": self.sglang_serving._asdict(),
             "detection": self.detection.to_json() if self.detection else None,
             "moe_layers": len(self.layers),
             "act_order": {layer.module: layer.act_order for layer in self.layers if layer.act_order != act_order.STATIC},
@@ -241,14 +248,15 @@ def choose_backend(name: str, layers: list[MoELayer], allow_regroup: bool, sourc
                    source_config: Mapping[str, Any] | None = None) -> tuple[Backend, int, tuple, str | None]:
     """The backend, its regroup factor, and (for "auto") each skipped backend with its reason and one line
     saying what was chosen and why."""
-    if name != "auto":
+    if backend_name(name) != "auto":
         backend = get_backend(name)
         factor, reason = eligibility(backend, layers, allow_regroup)
         if reason:
             eligible = [other for other, candidate in all_backends().items()
                         if eligibility(candidate, layers, allow_regroup)[1] is None]
             others = f"; backends that take it: {', '.join(eligible)}" if eligible else ""
-            raise MoeconvError(f"backend {name!r} does not support this checkpoint: {reason}{others}")
+            raise MoeconvError(f"backend {name!r} does not support this checkpoint: {reason}{others}"
+                               f"{_fitting_tp_sizes([backend], layers, allow_regroup)}")
         return backend, factor, (), None
     return _choose_auto(layers, source_format, source_config)
 
@@ -278,14 +286,37 @@ def _choose_auto(layers: list[MoELayer], source_format: SourceFormat,
         skipped = [(name, reason) for name, reason in skipped if name != candidate.name]
         return candidate, factor, tuple(skipped), _choice_line(
             candidate, factor, layers[0].shape, f"the only backend that takes it, though {served.how}", skipped)
-    raise MoeconvError("no backend takes this checkpoint: " + "; ".join(f"{n}: {r}" for n, r in skipped))
+    reasons: dict[str, list[str]] = {}
+    for name, reason in skipped:
+        reasons.setdefault(reason, []).append(name)
+    raise MoeconvError("no backend takes this checkpoint: " + "; ".join(f"{', '.join(names)}: {reason}"
+                                                                        for reason, names in reasons.items())
+                       + _fitting_tp_sizes(auto_order(), layers, True))
+
+
+TP_SIZES = (1, 2, 4, 8, 16)  # the tensor-parallel sizes suggested when the one asked for does not fit
+
+
+def _fitting_tp_sizes(backends, layers: list[MoELayer], allow_regroup: bool) -> str:
+    """"; tp sizes that fit: ..." when the layers were checked at a tensor-parallel size above 1 and some
+    other size fits one of `backends`; else ""."""
+    asked = layers[0].shape.tp
+    if asked == 1:
+        return ""
+    fitting = [tp for tp in TP_SIZES if tp != asked and any(
+        eligibility(backend, [replace(layer, shape=replace(layer.shape, tp=tp)) for layer in layers],
+                    allow_regroup)[1] is None for backend in backends)]
+    return f"; --tp sizes that fit: {', '.join(map(str, fitting))}" if fitting else ""
 
 
 def _choice_line(backend: Backend, factor: int, layer: MoELayerShape, why: str,
                  skipped: list[tuple[str, str]]) -> str:
     regrouped = (f", group size {layer.group_size} regrouped to {layer.group_size // factor} (lossless) to fit "
                  f"tp={layer.tp}" if factor > 1 else "")
-    passed = f"; skipped {', '.join(name for name, _ in skipped)} (reasons: --dry-run --json)" if skipped else ""
+    reasons: dict[str, list[str]] = {}  # one reason, said once, for every backend it skipped
+    for name, reason in skipped:
+        reasons.setdefault(reason, []).append(name)
+    passed = "".join(f"; skipped {', '.join(names)}: {reason}" for reason, names in reasons.items())
     return f"--backend auto takes {backend.name}: {why}{regrouped}{passed}"
 
 
@@ -323,6 +354,82 @@ def serving(backend: Backend, source_format: SourceFormat, layer: MoELayerShape,
     if served.engine and reason:
         return Serving(None, f"{reason} (moeconv's vLLM plugin refuses this output at start-up); for vLLM use "
                              "--backend compressed-tensors")
+    return served
+
+
+def _with_flags(served: Serving, flags: str) -> Serving:
+    """The serve command with `flags` appended (the command ends every `how` that names an engine)."""
+    return served._replace(how=served.how + flags) if served.engine and flags else served
+
+
+# The engine facts for SGLang, in one place (docs/SGLANG.md: measured with `make test-engines-sglang`).
+SGLANG = "SGLang 0.5.23"
+SGLANG_SHOWN_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")  # loaded by SGLang's own classes
+_DEEPSEEK = ("deepseek_v2", "deepseek_v3", "kimi_k2")  # SGLang's DeepSeek loader (MLA attention)
+
+
+def sglang_launch(layer: MoELayerShape, flags: str = "") -> str:
+    """SGLang's launch line for an output folder, at the tensor-parallel size it was checked for."""
+    return ("python -m sglang.launch_server --model-path {output}" + flags
+            + (f" --tp-size {layer.tp}" if layer.tp > 1 else ""))
+
+
+def attention_quantized(checkpoint: Checkpoint, source_format: SourceFormat) -> bool:
+    """Whether any attention linear of the source is quantized (a scale of the source format under
+    `self_attn`): SGLang 0.5.23's DeepSeek loader takes float, FP8 or AWQ attention only."""
+    scales = tuple(f".{suffix}" for suffix in source_format.suffixes() if suffix != "weight")
+    return any(".self_attn." in name and name.endswith(scales) for name in checkpoint.tensors)
+
+
+def sglang_serving(backend: Backend, source_format: SourceFormat, layer: MoELayerShape, model_type: str,
+                   attention_is_quantized: bool, dense_converted: bool | None = None,
+                   source_config: Mapping[str, Any] | None = None) -> Serving:
+    """Which SGLang 0.5.23 path serves the backend's output of this source, and how; engine None: why not,
+    and the backend that SGLang does serve for it. Families SGLang's loader was not run on here get the
+    command with that said."""
+    mixtral, deepseek = model_type == "mixtral", model_type in _DEEPSEEK
+    int8 = layer.activation_bits == 8
+    if backend.name == "cpu":
+        instead = ("triton (moeconv's SGLang plugin)" if not mixtral
+                   else "compressed-tensors" if layer.symmetric else "humming")
+        return Serving(None, f"no engine loads this layout from disk yet; for SGLang use --backend {instead}")
+    if deepseek and attention_is_quantized and not (backend.name == "humming" and layer.symmetric) and not int8:
+        return Serving(None, f"{SGLANG}'s DeepSeek loader takes float, FP8 or AWQ attention only, and this source's "
+                             "attention is quantized" + ("; for SGLang use --backend humming" if layer.symmetric else ""))
+    if backend.name == "triton":
+        if int8:
+            return Serving(None, "moeconv's SGLang plugin does not serve the int8 layout; for SGLang use --backend "
+                                 "compressed-tensors, served with --quantization w8a8_int8")
+        if is_channelwise(layer.group_size):
+            return Serving(None, "moeconv's SGLang plugin does not serve channel-wise scales; for SGLang use "
+                                 "--backend compressed-tensors")
+        if mixtral:
+            return Serving(None, f"{SGLANG} builds Mixtral's experts one linear each under this quantization; for "
+                                 "SGLang use --backend " + ("compressed-tensors" if layer.symmetric else "humming"))
+        reason = unserved_dense_layers(backend, source_format, dense_converted, source_config=source_config)
+        if reason:
+            return Serving(None, f"{reason}; for SGLang use --backend compressed-tensors" if layer.symmetric
+                           else f"{reason}, not shown to load in {SGLANG}")
+        served = Serving(f"{SGLANG} through moeconv's plugin", "pip install moeconv in SGLang's environment (it "
+                                                                "registers the plugin), then " + sglang_launch(layer))
+    elif backend.name == "compressed-tensors":
+        if int8:
+            served = Serving(SGLANG, sglang_launch(layer, " --quantization w8a8_int8"))
+        elif not layer.symmetric:
+            return Serving(None, f"{SGLANG} refuses the expert zero points of every asymmetric compressed-tensors "
+                                 "checkpoint (sgl-project/sglang PR #39510); for SGLang use --backend "
+                                 + ("humming" if mixtral else "triton (moeconv's SGLang plugin)"))
+        else:
+            served = Serving(SGLANG, sglang_launch(layer))
+    elif backend.name == "humming":
+        if not layer.symmetric and not mixtral:
+            return Serving(None, f"{SGLANG}'s loader refuses the expert zero_point of an asymmetric Humming "
+                                 "checkpoint; for SGLang use --backend triton (moeconv's SGLang plugin)")
+        served = Serving(f"{SGLANG} (quant_method humming)", sglang_launch(layer))
+    else:
+        return Serving(None, f"not shown with {SGLANG}")
+    if model_type not in SGLANG_SHOWN_FAMILIES:
+        return served._replace(engine=f"{served.engine}, not shown for {model_type}")
     return served
 
 

@@ -5,6 +5,7 @@ plans come in; nothing here calls the library."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -16,8 +17,14 @@ from rich.table import Table
 
 from moeconv.errors import human_bytes
 
+# Piped into a file or another program (no terminal, no COLUMNS), tables are as wide as their paths and
+# names, not folded at Rich's default of 80 columns.
+PIPED_WIDTH = 400
 out = Console(emoji=False)  # a path's `:thumbsup:` is printed as it is, never as an emoji
 err = Console(stderr=True, emoji=False)
+for _console in (out, err):
+    if not _console.is_terminal and "COLUMNS" not in os.environ:
+        _console.width = PIPED_WIDTH
 
 
 def print_json(data: Any) -> None:
@@ -57,17 +64,22 @@ def print_inspect(report: dict[str, Any], title: str) -> None:
         rows.append(("[yellow]what to do[/]", escape(advice)))
     for module, case in report["act_order"].items():
         rows.append((f"{'[red]' if case.startswith('refused') else ''}act-order {module}", case))
+    refused = report.get("convert_refuses")
+    if refused:
+        rows.append(("[red]convert refuses until you decide[/]", escape(refused)))
+    once = " once you decide (above)" if refused else ""
     for name, verdict in report["backends"].items():
-        served = verdict["serving"]
-        serve = f"served by {served['engine']}" if served["engine"] else f"not served as it is: {served['how']}"
+        serve = "; ".join(f"served by {served['engine']}" if served["engine"] else f"not with {engine}: {served['how']}"
+                          for engine, served in (("vLLM", verdict["serving"]), ("SGLang", verdict["sglang_serving"])))
         if verdict["eligible"]:
-            text = f"eligible; {serve}"
+            text = f"eligible{once}; {serve}"
         elif verdict["eligible_with_regroup"]:
-            text = f"eligible with --regroup (group size / {verdict['regroup_factor']}): {verdict['reason']}; {serve}"
+            text = (f"eligible{once} with --regroup (group size / {verdict['regroup_factor']}): {verdict['reason']}; "
+                    f"{serve}")
         else:
             text = f"NOT eligible: {verdict['reason']}"
         rows.append((f"backend {name} (tp={report['tp']})", text))
-    rows.append((f"backend auto (tp={report['tp']})", report["auto"]))
+    rows.append((f"backend auto (tp={report['tp']})", f"{report['auto']}{once}"))
     rows += audit_rows(report)
     out.print(key_values(title, rows))
 
@@ -99,14 +111,14 @@ def memory_line(report) -> str:
 
 
 def print_next_steps(plan, output: Path, converted: bool = True) -> None:
-    """The report's last lines: how to check the output, and which engine serves it (or that none does)."""
-    serving = plan.serving
+    """The report's last lines: how to check the output, and how each engine serves it (or why it does not)."""
     quoted = shlex.quote(str(output))
     if converted:
         out.print(f"next: moeconv verify {quoted}", highlight=False, soft_wrap=True, markup=False)
-    line = (f"serve: {serving.engine}: {serving.how.format(output=quoted)}" if serving.engine
-            else f"serve: not served as it is: {serving.how}")
-    out.print(line, highlight=False, soft_wrap=True, markup=False)
+    for engine, serving in (("vLLM", plan.serving), ("SGLang", plan.sglang_serving)):
+        line = (f"serve: {serving.engine}: {serving.how.format(output=quoted)}" if serving.engine
+                else f"serve: not with {engine} as it is: {serving.how}")
+        out.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 def detection_notes(plan) -> list[str]:
@@ -150,13 +162,16 @@ def print_verify(report) -> None:
         ("kernel device", report.numerics_device or not_run),
         *([("tolerance (relative error)", f"{report.tolerance:g}")] if numerics else []),
         *audit_rows({"nonfinite_scales": report.nonfinite_scales}),
+        *([("scales the engine's cast changes", cast_line(report.engine_scale_cast))]
+          if report.engine_scale_cast.get("checked") else []),
     ]))
     table = Table(title_justify="left", caption_justify="left")
     table.add_column("MoE layer", overflow="fold")  # long module names wrap; the numbers never do
     headers = ("bit-exact", "rel err", "max abs", "time", "result") if numerics else ("bit-exact", "time", "result")
     for header in headers:
         table.add_column(header, no_wrap=True)
-    for layer in report.layers:
+    shown = shown_layers(report.layers)
+    for layer in shown:
         errors = ["-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
                   "-" if layer.max_abs_error is None else f"{layer.max_abs_error:.1e}"]
         table.add_row(escape(layer.module), f"{layer.experts_exact}/{layer.experts_checked}",
@@ -168,6 +183,9 @@ def print_verify(report) -> None:
         table.caption = escape(f"rel err = ||out - ref|| / ||ref||, against a float64 reference of the source, is what "
                                f"is checked (<= {report.tolerance:g}); max abs is the largest single difference, for "
                                f"scale: the reference's outputs reach |ref| = {scale:.2g}")
+    if len(shown) < len(report.layers):
+        table.add_row(f"... {len(report.layers) - len(shown)} more MoE layers, every one ok (--json lists each)",
+                      *[""] * len(headers))
     if report.layers:
         out.print(table)
     for problem in report.failures()[:20]:
@@ -175,8 +193,38 @@ def print_verify(report) -> None:
     out.print(verdict(report), highlight=False, soft_wrap=True, markup=False)
 
 
+LAYER_ROWS = 16  # the per-layer table's rows: the first of them, then every failing layer, then a count
+
+
+def shown_layers(layers: list) -> list:
+    """The layers the table lists: all of them up to LAYER_ROWS, else the first LAYER_ROWS and every one that
+    failed (the rest are counted in one row)."""
+    if len(layers) <= LAYER_ROWS:
+        return list(layers)
+    return list(layers[:LAYER_ROWS]) + [layer for layer in layers[LAYER_ROWS:] if not layer.ok]
+
+
+def cast_line(cast: dict[str, Any]) -> str:
+    """How many checked scales the engine's cast to the model dtype changes (VerifyReport.engine_scale_cast)."""
+    return (f"{cast['changed']} of {cast['checked']} change when cast from {cast['stored']} to the model dtype "
+            f"{cast['model']} (largest relative change {cast['max_relative_change']:.2g}); serve with "
+            f"--dtype {cast['stored']} to keep them exact")
+
+
+def caveats(report) -> list[str]:
+    """What the report's rows say the verdict holds only under: the user's choices, the source's unusable
+    scales, the engine's cast."""
+    found = [f"decided by the user, not the data: {what}" for what in report.decided_by_user]
+    if report.nonfinite_scales:
+        found.append(f"{report.nonfinite_scales['count']} NaN or infinite scale(s) in the source, converted as they are")
+    if report.engine_scale_cast.get("changed"):
+        found.append(f"{report.engine_scale_cast['changed']} scale(s) change when the engine casts them "
+                     f"(serve with --dtype {report.engine_scale_cast['stored']})")
+    return found
+
+
 def verdict(report) -> str:
-    """One line: passed or failed, and what was checked."""
+    """One line: passed or failed, what was checked, and every caveat the rows above carry."""
     if not report.ok:
         return f"verdict: FAILED, {len(report.failures())} check(s) failed (listed above)"
     checked = ["structure and digests"]
@@ -186,13 +234,18 @@ def verdict(report) -> str:
         experts = sum(layer.experts_checked for layer in report.layers)
         checked.append(f"{experts} expert(s) in {len(report.layers)} MoE layer(s) bit-exact against the source")
     kernels = sum(layer.relative_error is not None for layer in report.layers)
-    if kernels:
+    if kernels and report.kernel_sample:
+        checked.append(f"kernel within {report.tolerance:g} on a sample of {kernels} of {len(report.layers)} layers "
+                       f"({', '.join(report.kernel_sample)}; --level numerics for all)")
+    elif kernels:
         checked.append(f"kernel within {report.tolerance:g} on {kernels} layer(s)")
     anchor = report.source_anchor
     where = (f"source anchored to {anchor['repo']}@{anchor['revision']}" if anchor and report.published_files_checked
              else f"source recorded as {anchor['repo']}@{anchor['revision']}, not checked at this level" if anchor
              else "source not anchored (a local folder)")
-    return f"verdict: ok ({', '.join(checked)}; {where}; --level {report.level})"
+    noted = "".join(f"; but {caveat}" for caveat in caveats(report))
+    level = "verify's default level" if report.kernel_sample else f"--level {report.level}"
+    return f"verdict: ok ({', '.join(checked)}; {where}; {level}){noted}"
 
 
 def print_plan(summary: dict[str, Any]) -> None:

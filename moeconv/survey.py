@@ -19,6 +19,7 @@ from typing import Any
 from moeconv import act_order
 from moeconv.backends.base import Backend
 from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, effective_group_size
+from moeconv.checkpoint import manifest as manifests
 from moeconv.checkpoint.reader import Checkpoint, TensorEntry, TensorReader
 from moeconv.detect import Detection, detect, sample_linears
 from moeconv.errors import MoeconvError
@@ -436,12 +437,28 @@ class Survey:
     act_order_refusals: dict[str, str] = field(default_factory=dict)  # MoE layer -> why it cannot be folded
 
 
+def _refuse_moeconv_layout(checkpoint: Checkpoint) -> None:
+    """A moeconv output in one of its own layouts (`quant_method: moeconv`: triton, cpu) is no source format:
+    say what it is and where it came from, rather than what its stacked tensors fail to match."""
+    quantization = checkpoint.quantization_config
+    if quantization.get("quant_method") != "moeconv":
+        return
+    try:
+        origin = manifests.read(checkpoint.root)["source"].get("path")
+    except MoeconvError:  # a damaged or missing manifest: what the config says still holds
+        origin = None
+    came_from = f" (source: {origin})" if isinstance(origin, str) else ""
+    raise MoeconvError(f"{checkpoint.root}: already a moeconv {quantization.get('backend', '')} output{came_from}: "
+                       f"`moeconv verify {checkpoint.root}` checks it; to convert again, convert its source")
+
+
 def survey(checkpoint: Checkpoint, tp: int = 1, trust: str | None = None, zero_format: str | None = None,
            strict: bool = True) -> Survey:
     """strict (the plan): the format as `resolve_format` decides it, refusing what the data contradicts
     or cannot decide. Not strict (inspect): the tensors' format where they disagree with the config,
     nothing refused. Layers whose act-order cannot be folded are listed in `act_order_refusals`."""
     config_path = str(checkpoint.root / "config.json")
+    _refuse_moeconv_layout(checkpoint)
     architecture = architecture_from_config(checkpoint.config, config_path)
     experts = expert_tensors(checkpoint, architecture)
     if strict:

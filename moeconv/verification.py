@@ -98,6 +98,9 @@ class VerifyReport:
     # What the source's data could not decide and the user chose at conversion (--gptq-zero-format,
     # --trust-config): lossless then means "exact under that choice", not "the data confirms it".
     decided_by_user: list[str] = field(default_factory=list)
+    # The MoE layers the kernel ran on when verify's default sampled them (on a CPU); empty: every layer it ran on
+    # was asked for (--level numerics, --numerics-layers).
+    kernel_sample: list[str] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # wall time of each phase (PHASE_UNITS)
 
     @property
@@ -166,21 +169,42 @@ PROOFS = {
 }
 
 
-def verify(output: Path, source: str | Path | None = None, sample: int | None = None, level: str = "numerics",
+# verify's default on a CPU, where the Triton interpreter takes seconds a layer: the kernel on this many MoE
+# layers, spread from the first to the last (every tensor is still checked bit for bit).
+KERNEL_SAMPLE = 4
+
+
+def kernel_layers(count: int, level: str | None, numerics_layers: int | None,
+                  on_cpu: Callable[[], bool]) -> tuple[list[int], bool]:
+    """(the indices of the MoE layers the kernel runs on, whether they are verify's default sample). `on_cpu` is
+    asked only for the default (it imports torch)."""
+    if level not in (None, "numerics"):
+        return [], False
+    if numerics_layers is not None:
+        return list(range(min(numerics_layers, count))), False
+    if level is None and count > KERNEL_SAMPLE and on_cpu():
+        return sorted({round(i * (count - 1) / (KERNEL_SAMPLE - 1)) for i in range(KERNEL_SAMPLE)}), True
+    return list(range(count)), False
+
+
+def verify(output: Path, source: str | Path | None = None, sample: int | None = None, level: str | None = None,
            tokens: int = 8, numerics_layers: int | None = None, seed: int = 0,
            progress: Callable[..., None] | None = None, workers: int | None = None, executor: str = "local",
            ray_address: str | None = None) -> VerifyReport:
     """Runs the levels up to `level` and returns the report; `report.ok` is the verdict.
 
     level: "structure" (files, index, configs, manifest, file digests), "lossless" (and every job decodes to
-    the source's canonical form bit for bit, pass-through bytes equal), "numerics" (and the kernel).
+    the source's canonical form bit for bit, pass-through bytes equal), "numerics" (and the kernel on every
+    MoE layer); None, the default: "numerics", with the kernel on KERNEL_SAMPLE layers on a CPU (the sample is
+    in the report: `kernel_sample`).
     sample: check only this many experts per layer for losslessness (chosen at random from `seed`).
     numerics_layers: run the kernel on only the first N MoE layers (the interpreter on a CPU is slow).
     workers: processes that run the lossless checks (default: one per core, at most 16).
     executor: "local", or "ray" (each check a Ray task; `ray_address` as for convert).
     """
-    if level not in LEVELS:
+    if level is not None and level not in LEVELS:
         raise MoeconvError(f"verify level {level!r} is not one of {', '.join(LEVELS)}")
+    asked, level = level, level or "numerics"
     began = time.perf_counter()
     output = Path(output).expanduser().resolve()
     if not output.is_dir():
@@ -199,12 +223,19 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
         if sealed:  # nothing it says (backend, arguments, source) can be planned from
             return VerifyReport(str(output), str(source or ""), structure_problems=sealed, level=level)
         recorded, arguments = manifest["source"], manifest["arguments"]
+        given = source
         if source is None:
             source = recorded.get("path")
             if not isinstance(source, str):
                 return VerifyReport(str(output), "", level=level, structure_problems=[
                     f"{output / MANIFEST_NAME}: source.path is missing; pass --source"])
-        resolved = resolve_source(source)  # a folder, or a Hub id (from the cache or the Hub)
+        try:
+            resolved = resolve_source(source)  # a folder, or a Hub id (from the cache or the Hub)
+        except MoeconvError as error:
+            if given is not None:
+                raise
+            raise MoeconvError(f"{error} (the source path recorded in {output / MANIFEST_NAME} at conversion; if "
+                               f"the source moved, or this is another machine, pass --source SRC)") from None
         anchor = _anchor(output, source, recorded, resolved.origin)
         checkpoint = open_checkpoint(resolved.path, origin=resolved.origin)
         if recorded.get("headers_sha256") not in (None, checkpoint.headers_sha256):
@@ -315,11 +346,15 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
                                published_files_checked=0, provenance=provenance.describe(anchor, 0, []))
             report.proven["structure"] = PROOFS["structure"]
             # The kernel check last, in its own phase: on a CPU the Triton interpreter takes seconds a layer.
-            checked = [] if level != "numerics" else report.layers[:numerics_layers]
+            indices, sampled = kernel_layers(len(report.layers), asked, numerics_layers,
+                                             lambda: kernel.device().startswith("cpu"))
+            checked = [report.layers[index] for index in indices]
+            report.kernel_sample = [layer.module for layer in checked] if sampled else []
             if checked:
                 report.numerics_device = kernel.device()
                 advance(0, len(checked), "kernel")
-            for layer, jobs, result in zip(plan.layers, layer_jobs, checked):
+            for layer, jobs, result in [(plan.layers[index], layer_jobs[index], report.layers[index])
+                                        for index in indices]:
                 started = time.perf_counter()
                 try:
                     result.relative_error, result.max_abs_error, result.max_abs_reference = _check_numerics(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 import threading
 
 from moeconv.formats import CompressedTensors
@@ -128,3 +130,270 @@ def test_verify_report_says_what_ran_and_ends_with_the_verdict(tmp_path, capsys)
     assert out.splitlines()[-1] == (f"verdict: ok (structure and digests, {shards} source shard(s) as recorded, "
                                     f"8 expert(s) in 2 MoE layer(s) bit-exact against the source, kernel within 0.06 "
                                     f"on 2 layer(s); source not anchored (a local folder); --level numerics)")
+
+
+# ------------------------------------------------------------------ a newcomer's second pass (issue 44)
+
+def test_every_serve_line_names_vllm_and_sglang_right_for_the_source(tmp_path, capsys):
+    """The report's last lines name each engine: an asymmetric source's compressed-tensors output is said to be
+    refused by SGLang (with the backend SGLang does serve for it), its triton output served by both plugins;
+    a symmetric source's compressed-tensors output is launched by stock SGLang; Mixtral's triton output is
+    refused by SGLang (its Mixtral has no fused MoE under the plugin); inspect says the same per backend."""
+    from moeconv.formats import GPTQ
+
+    asym = make_checkpoint(tmp_path / "asym", SynthSpec(source_format=GPTQ(4, 32, sym=False)))
+    sym = make_checkpoint(tmp_path / "sym", SynthSpec(source_format=GPTQ(4, 32, sym=True)))
+    mixtral = make_checkpoint(tmp_path / "mixtral", SynthSpec(architecture="mixtral",
+                                                              source_format=GPTQ(4, 32, sym=True)))
+    code, out, _ = run_main(capsys, "convert", asym, "--backend", "compressed-tensors", "--dry-run")
+    assert code == 0 and out.splitlines()[-2:] == [
+        "serve: stock vLLM 0.33: vllm serve OUT",
+        "serve: not with SGLang as it is: SGLang 0.5.23 refuses the expert zero points of every asymmetric "
+        "compressed-tensors checkpoint (sgl-project/sglang PR #39510); for SGLang use --backend triton (moeconv's "
+        "SGLang plugin)"]
+    code, out, _ = run_main(capsys, "convert", asym, "--backend", "triton", "--dry-run", "--tp", "2")
+    assert code == 0 and out.splitlines()[-1] == (
+        "serve: SGLang 0.5.23 through moeconv's plugin: pip install moeconv in SGLang's environment (it registers "
+        "the plugin), then python -m sglang.launch_server --model-path OUT --tp-size 2")
+    code, out, _ = run_main(capsys, "convert", sym, "--backend", "compressed-tensors", "--dry-run")
+    assert code == 0 and out.splitlines()[-1] == "serve: SGLang 0.5.23: python -m sglang.launch_server --model-path OUT"
+    code, out, _ = run_main(capsys, "convert", mixtral, "--backend", "triton", "--dry-run")
+    assert code == 0 and out.splitlines()[-1] == (
+        "serve: not with SGLang as it is: SGLang 0.5.23 builds Mixtral's experts one linear each under this "
+        "quantization; for SGLang use --backend compressed-tensors")
+    code, out, _ = run_main(capsys, "inspect", asym, "--json")
+    backends = json.loads(out)["backends"]
+    assert backends["triton"]["sglang_serving"]["engine"] == "SGLang 0.5.23 through moeconv's plugin"
+    assert backends["compressed-tensors"]["sglang_serving"]["engine"] is None
+    assert backends["compressed-tensors"]["serving"]["engine"] == "stock vLLM 0.33"
+
+
+def test_undecided_zero_points_are_said_up_front_and_in_the_verdict(tmp_path, monkeypatch, capsys):
+    """Where the data cannot tell GPTQ v1 from v2, inspect says convert refuses until the user decides (not a
+    bare "eligible"), and verify's last line carries the user's decision, as its table does."""
+    from moeconv import synth as synth_module
+    from moeconv.formats import GPTQ
+
+    plain = synth_module.random_weight
+    monkeypatch.setattr(synth_module, "random_weight", lambda *args: plain(*args) + 0.01)  # not centred on zero
+    source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(4, 32, sym=False, checkpoint_format="gptq_v2"),
+                                                         layers=2, experts=8, hidden=256, intermediate=128))
+    code, out, _ = run_main(capsys, "inspect", source)
+    flat = " ".join(out.split())
+    assert code == 0 and "convert refuses until you decide" in flat and "pass --gptq-zero-format v1 or v2" in flat
+    assert "--backend auto takes triton: served by vLLM 0.33 through moeconv's plugin once you decide (above)" in flat
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q", "--gptq-zero-format", "v2")
+    assert code == 0, err
+    code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "-q")
+    last = out.splitlines()[-1]
+    assert code == 0 and last.startswith("verdict: ok (") and "; but decided by the user, not the data: " \
+                                                               "--gptq-zero-format gptq_v2: the data cannot tell" in last
+
+
+def test_a_moeconv_output_given_as_a_source_is_named_for_what_it_is(tmp_path, capsys):
+    """inspect and convert on a triton output: one line saying it is one, and its source; convert into a
+    finished output: one line saying the conversion there is finished."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec())
+    assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
+    expected = (f"error: {tmp_path / 'out'}: already a moeconv triton output (source: {source.resolve()}): "
+                f"`moeconv verify {tmp_path / 'out'}` checks it; to convert again, convert its source\n")
+    for command in (["inspect", tmp_path / "out"], ["convert", tmp_path / "out", "-o", tmp_path / "again"]):
+        code, _, err = run_main(capsys, *command)
+        assert code == 2 and err == expected, err
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
+    assert code == 2 and err == (f"error: {tmp_path / 'out'}: a finished moeconv conversion is already there "
+                                 f"(`moeconv verify {tmp_path / 'out'}` checks it); choose another -o, or remove it "
+                                 f"to convert again\n"), err
+
+
+def test_auto_says_why_it_skipped_and_tp_says_which_sizes_fit(tmp_path, capsys):
+    """--backend auto gives each skipped backend's reason in its line, once per reason; a --tp that splits
+    nothing names the sizes that do, once; backend names are taken in any case, with _ for -."""
+    from moeconv.formats import GPTQ
+
+    channelwise = make_checkpoint(tmp_path / "channel", SynthSpec(source_format=GPTQ(4, -1, sym=True)))
+    code, _, err = run_main(capsys, "convert", channelwise, "--backend", "auto", "--dry-run", "--json")
+    assert code == 0 and err.splitlines()[0] == (
+        "--backend auto takes compressed-tensors: served by stock vLLM 0.33; skipped triton: no engine serves its "
+        "output: moeconv's vLLM plugin does not serve channel-wise moe_wna16 scales yet; for vLLM use --backend "
+        "compressed-tensors"), err
+    source = make_checkpoint(tmp_path / "src", SynthSpec())  # intermediate 64, group 32
+    code, _, err = run_main(capsys, "convert", source, "--backend", "auto", "--dry-run", "--tp", "3")
+    assert code == 2 and err == (
+        "error: no backend takes this checkpoint: triton, compressed-tensors, humming, cpu: "
+        "model.layers.0.mlp.experts: intermediate size 64 does not split over tp=3; --tp sizes that fit: 1, 2\n"), err
+    code, _, err = run_main(capsys, "convert", source, "--backend", "triton", "--dry-run", "--tp", "3")
+    assert code == 2 and err.endswith("does not split over tp=3; --tp sizes that fit: 1, 2\n"), err
+    code, out, err = run_main(capsys, "convert", source, "--backend", "Compressed_Tensors", "--dry-run", "--json")
+    assert code == 0 and json.loads(out)["backend"] == "compressed-tensors", err
+    code, out, _ = run_main(capsys, "convert", "--help")
+    assert "humming: per-expert Humming schema (quant_method humming; vLLM loads it from symmetric sources only)" \
+           in " ".join(out.split())
+
+
+def test_the_scale_cast_is_in_the_serve_lines_the_table_and_the_verdict(tmp_path, capsys):
+    """fp16 scales in a bf16 model: the note advises --dtype float16, and the serve lines carry it; verify's
+    table counts the scales the cast changes, and its verdict says so."""
+    from moeconv.formats import GPTQ
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(4, 32, sym=True)))
+    config = json.loads((source / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    (source / "config.json").write_text(json.dumps(config))
+    code, out, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "--backend", "compressed-tensors", "-q")
+    assert code == 0 and "serve with --dtype float16 to keep them exact" in err
+    assert out.splitlines()[-2:] == [
+        f"serve: stock vLLM 0.33: vllm serve {tmp_path / 'out'} --dtype float16",
+        f"serve: SGLang 0.5.23: python -m sglang.launch_server --model-path {tmp_path / 'out'} --dtype float16"]
+    code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "-q")
+    report = json.loads(run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "--json")[1])
+    cast = report["engine_scale_cast"]
+    assert code == 0 and 0 < cast["changed"] < cast["checked"]
+    flat = " ".join(out.split())
+    assert (f"scales the engine's cast changes │ {cast['changed']} of {cast['checked']} change when cast from "
+            f"float16 to the model dtype bfloat16") in flat, out
+    assert out.splitlines()[-1].endswith(f"; but {cast['changed']} scale(s) change when the engine casts them "
+                                         f"(serve with --dtype float16)")
+
+
+def test_verify_lists_many_layers_in_a_few_rows_and_pipes_do_not_fold_paths(tmp_path, capsys):
+    """40 MoE layers: the first 16 rows, then one row counting the rest; piped (no terminal), the table does not
+    fold a path longer than 80 columns."""
+    from moeconv import render
+
+    deep = tmp_path / ("a-folder-name-long-enough-to-pass-eighty-columns-on-its-own-" * 2)
+    source = make_checkpoint(deep / "src", SynthSpec(layers=40, experts=2, hidden=64, intermediate=64))
+    assert run_main(capsys, "convert", source, "-o", deep / "out", "-q")[0] == 0
+    code, out, _ = run_main(capsys, "verify", deep / "out", "--level", "lossless", "-q")
+    assert code == 0 and str(deep / "out") in out
+    rows = [line for line in out.splitlines() if "model.layers." in line]
+    assert len(rows) == render.LAYER_ROWS and "... 24 more MoE layers, every one ok (--json lists each)" in out
+
+
+def test_demo_says_its_folder_goes_and_what_to_do_next(tmp_path, capsys):
+    from moeconv.cli import DEMO_NEXT
+
+    code, out, err = run_main(capsys, "demo")
+    assert code == 0 and "(a temporary folder, removed when the demo ends: --workdir DIR keeps it)" in err
+    assert out.splitlines()[-1] == DEMO_NEXT
+    assert DEMO_NEXT.startswith("next, your own checkpoint: moeconv inspect SRC, then moeconv convert SRC -o OUT")
+
+
+def _packaged_tree(into):
+    """The files the wheel is built from, copied (the build leaves build/ and *.egg-info where it runs)."""
+    import shutil
+
+    from helpers import ROOT
+
+    into.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, into / name)
+    shutil.copytree(ROOT / "moeconv", into / "moeconv", ignore=shutil.ignore_patterns("__pycache__"))
+    return into
+
+
+def _wheel(tmp_path):
+    import importlib.util
+    import subprocess
+    import sys
+
+    import pytest
+
+    if importlib.util.find_spec("setuptools") is None:
+        pytest.skip("setuptools is not installed here: the wheel cannot be built without the network")
+    tree = _packaged_tree(tmp_path / "tree")
+    (tmp_path / "dist").mkdir()
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                           "-q", "-w", str(tmp_path / "dist"), str(tree)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (wheel,) = (tmp_path / "dist").glob("moeconv-*.whl")
+    return wheel
+
+
+def test_the_wheel_holds_the_license_and_opens_with_what_moeconv_is(tmp_path):
+    import zipfile
+
+    wheel = _wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        info = next(name.rsplit("/", 1)[0] for name in names if name.endswith(".dist-info/METADATA"))
+        metadata = archive.read(f"{info}/METADATA").decode()
+        license_text = archive.read(f"{info}/licenses/LICENSE").decode()
+    assert "Apache License" in license_text and "Version 2.0" in license_text
+    headers, _, description = metadata.partition("\n\n")
+    assert "License-Expression: Apache-2.0" in headers and "License-File: LICENSE" in headers
+    assert "Project-URL" not in headers  # there is no public home yet: none is invented
+    assert description.startswith("# moeconv\n\nConvert quantized Mixture-of-Experts checkpoints (AWQ, GPTQ, "
+                                  "compressed-tensors, AutoRound, NVIDIA ModelOpt\nINT4)"), description[:200]
+    quick_start = description.index("## Quick start")
+    assert quick_start < description.index("vllm serve") and quick_start < description.index("sglang.launch_server")
+
+
+def test_the_wheel_installs_into_an_engine_environment_and_registers_its_plugins(tmp_path):
+    """docs/SERVING.md: `pip install --no-deps` of the built wheel into an engine's environment keeps the
+    engine's torch (here a stand-in distribution the environment already holds) and registers both plugins."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    wheel = _wheel(tmp_path)
+    engine = tmp_path / "engine-env"
+    made = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(engine)], capture_output=True, text=True,
+                          timeout=300)
+    if made.returncode != 0:
+        pytest.skip(f"no venv can be made here: {made.stderr.strip()[-200:]}")
+    python = engine / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    # The engine's own torch, as pip sees an installed distribution.
+    (Path(site) / "torch").mkdir()
+    (Path(site) / "torch" / "__init__.py").write_text('__version__ = "2.14.0+engine"\n')
+    (Path(site) / "torch-2.14.0.dist-info").mkdir()
+    (Path(site) / "torch-2.14.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.14.0\n")
+    (Path(site) / "torch-2.14.0.dist-info" / "RECORD").write_text("")
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+                           "-q", str(wheel)], capture_output=True, text=True, timeout=300)  # this pip, into that venv
+    assert done.returncode == 0, done.stdout + done.stderr
+    probe = ("import importlib.metadata as m, json, torch; print(json.dumps({'torch': torch.__version__, "
+             "'vllm': [e.value for e in m.entry_points(group='vllm.general_plugins')], "
+             "'sglang': [e.value for e in m.entry_points(group='sglang.srt.plugins')], "
+             "'installed': sorted(d.metadata['Name'] for d in m.distributions())}))")
+    alone = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # only what that venv holds
+    found = json.loads(subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=True,
+                                      cwd=tmp_path, env=alone).stdout)
+    assert found == {"torch": "2.14.0+engine", "vllm": ["moeconv.vllm_plugin:register"],
+                     "sglang": ["moeconv.sglang_plugin:register"], "installed": ["moeconv", "torch"]}, found
+
+
+def test_verify_s_default_samples_the_kernel_on_a_cpu_says_so_up_front_and_names_the_sample(tmp_path, capsys):
+    """10 MoE layers on a CPU: verify's default says before it starts what it runs and how to run more, checks
+    every expert bit for bit, runs the kernel on 4 layers from the first to the last, and names them in the
+    verdict; --level numerics runs all 10."""
+    from moeconv.cli import VERIFY_DEFAULT
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(layers=10, experts=2, hidden=64, intermediate=64))
+    assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
+    code, out, err = run_main(capsys, "verify", tmp_path / "out")
+    assert code == 0 and err.splitlines()[0] == VERIFY_DEFAULT
+    assert "on a CPU (seconds a layer) a sample of 4, named in the verdict; --level numerics runs it on every layer" \
+           in VERIFY_DEFAULT
+    sample = ", ".join(f"model.layers.{index}.mlp.experts" for index in (0, 3, 6, 9))
+    assert out.splitlines()[-1].endswith(
+        f"20 expert(s) in 10 MoE layer(s) bit-exact against the source, kernel within 0.01 on a sample of 4 of 10 "
+        f"layers ({sample}; --level numerics for all); verify's default level)"), out
+    code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "numerics", "-q")
+    assert code == 0 and out.splitlines()[-1].endswith("kernel within 0.01 on 10 layer(s); --level numerics)"), out
+
+
+def test_verify_after_the_source_moved_points_to_source_and_says_where_the_path_came_from(tmp_path, capsys):
+    source = make_checkpoint(tmp_path / "src", SynthSpec())
+    assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
+    source.rename(tmp_path / "moved")
+    code, _, err = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "-q")
+    assert code == 2 and err == (
+        f"error: {source.resolve()}: not a folder, and not a Hugging Face id like org/model (the source path recorded "
+        f"in {tmp_path / 'out' / 'moeconv.json'} at conversion; if the source moved, or this is another machine, pass "
+        f"--source SRC)\n"), err
+    code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "-q", "--source", tmp_path / "moved")
+    assert code == 0 and out.splitlines()[-1].startswith("verdict: ok"), out

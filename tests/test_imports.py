@@ -87,7 +87,8 @@ def test_the_command_ends_without_the_teardown_and_its_output_and_exit_codes_who
     for command in ([sys.executable, "-m", "moeconv"], [str(script)]):
         done = subprocess.run([*command, "convert", str(source), "-o", str(tmp_path / "out"), "-q"],
                               capture_output=True, text=True, timeout=300)
-        assert done.returncode == 2 and done.stderr.startswith("error: ") and "not empty" in done.stderr, done.stderr
+        assert done.returncode == 2 and done.stderr.startswith("error: ") and "finished moeconv conversion" in done.stderr, \
+            done.stderr
         done = subprocess.run([*command, "inspect", "--help"], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and done.stdout.rstrip().endswith("Show this message and exit."), done.stdout
 

@@ -76,10 +76,12 @@ def test_auto_chooses_what_an_engine_serves_regrouping_to_fit(tmp_path, capsys):
     assert err == ("--backend auto takes triton: served by vLLM 0.33 through moeconv's plugin, group size 128 "
                    "regrouped to 64 (lossless) to fit tp=2\n")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["group_size"] == 64
-    assert out.splitlines()[-2:] == [
+    assert out.splitlines()[-3:] == [
         f"next: moeconv verify {tmp_path / 'out'}",
         f"serve: vLLM 0.33 through moeconv's plugin: pip install moeconv in vLLM's environment (it registers the "
-        f"plugin), then vllm serve {tmp_path / 'out'} --tensor-parallel-size 2"]
+        f"plugin), then vllm serve {tmp_path / 'out'} --tensor-parallel-size 2",
+        f"serve: SGLang 0.5.23 through moeconv's plugin: pip install moeconv in SGLang's environment (it registers "
+        f"the plugin), then python -m sglang.launch_server --model-path {tmp_path / 'out'} --tp-size 2"]
 
 
 def test_auto_prefers_a_served_layout_over_an_unserved_one(tmp_path, capsys):
@@ -94,13 +96,15 @@ def test_auto_prefers_a_served_layout_over_an_unserved_one(tmp_path, capsys):
     plan = make_plan(channelwise, backend="auto")
     assert plan.backend.name == "compressed-tensors" and [name for name, _ in plan.skipped_backends] == ["triton"]
     assert "no engine serves its output: moeconv's vLLM plugin does not serve channel-wise" in plan.skipped_backends[0][1]
-    assert plan.choice == "--backend auto takes compressed-tensors: served by stock vLLM 0.33; skipped triton " \
-                          "(reasons: --dry-run --json)"
+    assert plan.choice == ("--backend auto takes compressed-tensors: served by stock vLLM 0.33; skipped triton: no "
+                           "engine serves its output: moeconv's vLLM plugin does not serve channel-wise moe_wna16 "
+                           "scales yet; for vLLM use --backend compressed-tensors")
     dry = json.loads(cli("convert", channelwise, "--backend", "auto", "--dry-run", "--json").stdout)
     assert dry["auto_choice"] == plan.choice and dry["skipped_backends"][0]["backend"] == "triton"
     assert dry["serving"] == {"engine": "stock vLLM 0.33", "how": "vllm serve {output}"}
     code, out, _ = run_main(capsys, "convert", source, "-o", tmp_path / "cpu", "--backend", "cpu", "-q")
-    assert code == 0 and out.splitlines()[-1].startswith("serve: not served as it is: no engine loads this layout")
+    assert code == 0 and out.splitlines()[-2].startswith("serve: not with vLLM as it is: no engine loads this layout")
+    assert out.splitlines()[-1].startswith("serve: not with SGLang as it is: no engine loads this layout")
 
 
 def test_auto_with_nothing_eligible_lists_every_reason(tmp_path):

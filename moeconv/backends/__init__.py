@@ -40,7 +40,7 @@ REGISTRY: dict[str, BackendEntry] = {
     "triton": BackendEntry("moeconv.backends.triton:TritonBackend",
                            "stacked tensors of vLLM's Triton fused-MoE kernels (moe_wna16, W8A8)", 0),
     "humming": BackendEntry("moeconv.backends.humming:HummingBackend",
-                            "per-expert Humming schema (quant_method humming; symmetric sources)", 2),
+                            "per-expert Humming schema (quant_method humming; vLLM loads it from symmetric sources only)", 2),
     "cpu": BackendEntry("moeconv.backends.cpu:CpuBackend",
                         "x86 CPU kernels' blocked INT4 (W4A8) and VNNI INT8 layouts", 3),
     "compressed-tensors": BackendEntry("moeconv.backends.compressed_tensors:CompressedTensorsBackend",
@@ -48,7 +48,13 @@ REGISTRY: dict[str, BackendEntry] = {
 }
 
 
+def backend_name(name: str) -> str:
+    """The registry's spelling of a backend name as a user may type it: any case, `_` for `-`."""
+    return name.strip().lower().replace("_", "-")
+
+
 def get_backend(name: str) -> Backend:
+    name = backend_name(name)
     if name not in REGISTRY:
         raise MoeconvError(f"backend {name!r} is not available; expected one of {', '.join(REGISTRY)} or auto")
     return REGISTRY[name].load()
@@ -73,4 +79,4 @@ def backend_help() -> str:
             f"if that makes it fit) and whose output an engine serves, else the first that fits.")
 
 
-__all__ = ["BackendEntry", "REGISTRY", "all_backends", "auto_order", "backend_help", "get_backend"]
+__all__ = ["BackendEntry", "REGISTRY", "all_backends", "auto_order", "backend_help", "backend_name", "get_backend"]
