@@ -152,11 +152,13 @@ def print_verify(report) -> None:
     ]))
     table = Table(title_justify="left", caption_justify="left")
     table.add_column("MoE layer", overflow="fold")  # long module names wrap; the numbers never do
-    headers = ("bit-exact", "rel err", "max abs", "time", "result") if numerics else ("bit-exact", "time", "result")
+    headers = (("bit-exact", "routed", "rel err", "max abs", "time", "result") if numerics
+               else ("bit-exact", "time", "result"))
     for header in headers:
         table.add_column(header, no_wrap=True)
     for layer in report.layers:
-        errors = ["-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
+        errors = ["-" if layer.experts_routed is None else f"{layer.experts_routed}/{layer.experts}",
+                  "-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
                   "-" if layer.max_abs_error is None else f"{layer.max_abs_error:.1e}"]
         table.add_row(escape(layer.module), f"{layer.experts_exact}/{layer.experts_checked}",
                       *(errors if numerics else []), f"{layer.seconds:.2f} s",
@@ -166,7 +168,8 @@ def print_verify(report) -> None:
                     default=0.0)
         table.caption = escape(f"rel err = ||out - ref|| / ||ref||, against a float64 reference of the source, is what "
                                f"is checked (<= {report.tolerance:g}); max abs is the largest single difference, for "
-                               f"scale: the reference's outputs reach |ref| = {scale:.2g}")
+                               f"scale: the reference's outputs reach |ref| = {scale:.2g}; routed: the experts the "
+                               f"random tokens reached (each checked expert gets one at least)")
     if report.layers:
         out.print(table)
     for problem in report.failures()[:20]:
@@ -187,7 +190,8 @@ def verdict(report) -> str:
     kernels = sum(layer.relative_error is not None for layer in report.layers)
     if kernels:
         checked.append(f"kernel within {report.tolerance:g} on {kernels} layer(s)")
-    return f"verdict: ok ({', '.join(checked)}; --level {report.level})"
+    caveats = "".join(f"; caveat: {caveat}" for caveat in report.caveats())
+    return f"verdict: ok ({', '.join(checked)}; --level {report.level}){caveats}"
 
 
 def print_plan(summary: dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ def resolve_source(source: str | Path, revision: str | None = None, local_files_
             raise MoeconvError(f"{path}: --revision applies to Hub ids, not to a local folder")
         return ResolvedSource(path)
     text = str(source)
-    if not _REPO_ID.match(text):
+    if not is_hub_id(text):
         raise MoeconvError(f"{text}: not a folder, and not a Hugging Face id like org/model")
     if revision is not None and not _is_revision_name(revision):
         raise MoeconvError(f"--revision {revision}: not a branch, tag or commit name")
@@ -64,6 +64,11 @@ def resolve_source(source: str | Path, revision: str | None = None, local_files_
         raise MoeconvError(f"{wanted}: the Hugging Face cache names {folder}, not a snapshot of a commit; "
                            f"its refs are damaged (remove the repository from the cache to download it again)")
     return ResolvedSource(folder, {"repo": text, "revision": folder.name})
+
+
+def is_hub_id(text: str) -> bool:
+    """`org/name`, as a Hub model id is spelled (the Hub may still refuse it)."""
+    return bool(_REPO_ID.match(text))
 
 
 def _is_revision_name(revision: str) -> bool:
