@@ -12,8 +12,8 @@ threat model in docs/FORMAT.md).
    source tensors, bit for bit (both read in numpy where the layout and the format can be, else in
    torch; never through the converter's transcoders); pass-through tensors are byte-identical to the source.
 3. numerics: the reference kernel the backend names (moeconv.kernels.runners) runs on the converted
-   tensors for random tokens and routing; the reference dequantizes the source independently and
-   computes in float64.
+   tensors for random tokens, routed so that every checked expert gets one; the reference dequantizes
+   the source independently and computes in float64.
 """
 
 from __future__ import annotations
@@ -167,8 +167,9 @@ PROOFS = {
         "gives for the source's tensors; every pass-through tensor is byte-identical to the source's",
     ],
     "numerics": [
-        "the backend's reference kernel, run on the output's bytes for random tokens, agrees with a float64 "
-        "reference computed from the source within the stated tolerance (on the layers it ran)",
+        "the backend's reference kernel, run on the output's bytes for random tokens that reach every checked "
+        "expert, agrees with a float64 reference computed from the source within the stated tolerance (on the "
+        "layers it ran)",
     ],
 }
 
@@ -654,7 +655,7 @@ def _check_numerics(plan: Plan, layer: MoELayer, jobs: list[ExpertJob], experts:
 
     @functools.lru_cache(maxsize=1)  # the reference asks for an expert's w13, then for its w2
     def dequantized(index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One routed expert of the source in float64 (never the whole layer at once: eight times its size)."""
+        """One routed expert of the source in float64 (never the whole layer at once: 16 times a 4-bit layer)."""
         source = transform.source_weights(jobs[used[index]], plan.codec, reader)[0]
         dense = {key: source[key].dequantize(torch.float64) for key in ("gate", "up", "down")}
         nonfinite.extend(f"expert {used[index]} {key}" for key, weight in dense.items()
