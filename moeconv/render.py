@@ -167,12 +167,14 @@ def print_verify(report) -> None:
     ]))
     table = Table(title_justify="left", caption_justify="left")
     table.add_column("MoE layer", overflow="fold")  # long module names wrap; the numbers never do
-    headers = ("bit-exact", "rel err", "max abs", "time", "result") if numerics else ("bit-exact", "time", "result")
+    headers = (("bit-exact", "routed", "rel err", "max abs", "time", "result") if numerics
+               else ("bit-exact", "time", "result"))
     for header in headers:
         table.add_column(header, no_wrap=True)
     shown = shown_layers(report.layers)
     for layer in shown:
-        errors = ["-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
+        errors = ["-" if layer.experts_routed is None else f"{layer.experts_routed}/{layer.experts}",
+                  "-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
                   "-" if layer.max_abs_error is None else f"{layer.max_abs_error:.1e}"]
         table.add_row(escape(layer.module), f"{layer.experts_exact}/{layer.experts_checked}",
                       *(errors if numerics else []), f"{layer.seconds:.2f} s",
@@ -182,7 +184,8 @@ def print_verify(report) -> None:
                     default=0.0)
         table.caption = escape(f"rel err = ||out - ref|| / ||ref||, against a float64 reference of the source, is what "
                                f"is checked (<= {report.tolerance:g}); max abs is the largest single difference, for "
-                               f"scale: the reference's outputs reach |ref| = {scale:.2g}")
+                               f"scale: the reference's outputs reach |ref| = {scale:.2g}; routed: the experts the "
+                               f"random tokens reached (each checked expert gets one at least)")
     if len(shown) < len(report.layers):
         table.add_row(f"... {len(report.layers) - len(shown)} more MoE layers, every one ok (--json lists each)",
                       *[""] * len(headers))
@@ -211,18 +214,6 @@ def cast_line(cast: dict[str, Any]) -> str:
             f"--dtype {cast['stored']} to keep them exact")
 
 
-def caveats(report) -> list[str]:
-    """What the report's rows say the verdict holds only under: the user's choices, the source's unusable
-    scales, the engine's cast."""
-    found = [f"decided by the user, not the data: {what}" for what in report.decided_by_user]
-    if report.nonfinite_scales:
-        found.append(f"{report.nonfinite_scales['count']} NaN or infinite scale(s) in the source, converted as they are")
-    if report.engine_scale_cast.get("changed"):
-        found.append(f"{report.engine_scale_cast['changed']} scale(s) change when the engine casts them "
-                     f"(serve with --dtype {report.engine_scale_cast['stored']})")
-    return found
-
-
 def verdict(report) -> str:
     """One line: passed or failed, what was checked, and every caveat the rows above carry."""
     if not report.ok:
@@ -243,9 +234,9 @@ def verdict(report) -> str:
     where = (f"source anchored to {anchor['repo']}@{anchor['revision']}" if anchor and report.published_files_checked
              else f"source recorded as {anchor['repo']}@{anchor['revision']}, not checked at this level" if anchor
              else "source not anchored (a local folder)")
-    noted = "".join(f"; but {caveat}" for caveat in caveats(report))
     level = "verify's default level" if report.kernel_sample else f"--level {report.level}"
-    return f"verdict: ok ({', '.join(checked)}; {where}; {level}){noted}"
+    caveats = "".join(f"; caveat: {caveat}" for caveat in report.caveats())
+    return f"verdict: ok ({', '.join(checked)}; {where}; {level}){caveats}"
 
 
 def print_plan(summary: dict[str, Any]) -> None:

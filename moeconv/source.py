@@ -44,7 +44,7 @@ def resolve_source(source: str | Path, revision: str | None = None, local_files_
         raise MoeconvError(f"{text}: names revision {pinned['revision']}, but --revision says {revision}")
     if pinned:
         text, revision = pinned["repo"], pinned["revision"]
-    if not _REPO_ID.match(text):
+    if not is_hub_id(text):
         raise MoeconvError(f"{text}: not a folder, and not a Hugging Face id like org/model")
     if revision is not None and not _is_revision_name(revision):
         raise MoeconvError(f"--revision {revision}: not a branch, tag or commit name")
@@ -85,6 +85,11 @@ def _origin(folder: Path) -> dict[str, Any]:
     """A Hub snapshot's repository, commit and published digests; nothing for another folder."""
     anchor = anchor_of(folder)
     return {} if anchor is None else {"repo": anchor.repo, "revision": anchor.revision, "published": anchor.to_json()}
+
+
+def is_hub_id(text: str) -> bool:
+    """`org/name`, as a Hub model id is spelled (the Hub may still refuse it)."""
+    return bool(_REPO_ID.match(text))
 
 
 def _is_revision_name(revision: str) -> bool:

@@ -75,6 +75,13 @@ def _digest_of(path: Path, key: str, tensors: dict[str, dict[str, str]], scheme:
     return digest
 
 
+def check_links(output: Path) -> list[str]:
+    """The output folder's symbolic links, each a problem: convert writes none, and what one points to
+    (any file, outside the folder too) is no file of the output to read or to report on."""
+    return [f"{path.name}: a link, not a file the conversion wrote; verify reads nothing through it"
+            for path in sorted(output.iterdir()) if path.is_symlink()]
+
+
 def check_files(output: Path, manifest: dict[str, Any], advance: Callable[..., None],
                 tensors: dict[str, dict[str, str]] | None = None) -> list[str]:
     """Every file of the output folder against the manifest: each listed one a regular file (not a link)

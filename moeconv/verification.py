@@ -12,14 +12,17 @@ threat model in docs/FORMAT.md).
    source tensors, bit for bit (both read in numpy where the layout and the format can be, else in
    torch; never through the converter's transcoders); pass-through tensors are byte-identical to the source.
 3. numerics: the reference kernel the backend names (moeconv.kernels.runners) runs on the converted
-   tensors for random tokens and routing; the reference dequantizes the source independently and
-   computes in float64.
+   tensors for random tokens, routed so that every checked expert gets one; the reference dequantizes
+   the source independently and computes in float64.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -41,7 +44,7 @@ from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, engine_scale_cast, make_p
 from moeconv.survey import MoELayer
 from moeconv.transform import Codec
 from moeconv.worklist import ConvertJob, CopyJob, ExpertJob, LinearJob
-from moeconv.source import resolve_source
+from moeconv.source import ResolvedSource, is_hub_id, resolve_source
 
 if TYPE_CHECKING:  # the checks import it in the workers; a lossless verify's own process never does
     import torch
@@ -52,8 +55,10 @@ if TYPE_CHECKING:  # the checks import it in the workers; a lossless verify's ow
 @dataclass
 class LayerResult:
     module: str
+    experts: int = 0  # in the layer
     experts_checked: int = 0
     experts_exact: int = 0
+    experts_routed: int | None = None  # the experts the kernel check's tokens reached (numerics)
     lossless_failures: list[str] = field(default_factory=list)
     numerics_failure: str | None = None  # the kernel cannot read the tensors (it would misread them)
     relative_error: float | None = None
@@ -124,9 +129,24 @@ class VerifyReport:
                 found.append(f"{layer.module}: relative error {layer.relative_error:.3g} > {layer.tolerance:g}")
         return found
 
+    def caveats(self) -> list[str]:
+        """What a passing verdict does not say, in its own words: the last line's caveats and the JSON's (the
+        table's rows carry each too)."""
+        found = (["the tensors' bytes are self-consistent; not compared with the source (--level lossless compares "
+                  "them)"] if self.level == "structure" else [])
+        found += [f"decided by the user, not the data: {what}" for what in self.decided_by_user]
+        if self.engine_scale_cast.get("changed"):
+            found.append(f"{self.engine_scale_cast['changed']} scale(s) change when the engine casts them "
+                         f"(serve with --dtype {self.engine_scale_cast['stored']})")
+        if self.nonfinite_scales:
+            found.append(f"{self.nonfinite_scales['count']} NaN or infinite scales in the source (first: "
+                         f"{self.nonfinite_scales['first_tensor']}), converted as they are: no kernel can compute with them")
+        return found
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["ok"] = self.ok
+        data["caveats"] = self.caveats()
         for layer, result in zip(data["layers"], self.layers):
             layer["ok"] = result.ok
         return data
@@ -163,8 +183,9 @@ PROOFS = {
         "gives for the source's tensors; every pass-through tensor is byte-identical to the source's",
     ],
     "numerics": [
-        "the backend's reference kernel, run on the output's bytes for random tokens, agrees with a float64 "
-        "reference computed from the source within the stated tolerance (on the layers it ran)",
+        "the backend's reference kernel, run on the output's bytes for random tokens that reach every checked "
+        "expert, agrees with a float64 reference computed from the source within the stated tolerance (on the "
+        "layers it ran)",
     ],
 }
 
@@ -209,8 +230,11 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     output = Path(output).expanduser().resolve()
     if not output.is_dir():
         raise MoeconvError(f"{output}: not a folder (give the folder `moeconv convert -o` wrote)")
-    if not (output / MANIFEST_NAME).exists():
+    if not os.path.lexists(output / MANIFEST_NAME):
         raise MoeconvError(f"{output}: no {MANIFEST_NAME}: not a folder written by `moeconv convert`")
+    linked = structure.check_links(output)
+    if linked:  # convert writes no link, and verify reads nothing through one (it may point anywhere)
+        return VerifyReport(str(output), str(source or ""), structure_problems=linked, level=level)
     # Reading the manifest and both checkpoints' headers, planning and the structure checks make hundreds
     # of thousands of long-lived objects and no cycles: the cycle collector's passes over them were a
     # third of this part's time (docs/BENCHMARKS.md).
@@ -223,20 +247,14 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
         if sealed:  # nothing it says (backend, arguments, source) can be planned from
             return VerifyReport(str(output), str(source or ""), structure_problems=sealed, level=level)
         recorded, arguments = manifest["source"], manifest["arguments"]
-        given = source
         if source is None:
-            source = recorded.get("path")
-            if not isinstance(source, str):
+            if not isinstance(recorded.get("path"), str):
                 return VerifyReport(str(output), "", level=level, structure_problems=[
                     f"{output / MANIFEST_NAME}: source.path is missing; pass --source"])
-        try:
+            resolved = _recorded_source(output, recorded)
+        else:
             resolved = resolve_source(source)  # a folder, or a Hub id (from the cache or the Hub)
-        except MoeconvError as error:
-            if given is not None:
-                raise
-            raise MoeconvError(f"{error} (the source path recorded in {output / MANIFEST_NAME} at conversion; if "
-                               f"the source moved, or this is another machine, pass --source SRC)") from None
-        anchor = _anchor(output, source, recorded, resolved.origin)
+        anchor = _anchor(output, source or recorded["path"], recorded, resolved.origin)
         checkpoint = open_checkpoint(resolved.path, origin=resolved.origin)
         if recorded.get("headers_sha256") not in (None, checkpoint.headers_sha256):
             raise MoeconvError(f"{checkpoint.root}: not the source {output} was made from (its configs and shard "
@@ -353,12 +371,11 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
             if checked:
                 report.numerics_device = kernel.device()
                 advance(0, len(checked), "kernel")
-            for layer, jobs, result in [(plan.layers[index], layer_jobs[index], report.layers[index])
-                                        for index in indices]:
+            for layer, jobs, experts, result in [(plan.layers[index], layer_jobs[index], layer_experts[index],
+                                                  report.layers[index]) for index in indices]:
                 started = time.perf_counter()
                 try:
-                    result.relative_error, result.max_abs_error, result.max_abs_reference = _check_numerics(
-                        plan, layer, jobs, converted.tensors, reader, tokens, generator)
+                    _check_numerics(plan, layer, jobs, experts, converted.tensors, reader, tokens, generator, result)
                 except ValueError as error:  # the serving kernel's own reading of the bytes fails
                     result.numerics_failure = str(error)
                 result.seconds += time.perf_counter() - started
@@ -395,7 +412,8 @@ def _check_jobs(report: VerifyReport, executor: Any, plan: Plan, tensors: dict[s
     # before the next layer starts; a layer's seconds run from its first task's hand-over (the previous
     # layer's last result) to its last result.
     kernel = LAYER_KERNELS[plan.backend.numerics.kernel]
-    report.layers = [LayerResult(layer.module, tolerance=kernel.tolerance(layer.shape)) for layer in plan.layers]
+    report.layers = [LayerResult(layer.module, experts=layer.shape.experts, tolerance=kernel.tolerance(layer.shape))
+                     for layer in plan.layers]
     checks = [(index, e) for index, experts in enumerate(layer_experts) for e in experts]
     expert_jobs = [(layer_jobs[index][e], _outputs_of(layer_jobs[index][e], tensors)) for index, e in checks]
     started = time.perf_counter()
@@ -533,6 +551,28 @@ class _PhaseClock:
             self.seconds[self.phase] = round(now - self.started, 3)
 
 
+def _recorded_source(output: Path, recorded: dict[str, Any]) -> ResolvedSource:
+    """The source moeconv.json names, found without the network: its folder (a relative path is relative
+    to the output folder, not to where verify runs), else its Hub id, from the local cache only (a manifest
+    must not make verify download anything: `--source ID` does)."""
+    path = recorded["path"]
+    folder = Path(os.path.normpath(output / path))
+    if folder.is_dir():
+        return resolve_source(folder)
+    repo = recorded.get("repo")
+    repo, revision = (repo, recorded.get("revision")) if isinstance(repo, str) else (path, None)
+    where = output / MANIFEST_NAME
+    if not is_hub_id(repo):
+        raise MoeconvError(f"{where}: source {path}: no such folder (the source path recorded at conversion; a "
+                           f"relative path is relative to {output}); if the source moved, or this is another machine, "
+                           f"pass --source SRC")
+    try:
+        return resolve_source(repo, revision=revision if isinstance(revision, str) else None, local_files_only=True)
+    except MoeconvError:
+        raise MoeconvError(f"{where}: the source is the Hub id {repo}, not in the local Hugging Face cache; verify "
+                           f"downloads only when asked: pass --source {repo}") from None
+
+
 def _recorded_shard_size(arguments: dict[str, Any]) -> int:
     """The --max-shard-size the output was converted with (the index's shards follow from it)."""
     value = arguments.get("max_shard_size")
@@ -666,30 +706,61 @@ def _kernel_tensors(plan: Plan, jobs: list[ExpertJob], tensors: dict[str, Tensor
     return {suffix: torch.stack([own[suffix] for own in blocks]) for suffix in blocks[0]}
 
 
-def _check_numerics(plan: Plan, layer: MoELayer, jobs: list[ExpertJob], tensors: dict[str, TensorEntry],
-                    reader: TensorReader, tokens: int, generator: torch.Generator) -> tuple[float, float, float]:
+def _check_numerics(plan: Plan, layer: MoELayer, jobs: list[ExpertJob], experts: list[int],
+                    tensors: dict[str, TensorEntry], reader: TensorReader, tokens: int, generator: torch.Generator,
+                    result: LayerResult) -> None:
     """The backend's kernel on the converted tensors against a float64 reference that dequantizes
-    the SOURCE through the source format's decoder: (relative error, max abs error, max abs of the
-    reference). Only the experts the routing picks are read."""
+    the SOURCE through the source format's decoder, for random tokens routed so that each of `experts`
+    (the layer's checked ones) gets one at least: into `result`, how many experts the tokens reached and
+    the errors (relative, max abs, max abs of the reference), or why they say nothing (the source's
+    weights or the kernel's output not finite). Only the experts the routing picks are read."""
     import torch
 
-    from moeconv.kernels.reference import random_routing, reference_fused_moe, relative_error
+    from moeconv.kernels.reference import covering_routing, reference_fused_moe, relative_error
 
     shape = layer.shape
     configured = plan.checkpoint.config.get("num_experts_per_tok")
     # Only the check's routing depends on it: a value that is not a positive integer falls back to 2.
     topk = min(configured if isinstance(configured, int) and not isinstance(configured, bool) and configured > 0
                else 2, shape.experts)
-    weights, ids = random_routing(tokens, shape.experts, topk, generator)
+    weights, ids = covering_routing(tokens, shape.experts, topk, generator, experts)
     used = sorted(set(ids.flatten().tolist()))
+    result.experts_routed = len(used)
     local_ids = torch.tensor([used.index(e) for e in ids.flatten().tolist()]).reshape(ids.shape)
-    x = torch.randn(tokens, shape.hidden, generator=generator).to(torch.float16)
+    x = torch.randn(len(ids), shape.hidden, generator=generator).to(torch.float16)
+    nonfinite: list[str] = []
+
+    @functools.lru_cache(maxsize=1)  # the reference asks for an expert's w13, then for its w2
+    def dequantized(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One routed expert of the source in float64 (never the whole layer at once: 16 times a 4-bit layer)."""
+        source = transform.source_weights(jobs[used[index]], plan.codec, reader)[0]
+        dense = {key: source[key].dequantize(torch.float64) for key in ("gate", "up", "down")}
+        nonfinite.extend(f"expert {used[index]} {key}" for key, weight in dense.items()
+                         if not bool(weight.isfinite().all()))
+        return torch.cat([dense["gate"], dense["up"]]), dense["down"]
+
+    ref = reference_fused_moe(x.double(), _Indexed(lambda i: dequantized(i)[0]), _Indexed(lambda i: dequantized(i)[1]),
+                              weights.double(), local_ids, dtype=torch.float64)
+    if nonfinite:
+        result.numerics_failure = (f"{', '.join(nonfinite)}: the source's scales are NaN or infinite (converted as "
+                                   f"they are): no kernel can compute with them")
+        return
     slices = _kernel_tensors(plan, [jobs[e] for e in used], tensors, reader)
-    out = LAYER_KERNELS[plan.backend.numerics.kernel].run(slices, shape, x, weights, local_ids)
-    sources = [transform.source_weights(jobs[e], plan.codec, reader)[0] for e in used]
-    w13 = torch.stack([torch.cat([s["gate"].dequantize(torch.float64), s["up"].dequantize(torch.float64)])
-                       for s in sources])
-    w2 = torch.stack([s["down"].dequantize(torch.float64) for s in sources])
-    ref = reference_fused_moe(x.double(), w13, w2, weights.double(), local_ids, dtype=torch.float64)
-    return (float(relative_error(out.double(), ref)), float((out.double() - ref).abs().max()),
-            float(ref.abs().max()))
+    with warnings.catch_warnings():  # the Triton interpreter's numpy warns of NaN or overflow: the check below says it
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = LAYER_KERNELS[plan.backend.numerics.kernel].run(slices, shape, x, weights, local_ids).double()
+    if not bool(out.isfinite().all()):
+        result.numerics_failure = "the kernel's output is NaN or infinite (the reference's is finite)"
+        return
+    result.relative_error = float(relative_error(out, ref))
+    result.max_abs_error, result.max_abs_reference = float((out - ref).abs().max()), float(ref.abs().max())
+
+
+class _Indexed:
+    """`[index]` is `get(index)`: what `reference_fused_moe` indexes for each expert's weights."""
+
+    def __init__(self, get: Callable[[int], Any]) -> None:
+        self.get = get
+
+    def __getitem__(self, index: int) -> Any:
+        return self.get(index)

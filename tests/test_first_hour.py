@@ -120,7 +120,8 @@ def test_verify_report_says_what_ran_and_ends_with_the_verdict(tmp_path, capsys)
     code, out, _ = run_main(capsys, "verify", tmp_path / "cpu", "--level", "structure", "-q")
     assert code == 0 and "0/0" not in out and "tolerance" not in out and "not run (--level structure)" in out
     assert out.splitlines()[-1] == ("verdict: ok (structure and digests; source not anchored (a local folder); "
-                                    "--level structure)")
+                                    "--level structure); caveat: the tensors' bytes are self-consistent; not compared "
+                                    "with the source (--level lossless compares them)")
     code, out, _ = run_main(capsys, "verify", tmp_path / "cpu", "-q")
     flat = " ".join(out.split())
     assert code == 0 and "rel err = ||out - ref|| / ||ref||, against a float64 reference of the source, is what is " \
@@ -186,7 +187,7 @@ def test_undecided_zero_points_are_said_up_front_and_in_the_verdict(tmp_path, mo
     assert code == 0, err
     code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "-q")
     last = out.splitlines()[-1]
-    assert code == 0 and last.startswith("verdict: ok (") and "; but decided by the user, not the data: " \
+    assert code == 0 and last.startswith("verdict: ok (") and "; caveat: decided by the user, not the data: " \
                                                                "--gptq-zero-format gptq_v2: the data cannot tell" in last
 
 
@@ -252,7 +253,7 @@ def test_the_scale_cast_is_in_the_serve_lines_the_table_and_the_verdict(tmp_path
     flat = " ".join(out.split())
     assert (f"scales the engine's cast changes │ {cast['changed']} of {cast['checked']} change when cast from "
             f"float16 to the model dtype bfloat16") in flat, out
-    assert out.splitlines()[-1].endswith(f"; but {cast['changed']} scale(s) change when the engine casts them "
+    assert out.splitlines()[-1].endswith(f"; caveat: {cast['changed']} scale(s) change when the engine casts them "
                                          f"(serve with --dtype float16)")
 
 

@@ -60,6 +60,26 @@ def test_hub_id_resolved_offline_from_the_cache(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_a_hub_source_named_by_the_manifest_is_found_in_the_cache(tmp_path):
+    """The recorded snapshot folder gone (another machine, a moved cache): verify finds the manifest's
+    repository and revision in the local cache, with HF_HUB_OFFLINE unset (test_verify's
+    test_a_hub_id_in_the_manifest_is_never_downloaded shows that it does not download)."""
+    from helpers import reseal
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec())
+    cache = _hub_cache(tmp_path / "cache", source)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache)}
+    env.pop("HF_HUB_OFFLINE", None)
+    done = subprocess.run([EXE, "convert", "acme/tiny-moe", "-o", str(tmp_path / "out"), "-q"], capture_output=True,
+                          text=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    reseal(tmp_path / "out", edit=lambda manifest: manifest["source"].update(path=str(tmp_path / "gone")))
+    done = subprocess.run([EXE, "verify", str(tmp_path / "out"), "--level", "lossless", "--json"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout)["source"].endswith(f"models--acme--tiny-moe/snapshots/{COMMIT}")
+
+
 @pytest.mark.parametrize("args, expected", [
     (["acme/missing"], "acme/missing: no such folder, and not a model in the local Hugging Face cache"),
     (["acme/tiny-moe", "--revision", "v9"], "acme/tiny-moe@v9: revision not in the local cache (cached: 4f3c2b1a0e9d, main)"),

@@ -470,3 +470,169 @@ def test_an_output_of_manifest_version_3_still_verifies_and_still_catches_a_flip
     assert verify(out, source=source, level="structure").structure_problems == [
         f"{shard.name}: digest or size differs from moeconv.json",
         f"{shard.name}: tensor {V3_LAYER}.w13_qweight: its bytes differ from moeconv.json's digest"]
+
+
+# ------------------------------------------------------------------------------ numerics: every expert, and its caveats
+
+
+@pytest.fixture(scope="module")
+def nan_scaled(tmp_path_factory) -> tuple[Path, Path]:
+    """32 experts a layer (the default 8 tokens at top-2 could reach 16 at most), expert 5's up scales of
+    layer 0 NaN and infinite in the source: converted as they are."""
+    import torch
+
+    root = tmp_path_factory.mktemp("nan-scales")
+    source = make_checkpoint(root / "src", SynthSpec(layers=2, experts=32, hidden=128, intermediate=64))
+    entry = open_checkpoint(source).tensors["model.layers.0.mlp.experts.5.up_proj.scales"]
+    with open(entry.file, "r+b") as handle:
+        handle.seek(entry.begin)
+        handle.write(torch.tensor([float("nan"), float("inf")], dtype=torch.float16).numpy().tobytes())
+    convert(make_plan(source), root / "out")
+    return source, root / "out"
+
+
+def test_covering_routing_gives_every_expert_a_token():
+    import torch
+
+    from moeconv.kernels.reference import covering_routing
+
+    experts = [0, 3, 4, 7, 9, 10, 30]
+    weights, ids = covering_routing(2, 32, 2, torch.Generator().manual_seed(1), experts)
+    assert ids.shape == weights.shape == (4, 2)  # ceil(7 / 2) tokens, more than the 2 asked for
+    assert set(experts) <= set(ids.flatten().tolist())
+    assert all(len(set(row)) == 2 for row in ids.tolist())  # a token's experts are distinct
+    assert torch.allclose(weights.sum(dim=-1), torch.ones(4))
+
+
+def test_numerics_reaches_every_expert_and_fails_on_nan_scales_naming_the_expert(nan_scaled, capsys):
+    from helpers import run_main
+
+    _, out = nan_scaled
+    report = verify(out)  # the default 8 tokens
+    assert not report.ok
+    assert report.failures() == ["model.layers.0.mlp.experts: numerics: expert 5 up: the source's scales are NaN or "
+                                 "infinite (converted as they are): no kernel can compute with them"]
+    assert [(layer.experts_routed, layer.experts) for layer in report.layers] == [(32, 32), (32, 32)]
+    assert report.layers[1].relative_error < NUMERICS_TOLERANCE
+    code, stdout, _ = run_main(capsys, "verify", out, "--level", "numerics", "--json", "-q")
+    assert code == 1 and [layer["experts_routed"] for layer in json.loads(stdout)["layers"]] == [32, 32]
+
+
+def test_a_lossless_pass_over_nan_scales_says_so_in_its_verdict(nan_scaled, capsys):
+    from helpers import run_main
+
+    _, out = nan_scaled
+    code, stdout, err = run_main(capsys, "verify", out, "--level", "lossless", "-q")
+    caveat = ("2 NaN or infinite scales in the source (first: model.layers.0.mlp.experts.5.up_proj), converted as they "
+              "are: no kernel can compute with them")
+    assert code == 0, err
+    assert stdout.strip().splitlines()[-1].endswith(f"; --level lossless); caveat: {caveat}"), stdout
+    assert verify(out, level="lossless").to_json()["caveats"] == [caveat]
+
+
+def test_the_kernel_checks_warnings_stay_off_stderr(damaged):
+    """Output scales made infinite (manifest resealed): the Triton interpreter computes with them and numpy
+    warns; stderr holds verify's own lines only, the failures and the summary."""
+    import os
+    import subprocess
+    import sys
+
+    _, out = damaged
+    entry = open_checkpoint(out).tensors[f"{LAYER}.w13_scales"]
+    with open(entry.file, "r+b") as handle:
+        handle.seek(entry.begin)
+        handle.write(b"\x00\x7c" * 4)  # float16 inf, expert 0: inf times a zero code is NaN, which numpy warns of
+    reseal(out, entry.file)
+    done = subprocess.run([sys.executable, "-m", "moeconv", "verify", str(out), "-q"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "default"}, timeout=300)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert f"x {LAYER}: numerics: the kernel's output is NaN or infinite (the reference's is finite)" in lines, lines
+    assert all(line.startswith(("x ", "error: ")) for line in lines), lines
+
+
+# ------------------------------------------------------------------------------ what verify reads of the manifest
+
+
+@pytest.mark.parametrize("name", ["moeconv.json", "config.json", "model.safetensors.index.json"])
+def test_a_file_of_the_output_that_is_a_link_is_refused_without_reading_its_target(damaged, tmp_path, monkeypatch,
+                                                                                    capsys, name):
+    import builtins
+    import os
+
+    from helpers import run_main
+    from moeconv.checkpoint import manifest as manifests
+
+    _, out = damaged
+    target = tmp_path / "secret"
+    target.write_text("not json: the secret")
+    (out / name).unlink()
+    (out / name).symlink_to(target)
+    opened = []
+    real_open, real_builtin_open = os.open, builtins.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(Path(path).resolve()) or real_open(path, *a, **k))
+    monkeypatch.setattr(builtins, "open",
+                        lambda path, *a, **k: opened.append(Path(path).resolve()) or real_builtin_open(path, *a, **k))
+    code, stdout, err = run_main(capsys, "verify", out)
+    assert code == 1 and target not in opened and "secret" not in stdout + err
+    assert err.splitlines()[0] == f"x {name}: a link, not a file the conversion wrote; verify reads nothing through it"
+    if name == "moeconv.json":  # what the vLLM plugin's on-load check reads too
+        with pytest.raises(MoeconvError, match=r"moeconv.json: a link, not the file `moeconv convert` wrote"):
+            manifests.read(out)
+        assert target not in opened
+
+
+def test_a_relative_source_path_is_relative_to_the_output_folder(converted, tmp_path, monkeypatch):
+    import shutil
+
+    source, out = converted
+    shutil.copytree(source, tmp_path / "pair" / "src", symlinks=True)
+    shutil.copytree(out, tmp_path / "pair" / "out")
+    reseal(tmp_path / "pair" / "out", edit=lambda manifest: manifest["source"].update(path="../src"))
+    (tmp_path / "elsewhere" / "cwd").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "elsewhere" / "cwd")  # where ../src is no folder
+    report = verify(tmp_path / "pair" / "out", level="lossless")
+    assert report.ok, report.failures()
+    assert report.source == str(tmp_path / "pair" / "src")
+
+
+@pytest.mark.parametrize("recorded", [{"path": "acme/absent-moe"},
+                                      {"path": "/nowhere/snapshots/" + "0" * 40, "repo": "acme/absent-moe",
+                                       "revision": "0" * 40}])
+def test_a_hub_id_in_the_manifest_is_never_downloaded(damaged, tmp_path, monkeypatch, capsys, recorded):
+    """Only `--source ID` downloads: the manifest's Hub id is looked up in the local cache (here an empty
+    one), and any connection fails the test."""
+    import socket
+
+    import huggingface_hub.constants
+
+    from helpers import run_main
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("verify went to the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    _, out = damaged
+    reseal(out, edit=lambda manifest: manifest["source"].update(recorded))
+    code, _, err = run_main(capsys, "verify", out, "--level", "lossless")
+    assert code == 2
+    assert err.strip() == (f"error: {out / 'moeconv.json'}: the source is the Hub id acme/absent-moe, not in the local "
+                           f"Hugging Face cache; verify downloads only when asked: pass --source acme/absent-moe")
+
+
+def test_structure_alone_says_it_is_self_consistency(damaged, capsys):
+    """A flipped expert byte with every digest recomputed passes --level structure, whose verdict says what
+    that proves; lossless catches it."""
+    from helpers import run_main
+
+    _, out = damaged
+    _flip_byte(out, f"{LAYER}.w13_qweight", expert=2)
+    code, stdout, _ = run_main(capsys, "verify", out, "--level", "structure", "-q")
+    assert code == 0
+    assert stdout.strip().splitlines()[-1] == (
+        "verdict: ok (structure and digests; --level structure); caveat: the tensors' bytes are self-consistent; "
+        "not compared with the source (--level lossless compares them)")
+    assert not verify(out, level="lossless").ok

@@ -62,6 +62,10 @@ def test_every_tensor_as_written_passes_and_its_digest_is_the_definition(output)
         with open(shard, "rb") as handle:  # the digest of the file's bytes, from docs/FORMAT.md's definition
             handle.seek(entry.begin)
             assert digests.recorded[name] == (shard.name, blocks_digest(handle.read(entry.nbytes), 64 << 20))
+    # the load log's line (vLLM's logger, after the model's load_weights) says what passing proves
+    assert digests.summary() == (f"moeconv: MOECONV_VERIFY_ON_LOAD=1: {len(loaded)} tensors of {output} match the "
+                                 f"digests moeconv.json records: self-consistent; not compared with the source "
+                                 f"(`moeconv verify` compares them)")
 
 
 @pytest.mark.parametrize("name", [STACKED, DENSE])

@@ -108,6 +108,9 @@ def derived(plan: Any, scheme: DigestScheme = CURRENT) -> dict[str, Any]:
 def read(output: Path) -> dict[str, Any]:
     """An output folder's manifest, with the sections verify relies on checked."""
     path = output / MANIFEST_NAME
+    if path.is_symlink():  # it could name any file: read only the one convert wrote
+        raise MoeconvError(f"{path}: a link, not the file `moeconv convert` wrote; it is read only as a regular file "
+                           f"inside the output")
     if not path.exists():
         raise MoeconvError(f"{output}: no {MANIFEST_NAME}: not a folder written by `moeconv convert`")
     manifest = read_json_object(path)

@@ -56,7 +56,7 @@ class TensorDigests:
         if recorded is None:
             raise PluginRefusal(f"{ENV}=1: {path} records no digest per tensor (an output of an older moeconv, "
                                 f"or a damaged manifest): reconvert, or load without {ENV}")
-        self.root, self.recorded, self.scheme = root, recorded, manifests.scheme_of(manifest)
+        self.root, self.recorded, self.scheme, self.checked = root, recorded, manifests.scheme_of(manifest), 0
 
     def check(self, name: str, tensor: torch.Tensor) -> None:
         """Refuses when `tensor` (the loader's tensor `name`, as read from its shard) is not the bytes
@@ -68,3 +68,9 @@ class TensorDigests:
         if tensor_digest(tensor_bytes(tensor), scheme=self.scheme) != digest:
             raise PluginRefusal(f"{name}: its bytes in {shard} differ from the digest {manifests.MANIFEST_NAME} "
                                 f"records: the output was corrupted or changed; restore or reconvert it")
+        self.checked += 1
+
+    def summary(self) -> str:
+        """The load log's line: what the check proved, and what it did not (the digests are the output's own)."""
+        return (f"moeconv: {ENV}=1: {self.checked} tensors of {self.root} match the digests {manifests.MANIFEST_NAME} "
+                f"records: self-consistent; not compared with the source (`moeconv verify` compares them)")

@@ -410,6 +410,8 @@ def route_stacked_tensors() -> None:
                         loaded.add(name)
 
             result = by_model(others())
+            if digests is not None:
+                logger.info(digests.summary())
             return None if result is None else set(result) | loaded
 
         model.load_weights = routed  # for this call only: the instance attribute shadows the class's
