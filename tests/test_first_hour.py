@@ -382,9 +382,11 @@ def test_verify_s_default_samples_the_kernel_on_a_cpu_says_so_up_front_and_names
     sample = ", ".join(f"model.layers.{index}.mlp.experts" for index in (0, 3, 6, 9))
     assert out.splitlines()[-1].endswith(
         f"20 expert(s) in 10 MoE layer(s) bit-exact against the source, kernel within 0.01 on a sample of 4 of 10 "
-        f"layers ({sample}; --level numerics for all); verify's default level)"), out
+        f"layers ({sample}; --level numerics for all); source not anchored (a local folder); verify's default "
+        f"level)"), out
     code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "numerics", "-q")
-    assert code == 0 and out.splitlines()[-1].endswith("kernel within 0.01 on 10 layer(s); --level numerics)"), out
+    assert code == 0 and out.splitlines()[-1].endswith(
+        "kernel within 0.01 on 10 layer(s); source not anchored (a local folder); --level numerics)"), out
 
 
 def test_verify_after_the_source_moved_points_to_source_and_says_where_the_path_came_from(tmp_path, capsys):
@@ -392,9 +394,10 @@ def test_verify_after_the_source_moved_points_to_source_and_says_where_the_path_
     assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
     source.rename(tmp_path / "moved")
     code, _, err = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "-q")
+    out = tmp_path / "out"
     assert code == 2 and err == (
-        f"error: {source.resolve()}: not a folder, and not a Hugging Face id like org/model (the source path recorded "
-        f"in {tmp_path / 'out' / 'moeconv.json'} at conversion; if the source moved, or this is another machine, pass "
-        f"--source SRC)\n"), err
+        f"error: {out / 'moeconv.json'}: source {source.resolve()}: no such folder (the source path recorded at "
+        f"conversion; a relative path is relative to {out}); if the source moved, or this is another machine, pass "
+        f"--source SRC\n"), err
     code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "-q", "--source", tmp_path / "moved")
     assert code == 0 and out.splitlines()[-1].startswith("verdict: ok"), out
