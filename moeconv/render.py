@@ -1,6 +1,8 @@
 """How the CLI shows its reports with Rich: tables and notes on stdout (`out`), the verdict's
 problems on stderr (`err`); `--json` documents are printed by `print_json`. Only report dicts and
-plans come in; nothing here calls the library."""
+plans come in; nothing here calls the library. Every string that comes from a checkpoint, an output or
+a path is shown through `literal` (markup) or `printable` (plain text): its control characters escaped,
+its brackets literal; JSON escapes them itself."""
 
 from __future__ import annotations
 
@@ -14,10 +16,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from moeconv.errors import human_bytes
+from moeconv.errors import human_bytes, printable
 
 out = Console(emoji=False)  # a path's `:thumbsup:` is printed as it is, never as an emoji
 err = Console(stderr=True, emoji=False)
+
+
+def literal(value: Any) -> str:
+    """A name, path or message for a Rich markup string: shown as it is, never as markup or as a control."""
+    return escape(printable(str(value)))
 
 
 def print_json(data: Any) -> None:
@@ -25,11 +32,11 @@ def print_json(data: Any) -> None:
 
 
 def key_values(title: str, rows: list[tuple[str, Any]]) -> Table:
-    table = Table(title=title, show_header=False, title_justify="left")
+    table = Table(title=literal(title), show_header=False, title_justify="left")
     table.add_column(style="bold", overflow="fold")
     table.add_column(overflow="fold")  # wrap long paths and tensor names rather than cut them
-    for key, value in rows:  # keys may carry markup; values are data (paths, tensor names: "[" is literal)
-        table.add_row(key, escape(str(value)))
+    for key, value in rows:  # keys are markup (data in them through `literal`); values are data
+        table.add_row(key, literal(value))
     return table
 
 
@@ -52,11 +59,11 @@ def print_inspect(report: dict[str, Any], title: str) -> None:
     for disagreement in detection["disagreements"]:
         rows.append(("[red]config disagrees[/]", disagreement))
     for undecided in detection.get("undecided", []):
-        rows.append(("[yellow]undecided[/]", escape(undecided)))
+        rows.append(("[yellow]undecided[/]", undecided))
     for advice in detection.get("advice", []):
-        rows.append(("[yellow]what to do[/]", escape(advice)))
+        rows.append(("[yellow]what to do[/]", advice))
     for module, case in report["act_order"].items():
-        rows.append((f"{'[red]' if case.startswith('refused') else ''}act-order {module}", case))
+        rows.append((f"{'[red]' if case.startswith('refused') else ''}act-order {literal(module)}", case))
     for name, verdict in report["backends"].items():
         served = verdict["serving"]
         serve = f"served by {served['engine']}" if served["engine"] else f"not served as it is: {served['how']}"
@@ -103,10 +110,10 @@ def print_next_steps(plan, output: Path, converted: bool = True) -> None:
     serving = plan.serving
     quoted = shlex.quote(str(output))
     if converted:
-        out.print(f"next: moeconv verify {quoted}", highlight=False, soft_wrap=True, markup=False)
+        out.print(printable(f"next: moeconv verify {quoted}"), highlight=False, soft_wrap=True, markup=False)
     line = (f"serve: {serving.engine}: {serving.how.format(output=quoted)}" if serving.engine
             else f"serve: not served as it is: {serving.how}")
-    out.print(line, highlight=False, soft_wrap=True, markup=False)
+    out.print(printable(line), highlight=False, soft_wrap=True, markup=False)
 
 
 def detection_notes(plan) -> list[str]:
@@ -137,7 +144,7 @@ def print_verify(report) -> None:
                else f"not run (--level {level})" if level != "numerics" else "not run")
     out.print(key_values(f"verify {report.output}", [
         ("source", report.source),
-        *[("decided by the user, not the data", escape(what)) for what in report.decided_by_user],
+        *[("decided by the user, not the data", what) for what in report.decided_by_user],
         ("structure, index, configs, digests", structure),
         ("source shards hashed as recorded", f"{report.source_files_checked - len(report.source_problems)}"
                                              f"/{report.source_files_checked}" if lossless else not_run),
@@ -158,7 +165,7 @@ def print_verify(report) -> None:
     for layer in report.layers:
         errors = ["-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
                   "-" if layer.max_abs_error is None else f"{layer.max_abs_error:.1e}"]
-        table.add_row(escape(layer.module), f"{layer.experts_exact}/{layer.experts_checked}",
+        table.add_row(literal(layer.module), f"{layer.experts_exact}/{layer.experts_checked}",
                       *(errors if numerics else []), f"{layer.seconds:.2f} s",
                       "[green]ok[/]" if layer.ok else "[red]FAIL[/]")
     if numerics:
@@ -170,7 +177,7 @@ def print_verify(report) -> None:
     if report.layers:
         out.print(table)
     for problem in report.failures()[:20]:
-        err.print(f"[red]x[/] {escape(problem)}", highlight=False, soft_wrap=True)
+        err.print(f"[red]x[/] {literal(problem)}", highlight=False, soft_wrap=True)
     out.print(verdict(report), highlight=False, soft_wrap=True, markup=False)
 
 
@@ -197,5 +204,5 @@ def print_plan(summary: dict[str, Any]) -> None:
     out.print(key_values("plan (nothing written)", rows))
     table = Table("shard", "bytes", "tensors", title_justify="left")
     for shard in summary["shards"]:
-        table.add_row(escape(shard["file"]), human_bytes(shard["bytes"]), str(shard["tensors"]))
+        table.add_row(literal(shard["file"]), human_bytes(shard["bytes"]), str(shard["tensors"]))
     out.print(table)
