@@ -194,3 +194,12 @@ def test_an_extra_file_named_to_conceal_cannot_end_a_failing_verify_with_ok(host
     failure = f"{SHOWN_CONCEAL}: in the output folder but not written by the conversion (not in moeconv.json)"
     _assert_shown_escaped(screen, f"x {failure}", "verdict: FAILED, 1 check(s) failed")
     assert _lines(screen)[-1] == f"error: {output}: 1 check(s) failed; first: {failure}", _lines(screen)
+
+
+def test_a_usage_error_shows_the_typed_text_escaped(tmp_path):
+    """Click's own usage errors quote what was typed (an option that does not exist): Click escapes its
+    controls, the bidi override is escaped too."""
+    code, screen = _terminal("inspect", tmp_path, "--x\x1b[8m\x9b2J\u202eBIDI\x07")
+    assert code == 2, screen
+    assert not [what for what, raw in RAW.items() if raw in screen], repr(screen)
+    assert _lines(screen) == [r"error: No such option: --x\x1b[8m\x9b2J\u202eBIDI\x07 (see 'moeconv inspect --help')"]
