@@ -17,14 +17,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich.markup import escape
 from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn, TransferSpeedColumn)
 
 from moeconv import render
 from moeconv.backends import backend_help
-from moeconv.errors import MoeconvError, human_bytes
-from moeconv.render import err, out
+from moeconv.errors import MoeconvError, human_bytes, printable
+from moeconv.render import err, literal, out
 
 
 class _Commands(typer.core.TyperGroup):
@@ -43,7 +42,8 @@ class _Commands(typer.core.TyperGroup):
         except typer.TyperException as error:  # Click's usage errors (a ClickException: message, exit_code)
             context = getattr(error, "ctx", None)
             where = f" (see '{context.command_path} --help')" if context is not None else ""
-            err.print(f"error: {error.format_message()}{where}", highlight=False, soft_wrap=True, markup=False)
+            err.print(printable(f"error: {error.format_message()}{where}"), highlight=False, soft_wrap=True,
+                      markup=False)
             sys.exit(error.exit_code)
         sys.exit(code if isinstance(code, int) else 0)
 
@@ -181,9 +181,9 @@ def convert(
                      local_files_only=local_files_only, trust=trust, tp=tp, regroup=regroup,
                      zero_format=zero_format)
     if plan.choice:
-        err.print(escape(plan.choice), highlight=False, soft_wrap=True)
+        err.print(literal(plan.choice), highlight=False, soft_wrap=True)
     for note in render.detection_notes(plan):
-        err.print(escape(note), highlight=False, soft_wrap=True)
+        err.print(literal(note), highlight=False, soft_wrap=True)
     if dry_run:
         summary = plan.summary()
         if as_json:
@@ -200,7 +200,7 @@ def convert(
             err.print(f"[bold red]interrupted[/]: {RESUME}")
             raise typer.Exit(3) from None
     for name, reason in report.skipped_files.items():
-        err.print(escape(f"note: {name} not copied: {reason}"), highlight=False, soft_wrap=True)
+        err.print(literal(f"note: {name} not copied: {reason}"), highlight=False, soft_wrap=True)
     if as_json:
         render.print_json(report.to_json())
         return
@@ -383,11 +383,12 @@ def demo(
                          layers=3, dense_layers=1, experts=8, hidden=256, intermediate=128)
         source = make_checkpoint(root / "source", spec, max_shard_size=1_000_000)
         kept = "" if workdir else " (a temporary folder, removed when the demo ends: --workdir DIR keeps it)"
-        err.print(f"made a synthetic {spec.architecture} checkpoint (GPTQ v1 4-bit asymmetric, g=32): {source}{kept}")
+        err.print(f"made a synthetic {spec.architecture} checkpoint (GPTQ v1 4-bit asymmetric, g=32): "
+                  f"{literal(source)}{kept}")
         render.print_inspect(inspect_source(source), str(source))
         plan = make_plan(source, backend="triton", max_shard_size=1_000_000)
         report = run_conversion(plan, root / "converted")
-        err.print(f"converted to the triton layout in {report.seconds:.2f} s: {report.output}")
+        err.print(f"converted to the triton layout in {report.seconds:.2f} s: {literal(report.output)}")
         result = run_verification(report.output, numerics_layers=None)
         render.print_verify(result)
         if not result.ok:
@@ -464,7 +465,7 @@ def _main() -> None:
     try:
         app(prog_name="moeconv")
     except MoeconvError as error:
-        err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {literal(error)}", highlight=False, soft_wrap=True)
         sys.exit(error.exit_code)
     except Interrupted as interruption:
         again = RESUME if _command_name() == "convert" else "nothing was changed; run the command again to start over"

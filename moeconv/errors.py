@@ -3,9 +3,16 @@ users catch `MoeconvError`. Anything else escaping is a bug in moeconv, not a us
 
 import re
 
-# Control characters (a tensor name or a path from a hostile checkpoint may hold a newline) are
-# shown escaped, so a message is always one line.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# What moves the cursor, starts an escape sequence or reorders the text after it: C0 and C1 controls,
+# DEL, Unicode's bidirectional controls and its line and paragraph separators.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """`text` with each control character shown escaped (\\x1b, \\n, \\u202e): a name from a checkpoint, an
+    output or a path is shown on one line, cannot colour, hide, move or retitle the terminal, and the user
+    sees what it holds. Error messages and everything the CLI renders go through it."""
+    return _CONTROL.sub(lambda match: repr(match.group())[1:-1], text)
 
 
 def human_bytes(nbytes: float) -> str:
@@ -24,7 +31,7 @@ class MoeconvError(Exception):
     exit_code = 2
 
     def __init__(self, message: str) -> None:
-        super().__init__(_CONTROL.sub(lambda match: repr(match.group())[1:-1], str(message)))
+        super().__init__(printable(str(message)))
 
 
 class PlantedLink(MoeconvError):

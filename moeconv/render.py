@@ -1,6 +1,8 @@
 """How the CLI shows its reports with Rich: tables and notes on stdout (`out`), the verdict's
 problems on stderr (`err`); `--json` documents are printed by `print_json`. Only report dicts and
-plans come in; nothing here calls the library."""
+plans come in; nothing here calls the library. Every string that comes from a checkpoint, an output or
+a path is shown through `literal` (markup) or `printable` (plain text): its control characters escaped,
+its brackets literal; JSON escapes them itself."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from moeconv.errors import human_bytes
+from moeconv.errors import human_bytes, printable
 
 # Piped into a file or another program (no terminal, no COLUMNS), tables are as wide as their paths and
 # names, not folded at Rich's default of 80 columns.
@@ -27,16 +29,21 @@ for _console in (out, err):
         _console.width = PIPED_WIDTH
 
 
+def literal(value: Any) -> str:
+    """A name, path or message for a Rich markup string: shown as it is, never as markup or as a control."""
+    return escape(printable(str(value)))
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
 def key_values(title: str, rows: list[tuple[str, Any]]) -> Table:
-    table = Table(title=title, show_header=False, title_justify="left")
+    table = Table(title=literal(title), show_header=False, title_justify="left")
     table.add_column(style="bold", overflow="fold")
     table.add_column(overflow="fold")  # wrap long paths and tensor names rather than cut them
-    for key, value in rows:  # keys may carry markup; values are data (paths, tensor names: "[" is literal)
-        table.add_row(key, escape(str(value)))
+    for key, value in rows:  # keys are markup (data in them through `literal`); values are data
+        table.add_row(key, literal(value))
     return table
 
 
@@ -59,14 +66,14 @@ def print_inspect(report: dict[str, Any], title: str) -> None:
     for disagreement in detection["disagreements"]:
         rows.append(("[red]config disagrees[/]", disagreement))
     for undecided in detection.get("undecided", []):
-        rows.append(("[yellow]undecided[/]", escape(undecided)))
+        rows.append(("[yellow]undecided[/]", undecided))
     for advice in detection.get("advice", []):
-        rows.append(("[yellow]what to do[/]", escape(advice)))
+        rows.append(("[yellow]what to do[/]", advice))
     for module, case in report["act_order"].items():
-        rows.append((f"{'[red]' if case.startswith('refused') else ''}act-order {module}", case))
+        rows.append((f"{'[red]' if case.startswith('refused') else ''}act-order {literal(module)}", case))
     refused = report.get("convert_refuses")
     if refused:
-        rows.append(("[red]convert refuses until you decide[/]", escape(refused)))
+        rows.append(("[red]convert refuses until you decide[/]", literal(refused)))
     once = " once you decide (above)" if refused else ""
     for name, verdict in report["backends"].items():
         serve = "; ".join(f"served by {served['engine']}" if served["engine"] else f"not with {engine}: {served['how']}"
@@ -114,11 +121,11 @@ def print_next_steps(plan, output: Path, converted: bool = True) -> None:
     """The report's last lines: how to check the output, and how each engine serves it (or why it does not)."""
     quoted = shlex.quote(str(output))
     if converted:
-        out.print(f"next: moeconv verify {quoted}", highlight=False, soft_wrap=True, markup=False)
+        out.print(printable(f"next: moeconv verify {quoted}"), highlight=False, soft_wrap=True, markup=False)
     for engine, serving in (("vLLM", plan.serving), ("SGLang", plan.sglang_serving)):
         line = (f"serve: {serving.engine}: {serving.how.format(output=quoted)}" if serving.engine
                 else f"serve: not with {engine} as it is: {serving.how}")
-        out.print(line, highlight=False, soft_wrap=True, markup=False)
+        out.print(printable(line), highlight=False, soft_wrap=True, markup=False)
 
 
 def detection_notes(plan) -> list[str]:
@@ -149,7 +156,7 @@ def print_verify(report) -> None:
                else f"not run (--level {level})" if level != "numerics" else "not run")
     out.print(key_values(f"verify {report.output}", [
         ("source", report.source),
-        *[("decided by the user, not the data", escape(what)) for what in report.decided_by_user],
+        *[("decided by the user, not the data", what) for what in report.decided_by_user],
         ("structure, index, configs, digests", structure),
         ("source shards hashed as recorded", f"{report.source_files_checked - len(report.source_problems)}"
                                              f"/{report.source_files_checked}" if lossless else not_run),
@@ -176,7 +183,7 @@ def print_verify(report) -> None:
         errors = ["-" if layer.experts_routed is None else f"{layer.experts_routed}/{layer.experts}",
                   "-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
                   "-" if layer.max_abs_error is None else f"{layer.max_abs_error:.1e}"]
-        table.add_row(escape(layer.module), f"{layer.experts_exact}/{layer.experts_checked}",
+        table.add_row(literal(layer.module), f"{layer.experts_exact}/{layer.experts_checked}",
                       *(errors if numerics else []), f"{layer.seconds:.2f} s",
                       "[green]ok[/]" if layer.ok else "[red]FAIL[/]")
     if numerics:
@@ -192,7 +199,7 @@ def print_verify(report) -> None:
     if report.layers:
         out.print(table)
     for problem in report.failures()[:20]:
-        err.print(f"[red]x[/] {escape(problem)}", highlight=False, soft_wrap=True)
+        err.print(f"[red]x[/] {literal(problem)}", highlight=False, soft_wrap=True)
     out.print(verdict(report), highlight=False, soft_wrap=True, markup=False)
 
 
@@ -246,5 +253,5 @@ def print_plan(summary: dict[str, Any]) -> None:
     out.print(key_values("plan (nothing written)", rows))
     table = Table("shard", "bytes", "tensors", title_justify="left")
     for shard in summary["shards"]:
-        table.add_row(escape(shard["file"]), human_bytes(shard["bytes"]), str(shard["tensors"]))
+        table.add_row(literal(shard["file"]), human_bytes(shard["bytes"]), str(shard["tensors"]))
     out.print(table)
