@@ -200,7 +200,7 @@ def print_verify(report) -> None:
         out.print(table)
     for problem in report.failures()[:20]:
         err.print(f"[red]x[/] {literal(problem)}", highlight=False, soft_wrap=True)
-    out.print(verdict(report), highlight=False, soft_wrap=True, markup=False)
+    out.print(printable(verdict(report)), highlight=False, soft_wrap=True, markup=False)
 
 
 LAYER_ROWS = 16  # the per-layer table's rows: the first of them, then every failing layer, then a count
