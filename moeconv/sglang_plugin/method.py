@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,11 +28,13 @@ from sglang.srt.layers.quantization.moe_wna16 import MoeWNA16Config, MoeWNA16Met
 
 from moeconv.backends.triton import TritonBackend
 from moeconv.canonical import MoELayerShape
+from moeconv.checkpoint.reader import open_checkpoint
+from moeconv.errors import MoeconvError
 from moeconv.sglang_plugin import ENGINE_VERSION, QUANT_METHOD, installed_sglang
 from moeconv.sglang_plugin.config import parse_for_sglang
 from moeconv.sglang_plugin.shards import fill
 from moeconv.spec import TORCH_DTYPES
-from moeconv.vllm_plugin.config import PluginRefusal, StackedLayout
+from moeconv.vllm_plugin.config import PluginRefusal, StackedLayout, check_files
 
 logger = logging.getLogger("sglang.moeconv")
 PER_EXPERT = re.compile(r"\.experts\.\d+\.")  # a module of one expert (`...experts.3.w1`)
@@ -48,6 +51,7 @@ class MoeconvConfig(QuantizationConfig):
         if sys.byteorder != "little":
             raise PluginRefusal("the stacked layouts are served on little-endian hosts only")
         self.stacked = parse_for_sglang(config)
+        _check_local_files(self.stacked, config)
         self.dense = _dense_config(self.stacked.dense or self.stacked.source, config)
         has_zp = self.stacked.has_zp
         # SGLang's own MoeWNA16 config, which MoeWNA16Method reads its sizes and zero-point flag from; its
@@ -102,6 +106,21 @@ class MoeconvConfig(QuantizationConfig):
                                 f"get_model_architecture, QuantMixtralForCausalLM), which no stacked tensor fills; "
                                 f"convert with --backend compressed-tensors (symmetric sources) or humming")
         return self.dense.get_quant_method(layer, prefix)
+
+
+def _check_local_files(stacked: StackedLayout, config: dict[str, Any]) -> None:
+    """The config against the output's headers (config.check_files), when SGLang serves a local folder: the
+    model's hf_config, which SGLang's get_quant_config adds to the dict, carries its path (a Hub id is
+    downloaded later; then the load's ledger is the bound)."""
+    hf_config = config.get("hf_config")
+    root = Path(hf_config.name_or_path) if hf_config is not None else None
+    if root is None or not root.is_dir():
+        return
+    try:
+        checkpoint = open_checkpoint(root)
+    except MoeconvError as error:
+        raise PluginRefusal(str(error)) from None
+    check_files(stacked, checkpoint)
 
 
 def _dense_config(source: dict[str, Any], config: dict[str, Any]) -> QuantizationConfig:

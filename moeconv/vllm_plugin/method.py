@@ -42,7 +42,7 @@ from moeconv.errors import MoeconvError
 from moeconv.spec import TORCH_DTYPES
 from moeconv.vllm_plugin import QUANT_METHOD
 from moeconv.vllm_plugin import integrity
-from moeconv.vllm_plugin.config import INT8_LAYOUT, PluginRefusal, StackedLayout, parse
+from moeconv.vllm_plugin.config import INT8_LAYOUT, PluginRefusal, StackedLayout, check_files, parse
 from moeconv.vllm_plugin.shards import PARAMETERS, fill
 
 ENGINE_VERSIONS = ("0.33.",)  # the vLLM releases whose MoE methods and oracle this plugin was built against
@@ -112,7 +112,8 @@ class MoeconvConfig(QuantizationConfig):
     def stored_tensors(self) -> dict[str, dict[str, tuple[str, tuple[int, ...], Path]]] | None:
         """The output's stacked tensors (safetensors dtype, shape, file) by layer and name, from its
         headers, when vLLM serves it from a local folder (a Hub id is downloaded after the layers are
-        built: then each loader's own shape check is the bound); read once, strictly (moeconv.checkpoint)."""
+        built: then each loader's own shape check and the load's ledger are the bound); read once, strictly
+        (moeconv.checkpoint), and held against the config (config.check_files)."""
         if self._stored is None:
             root = Path(str(get_current_vllm_config().model_config.model))
             if not root.is_dir():
@@ -125,6 +126,7 @@ class MoeconvConfig(QuantizationConfig):
                 checkpoint = open_checkpoint(root)
             except MoeconvError as error:
                 raise PluginRefusal(str(error)) from None
+            check_files(self.stacked, checkpoint)  # the config against the headers: zero points, group size, bits
             self._stored = {}
             for name, entry in checkpoint.tensors.items():
                 owner, _, leaf = name.rpartition(".")
