@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import moeconv
 from moeconv.canonical import CHANNELWISE
@@ -145,3 +146,25 @@ def test_a_config_the_files_contradict_is_one_refusal_naming_file_and_tensor(out
     message = str(refusal.value)
     assert message.startswith("moeconv: ") and "\n" not in message, message
     assert expected in message and ".safetensors: model.layers.0.mlp.experts." in message, message
+
+
+def test_fp8_block_linears_the_dense_method_does_not_read_are_refused(tmp_path, outputs, written):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = Path(shutil.copytree(outputs["gptq"], tmp_path / "out"))
+    shard = next(out.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.0.self_attn.o_proj.weight_scale_inv"] = shard.name
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(PluginRefusal) as refusal:
+        check_files(parse(written["gptq"]), open_checkpoint(out))
+    assert str(refusal.value) == (
+        f"moeconv: {shard}: model.layers.0.self_attn.o_proj.weight_scale_inv (one of 1 FP8 block scales): the dense "
+        f"layers are served by their 'gptq' method, which reads no FP8 block linear (`weight` F8_E4M3 with "
+        f"`weight_scale_inv`): the engine would load the FP8 bytes unscaled; convert with --backend "
+        f"compressed-tensors, whose FP8_BLOCK scheme describes them")

@@ -22,14 +22,17 @@ from typing import Any
 
 import torch
 from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+from sglang.srt.layers.parameter import BasevLLMParameter
 from sglang.srt.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
 from sglang.srt.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from sglang.srt.layers.quantization.moe_wna16 import MoeWNA16Config, MoeWNA16Method
+from sglang.srt.model_loader.weight_utils import default_weight_loader
 
 from moeconv.backends.triton import TritonBackend
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.errors import MoeconvError
+from moeconv.load_ledger import KV_CACHE_SCALES, LoadLedger
 from moeconv.sglang_plugin import ENGINE_VERSION, QUANT_METHOD, installed_sglang
 from moeconv.sglang_plugin.config import parse_for_sglang
 from moeconv.sglang_plugin.shards import fill
@@ -209,3 +212,39 @@ class StackedMoeWNA16Method(MoeWNA16Method):
                                 f"the output is incomplete or its names are not this model's")
         logger.debug("moeconv: %s: %d stacked tensors, %d bytes copied", self.prefix, len(written), sum(written.values()))
         super().process_weights_after_loading(layer)
+
+
+def check_loads() -> None:
+    """SGLang's `DefaultModelLoader.load_weights_only` (every safetensors load of its default loader runs
+    the model's `load_weights` there) wrapped: for a model with the plugin's MoE layers, the load's ledger
+    (moeconv/load_ledger.py) refuses, in one line, any tensor of the output no parameter took and any
+    parameter no tensor wrote, in every layer: SGLang's model loaders skip both without a word. Idempotent."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    original = DefaultModelLoader.load_weights_only
+    if getattr(original, "checks_moeconv_loads", False):
+        return
+
+    def load_weights_only(model: torch.nn.Module, weights, target_device) -> None:
+        if not any(isinstance(getattr(module, "quant_method", None), StackedMoeWNA16Method) for module in model.modules()):
+            return original(model, weights, target_device)
+        with LoadLedger(model, _loader_of, _set_loader, optional_parameters=KV_CACHE_SCALES) as ledger:
+            original(model, ledger.weights(weights), target_device)
+        refusal = ledger.refusal()
+        if refusal:
+            raise PluginRefusal(refusal)
+
+    load_weights_only.checks_moeconv_loads = True
+    DefaultModelLoader.load_weights_only = staticmethod(load_weights_only)
+
+
+def _loader_of(parameter: torch.nn.Parameter):
+    """The weight loader SGLang's model loaders call for a parameter (theirs default to default_weight_loader)."""
+    return getattr(parameter, "weight_loader", default_weight_loader)
+
+
+def _set_loader(parameter: torch.nn.Parameter, loader) -> None:
+    if isinstance(parameter, BasevLLMParameter):  # its weight_loader is a read-only property
+        parameter._weight_loader = loader
+    else:
+        parameter.weight_loader = loader

@@ -12,7 +12,8 @@ must be a boolean and `group_size` an integer (null is refused: it used to read 
 `check_files` then holds the config against the output's safetensors headers (the SGLang plugin uses
 both): every MoE layer's stacked tensors must be exactly the ones the triton backend writes for the
 config and the sizes the tensors' rows say, so zero points stored without `has_zp: true` (or missing
-with it), and a group size or bit width the shapes contradict, are refused before anything is served.
+with it), and a group size or bit width the shapes contradict, are refused before anything is served, as
+are FP8 block linears copied from the source, which the dense layers' method does not read.
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ def _source_config(config: dict[str, Any]) -> dict[str, Any]:
 STACKED_NAMES = {name for names in (*WNA16.values(), *INT8.values()) for name in names}
 QZEROS_NAMES = {names.qzeros for names in WNA16.values()}
 SCALES_NAMES = {names.scales for names in WNA16.values()}
+FP8_BLOCK_SCALE = "weight_scale_inv"  # DeepSeek's and MiniMax's FP8 block linears, which triton outputs copy as they are
 
 
 def check_files(stacked: StackedLayout, checkpoint: Checkpoint) -> None:
@@ -163,10 +165,20 @@ def check_files(stacked: StackedLayout, checkpoint: Checkpoint) -> None:
     H) and the triton backend's own specs for those sizes and the config's bits, group size and zero
     points are compared with what the headers hold, name for name, dtype and shape."""
     layers: dict[str, dict[str, TensorEntry]] = {}
+    fp8_scales = []
     for name, entry in checkpoint.tensors.items():
         owner, _, leaf = name.rpartition(".")
         if leaf in STACKED_NAMES:
             layers.setdefault(owner, {})[leaf] = entry
+        elif leaf == FP8_BLOCK_SCALE:
+            fp8_scales.append(entry)
+    if fp8_scales:
+        first = min(fp8_scales, key=lambda entry: entry.name)
+        method = (stacked.dense or stacked.source)["quant_method"]
+        raise PluginRefusal(f"{first.file}: {first.name} (one of {len(fp8_scales)} FP8 block scales): the dense "
+                            f"layers are served by their {method!r} method, which reads no FP8 block linear (`weight` "
+                            f"F8_E4M3 with `{FP8_BLOCK_SCALE}`): the engine would load the FP8 bytes unscaled; "
+                            f"convert with --backend compressed-tensors, whose FP8_BLOCK scheme describes them")
     if not layers:
         raise PluginRefusal(f"{checkpoint.root}: the config says a triton output, but its files hold no stacked "
                             f"expert tensor ({', '.join(sorted(WNA16['w13']))}, ...): reconvert")

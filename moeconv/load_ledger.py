@@ -1,0 +1,133 @@
+"""What an engine's load of a moeconv output consumed and wrote, checked after its `load_weights` (both
+plugins; torch only, no engine here).
+
+An engine's model loader skips a checkpoint name that matches no parameter without a word, and leaves a
+parameter no name matched as it was allocated: a MiniMax-M2 output whose FP8 attention the dense method
+does not know loads its `weight` into float parameters and drops every `weight_scale_inv`; a DeepSeek-V3
+output whose attention the loader cannot fuse leaves tensors unused and parameters unwritten. The ledger
+wraps every parameter's weight loader (the models' loaders call `param.weight_loader`, or the default
+loader where a parameter has none) and the weights iterator the model is handed. A tensor of the output
+counts as consumed when a weight loader is handed it, or a view of it (same storage), or a concatenation
+of it with other tensors of the same module (SGLang's DeepSeek loader hands its fused_qkv_a_proj_with_mqa
+parameter `torch.cat` of q_a_proj and kv_a_proj_with_mqa); a parameter counts as written when its weight
+loader ran. `refusal` names what is left, first few and count, in one line. Only the tensors not consumed
+yet are held (so their storage keeps naming them); each is released when a loader takes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+SHOWN = 3  # names a refusal lists before its count
+# The attention layers' KV-cache scales, which both engines allocate for some quantization configs and
+# default (no scaling) when a checkpoint has none: optional by design.
+KV_CACHE_SCALES = tuple(f".attn.{which}_{kind}" for which in "qkv" for kind in ("scale", "zero_point"))
+
+
+class LoadLedger:
+    """One load of one model: wrap the loaders (`__enter__`), feed the weights through `weights`, and ask
+    `refusal` once the model's `load_weights` returned."""
+
+    def __init__(self, model: torch.nn.Module, loader_of: Callable[[torch.nn.Parameter], Callable],
+                 set_loader: Callable[[torch.nn.Parameter, Callable], None], *, optional_parameters: tuple[str, ...] = (),
+                 dropped_tensors: tuple[str, ...] = (), also_writes: dict[int, list[torch.nn.Parameter]] | None = None):
+        """`loader_of` / `set_loader`: the engine's way to read and replace a parameter's weight loader.
+        `optional_parameters`: name endings of parameters the engine defaults when a checkpoint has none (the
+        KV-cache scales). `dropped_tensors`: name endings of tensors the engine's own name mapper drops by
+        design. `also_writes`: parameters (by id) a plugin's loader writes beside its own."""
+        self.model, self.loader_of, self.set_loader = model, loader_of, set_loader
+        self.optional, self.dropped = optional_parameters, dropped_tensors
+        self.also_writes = also_writes or {}
+        self.names = {id(parameter): name for name, parameter in model.named_parameters()}
+        self.pending: dict[str, torch.Tensor] = {}  # yielded, not consumed yet
+        self.storages: dict[int, str] = {}  # storage address of a pending tensor -> its name
+        self.written: set[int] = set()
+        self.originals: list[tuple[torch.nn.Parameter, Callable]] = []
+
+    def __enter__(self) -> LoadLedger:
+        for name, parameter in self.model.named_parameters():
+            original = self.loader_of(parameter)
+            self.originals.append((parameter, original))
+            self.set_loader(parameter, self._recording(parameter, name, original))
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for parameter, original in self.originals:
+            self.set_loader(parameter, original)
+
+    def weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if not name.endswith(self.dropped):
+                self.pending[name] = tensor
+                self.storages[tensor.untyped_storage().data_ptr()] = name
+            yield name, tensor
+
+    def _recording(self, parameter: torch.nn.Parameter, name: str, original: Callable) -> Callable:
+        module = name.rsplit(".", 2)[0] + "."  # the parent of the parameter's module: fused siblings live there
+
+        def load(*args, **kwargs):
+            for value in (*args[1:2], *kwargs.values()):
+                if isinstance(value, torch.Tensor):
+                    self._consume(value, module)
+            self.written.add(id(parameter))
+            self.written.update(id(other) for other in self.also_writes.get(id(parameter), ()))
+            return original(*args, **kwargs)
+
+        return load
+
+    def _consume(self, value: torch.Tensor, module: str) -> None:
+        name = self.storages.get(value.untyped_storage().data_ptr())
+        names = [name] if name is not None else _pieces(value, {n: t for n, t in self.pending.items() if n.startswith(module)})
+        for name in names:
+            tensor = self.pending.pop(name)
+            self.storages.pop(tensor.untyped_storage().data_ptr(), None)
+
+    def refusal(self) -> str | None:
+        """None when every tensor was consumed and every parameter written; else why not, in one line."""
+        unwritten = [name for name, parameter in self.model.named_parameters()
+                     if id(parameter) not in self.written and parameter.numel() and not name.endswith(self.optional)]
+        parts = []
+        if self.pending:
+            parts.append(f"{_listed(sorted(self.pending))} of the output's tensors were taken by no parameter")
+        if unwritten:
+            parts.append(f"{_listed(unwritten)} of the model's parameters were written by no tensor")
+        if not parts:
+            return None
+        return (f"{'; '.join(parts)}: the engine's loader dropped them without a word (a layer the source's "
+                f"quantization method does not know, or names this model does not have); convert with "
+                f"--backend compressed-tensors, or reconvert")
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:SHOWN])
+    return f"{len(names)} ({shown}{', ...' if len(names) > SHOWN else ''})"
+
+
+def _pieces(value: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the `candidates` whose concatenation along dim 0 or 1, in some order, is `value`
+    element for element (one candidate: an equal copy); [] when it is none."""
+    for dim in range(min(value.dim(), 2)):
+        offset, names = 0, []
+        while offset < value.shape[dim]:
+            piece = next((name for name, tensor in candidates.items()
+                          if name not in names and _is_slice(value, tensor, dim, offset)), None)
+            if piece is None:
+                break
+            names.append(piece)
+            offset += candidates[piece].shape[dim]
+        if names and offset == value.shape[dim]:
+            return names
+    return []
+
+
+def _is_slice(value: torch.Tensor, tensor: torch.Tensor, dim: int, offset: int) -> bool:
+    """Whether `tensor` is `value`'s slice [offset, offset + its width) along `dim`."""
+    if tensor.dim() != value.dim() or tensor.dtype != value.dtype or not tensor.shape[dim]:
+        return False
+    if offset + tensor.shape[dim] > value.shape[dim]:
+        return False
+    if any(tensor.shape[d] != value.shape[d] for d in range(value.dim()) if d != dim):
+        return False
+    return torch.equal(value.narrow(dim, offset, tensor.shape[dim]), tensor)
