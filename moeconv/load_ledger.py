@@ -16,6 +16,7 @@ yet are held (so their storage keeps naming them); each is released when a loade
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -24,6 +25,23 @@ SHOWN = 3  # names a refusal lists before its count
 # The attention layers' KV-cache scales, which both engines allocate for some quantization configs and
 # default (no scaling) when a checkpoint has none: optional by design.
 KV_CACHE_SCALES = tuple(f".attn.{which}_{kind}" for which in "qkv" for kind in ("scale", "zero_point"))
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def skipped_by_design(hidden_layers: int, tied_embeddings: bool) -> Callable[[str], bool]:
+    """The tensors both engines' model loaders skip on purpose, which a faithful output still holds: a
+    multi-token-prediction layer (DeepSeek-V3's `model.layers.<num_hidden_layers>`, Qwen3.5's `mtp.`),
+    served only by a draft model; rotary `inv_freq` buffers; `lm_head.weight` of a model with tied embeddings."""
+
+    def skipped(name: str) -> bool:
+        if name.startswith("mtp.") or name.endswith(".rotary_emb.inv_freq"):
+            return True
+        if tied_embeddings and name == "lm_head.weight":
+            return True
+        layer = LAYER.search(name)
+        return layer is not None and int(layer.group(1)) >= hidden_layers
+
+    return skipped
 
 
 class LoadLedger:
@@ -31,14 +49,17 @@ class LoadLedger:
     `refusal` once the model's `load_weights` returned."""
 
     def __init__(self, model: torch.nn.Module, loader_of: Callable[[torch.nn.Parameter], Callable],
-                 set_loader: Callable[[torch.nn.Parameter, Callable], None], *, optional_parameters: tuple[str, ...] = (),
-                 dropped_tensors: tuple[str, ...] = (), also_writes: dict[int, list[torch.nn.Parameter]] | None = None):
+                 set_loader: Callable[[torch.nn.Parameter, Callable], None], *,
+                 optional_parameters: tuple[str, ...] = (),
+                 skipped: Callable[[str], bool] = lambda name: False,
+                 also_writes: dict[int, list[torch.nn.Parameter]] | None = None):
         """`loader_of` / `set_loader`: the engine's way to read and replace a parameter's weight loader.
         `optional_parameters`: name endings of parameters the engine defaults when a checkpoint has none (the
-        KV-cache scales). `dropped_tensors`: name endings of tensors the engine's own name mapper drops by
-        design. `also_writes`: parameters (by id) a plugin's loader writes beside its own."""
+        KV-cache scales). `skipped`: whether the engine's loader skips a tensor by design (skipped_by_design,
+        and what its own name mapper drops). `also_writes`: parameters (by id) a plugin's loader writes
+        beside its own."""
         self.model, self.loader_of, self.set_loader = model, loader_of, set_loader
-        self.optional, self.dropped = optional_parameters, dropped_tensors
+        self.optional, self.skipped = optional_parameters, skipped
         self.also_writes = also_writes or {}
         self.names = {id(parameter): name for name, parameter in model.named_parameters()}
         self.pending: dict[str, torch.Tensor] = {}  # yielded, not consumed yet
@@ -59,7 +80,7 @@ class LoadLedger:
 
     def weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
-            if not name.endswith(self.dropped):
+            if not self.skipped(name):
                 self.pending[name] = tensor
                 self.storages[tensor.untyped_storage().data_ptr()] = name
             yield name, tensor
@@ -79,7 +100,10 @@ class LoadLedger:
 
     def _consume(self, value: torch.Tensor, module: str) -> None:
         name = self.storages.get(value.untyped_storage().data_ptr())
-        names = [name] if name is not None else _pieces(value, {n: t for n, t in self.pending.items() if n.startswith(module)})
+        if name is not None:
+            names = [name]
+        else:  # made by the model's loader: the module's pending tensors it is made of
+            names = _pieces(value, {n: t for n, t in self.pending.items() if n.startswith(module)})
         for name in names:
             tensor = self.pending.pop(name)
             self.storages.pop(tensor.untyped_storage().data_ptr(), None)

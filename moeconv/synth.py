@@ -289,7 +289,8 @@ def _config(spec: SynthSpec) -> dict[str, Any]:
             config.update(_MLA, q_lora_rank=_MLA_Q_LORA[arch], max_position_embeddings=4096, moe_layer_freq=1,
                           scoring_func="sigmoid" if arch in _ROUTER_BIAS else "softmax")
     if arch == "qwen3_moe":  # q/k/v_proj are hidden x hidden: as many KV heads as heads (the default has 4 of 32)
-        config.update(num_attention_heads=_QWEN3_HEADS, num_key_value_heads=_QWEN3_HEADS, head_dim=spec.hidden // _QWEN3_HEADS)
+        config.update(num_attention_heads=_QWEN3_HEADS, num_key_value_heads=_QWEN3_HEADS,
+                      head_dim=spec.hidden // _QWEN3_HEADS)
     if arch in ("glm4_moe", "minimax_m2"):  # attention sizes their configs have no usable default for
         config.update(num_attention_heads=2, num_key_value_heads=2, head_dim=spec.hidden // 2,
                       rotary_dim=spec.hidden // 2, partial_rotary_factor=1.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeconv.load_ledger import LoadLedger
+from moeconv.load_ledger import LoadLedger, skipped_by_design
 
 
 def default_loader(parameter: torch.nn.Parameter, loaded: torch.Tensor) -> None:
@@ -138,7 +138,7 @@ def test_a_concatenation_of_other_bytes_consumes_nothing():
 def test_what_the_engine_drops_or_defaults_by_design_and_what_a_plugin_writes_are_not_refused():
     weights = checkpoint(**{"layers.0.attn.o_proj.g_idx": torch.arange(4)})
     assert run(weights)[0].startswith("1 (layers.0.attn.o_proj.g_idx)")
-    assert run(weights, dropped_tensors=(".g_idx",))[0] is None
+    assert run(weights, skipped=lambda name: name.endswith(".g_idx"))[0] is None
     model = Wrapped()
     with LoadLedger(model, loader_of, set_loader) as ledger:  # the KV-cache scale not optional here
         load_weights(model.layers[0].attn, ledger.weights(checkpoint()))
@@ -159,3 +159,14 @@ def test_the_loaders_are_restored_after_the_load():
             raise RuntimeError("the model's loader failed")
     assert attn.qkv.weight_loader is before
     assert attn.o.weight_loader is default_loader  # the engine's default, set where a parameter had none
+
+
+def test_what_both_engines_skip_by_design():
+    skipped = skipped_by_design(hidden_layers=61, tied_embeddings=False)
+    for name in ("model.layers.61.eh_proj.weight", "model.layers.61.mlp.experts.w13_qweight",
+                 "mtp.layers.0.mlp.experts.0.gate_proj.weight", "model.layers.3.self_attn.rotary_emb.inv_freq"):
+        assert skipped(name), name
+    for name in ("model.layers.60.mlp.experts.w13_qweight", "model.language_model.layers.6.self_attn.q_proj.qweight",
+                 "lm_head.weight", "model.embed_tokens.weight"):
+        assert not skipped(name), name
+    assert skipped_by_design(hidden_layers=61, tied_embeddings=True)("lm_head.weight")

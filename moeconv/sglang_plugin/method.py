@@ -32,7 +32,7 @@ from moeconv.backends.triton import TritonBackend
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.errors import MoeconvError
-from moeconv.load_ledger import KV_CACHE_SCALES, LoadLedger
+from moeconv.load_ledger import KV_CACHE_SCALES, LoadLedger, skipped_by_design
 from moeconv.sglang_plugin import ENGINE_VERSION, QUANT_METHOD, installed_sglang
 from moeconv.sglang_plugin.config import parse_for_sglang
 from moeconv.sglang_plugin.shards import fill
@@ -226,9 +226,11 @@ def check_loads() -> None:
         return
 
     def load_weights_only(model: torch.nn.Module, weights, target_device) -> None:
-        if not any(isinstance(getattr(module, "quant_method", None), StackedMoeWNA16Method) for module in model.modules()):
+        methods = (getattr(module, "quant_method", None) for module in model.modules())
+        if not any(isinstance(method, StackedMoeWNA16Method) for method in methods):
             return original(model, weights, target_device)
-        with LoadLedger(model, _loader_of, _set_loader, optional_parameters=KV_CACHE_SCALES) as ledger:
+        skipped = skipped_by_design(model.config.get_text_config().num_hidden_layers, model.config.tie_word_embeddings)
+        with LoadLedger(model, _loader_of, _set_loader, optional_parameters=KV_CACHE_SCALES, skipped=skipped) as ledger:
             original(model, ledger.weights(weights), target_device)
         refusal = ledger.refusal()
         if refusal:

@@ -93,7 +93,8 @@ def _parse(config: Any) -> StackedLayout:
     for key in ("bits", "group_size", "has_zp"):
         if key not in config:
             raise PluginRefusal(f"{WHERE} has no {key}: reconvert")
-    for key, kind in (("bits", "an integer"), ("group_size", "an integer (-1: channel-wise)"), ("has_zp", "true or false")):
+    kinds = {"bits": "an integer", "group_size": "an integer (-1: channel-wise)", "has_zp": "true or false"}
+    for key, kind in kinds.items():
         if config[key] is None:  # config_int / config_bool read null as their default
             raise PluginRefusal(f"{WHERE}: {key} is null; it must be {kind} (reconvert)")
     bits = config_int(config, "bits", 0, WHERE)
@@ -156,7 +157,7 @@ def _source_config(config: dict[str, Any]) -> dict[str, Any]:
 STACKED_NAMES = {name for names in (*WNA16.values(), *INT8.values()) for name in names}
 QZEROS_NAMES = {names.qzeros for names in WNA16.values()}
 SCALES_NAMES = {names.scales for names in WNA16.values()}
-FP8_BLOCK_SCALE = "weight_scale_inv"  # DeepSeek's and MiniMax's FP8 block linears, which triton outputs copy as they are
+FP8_BLOCK_SCALE = "weight_scale_inv"  # DeepSeek's and MiniMax's FP8 block linears, which triton outputs copy
 
 
 def check_files(stacked: StackedLayout, checkpoint: Checkpoint) -> None:

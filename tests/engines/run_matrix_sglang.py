@@ -331,9 +331,9 @@ def _report(cases, results, refusals) -> list[str]:
     print("| family | source | backend | SGLang 0.5.23 (+ moeconv plugin) | detail |")
     print("|---|---|---|---|---|")
     failures = []
-    # Parameters SGLang creates that the synthetic sources of a family do not fill either (Qwen3's
-    # q_norm / k_norm, which synth does not write; act-order parameters a checkpoint without act-order
-    # has no tensor for): found by loading the sources, and not counted against a conversion.
+    # Parameters SGLang creates that the synthetic sources of a family do not fill either (act-order
+    # parameters a checkpoint without act-order has no tensor for): found by loading the sources, and not
+    # counted against a conversion.
     source_gaps: dict[str, set[str]] = {}
     for (family, _source, backend, *_), result in zip(cases, results):
         if backend.startswith("(source)") and result["loaded"]:
