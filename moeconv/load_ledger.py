@@ -63,7 +63,9 @@ class LoadLedger:
         self.also_writes = also_writes or {}
         self.names = {id(parameter): name for name, parameter in model.named_parameters()}
         self.pending: dict[str, torch.Tensor] = {}  # yielded, not consumed yet
-        self.storages: dict[int, str] = {}  # storage address of a pending tensor -> its name
+        # storage address -> the pending tensors in it (one each, or a whole file's where a loader maps
+        # every tensor of a file into one buffer)
+        self.storages: dict[int, set[str]] = {}
         self.written: set[int] = set()
         self.originals: list[tuple[torch.nn.Parameter, Callable]] = []
 
@@ -82,7 +84,7 @@ class LoadLedger:
         for name, tensor in weights:
             if not self.skipped(name):
                 self.pending[name] = tensor
-                self.storages[tensor.untyped_storage().data_ptr()] = name
+                self.storages.setdefault(tensor.untyped_storage().data_ptr(), set()).add(name)
             yield name, tensor
 
     def _recording(self, parameter: torch.nn.Parameter, name: str, original: Callable) -> Callable:
@@ -99,14 +101,19 @@ class LoadLedger:
         return load
 
     def _consume(self, value: torch.Tensor, module: str) -> None:
-        name = self.storages.get(value.untyped_storage().data_ptr())
-        if name is not None:
-            names = [name]
-        else:  # made by the model's loader: the module's pending tensors it is made of
+        address = value.data_ptr()
+        sharing = self.storages.get(value.untyped_storage().data_ptr(), ())
+        names = [name for name in sharing  # the pending tensor this one is a view of: its bytes hold the view's start
+                 if self.pending[name].data_ptr() <= address < self.pending[name].data_ptr() + max(
+                     self.pending[name].nbytes, 1)]
+        if not names:  # made by the model's loader: the module's pending tensors it is made of
             names = _pieces(value, {n: t for n, t in self.pending.items() if n.startswith(module)})
         for name in names:
             tensor = self.pending.pop(name)
-            self.storages.pop(tensor.untyped_storage().data_ptr(), None)
+            storage = tensor.untyped_storage().data_ptr()
+            self.storages[storage].discard(name)
+            if not self.storages[storage]:
+                del self.storages[storage]
 
     def refusal(self) -> str | None:
         """None when every tensor was consumed and every parameter written; else why not, in one line."""

@@ -170,3 +170,18 @@ def test_what_both_engines_skip_by_design():
                  "lm_head.weight", "model.embed_tokens.weight"):
         assert not skipped(name), name
     assert skipped_by_design(hidden_layers=61, tied_embeddings=True)("lm_head.weight")
+
+
+def test_tensors_in_one_buffer_are_told_apart_by_their_bytes():
+    """A loader that maps a whole file into one buffer (its tensors views of one storage): each tensor is
+    consumed by the view of its own bytes only, so one the model skipped is still named."""
+    weights = checkpoint(**{"layers.0.attn.o_proj.weight_scale_inv": torch.ones(1, 1)})
+    buffer = torch.cat([tensor.reshape(-1) for _, tensor in weights])
+    views, offset = [], 0
+    for name, tensor in weights:
+        views.append((name, buffer[offset:offset + tensor.numel()].view(tensor.shape)))
+        offset += tensor.numel()
+    refusal, _ = run(views)
+    assert refusal.startswith("1 (layers.0.attn.o_proj.weight_scale_inv) of the output's tensors were taken by no "
+                              "parameter:"), refusal
+    assert run(views[:-1])[0] is None
