@@ -23,8 +23,9 @@ import torch
 
 SHOWN = 3  # names a refusal lists before its count
 # The attention layers' KV-cache scales, which both engines allocate for some quantization configs and
-# default (no scaling) when a checkpoint has none: optional by design.
-KV_CACHE_SCALES = tuple(f".attn.{which}_{kind}" for which in "qkv" for kind in ("scale", "zero_point"))
+# default (no scaling) when a checkpoint has none: optional by design. Only attention has them under these
+# names (`self_attn.attn.k_scale`; MLA's `mla_attn`, `attn_mqa`), linears' are weight_scale / input_scale.
+KV_CACHE_SCALES = (*(f".{which}_{kind}" for which in "qkv" for kind in ("scale", "zero_point")), ".prob_scale")
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

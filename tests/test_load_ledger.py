@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeconv.load_ledger import LoadLedger, skipped_by_design
+from moeconv.load_ledger import KV_CACHE_SCALES, LoadLedger, skipped_by_design
 
 
 def default_loader(parameter: torch.nn.Parameter, loaded: torch.Tensor) -> None:
@@ -185,3 +185,12 @@ def test_tensors_in_one_buffer_are_told_apart_by_their_bytes():
     assert refusal.startswith("1 (layers.0.attn.o_proj.weight_scale_inv) of the output's tensors were taken by no "
                               "parameter:"), refusal
     assert run(views[:-1])[0] is None
+
+
+def test_the_kv_cache_scales_are_optional_and_no_linear_scale_is():
+    for name in ("model.layers.0.self_attn.attn.k_scale", "model.layers.0.self_attn.mla_attn.v_scale",
+                 "model.layers.0.self_attn.attn_mqa.k_scale", "model.layers.0.self_attn.attn.q_zero_point"):
+        assert name.endswith(KV_CACHE_SCALES), name
+    for name in ("model.layers.0.self_attn.o_proj.weight_scale", "model.layers.0.self_attn.qkv_proj.input_scale",
+                 "model.layers.0.mlp.experts.w13_weight_scale", "model.layers.0.self_attn.k_proj.weight_zero_point"):
+        assert not name.endswith(KV_CACHE_SCALES), name
