@@ -186,6 +186,7 @@ _FAMILIES = {"mixtral": ("MixtralForCausalLM", "mixtral"), "qwen2_moe": ("Qwen2M
              "deepseek_v2": ("DeepseekV2ForCausalLM", "deepseek"), "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek"),
              "kimi_k2": ("DeepseekV3ForCausalLM", "deepseek"), "glm4_moe": ("Glm4MoeForCausalLM", "deepseek"),
              "minimax_m2": ("MiniMaxM2ForCausalLM", "mixtral")}
+_QWEN3_HEADS = 2  # attention heads (and KV heads) of a synthetic Qwen3-MoE: head_dim = hidden / 2
 _ROUTER_BIAS = ("deepseek_v3", "kimi_k2", "glm4_moe")  # e_score_correction_bias beside the router
 # DeepSeek's multi-head latent attention (MLA), small: its projections in place of q/k/v/o_proj. V2 has
 # no query LoRA (q_proj); V3 and Kimi-K2 do (q_a_proj, q_a_layernorm, q_b_proj).
@@ -209,6 +210,12 @@ def _build(spec: SynthSpec) -> tuple[_Builder, dict[str, Any]]:
         else:
             for projection in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 b.linear(f"{p}.self_attn.{projection}", h, h)
+        if arch == "qwen2_moe":  # Qwen2's attention has q/k/v biases (float beside quantized linears)
+            for projection in ("q_proj", "k_proj", "v_proj"):
+                b.dense(f"{p}.self_attn.{projection}.bias", (h,))
+        if arch == "qwen3_moe":  # Qwen3's per-head RMSNorm of queries and keys
+            for norm in ("q_norm", "k_norm"):
+                b.dense(f"{p}.self_attn.{norm}.weight", (h // _QWEN3_HEADS,), ones=True)
         if layer < spec.dense_layers:
             b.mlp(f"{p}.mlp", _HF_NAMES, spec.dense_intermediate)
             continue
@@ -281,6 +288,9 @@ def _config(spec: SynthSpec) -> dict[str, Any]:
         if arch in _MLA_Q_LORA:  # moe_layer_freq, scoring_func: DeepSeek's config.json has them, SGLang reads them
             config.update(_MLA, q_lora_rank=_MLA_Q_LORA[arch], max_position_embeddings=4096, moe_layer_freq=1,
                           scoring_func="sigmoid" if arch in _ROUTER_BIAS else "softmax")
+    if arch == "qwen3_moe":  # q/k/v_proj are hidden x hidden: as many KV heads as heads (the default has 4 of 32)
+        config.update(num_attention_heads=_QWEN3_HEADS, num_key_value_heads=_QWEN3_HEADS,
+                      head_dim=spec.hidden // _QWEN3_HEADS)
     if arch in ("glm4_moe", "minimax_m2"):  # attention sizes their configs have no usable default for
         config.update(num_attention_heads=2, num_key_value_heads=2, head_dim=spec.hidden // 2,
                       rotary_dim=spec.hidden // 2, partial_rotary_factor=1.0)

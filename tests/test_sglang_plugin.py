@@ -27,7 +27,8 @@ from moeconv.formats import GPTQ, CompressedTensors
 from moeconv.sglang_plugin.config import parse_for_sglang
 from moeconv.sglang_plugin.shards import STACKED, fill
 from moeconv.synth import SynthSpec, make_checkpoint
-from moeconv.vllm_plugin.config import PluginRefusal
+from moeconv.checkpoint.reader import open_checkpoint
+from moeconv.vllm_plugin.config import PluginRefusal, check_files
 
 from strategies import random_canonical, weight_columns, weight_rows
 
@@ -96,6 +97,20 @@ def test_what_moe_wna16_cannot_hold_is_refused(tmp_path, fmt, refusal):
     with pytest.raises(PluginRefusal) as caught:
         parse_for_sglang(_written(tmp_path, fmt))
     assert str(caught.value).startswith(refusal) and "\n" not in str(caught.value)
+
+
+def test_an_asymmetric_output_whose_config_denies_its_zero_points_is_refused_against_its_files(tmp_path):
+    """What the SGLang plugin checks when SGLang builds its config (method.py :: _check_local_files): the
+    shared parser, then the config against the output's headers."""
+    config = _written(tmp_path, GPTQ(4, 32, sym=False))
+    checkpoint = open_checkpoint(tmp_path / "out")
+    check_files(parse_for_sglang(config), checkpoint)  # as written: consistent
+    for has_zp, expected in ((False, "w13_qzeros: the config says has_zp false"), (None, "has_zp is null")):
+        with pytest.raises(PluginRefusal) as caught:
+            check_files(parse_for_sglang({**config, "has_zp": has_zp}), checkpoint)
+        assert str(caught.value).startswith("moeconv: ") and expected in str(caught.value), str(caught.value)
+    with pytest.raises(PluginRefusal, match="^moeconv: the output's quantization_config: group_size is null"):
+        parse_for_sglang({**config, "group_size": None})  # used to read as channel-wise
 
 
 def test_a_cpu_output_is_refused_by_the_shared_parser(tmp_path):

@@ -6,35 +6,46 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 import moeconv
 from moeconv.canonical import CHANNELWISE
 from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.synth import SynthSpec, make_checkpoint
-from moeconv.vllm_plugin.config import INT8_LAYOUT, WNA16_LAYOUT, PluginRefusal, parse
+from moeconv.checkpoint.reader import open_checkpoint
+from moeconv.vllm_plugin.config import INT8_LAYOUT, WNA16_LAYOUT, PluginRefusal, check_files, parse
 
 
-def _written(tmp_path_factory, name: str, fmt) -> dict:
+def _converted(tmp_path_factory, name: str, fmt) -> Path:
     base = tmp_path_factory.mktemp(name)
     source = make_checkpoint(base / "src", SynthSpec(architecture="qwen3_moe", source_format=fmt, layers=1, experts=2))
-    out = moeconv.convert(source, base / "out", backend="triton").output
+    return moeconv.convert(source, base / "out", backend="triton").output
+
+
+def _config(out: Path) -> dict:
     return json.loads((out / "config.json").read_text())["quantization_config"]
 
 
 @pytest.fixture(scope="module")
-def gptq_config(tmp_path_factory) -> dict:
-    return _written(tmp_path_factory, "gptq", GPTQ(4, 32, sym=True))
+def outputs(tmp_path_factory) -> dict[str, Path]:
+    return {"gptq": _converted(tmp_path_factory, "gptq", GPTQ(4, 32, sym=True)),
+            "awq": _converted(tmp_path_factory, "awq", AWQ(4, 32)),
+            "ct-channelwise-8bit": _converted(tmp_path_factory, "ct8", CompressedTensors(bits=8, group_size=-1)),
+            "w8a8": _converted(tmp_path_factory, "w8a8", CompressedTensors(format="int-quantized", bits=8,
+                                                                         group_size=-1, activation_bits=8))}
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory, gptq_config) -> dict[str, dict]:
-    return {"gptq": gptq_config,
-            "awq": _written(tmp_path_factory, "awq", AWQ(4, 32)),
-            "ct-channelwise-8bit": _written(tmp_path_factory, "ct8", CompressedTensors(bits=8, group_size=-1)),
-            "w8a8": _written(tmp_path_factory, "w8a8", CompressedTensors(format="int-quantized", bits=8,
-                                                                        group_size=-1, activation_bits=8))}
+def gptq_config(outputs) -> dict:
+    return _config(outputs["gptq"])
+
+
+@pytest.fixture(scope="module")
+def written(outputs) -> dict[str, dict]:
+    return {name: _config(out) for name, out in outputs.items()}
 
 
 def test_the_configs_convert_writes_parse_to_what_they_say(written):
@@ -56,6 +67,10 @@ def _nested(config: dict) -> dict:
 HOSTILE = {  # what the issue lists, and its neighbours: each must be refused, none coerced
     "has_zp string": (lambda c: {**c, "has_zp": "false"}, "has_zp must be true or false"),
     "has_zp int": (lambda c: {**c, "has_zp": 0}, "has_zp must be true or false"),
+    "has_zp null": (lambda c: {**c, "has_zp": None}, "has_zp is null; it must be true or false"),
+    "has_zp missing": (lambda c: {k: v for k, v in c.items() if k != "has_zp"}, "has no has_zp"),
+    "group_size null": (lambda c: {**c, "group_size": None}, "group_size is null; it must be an integer"),
+    "bits null": (lambda c: {**c, "bits": None}, "bits is null; it must be an integer"),
     "bits float": (lambda c: {**c, "bits": 4.7}, "bits must be an integer"),
     "bits bool": (lambda c: {**c, "bits": True}, "bits must be an integer"),
     "bits string": (lambda c: {**c, "bits": "4"}, "bits must be an integer"),
@@ -101,3 +116,55 @@ def test_int8_layout_fields_must_agree(written):
     for change in ({"bits": 4}, {"has_zp": True}, {"group_size": 32}):
         with pytest.raises(PluginRefusal, match="symmetric 8-bit with one scale per channel"):
             parse({**written["w8a8"], **change})
+
+
+def test_the_outputs_convert_writes_agree_with_their_files(outputs, written):
+    for name, out in outputs.items():
+        check_files(parse(written[name]), open_checkpoint(out))  # refuses on any disagreement
+
+
+# The config changed, the files not: what each change would serve wrongly, and the words that say so.
+AGAINST_FILES = {
+    "asymmetric output, has_zp false": ("awq", {"has_zp": False},
+                                        "w13_qzeros: the config says has_zp false, so the model would be served "
+                                        "without these zero points"),
+    "symmetric output, has_zp true": ("gptq", {"has_zp": True},
+                                      "w13_qzeros: the files hold no such tensor, and the config says has_zp true"),
+    "group_size wider than the files'": ("gptq", {"group_size": 64}, "say group_size 32"),
+    "grouped files, config channel-wise": ("awq", {"group_size": -1}, "say group_size 32"),
+    "channel-wise files, config grouped": ("ct-channelwise-8bit", {"group_size": 32}, "say group_size -1"),
+    "bits 8, the files 4-bit": ("gptq", {"bits": 8}, "w13_qweight is U8"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(AGAINST_FILES))
+def test_a_config_the_files_contradict_is_one_refusal_naming_file_and_tensor(outputs, written, case):
+    output, change, expected = AGAINST_FILES[case]
+    stacked = parse({**written[output], **change})  # the config alone is well-formed
+    with pytest.raises(PluginRefusal) as refusal:
+        check_files(stacked, open_checkpoint(outputs[output]))
+    message = str(refusal.value)
+    assert message.startswith("moeconv: ") and "\n" not in message, message
+    assert expected in message and ".safetensors: model.layers.0.mlp.experts." in message, message
+
+
+def test_fp8_block_linears_the_dense_method_does_not_read_are_refused(tmp_path, outputs, written):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = Path(shutil.copytree(outputs["gptq"], tmp_path / "out"))
+    shard = next(out.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.0.self_attn.o_proj.weight_scale_inv"] = shard.name
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(PluginRefusal) as refusal:
+        check_files(parse(written["gptq"]), open_checkpoint(out))
+    assert str(refusal.value) == (
+        f"moeconv: {shard}: model.layers.0.self_attn.o_proj.weight_scale_inv (one of 1 FP8 block scales): the dense "
+        f"layers are served by their 'gptq' method, which reads no FP8 block linear (`weight` F8_E4M3 with "
+        f"`weight_scale_inv`): the engine would load the FP8 bytes unscaled; convert with --backend "
+        f"compressed-tensors, whose FP8_BLOCK scheme describes them")

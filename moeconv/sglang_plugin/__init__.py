@@ -43,6 +43,7 @@ def register() -> None:
 
         QUANTIZATION_METHODS[QUANT_METHOD] = refusing_config(installed_sglang())
         return
-    from moeconv.sglang_plugin.method import MoeconvConfig
+    from moeconv.sglang_plugin.method import MoeconvConfig, check_loads
 
     QUANTIZATION_METHODS[QUANT_METHOD] = MoeconvConfig
+    check_loads()

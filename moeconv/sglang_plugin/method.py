@@ -17,21 +17,27 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+from sglang.srt.layers.parameter import BasevLLMParameter
 from sglang.srt.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
 from sglang.srt.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from sglang.srt.layers.quantization.moe_wna16 import MoeWNA16Config, MoeWNA16Method
+from sglang.srt.model_loader.weight_utils import default_weight_loader
 
 from moeconv.backends.triton import TritonBackend
 from moeconv.canonical import MoELayerShape
+from moeconv.checkpoint.reader import open_checkpoint
+from moeconv.errors import MoeconvError
+from moeconv.load_ledger import KV_CACHE_SCALES, LoadLedger, skipped_by_design
 from moeconv.sglang_plugin import ENGINE_VERSION, QUANT_METHOD, installed_sglang
 from moeconv.sglang_plugin.config import parse_for_sglang
 from moeconv.sglang_plugin.shards import fill
 from moeconv.spec import TORCH_DTYPES
-from moeconv.vllm_plugin.config import PluginRefusal, StackedLayout
+from moeconv.vllm_plugin.config import PluginRefusal, StackedLayout, check_files
 
 logger = logging.getLogger("sglang.moeconv")
 PER_EXPERT = re.compile(r"\.experts\.\d+\.")  # a module of one expert (`...experts.3.w1`)
@@ -48,6 +54,7 @@ class MoeconvConfig(QuantizationConfig):
         if sys.byteorder != "little":
             raise PluginRefusal("the stacked layouts are served on little-endian hosts only")
         self.stacked = parse_for_sglang(config)
+        _check_local_files(self.stacked, config)
         self.dense = _dense_config(self.stacked.dense or self.stacked.source, config)
         has_zp = self.stacked.has_zp
         # SGLang's own MoeWNA16 config, which MoeWNA16Method reads its sizes and zero-point flag from; its
@@ -102,6 +109,21 @@ class MoeconvConfig(QuantizationConfig):
                                 f"get_model_architecture, QuantMixtralForCausalLM), which no stacked tensor fills; "
                                 f"convert with --backend compressed-tensors (symmetric sources) or humming")
         return self.dense.get_quant_method(layer, prefix)
+
+
+def _check_local_files(stacked: StackedLayout, config: dict[str, Any]) -> None:
+    """The config against the output's headers (config.check_files), when SGLang serves a local folder: the
+    model's hf_config, which SGLang's get_quant_config adds to the dict, carries its path (a Hub id is
+    downloaded later; then the load's ledger is the bound)."""
+    hf_config = config.get("hf_config")
+    root = Path(hf_config.name_or_path) if hf_config is not None else None
+    if root is None or not root.is_dir():
+        return
+    try:
+        checkpoint = open_checkpoint(root)
+    except MoeconvError as error:
+        raise PluginRefusal(str(error)) from None
+    check_files(stacked, checkpoint)
 
 
 def _dense_config(source: dict[str, Any], config: dict[str, Any]) -> QuantizationConfig:
@@ -190,3 +212,41 @@ class StackedMoeWNA16Method(MoeWNA16Method):
                                 f"the output is incomplete or its names are not this model's")
         logger.debug("moeconv: %s: %d stacked tensors, %d bytes copied", self.prefix, len(written), sum(written.values()))
         super().process_weights_after_loading(layer)
+
+
+def check_loads() -> None:
+    """SGLang's `DefaultModelLoader.load_weights_only` (every safetensors load of its default loader runs
+    the model's `load_weights` there) wrapped: for a model with the plugin's MoE layers, the load's ledger
+    (moeconv/load_ledger.py) refuses, in one line, any tensor of the output no parameter took and any
+    parameter no tensor wrote, in every layer: SGLang's model loaders skip both without a word. Idempotent."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    original = DefaultModelLoader.load_weights_only
+    if getattr(original, "checks_moeconv_loads", False):
+        return
+
+    def load_weights_only(model: torch.nn.Module, weights, target_device) -> None:
+        methods = (getattr(module, "quant_method", None) for module in model.modules())
+        if not any(isinstance(method, StackedMoeWNA16Method) for method in methods):
+            return original(model, weights, target_device)
+        skipped = skipped_by_design(model.config.get_text_config().num_hidden_layers, model.config.tie_word_embeddings)
+        with LoadLedger(model, _loader_of, _set_loader, optional_parameters=KV_CACHE_SCALES, skipped=skipped) as ledger:
+            original(model, ledger.weights(weights), target_device)
+        refusal = ledger.refusal()
+        if refusal:
+            raise PluginRefusal(refusal)
+
+    load_weights_only.checks_moeconv_loads = True
+    DefaultModelLoader.load_weights_only = staticmethod(load_weights_only)
+
+
+def _loader_of(parameter: torch.nn.Parameter):
+    """The weight loader SGLang's model loaders call for a parameter (theirs default to default_weight_loader)."""
+    return getattr(parameter, "weight_loader", default_weight_loader)
+
+
+def _set_loader(parameter: torch.nn.Parameter, loader) -> None:
+    if isinstance(parameter, BasevLLMParameter):  # its weight_loader is a read-only property
+        parameter._weight_loader = loader
+    else:
+        parameter.weight_loader = loader

@@ -5,7 +5,15 @@ are read is checked the way `convert` checks a source's config (`moeconv.formats
 `config_bool`, `checked_group_size`): `has_zp: "false"`, `bits: 4.7`, `group_size: 127.9`, a numeric
 or boolean `scale_dtype`, a group size that is negative, not a power of two or wider than a byte
 count can hold, a missing or non-object source config, or a source config that is itself a moeconv
-config, are each one refusal starting `moeconv:`, never a coerced value or a raw exception.
+config, are each one refusal starting `moeconv:`, never a coerced value or a raw exception. `has_zp`
+must be a boolean and `group_size` an integer (null is refused: it used to read as "symmetric" and
+"channel-wise").
+
+`check_files` then holds the config against the output's safetensors headers (the SGLang plugin uses
+both): every MoE layer's stacked tensors must be exactly the ones the triton backend writes for the
+config and the sizes the tensors' rows say, so zero points stored without `has_zp: true` (or missing
+with it), and a group size or bit width the shapes contradict, are refused before anything is served, as
+are FP8 block linears copied from the source, which the dense layers' method does not read.
 """
 
 from __future__ import annotations
@@ -13,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from moeconv.backends.triton import TritonBackend
-from moeconv.canonical import CHANNELWISE
+from moeconv.backends.triton import INT8, WNA16, TritonBackend
+from moeconv.canonical import CHANNELWISE, MoELayerShape
+from moeconv.checkpoint.reader import Checkpoint, TensorEntry
 from moeconv.errors import MoeconvError
 from moeconv.formats.base import checked_group_size, config_bool, config_int
 from moeconv.spec import FLOAT_DTYPES
@@ -84,6 +93,10 @@ def _parse(config: Any) -> StackedLayout:
     for key in ("bits", "group_size", "has_zp"):
         if key not in config:
             raise PluginRefusal(f"{WHERE} has no {key}: reconvert")
+    kinds = {"bits": "an integer", "group_size": "an integer (-1: channel-wise)", "has_zp": "true or false"}
+    for key, kind in kinds.items():
+        if config[key] is None:  # config_int / config_bool read null as their default
+            raise PluginRefusal(f"{WHERE}: {key} is null; it must be {kind} (reconvert)")
     bits = config_int(config, "bits", 0, WHERE)
     group_size = config_int(config, "group_size", 0, WHERE)
     has_zp = config_bool(config, "has_zp", False, WHERE)
@@ -139,3 +152,78 @@ def _source_config(config: dict[str, Any]) -> dict[str, Any]:
         raise PluginRefusal(f"{WHERE}: source_quantization_config is itself a moeconv config; convert the "
                             f"original source, not a moeconv output")
     return source
+
+
+STACKED_NAMES = {name for names in (*WNA16.values(), *INT8.values()) for name in names}
+QZEROS_NAMES = {names.qzeros for names in WNA16.values()}
+SCALES_NAMES = {names.scales for names in WNA16.values()}
+FP8_BLOCK_SCALE = "weight_scale_inv"  # DeepSeek's and MiniMax's FP8 block linears, which triton outputs copy
+
+
+def check_files(stacked: StackedLayout, checkpoint: Checkpoint) -> None:
+    """Refuses (one line naming the file and tensor) any MoE layer whose stacked tensors in the files are
+    not exactly what the config says: each layer's sizes are read from its tensors' rows (w13: 2I, w2:
+    H) and the triton backend's own specs for those sizes and the config's bits, group size and zero
+    points are compared with what the headers hold, name for name, dtype and shape."""
+    layers: dict[str, dict[str, TensorEntry]] = {}
+    fp8_scales = []
+    for name, entry in checkpoint.tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        if leaf in STACKED_NAMES:
+            layers.setdefault(owner, {})[leaf] = entry
+        elif leaf == FP8_BLOCK_SCALE:
+            fp8_scales.append(entry)
+    if fp8_scales:
+        first = min(fp8_scales, key=lambda entry: entry.name)
+        method = (stacked.dense or stacked.source)["quant_method"]
+        raise PluginRefusal(f"{first.file}: {first.name} (one of {len(fp8_scales)} FP8 block scales): the dense "
+                            f"layers are served by their {method!r} method, which reads no FP8 block linear (`weight` "
+                            f"F8_E4M3 with `{FP8_BLOCK_SCALE}`): the engine would load the FP8 bytes unscaled; "
+                            f"convert with --backend compressed-tensors, whose FP8_BLOCK scheme describes them")
+    if not layers:
+        raise PluginRefusal(f"{checkpoint.root}: the config says a triton output, but its files hold no stacked "
+                            f"expert tensor ({', '.join(sorted(WNA16['w13']))}, ...): reconvert")
+    for owner, held in sorted(layers.items()):
+        _check_layer(stacked, owner, held)
+
+
+def _check_layer(stacked: StackedLayout, owner: str, held: dict[str, TensorEntry]) -> None:
+    int8 = stacked.layout == INT8_LAYOUT
+    anchors = (INT8["w13"].weight, INT8["w2"].weight) if int8 else (WNA16["w13"].qweight, WNA16["w2"].qweight)
+    for anchor in anchors:
+        if anchor not in held or len(held[anchor].shape) != 3:
+            any_entry = next(iter(held.values()))
+            raise PluginRefusal(f"{any_entry.file}: {owner} holds {sorted(held)} but no 3-D {anchor}, which the "
+                                f"config's {stacked.layout} layout stores for every MoE layer (reconvert)")
+    w13, w2 = held[anchors[0]], held[anchors[1]]
+    shape = MoELayerShape(experts=w13.shape[0], hidden=w2.shape[1], intermediate=w13.shape[1] // 2, bits=stacked.bits,
+                          group_size=stacked.group_size, symmetric=not stacked.has_zp,
+                          scale_dtype=stacked.scale_dtype, activation_bits=8 if int8 else 16)
+    specs = {spec.name: spec for spec in TritonBackend().layer_tensors(shape)}
+    for name, entry in sorted(held.items()):
+        if name not in specs:
+            why = ("the config says has_zp false, so the model would be served without these zero points"
+                   if name in QZEROS_NAMES else f"the config's {stacked.layout} layout has no such tensor")
+            raise PluginRefusal(f"{entry.file}: {owner}.{name}: {why}; reconvert, or correct the config")
+    for name, spec in specs.items():
+        if name not in held:
+            why = "the config says has_zp true" if name in QZEROS_NAMES else f"the {stacked.layout} layout stores it"
+            raise PluginRefusal(f"{w13.file}: {owner}.{name}: the files hold no such tensor, and {why} (reconvert)")
+        entry = held[name]
+        if entry.dtype != spec.dtype or tuple(entry.shape) != tuple(spec.shape):
+            raise PluginRefusal(f"{entry.file}: {owner}.{name} is {entry.dtype}{list(entry.shape)}; bits "
+                                f"{stacked.bits}, group_size {stacked.group_size} and has_zp "
+                                f"{str(stacked.has_zp).lower()} with the layer's sizes (E {shape.experts}, H "
+                                f"{shape.hidden}, I {shape.intermediate}) say {spec.dtype}{list(spec.shape)}"
+                                f"{_shapes_say(name, entry, shape)}; reconvert, or correct the config")
+
+
+
+def _shapes_say(name: str, entry: TensorEntry, shape: MoELayerShape) -> str:
+    """What group size a scales tensor's shape says, for the refusal."""
+    if name not in SCALES_NAMES or len(entry.shape) != 3 or entry.shape[2] < 1:
+        return ""
+    width = shape.hidden if name == WNA16["w13"].scales else shape.intermediate
+    groups = entry.shape[2]
+    said = CHANNELWISE if groups == 1 else width // groups
+    return f" (its {groups} groups over K {width} say group_size {said})"

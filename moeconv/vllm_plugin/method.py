@@ -27,6 +27,7 @@ from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.fused_moe.oracle import int_wna16
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_int8 import (  # noqa: E501
     CompressedTensorsW8A8Int8MoEMethod,
 )
@@ -39,10 +40,11 @@ from moeconv.backends.triton import GEMM_OF, WNA16, TritonBackend
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.errors import MoeconvError
+from moeconv.load_ledger import KV_CACHE_SCALES, LoadLedger, skipped_by_design
 from moeconv.spec import TORCH_DTYPES
 from moeconv.vllm_plugin import QUANT_METHOD
 from moeconv.vllm_plugin import integrity
-from moeconv.vllm_plugin.config import INT8_LAYOUT, PluginRefusal, StackedLayout, parse
+from moeconv.vllm_plugin.config import INT8_LAYOUT, PluginRefusal, StackedLayout, check_files, parse
 from moeconv.vllm_plugin.shards import PARAMETERS, fill
 
 ENGINE_VERSIONS = ("0.33.",)  # the vLLM releases whose MoE methods and oracle this plugin was built against
@@ -112,7 +114,8 @@ class MoeconvConfig(QuantizationConfig):
     def stored_tensors(self) -> dict[str, dict[str, tuple[str, tuple[int, ...], Path]]] | None:
         """The output's stacked tensors (safetensors dtype, shape, file) by layer and name, from its
         headers, when vLLM serves it from a local folder (a Hub id is downloaded after the layers are
-        built: then each loader's own shape check is the bound); read once, strictly (moeconv.checkpoint)."""
+        built: then each loader's own shape check and the load's ledger are the bound); read once, strictly
+        (moeconv.checkpoint), and held against the config (config.check_files)."""
         if self._stored is None:
             root = Path(str(get_current_vllm_config().model_config.model))
             if not root.is_dir():
@@ -125,6 +128,7 @@ class MoeconvConfig(QuantizationConfig):
                 checkpoint = open_checkpoint(root)
             except MoeconvError as error:
                 raise PluginRefusal(str(error)) from None
+            check_files(self.stacked, checkpoint)  # the config against the headers: zero points, group size, bits
             self._stored = {}
             for name, entry in checkpoint.tensors.items():
                 owner, _, leaf = name.rpartition(".")
@@ -265,12 +269,13 @@ class _StackedLoading:
         # compressed-tensors' (E, 2) weight_shape of the WNA16 method: [N, K] of every expert's projections,
         # filled with the GEMM's weights (the int8 method has none)
         shapes = {WNA16[gemm].qweight: f"{gemm}_weight_shape" for gemm in WNA16}
-        self.stacked_parameters = {}
+        self.stacked_parameters, self.companions = {}, {}
         for name, spec in specs.items():
             parameter = parameters[PARAMETERS[name]]
             companions = [(parameters[shapes[name]], _projection_shape(name, shape))] if shapes.get(name) in parameters else []
             parameter.weight_loader = _stacked_loader(layer, name, spec, shape, rank, companions)
             self.stacked_parameters[name] = parameter
+            self.companions[id(parameter)] = [companion for companion, _ in companions]  # written by its loader
 
 
 def _projection_shape(name: str, shape: MoELayerShape) -> torch.Tensor:
@@ -370,7 +375,10 @@ def route_stacked_tensors() -> None:
     fused expert names; DeepSeek's looks every other name up in its parameter dict, where the experts'
     parameters sit one module deeper, under `routed_experts`). The stacked names are the layers' own
     `<layer_name>.<tensor>`, so vLLM's default loader is wrapped to hand those straight to the loaders
-    of the parameters they fill and everything else to the model, unchanged. Idempotent."""
+    of the parameters they fill and everything else to the model, unchanged. The whole load runs under the
+    ledger (moeconv/load_ledger.py): a tensor of the output no parameter took, or a parameter of any layer
+    (dense, FP8, attention) no tensor wrote, is one refusal once the model's loader returns (vLLM checks
+    this itself only for unquantized models). Idempotent."""
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     original = DefaultModelLoader.load_weights
@@ -381,10 +389,12 @@ def route_stacked_tensors() -> None:
         stacked = {}  # every name a checkpoint may give a stacked tensor: the module's path (MiniMax's
         # `block_sparse_moe.experts`, whose layer_name says mlp) and its layer_name
         digests = None
+        companions = {}
         for path, module in model.named_modules():
             method = getattr(module, "quant_method", None)
             if isinstance(method, STACKED_METHODS):
                 digests = method.moeconv_config.tensor_digests()
+                companions.update(method.companions)
                 for name, parameter in method.stacked_parameters.items():
                     for owner in (path.removesuffix(".routed_experts"), module.layer_name):
                         stacked[f"{owner}.{name}"] = parameter
@@ -393,10 +403,16 @@ def route_stacked_tensors() -> None:
         by_model = model.load_weights
         mapper = getattr(model, "hf_to_vllm_mapper", None)  # checkpoint names -> the model's (MiniMax: mlp)
 
+        by_design = skipped_by_design(model_config.hf_text_config.num_hidden_layers,
+                                      model_config.hf_config.tie_word_embeddings)
+
+        def skipped(name: str) -> bool:  # vLLM 0.33's mapper drops g_idx (act-order is gone; moeconv copies trivial ones)
+            return name.endswith(".g_idx") or by_design(name)
+
         def routed(weights):
             loaded = set()
 
-            def others():
+            def others(weights):
                 for name, tensor in weights:
                     if digests is not None:  # MOECONV_VERIFY_ON_LOAD=1: every tensor, before anything reads it
                         digests.check(name, tensor)
@@ -409,7 +425,12 @@ def route_stacked_tensors() -> None:
                         parameter.weight_loader(parameter, tensor)
                         loaded.add(name)
 
-            result = by_model(others())
+            with LoadLedger(model, _loader_of, _set_loader, optional_parameters=KV_CACHE_SCALES, skipped=skipped,
+                            also_writes=companions) as ledger:
+                result = by_model(others(ledger.weights(weights)))
+            refusal = ledger.refusal()
+            if refusal:
+                raise PluginRefusal(refusal)
             if digests is not None:
                 logger.info(digests.summary())
             return None if result is None else set(result) | loaded
@@ -422,3 +443,12 @@ def route_stacked_tensors() -> None:
 
     load_weights.routes_moeconv_tensors = True
     DefaultModelLoader.load_weights = load_weights
+
+
+def _loader_of(parameter: torch.nn.Parameter):
+    """The weight loader vLLM's model loaders call for a parameter (theirs default to default_weight_loader)."""
+    return getattr(parameter, "weight_loader", default_weight_loader)
+
+
+def _set_loader(parameter: torch.nn.Parameter, loader) -> None:
+    parameter.weight_loader = loader  # vLLM's parameter classes take it as an attribute (a property with a setter)

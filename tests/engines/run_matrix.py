@@ -173,7 +173,7 @@ def _fp8_beside(base: Path, cases: list, refusals: dict) -> None:
     sym = SOURCES["gptq-sym"]
     plain = make_checkpoint(base / "fp8-beside" / "gptq-sym" / "plain",
                             SynthSpec(hidden=256, intermediate=128, source_format=sym))
-    # loaded first: what the synthetic source itself lacks (q_norm, k_norm), also when --only skips the matrix
+    # loaded first: what the synthetic source itself leaves unloaded, also when --only skips the matrix
     cases.append(("qwen3_moe (FP8 block o_proj)", "gptq-sym before the FP8 o_proj", "(source)", plain, sym))
     fp8 = _fp8_attention(Path(shutil.copytree(plain, base / "fp8-beside" / "gptq-sym" / "src")))
     _convert_all(base, cases, refusals, "fp8-beside", "qwen3_moe (FP8 block o_proj)", "gptq-sym", fp8, sym,

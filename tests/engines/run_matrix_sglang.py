@@ -24,6 +24,7 @@ SGLang 0.5.23 does not transpose the expert zero points of any standard compress
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -111,7 +112,110 @@ def main() -> None:
         failures = _report(cases, results, refusals)
         failures += _plugin(cases, results)
         failures += _against_stock(cases, results)
+        failures += _refused_outputs(base / "refused")
     sys.exit(1 if failures else 0)
+
+
+def _fp8_block_attention(source: Path) -> Path:
+    """The (float-attention) source with every attention linear in the FP8 block format of DeepSeek-V3's
+    and MiniMax-M2's own checkpoints (`weight` F8_E4M3, `weight_scale_inv` F32 per 128x128 block), which
+    the source's config does not describe: what moeconv copies into a triton output as it is."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    index_path = source / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    generator = torch.Generator().manual_seed(0)
+    for shard in sorted(source.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        linears = [name for name, tensor in tensors.items()
+                   if ".self_attn." in name and name.endswith("proj.weight") and tensor.dim() == 2]
+        for name in linears:
+            n, k = tensors[name].shape
+            scale = name.removesuffix("weight") + "weight_scale_inv"
+            tensors[name] = (torch.randn(n, k, generator=generator) * 64).to(torch.float8_e4m3fn)
+            tensors[scale] = torch.rand(-(-n // 128), -(-k // 128), generator=generator) / 64
+            index["weight_map"][scale] = shard.name
+        if linears:
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+    return source
+
+
+def _edited_config(output: Path, copy: Path, **changes) -> Path:
+    """A copy of a triton output whose quantization_config says `changes` (the files unchanged)."""
+    shutil.copytree(output, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"].update(changes)
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def _edited_files(output: Path, copy: Path, remove: str | None = None, add: str | None = None) -> Path:
+    """A copy of an output with the tensor `remove` taken out of its files, or a tensor `add` (one float) put in."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(output, copy)
+    index_path = copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = copy / index["weight_map"][remove] if remove else next(copy.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    if remove:
+        del tensors[remove], index["weight_map"][remove]
+    if add:
+        tensors[add] = torch.ones(1, dtype=torch.float16)
+        index["weight_map"][add] = shard.name
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+    return copy
+
+
+def _refused_outputs(base: Path) -> list[str]:
+    """Outputs the plugin must refuse in one `moeconv:` line, through SGLang's own loader: layers the dense
+    layers' method does not know (FP8 block attention beside integer experts: SGLang's unquantized linears
+    would take the FP8 bytes and drop every weight_scale_inv), configs the files contradict (zero points
+    stored, `has_zp` false or null; a group size the scales' shapes do not have), and files whose dense
+    tensors the model's loader skips (one removed, one the model has no parameter for): the load's ledger."""
+    sym, asym = SOURCES["gptq-sym"], SOURCES["gptq-asym"]
+    cases = {}
+    for architecture in ("minimax_m2", "deepseek_v3"):
+        spec = SynthSpec(architecture=architecture, source_format=sym, quantized_modules=ROUTED_EXPERTS,
+                         hidden=256, intermediate=128)
+        source = _fp8_block_attention(make_checkpoint(base / architecture / "src", spec))
+        cases[f"{architecture} (FP8 block attention) -> triton"] = (
+            moeconv.convert(source, base / architecture / "triton", backend="triton").output,
+            "weight_scale_inv")
+    asymmetric = moeconv.convert(make_checkpoint(base / "qwen3_moe" / "src", SynthSpec(source_format=asym)),
+                                 base / "qwen3_moe" / "triton", backend="triton").output
+    for label, changes, expected in (("has_zp false", {"has_zp": False}, "w13_qzeros: the config says has_zp false"),
+                                     ("has_zp null", {"has_zp": None}, "has_zp is null"),
+                                     ("group_size 64", {"group_size": 64}, "say group_size 32")):
+        copy = _edited_config(asymmetric, base / "qwen3_moe" / label.replace(" ", "-"), **changes)
+        cases[f"qwen3_moe gptq-asym -> triton, config edited: {label}"] = (copy, expected)
+    # what SGLang's Qwen3-MoE loader skips without a word: a parameter no tensor fills, a tensor no parameter has
+    removed, stray = "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.o_proj.bias"
+    cases[f"qwen3_moe gptq-asym -> triton, {removed} removed"] = (
+        _edited_files(asymmetric, base / "qwen3_moe" / "removed", remove=removed),
+        f"1 ({removed}) of the model's parameters were written by no tensor")
+    cases[f"qwen3_moe gptq-asym -> triton, {stray} added"] = (
+        _edited_files(asymmetric, base / "qwen3_moe" / "stray", add=stray),
+        f"1 ({stray}) of the output's tensors were taken by no parameter")
+    done = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "sglang_load.py"),
+                           *[str(path) for path, _ in cases.values()]], capture_output=True, text=True, timeout=1200)
+    results = {json.loads(line)["checkpoint"]: json.loads(line) for line in done.stdout.splitlines()
+               if line.startswith("{")}
+    print("\n| refused through SGLang's loader with the plugin | answer |\n|---|---|")
+    failures = []
+    for label, (path, expected) in cases.items():
+        result = results.get(str(path), {"loaded": None, "error": done.stderr[-300:]})
+        error = result.get("error") or f"loaded: {result.get('tensors')} tensors"
+        print(f"| {label} | {error[:300]} |")
+        if result["loaded"] is not False or not error.startswith("PluginRefusal: moeconv: ") or expected not in error:
+            failures.append(f"{label}: not refused in one moeconv line naming {expected!r}: {error[:300]}")
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return failures
 
 
 def _against_stock(cases, results) -> list[str]:
@@ -227,9 +331,9 @@ def _report(cases, results, refusals) -> list[str]:
     print("| family | source | backend | SGLang 0.5.23 (+ moeconv plugin) | detail |")
     print("|---|---|---|---|---|")
     failures = []
-    # Parameters SGLang creates that the synthetic sources of a family do not fill either (Qwen3's
-    # q_norm / k_norm, which synth does not write; act-order parameters a checkpoint without act-order
-    # has no tensor for): found by loading the sources, and not counted against a conversion.
+    # Parameters SGLang creates that the synthetic sources of a family do not fill either (act-order
+    # parameters a checkpoint without act-order has no tensor for): found by loading the sources, and not
+    # counted against a conversion.
     source_gaps: dict[str, set[str]] = {}
     for (family, _source, backend, *_), result in zip(cases, results):
         if backend.startswith("(source)") and result["loaded"]:

@@ -193,8 +193,9 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 def refusals(output: Path, scratch: Path) -> dict:
     """The plugin's two refusals, provoked on a copy of a loadable `output`: under another SGLang release
     (the installed version answered as 0.5.24, `register` run again), and with one stacked tensor removed
-    from the files (SGLang's loader then fills the others and says nothing; the plugin's post-load check
-    must name the missing one). Each: the first line of the refusal, or null when nothing refused."""
+    from the files (SGLang's loader would fill the others and say nothing; the plugin must name the missing
+    one: from a local folder its check of the config against the headers does, before any parameter
+    exists; else its post-load check). Each: the first line of the refusal, or null when nothing refused."""
     import importlib.metadata
     import shutil
 
@@ -225,9 +226,13 @@ def refusals(output: Path, scratch: Path) -> dict:
     del tensors[victim]
     save_file(tensors, str(shard), metadata={"format": "pt"})
     (copy / "model.safetensors.index.json").write_text(json.dumps(index))
-    model, result = build_and_load(copy)
-    answers.update(removed=victim, harness_unloaded=[n for n in result["unloaded_parameters"] if n == victim])
-    answers["missing_tensor"] = None
+    answers.update(removed=victim, missing_tensor=None)
+    try:  # from a local folder the config is held against the headers first (check_files)
+        model, result = build_and_load(copy)
+    except Exception as error:  # noqa: BLE001 (the refusal is the result)
+        answers["missing_tensor"] = one_line(error)
+        return answers
+    answers["harness_unloaded"] = [n for n in result["unloaded_parameters"] if n == victim]
     for _, module in model.named_modules():
         if isinstance(getattr(module, "quant_method", None), StackedMoeWNA16Method):
             try:
