@@ -1,0 +1,143 @@
+"""DOCSTRING (filled in below once the producer's output is known)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+H, I, E, LAYERS, VOCAB = 64, 32, 4, 2, 128
+SHARD = "20KB"
+# name -> (llm-compressor preset scheme, whether oneshot needs calibration data)
+VARIANTS = {
+    "ct-nvfp4": ("NVFP4", True),
+    "ct-nvfp4a16": ("NVFP4A16", False),
+    "ct-mxfp4a16": ("MXFP4A16", False),
+}
+IGNORE = ["lm_head", "re:.*mlp.gate$"]
+
+
+def build_float_model(folder: Path) -> dict[str, torch.Tensor]:
+    """A seeded random bf16 Qwen3-MoE saved by transformers (per-expert 2-D tensors on disk); returns every
+    expert projection's weight as saved."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, intermediate_size=64, num_experts=E,
+                            num_experts_per_tok=2, num_hidden_layers=LAYERS, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=32, vocab_size=VOCAB, max_position_embeddings=64,
+                            tie_word_embeddings=False)
+    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        # spread the default std-0.02 init so that blocks get different scales, and give one block of every
+        # expert projection a tiny range (a small block scale)
+        for name, p in model.named_parameters():
+            if ".mlp.experts." in name:
+                p.copy_(torch.randn_like(p, dtype=torch.float32).mul(0.05).to(p.dtype))
+                p[..., 0, :32].mul_(1e-3)
+                p[..., 1, :32].mul_(1e-5)
+    model.save_pretrained(folder)
+    found = {}
+    for shard in folder.glob("*.safetensors"):
+        found.update({k: v for k, v in load_file(shard).items() if ".mlp.experts." in k})
+    return found
+
+
+def calibration_set():
+    """8 seeded random token sequences of 16, tokenized already (the model has no tokenizer)."""
+    from datasets import Dataset
+
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (8, 16), generator=generator).tolist()
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 16] * 8})
+
+
+def quantize(scheme: str, calibrated: bool, src: Path, out: Path) -> None:
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    started = time.time()
+    data = {"dataset": calibration_set(), "num_calibration_samples": 8, "max_seq_length": 16} if calibrated else {}
+    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=IGNORE), **data)
+    print(f"  oneshot {time.time() - started:.2f}s; experts module {type(model.model.layers[0].mlp.experts).__name__}")
+    model.save_pretrained(out, save_compressed=True, max_shard_size=SHARD)
+
+
+def read_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    found = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        found.update(load_file(shard))
+    return found
+
+
+def truth(out: Path, floats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every expert projection as compressed-tensors' own compressor decompresses it from the files just written
+    (`<prefix>.weight`, its bf16 output cast to float32, exactly), beside the bf16 weight before quantization
+    (`<prefix>.float_weight`)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    (group,) = config.config_groups.values()
+    compressor = BaseCompressor.get_value_from_registry(group.format)
+    tensors = read_checkpoint(out)
+    found = {}
+    for name in sorted(tensors):
+        if not name.endswith(".weight_packed") or ".mlp.experts." not in name:
+            continue
+        prefix = name.removesuffix(".weight_packed")
+        local = {key[len(prefix) + 1:]: value for key, value in tensors.items() if key.startswith(prefix + ".")}
+        weight = compressor.decompress(local, group)["weight"]
+        found[f"{prefix}.weight"] = weight.float().contiguous()
+        if f"{prefix}.weight" in floats:
+            found[f"{prefix}.float_weight"] = floats[f"{prefix}.weight"].contiguous()
+    return found
+
+
+def main() -> int:
+    import compressed_tensors
+    import llmcompressor
+    import transformers
+
+    from safetensors.torch import save_file
+
+    root = Path(sys.argv[1])
+    names = sys.argv[2:] or list(VARIANTS)
+    root.mkdir(parents=True, exist_ok=True)
+    made_path = root / "made-llmc.json"
+    made = json.loads(made_path.read_text()) if made_path.exists() else {}
+    made["versions"] = {"llmcompressor": llmcompressor.__version__, "compressed-tensors": compressed_tensors.__version__,
+                        "transformers": transformers.__version__, "torch": torch.__version__}
+    print("versions:", "llmcompressor", llmcompressor.__version__, "compressed-tensors", compressed_tensors.__version__,
+          "transformers", transformers.__version__, "torch", torch.__version__)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "float"
+        floats = build_float_model(src)
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(src.glob("*.safetensors")))).hexdigest()
+        for name in names:
+            scheme, calibrated = VARIANTS[name]
+            out = root / name
+            shutil.rmtree(out, ignore_errors=True)
+            quantize(scheme, calibrated, src, out)
+            found = truth(out, floats)
+            save_file(found, str(root / f"{name}.truth.safetensors"))
+            made[name] = {"scheme": scheme, "calibrated": calibrated, "float_sha256": digest,
+                          "truth_tensors": len(found)}
+            print(name, json.dumps(json.loads((out / "config.json").read_text())["quantization_config"]))
+    made_path.write_text(json.dumps(made, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
