@@ -324,3 +324,15 @@ def test_modelopt_weight_scale_2_is_the_amax_over_2688_shared_by_gate_and_up(fix
                 assert scale_2[projection] == np.float32(group_amax) / np.float32(2688), (base, projection)
             inputs = {p: float(tensors[f"{base}.{p}.input_scale"][1]) for p in PROJECTIONS}
             assert inputs["gate_proj"] == inputs["up_proj"] > 0, base
+
+
+def test_compressed_tensors_mx_scale_byte_is_the_rounded_block_amax_exponent_less_two(fixtures):
+    """MXFP4 scale byte = the biased exponent of the block amax (bf16) rounded up to the next power of two when its
+    mantissa is 0.75 or more (mxfp_utils.round_to_power_2 adds 2^-2 of the mantissa, then masks it), less 2 (E2M1's
+    largest exponent): so the block's max lands between 3.5 and 7 steps, clamped at 6."""
+    tensors, _, truth = fixtures["ct-mxfp4a16"]
+    for prefix, _ in expert_prefixes():
+        bits = truth[f"{prefix}.float_weight"].astype(np.int64) & 0x7FFF
+        amax_bits = bits.reshape(bits.shape[0], -1, 32).max(axis=-1)
+        expected = (((amax_bits + (1 << 5)) >> 7) & 0xFF) - 2
+        assert np.array_equal(tensors[f"{prefix}.weight_scale"][1].astype(np.int64), expected), prefix
