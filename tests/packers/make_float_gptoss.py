@@ -1,4 +1,35 @@
-"""DOCSTRING (filled in below once the producer's output is known)."""
+"""gpt-oss MXFP4 as transformers writes it: an attempt that stops where transformers needs the Hugging Face Hub, so
+there is no tests/data/float/gptoss-mxfp4 (docs/FLOAT_SOURCES.md section 5).
+
+Versions: transformers 5.24.0, torch 2.13.0 (CPU), triton 3.9.0, kernels 0.18.3, Python 3.11
+(tests/packers/requirements-gptoss.txt). From the repo root:
+
+    python3.11 -m venv .venv-gptoss
+    .venv-gptoss/bin/pip install --no-deps -r tests/packers/requirements-gptoss.txt
+    .venv-gptoss/bin/python tests/packers/make_float_gptoss.py tests/data/float
+
+It builds a seeded random bf16 GptOssForCausalLM (hidden 64, intermediate 64, 4 experts, 2 layers) and asks
+transformers' own MXFP4 path to quantize it: `from_pretrained(float, quantization_config=Mxfp4Config(),
+use_kernels=True)` (Mxfp4HfQuantizer; integrations/mxfp4.py Mxfp4Quantize -> quantize_to_mxfp4 -> the hub kernel's
+`triton_kernels.numerics_details.mxfp.downcast_to_mxfp_torch`), then `save_pretrained(max_shard_size="40KB")`
+(get_state_dict_and_metadata -> Mxfp4ReverseDeserialize). Where that works, it would write the stacked
+`mlp.experts.{gate_up,down}_proj_{blocks,scales}` and, as the truth, transformers' own
+`convert_moe_packed_tensors` (float32) beside the bf16 weights.
+
+On this machine it cannot:
+- in .venv-packers (no triton): `ValueError: MXFP4 quantization requires Triton: CUDA requires Triton >= 3.4.0,
+  XPU/CPU requires Triton >= 3.5.0. Please install triton: `pip install triton``;
+- here: `replace_with_mxfp4_linear` calls `get_kernel("kernels-community/gpt-oss-triton-kernels", version=1)`, the
+  Hub is unreachable (`httpx2.ConnectError: [Errno -2] Name or service not known`), raised as `ValueError: Kernel
+  repository 'kernels-community/gpt-oss-triton-kernels' could not verify publisher trust status. Set
+  trust_remote_code=True or add the repository ID to the trust_remote_code allowlist to allow loading kernels from
+  untrusted sources.`; with HF_HUB_OFFLINE=1 (the trust check skipped) it is `ValueError: Version 1 of
+  'kernels-community/gpt-oss-triton-kernels' is not available in the local cache and Hugging Face Hub is in offline
+  mode. ...`;
+- with use_kernels=False (the default) transformers silently sets dequantize=True on CPU and saves bf16
+  `gate_up_proj` [E, H, 2I] / `down_proj` [E, I, H] under `quantization_config: {"quant_method": "mxfp4"}`: not an
+  MXFP4 checkpoint, so not a fixture.
+"""
 
 from __future__ import annotations
 

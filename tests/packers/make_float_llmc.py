@@ -1,4 +1,41 @@
-"""DOCSTRING (filled in below once the producer's output is known)."""
+"""Make tests/data/float/ct-*: tiny Qwen3-MoE checkpoints quantized to NVFP4 / MXFP4 by the REAL llm-compressor,
+with compressed-tensors' own decompression of every expert projection as the truth.
+
+Versions: llmcompressor 0.14.0.1, compressed-tensors 0.19.0 (its pin), transformers 5.17.0, torch 2.13.0 (CPU),
+Python 3.11; the venv is tests/packers/requirements-llmc.txt. From the repo root:
+
+    python3.11 -m venv .venv-llmc
+    .venv-llmc/bin/pip install --no-deps -r tests/packers/requirements-llmc.txt
+    .venv-llmc/bin/python tests/packers/make_float_llmc.py tests/data/float [NAME ...]
+
+About a minute on 2 cores. The float model is a seeded random bf16 Qwen3MoeForCausalLM (hidden 64, moe_intermediate
+32, 4 experts, top-2, 2 layers; expert weights N(0, 0.05), with row 0's first 32 inputs scaled by 1e-3 and row 1's by
+1e-5 in every expert projection so that tiny blocks, subnormal E4M3 scales and low UE8M0 bytes occur), saved by
+transformers and loaded back. `oneshot(model, recipe=QuantizationModifier(targets="Linear", scheme=S,
+ignore=["lm_head", "re:.*mlp.gate$"]))`, then `save_pretrained(out, save_compressed=True, max_shard_size="20KB")`:
+
+- `ct-nvfp4`: S = "NVFP4" (W4A4). It needs calibration: data-free, oneshot fails with
+  `TypeError: 'NoneType' object is not iterable` (pipelines/sequential/pipeline.py, `next(iter(dataloader))`), so it
+  gets 8 seeded random token sequences of 16 as a tokenized Dataset.
+- `ct-nvfp4a16`: S = "NVFP4A16" (weights only), data-free.
+- `ct-mxfp4a16`: S = "MXFP4A16" (weights only), data-free. (The MXFP4 preset, dynamic activations, runs data-free
+  too; its weights are the same format.)
+
+What it writes (docs/FLOAT_SOURCES.md sections 2-3): oneshot linearizes the fused transformers-5 experts into
+per-expert Linear modules (modeling/moe/linearize.py, post-load fallback), so every expert projection is 2-D,
+`model.layers.L.mlp.experts.E.{gate,up,down}_proj.`:
+- NVFP4: `weight_packed` uint8 (N, K/2), E2M1 codes with element 2j in the low nibble of byte j;
+  `weight_scale` float8_e4m3fn (N, K/16); `weight_global_scale` float32 (1,) = 448*6/amax(W) computed in bf16, one
+  per gate/up pair (fuse_weight_observers); `ct-nvfp4` also `input_global_scale` float32 (1,). Decoding: code *
+  (scale / global), the global being the reciprocal of ModelOpt's weight_scale_2 convention.
+- MXFP4: `weight_packed` uint8 (N, K/2), same nibble order; `weight_scale` uint8 (N, K/32), UE8M0 2^(b-127).
+No weight_shape tensors, no biases (Qwen3-MoE has none); the routers `mlp.gate.weight` stay bf16 (E, H) and are in
+`ignore`; lm_head, the embeddings and the norms stay bf16. The experts span shards 2-3 (MXFP4) or 2-4 (NVFP4) of 4.
+
+Beside each, `NAME.truth.safetensors`: `<prefix>.weight` float32 = the registered compressor's
+`decompress(state_dict, scheme)` of the tensors just written (bf16, cast exactly), and `<prefix>.float_weight` the
+bf16 weight before quantization. `made-llmc.json`: versions, scheme, the float model's digest.
+"""
 
 from __future__ import annotations
 

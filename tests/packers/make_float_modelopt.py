@@ -1,4 +1,33 @@
-"""DOCSTRING (filled in below once the producer's output is known)."""
+"""Make tests/data/float/modelopt-nvfp4: a tiny Qwen3-MoE quantized to NVFP4 by the REAL NVIDIA ModelOpt on CPU and
+written by its HF exporter, with ModelOpt's own NVFP4 dequantization of every expert projection as the truth.
+
+Versions: nvidia-modelopt 0.47.0, transformers 4.57.6, torch 2.13.0 (CPU), Python 3.11: the same venv as
+tests/packers/make_modelopt.py (tests/packers/requirements-modelopt.txt says why transformers 4.57). From the repo root:
+
+    python3.11 -m venv .venv-modelopt
+    .venv-modelopt/bin/pip install --no-deps -r tests/packers/requirements-modelopt.txt
+    .venv-modelopt/bin/python tests/packers/make_float_modelopt.py tests/data/float
+
+About 40 s on 2 cores. The float model matches make_float_llmc.py's in shape (seeded random bf16 Qwen3MoeForCausalLM,
+hidden 64, moe_intermediate 32, 4 experts, 2 layers, vocabulary 16; expert weights N(0, 0.05), with row 0's first 32
+inputs scaled by 1e-3 and row 1's by 1e-5). `mtq.quantize(model, NVFP4_DEFAULT_CFG, forward_loop)` on 8 seeded random
+batches, then `export_hf_checkpoint(model, export_dir=out, max_shard_size="20KB")`. NVFP4 quantization and export run
+on CPU here: nothing asked for CUDA.
+
+What it writes (docs/FLOAT_SOURCES.md section 4): `hf_quant_config.json` with `quant_algo: NVFP4`, `group_size: 16`,
+`exclude_modules` (lm_head, embed_tokens, each router `mlp.gate`); `config.json` `quantization_config` with
+`quant_method: modelopt`. Per expert projection `model.layers.L.mlp.experts.E.{gate,up,down}_proj.`: `weight` uint8
+(N, K/2), E2M1 codes with element 2j in the low nibble (NVFP4QTensor.quantize); `weight_scale` float8_e4m3fn
+(N, K/16), clamped to [2^-9, 448]; `weight_scale_2` float32 scalar () = amax / (6 * 448), one per gate/up pair
+(sync_moe_gate_up_amax); `input_scale` float32 scalar () = input amax / (6 * 448), shared by gate and up. Decoding:
+code * weight_scale * weight_scale_2, so weight_scale_2 is the reciprocal of compressed-tensors' weight_global_scale.
+The routers stay bf16 (E, H). Layer 0's experts are split across shards 1 and 2.
+
+Beside it, `modelopt-nvfp4.truth.safetensors`: `<prefix>.weight` float32 = `NVFP4QTensor(shape, float32,
+weight).dequantize(scale=weight_scale, double_scale=weight_scale_2, block_sizes={-1: 16})` of the tensors just
+written (ModelOpt reads code 0x8 as +0.0), and `<prefix>.float_weight` the bf16 weight before quantization.
+`made-modelopt.json`: versions, preset, the float model's digest.
+"""
 
 from __future__ import annotations
 
