@@ -25,7 +25,8 @@ LAYERS, EXPERTS, HIDDEN, INTERMEDIATE = 2, 4, 64, 32
 PROJECTIONS = {"gate_proj": (INTERMEDIATE, HIDDEN), "up_proj": (INTERMEDIATE, HIDDEN),
                "down_proj": (HIDDEN, INTERMEDIATE)}
 CT_NVFP4 = ("ct-nvfp4", "ct-nvfp4a16")
-CT = (*CT_NVFP4, "ct-mxfp4a16")
+MX = ("ct-mxfp4a16", "ct-mxfp4-fp8block")
+CT = (*CT_NVFP4, *MX)
 ALL = (*CT, "modelopt-nvfp4")
 
 # E2M1 code -> value: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa; code 0 and 1 are 0 and the
@@ -147,6 +148,7 @@ def decode_modelopt_nvfp4(tensors: dict, prefix: str, nibbles=nibbles_low_first,
 
 
 DECODERS = {"ct-nvfp4": decode_ct_nvfp4, "ct-nvfp4a16": decode_ct_nvfp4, "ct-mxfp4a16": decode_ct_mxfp4,
+            "ct-mxfp4-fp8block": decode_ct_mxfp4,
             "modelopt-nvfp4": decode_modelopt_nvfp4}
 
 
@@ -157,10 +159,24 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 @pytest.mark.parametrize("name", CT)
 def test_compressed_tensors_configs_say_what_the_doc_says(name):
     config = json.loads((DATA / name / "config.json").read_text())["quantization_config"]
-    (group,) = config["config_groups"].values()
-    weights, mx = group["weights"], name == "ct-mxfp4a16"
+    groups = {group["format"]: group for group in config["config_groups"].values()}
+    mx = name in MX
+    group = groups.pop("mxfp4-pack-quantized" if mx else "nvfp4-pack-quantized")
+    weights = group["weights"]
     assert config["quant_method"] == "compressed-tensors" and config["version"] == "0.19.0"
-    assert config["format"] == group["format"] == ("mxfp4-pack-quantized" if mx else "nvfp4-pack-quantized")
+    if name == "ct-mxfp4-fp8block":
+        assert config["format"] == "mixed-precision" and group["targets"] == [r"re:.*mlp\.experts\..*"]
+        dense = groups.pop("float-quantized")
+        assert dense["targets"] == [r"re:.*self_attn\..*_proj$"]
+        assert {key: dense["weights"][key] for key in ("num_bits", "type", "strategy", "block_structure",
+                                                       "symmetric", "dynamic", "scale_dtype")} == {
+            "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128], "symmetric": True,
+            "dynamic": False, "scale_dtype": None}
+        assert {key: dense["input_activations"][key] for key in ("num_bits", "strategy", "group_size", "dynamic")} == {
+            "num_bits": 8, "strategy": "group", "group_size": 128, "dynamic": True}
+    else:
+        assert config["format"] == group["format"] and group["targets"] == ["Linear"]
+    assert not groups
     assert (weights["num_bits"], weights["type"], weights["symmetric"]) == (4, "float", True)
     assert (weights["group_size"], weights["strategy"], weights["scale_dtype"]) == (
         (32, "group", "torch.uint8") if mx else (16, "tensor_group", "torch.float8_e4m3fn"))
@@ -186,7 +202,7 @@ def test_modelopt_config_says_what_the_doc_says():
 @pytest.mark.parametrize("name", ALL)
 def test_every_expert_projection_has_the_documented_tensors(fixtures, name):
     tensors, weight_map, _ = fixtures[name]
-    modelopt, mx = name == "modelopt-nvfp4", name == "ct-mxfp4a16"
+    modelopt, mx = name == "modelopt-nvfp4", name in MX
     block = 32 if mx else 16
     for prefix, (n, k) in expert_prefixes():
         found = {key[len(prefix) + 1:]: (dtype, values.shape) for key, (dtype, values) in tensors.items()
@@ -238,7 +254,7 @@ def test_a_wrong_nibble_order_or_scale_convention_does_not_reproduce_the_truth(f
 
 def block_scales(name: str, tensors: dict, prefix: str) -> np.ndarray:
     """Each block's effective scale (float64, exact from the bytes), repeated over its elements."""
-    if name == "ct-mxfp4a16":
+    if name in MX:
         return per_block(ue8m0(tensors[f"{prefix}.weight_scale"][1]), 32)
     scale = e4m3fn(tensors[f"{prefix}.weight_scale"][1])
     if name == "modelopt-nvfp4":
@@ -253,7 +269,7 @@ def test_the_decoded_weights_are_the_float_weights_quantized(fixtures, name):
     or E4M3-rounded scale), within that excess (the clamp at 6), plus the bf16 rounding of the output; and the codes
     correlate with the weights only in the documented nibble order."""
     tensors, _, truth = fixtures[name]
-    block = 32 if name == "ct-mxfp4a16" else 16
+    block = 32 if name in MX else 16
     for prefix, _ in expert_prefixes():
         original = bf16_bits_to_f32(truth[f"{prefix}.float_weight"]).astype(np.float64)
         decoded = DECODERS[name](tensors, prefix).astype(np.float64)
@@ -275,7 +291,7 @@ def test_the_fixtures_exercise_the_scale_encodings_edges(fixtures, name):
     tensors, _, truth = fixtures[name]
     modelopt = name == "modelopt-nvfp4"
     scales = np.concatenate([tensors[f"{p}.weight_scale"][1].ravel() for p, _ in expert_prefixes()])
-    if name == "ct-mxfp4a16":
+    if name in MX:
         assert scales.max() < 0xFF and scales.min() <= 110
         assert not np.isnan(ue8m0(scales)).any()
     else:
@@ -326,13 +342,46 @@ def test_modelopt_weight_scale_2_is_the_amax_over_2688_shared_by_gate_and_up(fix
             assert inputs["gate_proj"] == inputs["up_proj"] > 0, base
 
 
-def test_compressed_tensors_mx_scale_byte_is_the_rounded_block_amax_exponent_less_two(fixtures):
+@pytest.mark.parametrize("name", MX)
+def test_compressed_tensors_mx_scale_byte_is_the_rounded_block_amax_exponent_less_two(fixtures, name):
     """MXFP4 scale byte = the biased exponent of the block amax (bf16) rounded up to the next power of two when its
     mantissa is 0.75 or more (mxfp_utils.round_to_power_2 adds 2^-2 of the mantissa, then masks it), less 2 (E2M1's
     largest exponent): so the block's max lands between 3.5 and 7 steps, clamped at 6."""
-    tensors, _, truth = fixtures["ct-mxfp4a16"]
+    tensors, _, truth = fixtures[name]
     for prefix, _ in expert_prefixes():
         bits = truth[f"{prefix}.float_weight"].astype(np.int64) & 0x7FFF
         amax_bits = bits.reshape(bits.shape[0], -1, 32).max(axis=-1)
         expected = (((amax_bits + (1 << 5)) >> 7) & 0xFF) - 2
         assert np.array_equal(tensors[f"{prefix}.weight_scale"][1].astype(np.int64), expected), prefix
+
+
+ATTENTION = {"q_proj": (64, HIDDEN), "k_proj": (32, HIDDEN), "v_proj": (32, HIDDEN), "o_proj": (HIDDEN, 64)}
+
+
+def decode_ct_fp8_block(tensors: dict, prefix: str, block: int = 128) -> np.ndarray:
+    """compressed-tensors float-quantized, block strategy: bf16(E4M3(weight) * weight_scale), one bf16 scale per
+    block x block tile (a partial tile at the edges), the product exact in float32 and rounded once to bf16."""
+    values = e4m3fn(tensors[f"{prefix}.weight"][1]).astype(np.float32)
+    scale = bf16_bits_to_f32(tensors[f"{prefix}.weight_scale"][1])
+    tiles = np.repeat(np.repeat(scale, block, axis=0), block, axis=1)[:values.shape[0], :values.shape[1]]
+    return f32_to_bf16_rne(values * tiles)
+
+
+def test_the_mixed_checkpoints_fp8_block_linears_are_what_the_doc_says(fixtures):
+    """MXFP4 experts beside FP8-block attention in one compressed-tensors checkpoint: each attention projection is
+    `weight` F8_E4M3 (N, K) and `weight_scale` BF16 (ceil(N/128), ceil(K/128)), the scale amax/448 of its tile; the
+    documented decoding reproduces the float-quantized compressor's decompression bit for bit."""
+    tensors, _, truth = fixtures["ct-mxfp4-fp8block"]
+    for layer in range(LAYERS):
+        for projection, (n, k) in ATTENTION.items():
+            prefix = f"model.layers.{layer}.self_attn.{projection}"
+            found = {key[len(prefix) + 1:]: (dtype, values.shape) for key, (dtype, values) in tensors.items()
+                     if key.startswith(prefix + ".")}
+            assert found == {"weight": ("F8_E4M3", (n, k)), "weight_scale": ("BF16", (-(-n // 128), -(-k // 128)))}
+            assert same_bits(decode_ct_fp8_block(tensors, prefix), truth[f"{prefix}.weight"]), prefix
+            original = bf16_bits_to_f32(truth[f"{prefix}.float_weight"]).astype(np.float64)
+            (scale,) = bf16_bits_to_f32(tensors[f"{prefix}.weight_scale"][1]).ravel()
+            assert abs(scale * 448 / np.abs(original).max() - 1) < 2 ** -7, prefix
+            decoded = truth[f"{prefix}.weight"].astype(np.float64)
+            bound = 2 ** -4 * np.abs(original) + 2 ** -8 * np.abs(decoded) + scale * 2 ** -10
+            assert (np.abs(decoded - original) <= bound).all(), prefix

@@ -20,6 +20,8 @@ ignore=["lm_head", "re:.*mlp.gate$"]))`, then `save_pretrained(out, save_compres
 - `ct-nvfp4a16`: S = "NVFP4A16" (weights only), data-free.
 - `ct-mxfp4a16`: S = "MXFP4A16" (weights only), data-free. (The MXFP4 preset, dynamic activations, runs data-free
   too; its weights are the same format.)
+- `ct-mxfp4-fp8block`: S = {"MXFP4A16": [experts regex], "FP8_BLOCK": [attention projections regex]}, data-free:
+  a `mixed-precision` checkpoint, MXFP4 experts beside FP8-block (128x128, bf16 scales) attention.
 
 What it writes (docs/FLOAT_SOURCES.md sections 2-3): oneshot linearizes the fused transformers-5 experts into
 per-expert Linear modules (modeling/moe/linearize.py, post-load fallback), so every expert projection is 2-D,
@@ -30,11 +32,12 @@ per-expert Linear modules (modeling/moe/linearize.py, post-load fallback), so ev
   (scale / global), the global being the reciprocal of ModelOpt's weight_scale_2 convention.
 - MXFP4: `weight_packed` uint8 (N, K/2), same nibble order; `weight_scale` uint8 (N, K/32), UE8M0 2^(b-127).
 No weight_shape tensors, no biases (Qwen3-MoE has none); the routers `mlp.gate.weight` stay bf16 (E, H) and are in
-`ignore`; lm_head, the embeddings and the norms stay bf16. The experts span shards 2-3 (MXFP4) or 2-4 (NVFP4) of 4.
+`ignore`; lm_head, the embeddings and the norms stay bf16. With max_shard_size 20KB the experts span 2 to 4
+shards.
 
-Beside each, `NAME.truth.safetensors`: `<prefix>.weight` float32 = the registered compressor's
-`decompress(state_dict, scheme)` of the tensors just written (bf16, cast exactly), and `<prefix>.float_weight` the
-bf16 weight before quantization. `made-llmc.json`: versions, scheme, the float model's digest.
+Beside each, `NAME.truth.safetensors`, for every FP4 expert projection and every FP8 linear: `<prefix>.weight`
+float32 = its group's registered compressor's `decompress(state_dict, scheme)` of the tensors just written (bf16,
+cast exactly), and `<prefix>.float_weight` the bf16 weight before quantization. `made-llmc.json`: versions, scheme, the float model's digest.
 """
 
 from __future__ import annotations
@@ -51,18 +54,20 @@ import torch
 
 H, I, E, LAYERS, VOCAB = 64, 32, 4, 2, 128
 SHARD = "20KB"
-# name -> (llm-compressor preset scheme, whether oneshot needs calibration data)
+# name -> (llm-compressor preset scheme, or preset -> targets, and whether oneshot needs calibration data)
 VARIANTS = {
     "ct-nvfp4": ("NVFP4", True),
     "ct-nvfp4a16": ("NVFP4A16", False),
     "ct-mxfp4a16": ("MXFP4A16", False),
+    "ct-mxfp4-fp8block": ({"MXFP4A16": [r"re:.*mlp\.experts\..*"], "FP8_BLOCK": [r"re:.*self_attn\..*_proj$"]}, False),
 }
+FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
 IGNORE = ["lm_head", "re:.*mlp.gate$"]
 
 
 def build_float_model(folder: Path) -> dict[str, torch.Tensor]:
     """A seeded random bf16 Qwen3-MoE saved by transformers (per-expert 2-D tensors on disk); returns every
-    expert projection's weight as saved."""
+    expert and attention projection's weight as saved."""
     from safetensors.torch import load_file
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -83,7 +88,8 @@ def build_float_model(folder: Path) -> dict[str, torch.Tensor]:
     model.save_pretrained(folder)
     found = {}
     for shard in folder.glob("*.safetensors"):
-        found.update({k: v for k, v in load_file(shard).items() if ".mlp.experts." in k})
+        found.update({k: v for k, v in load_file(shard).items()
+                      if ".mlp.experts." in k or (".self_attn." in k and k.endswith("_proj.weight"))})
     return found
 
 
@@ -96,7 +102,7 @@ def calibration_set():
     return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 16] * 8})
 
 
-def quantize(scheme: str, calibrated: bool, src: Path, out: Path) -> None:
+def quantize(scheme: str | dict, calibrated: bool, src: Path, out: Path) -> None:
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM
@@ -104,7 +110,8 @@ def quantize(scheme: str, calibrated: bool, src: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     started = time.time()
     data = {"dataset": calibration_set(), "num_calibration_samples": 8, "max_seq_length": 16} if calibrated else {}
-    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=IGNORE), **data)
+    targets = {"targets": "Linear"} if isinstance(scheme, str) else {}
+    oneshot(model=model, recipe=QuantizationModifier(scheme=scheme, ignore=IGNORE, **targets), **data)
     print(f"  oneshot {time.time() - started:.2f}s; experts module {type(model.model.layers[0].mlp.experts).__name__}")
     model.save_pretrained(out, save_compressed=True, max_shard_size=SHARD)
 
@@ -119,26 +126,30 @@ def read_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def truth(out: Path, floats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every expert projection as compressed-tensors' own compressor decompresses it from the files just written
-    (`<prefix>.weight`, its bf16 output cast to float32, exactly), beside the bf16 weight before quantization
-    (`<prefix>.float_weight`)."""
+    """Every FP4 expert projection, and every FP8 linear, as compressed-tensors' own compressor for its group
+    decompresses it from the files just written (`<prefix>.weight`, its bf16 output cast to float32, exactly),
+    beside the bf16 weight before quantization (`<prefix>.float_weight`)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
 
     config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
-    (group,) = config.config_groups.values()
-    compressor = BaseCompressor.get_value_from_registry(group.format)
+    groups = {group.format: group for group in config.config_groups.values()}
     tensors = read_checkpoint(out)
     found = {}
     for name in sorted(tensors):
-        if not name.endswith(".weight_packed") or ".mlp.experts." not in name:
+        prefix = name.removesuffix(".weight_scale")
+        if prefix == name:
             continue
-        prefix = name.removesuffix(".weight_packed")
+        if f"{prefix}.weight_packed" in tensors and ".mlp.experts." in prefix:
+            (group,) = (groups[f] for f in FP4_FORMATS if f in groups)
+        elif tensors.get(f"{prefix}.weight", torch.empty(0)).dtype == torch.float8_e4m3fn:
+            group = groups["float-quantized"]
+        else:
+            continue
         local = {key[len(prefix) + 1:]: value for key, value in tensors.items() if key.startswith(prefix + ".")}
-        weight = compressor.decompress(local, group)["weight"]
+        weight = BaseCompressor.get_value_from_registry(group.format).decompress(local, group)["weight"]
         found[f"{prefix}.weight"] = weight.float().contiguous()
-        if f"{prefix}.weight" in floats:
-            found[f"{prefix}.float_weight"] = floats[f"{prefix}.weight"].contiguous()
+        found[f"{prefix}.float_weight"] = floats[f"{prefix}.weight"].contiguous()
     return found
 
 
