@@ -31,13 +31,16 @@ per-expert Linear modules (modeling/moe/linearize.py, post-load fallback), so ev
   per gate/up pair (fuse_weight_observers); `ct-nvfp4` also `input_global_scale` float32 (1,). Decoding: code *
   (scale / global), the global being the reciprocal of ModelOpt's weight_scale_2 convention.
 - MXFP4: `weight_packed` uint8 (N, K/2), same nibble order; `weight_scale` uint8 (N, K/32), UE8M0 2^(b-127).
+- FP8_BLOCK (the mixed variant's attention): `weight` float8_e4m3fn (N, K), `weight_scale` bf16 (ceil(N/128),
+  ceil(K/128)) = tile amax / 448.
 No weight_shape tensors, no biases (Qwen3-MoE has none); the routers `mlp.gate.weight` stay bf16 (E, H) and are in
 `ignore`; lm_head, the embeddings and the norms stay bf16. With max_shard_size 20KB the experts span 2 to 4
 shards.
 
 Beside each, `NAME.truth.safetensors`, for every FP4 expert projection and every FP8 linear: `<prefix>.weight`
 float32 = its group's registered compressor's `decompress(state_dict, scheme)` of the tensors just written (bf16,
-cast exactly), and `<prefix>.float_weight` the bf16 weight before quantization. `made-llmc.json`: versions, scheme, the float model's digest.
+cast exactly), and `<prefix>.float_weight` the bf16 weight before quantization. `made-llmc.json`: versions,
+scheme, the float model's digest.
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ def build_float_model(folder: Path) -> dict[str, torch.Tensor]:
                             tie_word_embeddings=False)
     model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
     with torch.no_grad():
-        # spread the default std-0.02 init so that blocks get different scales, and give one block of every
-        # expert projection a tiny range (a small block scale)
+        # spread the default std-0.02 init so that blocks get different scales, and give the first block of rows
+        # 0 and 1 of every expert projection a tiny range (small and subnormal block scales)
         for name, p in model.named_parameters():
             if ".mlp.experts." in name:
                 p.copy_(torch.randn_like(p, dtype=torch.float32).mul(0.05).to(p.dtype))
