@@ -168,7 +168,8 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     made_path = root / "made-llmc.json"
     made = json.loads(made_path.read_text()) if made_path.exists() else {}
-    made["versions"] = {"llmcompressor": llmcompressor.__version__, "compressed-tensors": compressed_tensors.__version__,
+    made["versions"] = {"llmcompressor": llmcompressor.__version__,
+                        "compressed-tensors": compressed_tensors.__version__,
                         "transformers": transformers.__version__, "torch": torch.__version__}
     print("versions:", "llmcompressor", llmcompressor.__version__, "compressed-tensors", compressed_tensors.__version__,
           "transformers", transformers.__version__, "torch", torch.__version__)
