@@ -385,3 +385,25 @@ def test_the_mixed_checkpoints_fp8_block_linears_are_what_the_doc_says(fixtures)
             decoded = truth[f"{prefix}.weight"].astype(np.float64)
             bound = 2 ** -4 * np.abs(original) + 2 ** -8 * np.abs(decoded) + scale * 2 ** -10
             assert (np.abs(decoded - original) <= bound).all(), prefix
+
+
+def test_transformers_cpu_save_claims_mxfp4_over_bf16_tensors():
+    """gptoss-cpu-dequantized: what transformers 5.24.0 saves on CPU for `Mxfp4Config()` without use_kernels (it
+    dequantizes on load, with a warning): a `quant_method: mxfp4` config over bf16 stacked experts, with no
+    `*_blocks` / `*_scales` at all. A real producer's output that a reader taking the config's word would misread."""
+    folder = DATA / "gptoss-cpu-dequantized"
+    hidden, intermediate = 96, 32
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "mxfp4", "modules_to_not_convert": None}
+    tensors, weight_map = read_checkpoint(folder)
+    assert not any(name.endswith(("_blocks", "_scales")) for name in tensors)
+    assert {dtype for dtype, _ in tensors.values()} == {"BF16"}
+    for layer in range(LAYERS):
+        base = f"model.layers.{layer}.mlp."
+        found = {name[len(base):]: values.shape for name, (_, values) in tensors.items() if name.startswith(base)}
+        assert found == {"experts.gate_up_proj": (EXPERTS, hidden, 2 * intermediate),
+                         "experts.gate_up_proj_bias": (EXPERTS, 2 * intermediate),
+                         "experts.down_proj": (EXPERTS, intermediate, hidden),
+                         "experts.down_proj_bias": (EXPERTS, hidden),
+                         "router.weight": (EXPERTS, hidden), "router.bias": (EXPERTS,)}, layer
+    assert len({weight_map[name] for name in weight_map if ".mlp.experts." in name}) >= 2

@@ -6,9 +6,9 @@ Versions: transformers 5.24.0, torch 2.13.0 (CPU), triton 3.9.0, kernels 0.18.3,
 
     python3.11 -m venv .venv-gptoss
     .venv-gptoss/bin/pip install --no-deps -r tests/packers/requirements-gptoss.txt
-    .venv-gptoss/bin/python tests/packers/make_float_gptoss.py tests/data/float
+    .venv-gptoss/bin/python tests/packers/make_float_gptoss.py tests/data/float [NAME ...]
 
-It builds a seeded random bf16 GptOssForCausalLM (hidden 64, intermediate 64, 4 experts, 2 layers) and asks
+It builds a seeded random bf16 GptOssForCausalLM (hidden 96, intermediate 32, 4 experts, 2 layers) and asks
 transformers' own MXFP4 path to quantize it: `from_pretrained(float, quantization_config=Mxfp4Config(),
 use_kernels=True)` (Mxfp4HfQuantizer; integrations/mxfp4.py Mxfp4Quantize -> quantize_to_mxfp4 -> the hub kernel's
 `triton_kernels.numerics_details.mxfp.downcast_to_mxfp_torch`), then `save_pretrained(max_shard_size="40KB")`
@@ -26,9 +26,11 @@ On this machine it cannot:
   untrusted sources.`; with HF_HUB_OFFLINE=1 (the trust check skipped) it is `ValueError: Version 1 of
   'kernels-community/gpt-oss-triton-kernels' is not available in the local cache and Hugging Face Hub is in offline
   mode. ...`;
-- with use_kernels=False (the default) transformers silently sets dequantize=True on CPU and saves bf16
-  `gate_up_proj` [E, H, 2I] / `down_proj` [E, I, H] under `quantization_config: {"quant_method": "mxfp4"}`: not an
-  MXFP4 checkpoint, so not a fixture.
+- with use_kernels=False (the default) transformers sets dequantize=True on CPU, with a warning, and saves bf16
+  `gate_up_proj` [E, H, 2I] / `down_proj` [E, I, H] (and bf16 biases, router) under `quantization_config:
+  {"quant_method": "mxfp4", "modules_to_not_convert": null}`. That is variant `gptoss-cpu-dequantized`, committed
+  as what it is: a real producer's checkpoint that claims MXFP4 and holds no `*_blocks` / `*_scales` (no truth
+  file: nothing in it is quantized).
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ from pathlib import Path
 
 import torch
 
-H, I, E, LAYERS, VOCAB = 64, 64, 4, 2, 128
+H, I, E, LAYERS, VOCAB = 96, 32, 4, 2, 32
 SHARD = "40KB"
-NAME = "gptoss-mxfp4"
+# name -> use_kernels: the MXFP4 checkpoint (needs the Hub kernel), and what transformers saves on CPU by default
+VARIANTS = {"gptoss-mxfp4": True, "gptoss-cpu-dequantized": False}
 
 
 def build_float_model(folder: Path) -> dict[str, torch.Tensor]:
@@ -63,14 +66,14 @@ def build_float_model(folder: Path) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters() if ".mlp.experts." in name}
 
 
-def quantize(src: Path, out: Path) -> None:
+def quantize(src: Path, out: Path, use_kernels: bool) -> None:
     """transformers' own MXFP4 path: quantize on load (Mxfp4HfQuantizer, integrations/mxfp4.Mxfp4Quantize ->
     quantize_to_mxfp4, the hub's triton_kernels downcast_to_mxfp_torch), then save_pretrained (the quantizer's
     get_state_dict_and_metadata -> Mxfp4ReverseDeserialize)."""
     from transformers import GptOssForCausalLM, Mxfp4Config
 
     model = GptOssForCausalLM.from_pretrained(src, quantization_config=Mxfp4Config(), dtype=torch.bfloat16,
-                                              use_kernels=True)
+                                              use_kernels=use_kernels)
     model.save_pretrained(out, max_shard_size=SHARD)
 
 
@@ -98,14 +101,18 @@ def main() -> int:
     from safetensors.torch import save_file
 
     root = Path(sys.argv[1])
+    names = sys.argv[2:] or list(VARIANTS)
     print("versions: transformers", transformers.__version__, "torch", torch.__version__)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "float"
         floats = build_float_model(src)
-        out = root / NAME
-        shutil.rmtree(out, ignore_errors=True)
-        quantize(src, out)
-        save_file(truth(out, floats), str(root / f"{NAME}.truth.safetensors"))
+        for name in names:
+            out = root / name
+            shutil.rmtree(out, ignore_errors=True)
+            quantize(src, out, VARIANTS[name])
+            found = truth(out, floats)
+            if found:
+                save_file(found, str(root / f"{name}.truth.safetensors"))
     return 0
 
 
