@@ -44,8 +44,8 @@ import torch
 
 H, I, E, LAYERS, VOCAB = 96, 32, 4, 2, 32
 SHARD = "40KB"
-# name -> use_kernels: the MXFP4 checkpoint (needs the Hub kernel), and what transformers saves on CPU by default
-VARIANTS = {"gptoss-mxfp4": True, "gptoss-cpu-dequantized": False}
+# name -> use_kernels: what transformers saves on CPU by default, and the MXFP4 checkpoint (needs the Hub kernel)
+VARIANTS = {"gptoss-cpu-dequantized": False, "gptoss-mxfp4": True}
 
 
 def build_float_model(folder: Path) -> dict[str, torch.Tensor]:
