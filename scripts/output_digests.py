@@ -1,8 +1,11 @@
-"""sha256 of every output file moeconv writes, for every backend on a matrix of synthetic checkpoints.
+"""sha256 of every output file moeconv writes, for every backend on a matrix of synthetic checkpoints and on
+every checkpoint under tests/data.
 
-Used to prove a refactoring changes no output byte: run it on the old and the new code and compare
-the two JSON files (`python scripts/output_digests.py OUT.json`, then `diff`). Everything is made
-under one fixed folder, so the source paths recorded in the manifests are the same in both runs.
+Proves a refactoring changes no output byte: tests/test_output_digests.py re-makes every output and compares
+it with the table committed before the change (tests/data/output_digests.json); after a change that means to
+alter outputs, `python scripts/output_digests.py tests/data/output_digests.json` writes the table anew.
+The manifest is compared without what depends on the machine and the run: the source's absolute path (in
+`source` and `arguments`), and the manifest's own digest, which covers that path. A refusal is recorded with the folder it names made relative.
 """
 
 from __future__ import annotations
@@ -10,9 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import shutil
+import tempfile
 from pathlib import Path
+from typing import Any
 
+from moeconv.checkpoint.manifest import MANIFEST_NAME, SELF_DIGEST_KEY
 from moeconv.errors import MoeconvError
 from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.synth import SynthSpec, make_checkpoint
@@ -29,36 +34,66 @@ FORMATS = {
 }
 ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 BACKENDS = ("triton", "humming", "cpu", "compressed-tensors")
+DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+# The checkpoints under tests/data (each a folder with a config.json), but the outputs kept there.
+FIXTURES = sorted(path.parent.relative_to(DATA).as_posix() for path in DATA.glob("**/config.json")
+                  if "output" not in path.parent.relative_to(DATA).parts)
+
+
+def _manifest_digest(path: Path) -> str:
+    manifest = json.loads(path.read_text())
+    del manifest[SELF_DIGEST_KEY], manifest["source"]["path"], manifest["arguments"]["source"]["path"]
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
 def digests(folder: Path) -> dict[str, str]:
-    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(folder.iterdir())}
+    """Each output file's sha256 (the manifest's without its machine-dependent fields)."""
+    return {path.name: _manifest_digest(path) if path.name == MANIFEST_NAME else
+            hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(folder.iterdir())}
 
 
-def main(out: str) -> None:
+def synthetic(label: str, arch: str, folder: Path) -> Path:
+    """The matrix's checkpoint of format `label` and architecture `arch`, made at `folder`."""
+    return make_checkpoint(folder, SynthSpec(architecture=arch, source_format=FORMATS[label], hidden=256,
+                                             intermediate=128, dense_layers=1 if arch == "deepseek_v3" else 0),
+                           max_shard_size=300_000)
+
+
+def sources(work: Path) -> dict[str, Path]:
+    """Every source checkpoint of the table, by its label: the synthetic matrix made under `work`, then the
+    fixtures."""
+    made = {f"{label}/{arch}": synthetic(label, arch, work / f"{label}-{arch}")
+            for label in FORMATS for arch in ARCHITECTURES}
+    return {**made, **{f"data/{name}": DATA / name for name in FIXTURES}}
+
+
+def output_digests(source: Path, backend: str, output: Path) -> dict[str, str] | str:
+    """The digests of `source` converted into `backend` at `output` (one worker: the bytes do not depend on
+    scheduling), or the refusal, its folders relative."""
     from moeconv.conversion import convert
     from moeconv.plan import make_plan
 
-    results: dict[str, object] = {}
-    work = Path("/tmp/moeconv-output-digests")
-    shutil.rmtree(work, ignore_errors=True)
-    for label, fmt in FORMATS.items():
-        for arch in ARCHITECTURES:
-            source = make_checkpoint(work / f"{label}-{arch}", SynthSpec(
-                architecture=arch, source_format=fmt, dense_layers=1 if arch == "deepseek_v3" else 0,
-                hidden=256, intermediate=128), max_shard_size=300_000)
-            for backend in BACKENDS:
-                key = f"{label}/{arch}/{backend}"
-                try:
-                    plan = make_plan(source, backend=backend, regroup=True, max_shard_size=400_000)
-                except MoeconvError as error:
-                    results[key] = f"refused: {error}"
-                    continue
-                output = work / f"out-{label}-{arch}-{backend}"
-                convert(plan, output)
-                results[key] = digests(output)
-                print(key, "ok", flush=True)
-    shutil.rmtree(work)
+    try:
+        plan = make_plan(source, backend=backend, regroup=True, max_shard_size=400_000)
+    except MoeconvError as error:
+        return "refused: " + str(error).replace(str(source), "<source>")
+    convert(plan, output, workers=1)
+    return digests(output)
+
+
+def table(work: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for label, source in sources(work).items():
+        for backend in BACKENDS:
+            key = f"{label}/{backend}"
+            results[key] = output_digests(source, backend, work / ("out-" + key.replace("/", "+")))
+            print(key, "ok" if isinstance(results[key], dict) else results[key], flush=True)
+    return results
+
+
+def main(out: str) -> None:
+    with tempfile.TemporaryDirectory() as work:
+        results = table(Path(work))
     Path(out).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
