@@ -245,7 +245,7 @@ def test_a_json_file_is_compared_field_by_field_with_its_types(have, want, found
     """`structure._field_problems`: equal values pass (through the serializations, at once), and a difference,
     of a value or only of its JSON type (true against 1, 1 against 1.0), is named by its path; the expected
     side is compared as the JSON it is written as."""
-    from moeconv.structure import _field_problems
+    from moeconv.verification.structure import _field_problems
 
     expected = [] if found is None else [f"x.json: field {found} differs from y"]
     assert _field_problems("x.json", have, want, "y") == expected
@@ -377,10 +377,10 @@ def test_the_digests_run_beside_the_planning(converted, monkeypatch):
     takes seconds), and their progress still lands in the lossless phase's count."""
     import threading
 
-    from moeconv import verification
+    from moeconv.verification import prepare, structure
 
     began = threading.Event()
-    digests, planned = verification._digests, verification.make_plan
+    digests, planned = structure.digests, prepare.make_plan
 
     def digests_starting(*args):
         began.set()
@@ -390,8 +390,8 @@ def test_the_digests_run_beside_the_planning(converted, monkeypatch):
         assert began.wait(30), "the plan was asked for before the digests began"
         return planned(*args, **kwargs)
 
-    monkeypatch.setattr(verification, "_digests", digests_starting)
-    monkeypatch.setattr(verification, "make_plan", plan_after_the_digests)
+    monkeypatch.setattr(structure, "digests", digests_starting)
+    monkeypatch.setattr(prepare, "make_plan", plan_after_the_digests)
     totals, done = {}, {}
 
     def progress(amount, total=None, phase=None):
@@ -409,18 +409,18 @@ def test_a_failed_plan_stops_the_early_digests(converted, monkeypatch):
     import threading
     import time
 
-    from moeconv import verification
+    from moeconv.verification import prepare, structure
 
     def refused(*args, **kwargs):
         raise MoeconvError("refused by the test")
 
-    def endless(output, manifest, entries, checkpoint, advance, seconds):  # digests that never end by themselves
-        while True:
+    def endless(output, manifest, entries, checkpoint, anchor, advance, seconds, cancelled):  # until cancelled
+        while not cancelled.is_set():
             advance(0)
             time.sleep(0.01)
 
-    monkeypatch.setattr(verification, "make_plan", refused)
-    monkeypatch.setattr(verification, "_digests", endless)
+    monkeypatch.setattr(prepare, "make_plan", refused)
+    monkeypatch.setattr(structure, "digests", endless)
     with pytest.raises(MoeconvError, match="refused by the test"):
         verify(converted[1], level="lossless", workers=2)
     deadline = time.monotonic() + 30

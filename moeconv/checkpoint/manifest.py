@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +157,53 @@ def recorded_tensor_digests(manifest: dict[str, Any]) -> dict[str, tuple[str, st
                 return None
             digests[name] = (shard, digest)
     return digests
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """An output's manifest as verify reads it: parsed once, sealed and of a version whose digests it
+    takes. A malformed list of files is None (each a problem of its own for the structure level)."""
+
+    path: Path
+    data: dict[str, Any]  # as read: the derived sections are compared with what the plan writes
+    scheme: DigestScheme
+    backend: str
+    targets: dict[str, Any]
+    source: dict[str, Any]  # where the conversion read from: path, Hub id, headers' digest, shards' digests
+    arguments: dict[str, Any]  # what decides the bytes, as the conversion was asked
+    files: dict[str, dict[str, Any]] | None  # the shards
+    metadata_files: dict[str, dict[str, Any]] | None  # the index and configs
+    copied_files: dict[str, dict[str, Any]] | None  # the source's side files, copied as they are
+    skipped_files: dict[str, Any]
+    source_files: dict[str, dict[str, Any]] | None  # the source's shards as the conversion read them
+    tensor_digests: dict[str, tuple[str, str]] | None  # tensor -> (shard, digest)
+
+    def listed(self, key: str) -> dict[str, dict[str, Any]] | None:
+        """One of the lists of the files the output holds: `files`, `metadata_files` or `copied_files`."""
+        return {"files": self.files, "metadata_files": self.metadata_files, "copied_files": self.copied_files}[key]
+
+
+def parse(output: Path) -> Manifest:
+    """An output folder's manifest for verify; MoeconvError (its one problem) when it cannot be read, its
+    content differs from its own digest, or its version records digests verify does not take."""
+    manifest = read(output)
+    recorded = manifest.get(SELF_DIGEST_KEY)
+    if recorded is None:
+        raise MoeconvError(f"{MANIFEST_NAME}: records no digest of itself, of the configs or of the source's data "
+                           f"(written by a moeconv before 2026-12-02); convert again")
+    if recorded != self_digest(manifest):
+        raise MoeconvError(f"{MANIFEST_NAME}: its content differs from its own recorded digest (changed after the "
+                           f"conversion)")
+    scheme = scheme_of(manifest)
+    if scheme is None:
+        read_versions = " or ".join(map(str, SCHEMES))
+        raise MoeconvError(f"{MANIFEST_NAME}: manifest_version {manifest.get('manifest_version')}, not {read_versions} "
+                           f"(files -> shard -> {CURRENT.shard_key}, made of its {TENSOR_DIGESTS_KEY}; written by an "
+                           f"older moeconv); convert again")
+    where, skipped = str(output / MANIFEST_NAME), manifest.get("skipped_files")
+    source = section(manifest, "source", where)
+    return Manifest(output / MANIFEST_NAME, manifest, scheme, manifest["backend"], section(manifest, "targets", where),
+                    source, section(manifest, "arguments", where), recorded_files(manifest, "files", scheme),
+                    recorded_files(manifest, "metadata_files", scheme), recorded_files(manifest, "copied_files", scheme),
+                    skipped if isinstance(skipped, dict) else {}, recorded_files(source, "file_digests", scheme),
+                    recorded_tensor_digests(manifest))

@@ -1,24 +1,31 @@
 """verify's first level, structure: the output folder against its manifest (every file, its size and
 digest, each shard's tensors' digests (hashed once: a shard's digest is made of them), the manifest's own seal), the tensors against the plan's
 shapes and dtypes, the JSON files against what this plan writes, the copied side files against the
-source's; and the source's shards against the digests recorded as the conversion read them."""
+source's; and the source's shards against the digests recorded as the conversion read them (`digests`,
+on the scheduler's thread, with the published digests of an anchored source).
+
+The manifest is `checkpoint.manifest.Manifest`, parsed once (its seal and version checked by the parse)."""
 
 from __future__ import annotations
 
 import json
 import os
 import stat
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
+from moeconv import provenance
 from moeconv.checkpoint import manifest as manifests
-from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
+from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME, Manifest
 from moeconv.checkpoint.reader import INDEX_NAME, TensorEntry, read_json
 from moeconv.checkpoint.side_files import side_files
-from moeconv.checkpoint.writer import (CURRENT, TENSOR_DIGESTS_KEY, DigestScheme, file_digest, range_digests,
-                                      shard_file_digests)
+from moeconv.checkpoint.writer import TENSOR_DIGESTS_KEY, DigestScheme, file_digest, range_digests, shard_file_digests
 from moeconv.errors import MoeconvError
 from moeconv.plan import Plan
+from moeconv.verification.report import PROOFS, VerifyReport
+from moeconv.verification.scheduler import Scheduler
 
 
 def check_reading(plan: Plan) -> list[str]:
@@ -29,34 +36,6 @@ def check_reading(plan: Plan) -> list[str]:
         return []
     return [f"the source's tensors contradict the reading this output was converted with: {disagreement}"
             for disagreement in plan.detection.disagreements]
-
-
-def check_seal(manifest: dict[str, Any]) -> list[str]:
-    """The manifest against its own digest (manifests.self_digest)."""
-    recorded = manifest.get(manifests.SELF_DIGEST_KEY)
-    if recorded is None:
-        return [f"{MANIFEST_NAME}: records no digest of itself, of the configs or of the source's data (written by "
-                f"a moeconv before 2026-12-02); convert again"]
-    if recorded != manifests.self_digest(manifest):
-        return [f"{MANIFEST_NAME}: its content differs from its own recorded digest (changed after the conversion)"]
-    return []
-
-
-def check_version(manifest: dict[str, Any]) -> list[str]:
-    """The manifest's version: those before 3 record other digests (docs/FORMAT.md), which verify does not take."""
-    if manifests.scheme_of(manifest) is not None:
-        return []
-    read = " or ".join(map(str, manifests.SCHEMES))
-    return [f"{MANIFEST_NAME}: manifest_version {manifest.get('manifest_version')}, not {read} (files -> shard -> "
-            f"{CURRENT.shard_key}, made of its {TENSOR_DIGESTS_KEY}; written by an older moeconv); convert again"]
-
-
-def _scheme(manifest: dict[str, Any]) -> DigestScheme:
-    """The digests of a manifest whose version check_version passed."""
-    scheme = manifests.scheme_of(manifest)
-    if scheme is None:
-        raise MoeconvError(check_version(manifest)[0])
-    return scheme
 
 
 _SECTIONS = ("files", "metadata_files", "copied_files")  # the manifest's lists of the files the output holds
@@ -82,19 +61,22 @@ def check_links(output: Path) -> list[str]:
             for path in sorted(output.iterdir()) if path.is_symlink()]
 
 
-def check_files(output: Path, manifest: dict[str, Any], advance: Callable[..., None],
-                tensors: dict[str, dict[str, str]] | None = None) -> list[str]:
+def check_files(output: Path, manifest: Manifest, advance: Callable[..., None],
+                tensors: dict[str, dict[str, str]] | None = None, cancelled: threading.Event | None = None) -> list[str]:
     """Every file of the output folder against the manifest: each listed one a regular file (not a link)
     of the recorded size and digest, and nothing else there. `tensors` receives each shard's tensors'
-    digests (for check_tensor_digests, which then reads nothing again)."""
-    problems, listed, scheme = [], {MANIFEST_NAME}, _scheme(manifest)
+    digests (for check_tensor_digests, which then reads nothing again); once `cancelled` is set, no other
+    file is read."""
+    problems, listed, scheme = [], {MANIFEST_NAME}, manifest.scheme
     tensors = {} if tensors is None else tensors
     for key in _SECTIONS:
-        files, digest_key = manifests.recorded_files(manifest, key, scheme), manifests.digest_key_of(key, scheme)
+        files, digest_key = manifest.listed(key), manifests.digest_key_of(key, scheme)
         if files is None:
             problems.append(f"{MANIFEST_NAME}: {key} must map plain file names to their bytes and {digest_key}")
             continue
         for name, recorded in files.items():
+            if cancelled is not None and cancelled.is_set():
+                return problems
             listed.add(name)
             path = output / name
             try:
@@ -116,12 +98,12 @@ def check_files(output: Path, manifest: dict[str, Any], advance: Callable[..., N
     return problems
 
 
-def check_tensor_digests(entries: list, manifest: dict[str, Any], advance: Callable[..., None],
+def check_tensor_digests(entries: list, manifest: Manifest, advance: Callable[..., None],
                          hashed: dict[str, dict[str, str]] | None = None) -> list[str]:
     """Each tensor of the output's shards (reader.TensorEntry) against the digest the manifest records
     for it (writer.tensor_digest, hashed from the file: the bytes an engine reads for it); `hashed`: the
     digests check_files took while checking the shards' own, by file name, which are not hashed again."""
-    recorded = manifests.recorded_tensor_digests(manifest)
+    recorded = manifest.tensor_digests
     if recorded is None:
         return [f"{MANIFEST_NAME}: records no digest per tensor (manifest_version 3 and later: "
                 f"files -> shard -> {TENSOR_DIGESTS_KEY}; written by a moeconv before 2026-12-02); convert again"]
@@ -136,7 +118,7 @@ def check_tensor_digests(entries: list, manifest: dict[str, Any], advance: Calla
         digests = (hashed or {}).get(path.name, {})
         if any(entry.name not in digests for entry in inside):
             digests = range_digests(path, {entry.name: (entry.begin, entry.end) for entry in inside},
-                                    scheme=_scheme(manifest))
+                                    scheme=manifest.scheme)
         for entry in inside:
             shard, digest = recorded.get(entry.name, (None, None))
             if shard != path.name:
@@ -176,7 +158,7 @@ def _field_problems(name: str, have: Any, want: Any, what: str) -> list[str]:
     return [] if found is None else [f"{name}: field {found} differs from {what}"]
 
 
-def _check_json_files(plan: Plan, output: Path, manifest: dict[str, Any]) -> list[str]:
+def _check_json_files(plan: Plan, output: Path, manifest: Manifest) -> list[str]:
     """config.json field by field against the source's config (the quantization block aside, which must
     describe this conversion); the index, quantize_config.json and the manifest's derived sections
     against what this plan writes."""
@@ -202,18 +184,17 @@ def _check_json_files(plan: Plan, output: Path, manifest: dict[str, Any]) -> lis
             problems.append(f"{QUANTIZE_CONFIG_NAME}: does not match config.json's quantization_config")
         elif name == INDEX_NAME:
             problems += _field_problems(name, have, want, "the index of this conversion")
-    derived = manifests.derived(plan, _scheme(manifest))
-    problems += _field_problems(MANIFEST_NAME, {key: manifest.get(key) for key in derived}, derived,
+    derived = manifests.derived(plan, manifest.scheme)
+    problems += _field_problems(MANIFEST_NAME, {key: manifest.data.get(key) for key in derived}, derived,
                                 "what this conversion records")
     return problems
 
 
-def _check_side_files(plan: Plan, output: Path, manifest: dict[str, Any]) -> list[str]:
+def _check_side_files(plan: Plan, manifest: Manifest) -> list[str]:
     """The copied files against the source's files of those names, and the source folder's other files
     against those recorded as skipped (convert's own selection, side_files.py)."""
-    expected, scheme = side_files(plan.checkpoint, skip_unsafe=True), _scheme(manifest)
-    copied = manifests.recorded_files(manifest, "copied_files", scheme) or {}
-    skipped = manifest.get("skipped_files") if isinstance(manifest.get("skipped_files"), dict) else {}
+    expected, scheme = side_files(plan.checkpoint, skip_unsafe=True), manifest.scheme
+    copied, skipped = manifest.copied_files or {}, manifest.skipped_files
     problems = []
     for side in expected.copied:
         if side.name not in copied:
@@ -229,11 +210,10 @@ def _check_side_files(plan: Plan, output: Path, manifest: dict[str, Any]) -> lis
     return problems
 
 
-def check_source_digests(checkpoint: Any, manifest: dict[str, Any],
-                          advance: Callable[..., None]) -> tuple[list[str], int]:
-    """Every source shard against the digest recorded while the conversion read it."""
-    scheme = _scheme(manifest)
-    recorded = manifests.recorded_files(manifest["source"], "file_digests", scheme)
+def check_source_digests(checkpoint: Any, manifest: Manifest, advance: Callable[..., None],
+                         cancelled: threading.Event | None = None) -> tuple[list[str], int]:
+    """Every source shard against the digest recorded while the conversion read it (until `cancelled`)."""
+    scheme, recorded = manifest.scheme, manifest.source_files
     if recorded is None:
         return [f"{MANIFEST_NAME}: source.file_digests must map the source's shards to their bytes and "
                 f"{scheme.file_key}"], 0
@@ -241,6 +221,8 @@ def check_source_digests(checkpoint: Any, manifest: dict[str, Any],
     if set(recorded) != {path.name for path in checkpoint.files}:
         problems.append(f"{MANIFEST_NAME}: source.file_digests {sorted(recorded)} != the source's shards")
     for path in checkpoint.files:
+        if cancelled is not None and cancelled.is_set():
+            break
         if path.name in recorded and (path.stat().st_size != recorded[path.name]["bytes"]
                                       or file_digest(path, scheme=scheme) != recorded[path.name][scheme.file_key]):
             problems.append(f"{path}: the source shard's data differs from what the conversion read "
@@ -249,7 +231,7 @@ def check_source_digests(checkpoint: Any, manifest: dict[str, Any],
     return problems, len(checkpoint.files)
 
 
-def check_structure(plan: Plan, output: Path, manifest: dict[str, Any], tensors: dict[str, TensorEntry]) -> list[str]:
+def check_structure(plan: Plan, output: Path, manifest: Manifest, tensors: dict[str, TensorEntry]) -> list[str]:
     problems = []
     expected = {t.name: t for shard in plan.shards for t in shard.tensors}
     for name, want in expected.items():
@@ -261,7 +243,51 @@ def check_structure(plan: Plan, output: Path, manifest: dict[str, Any], tensors:
                             f"expected {want.dtype}{list(want.shape)}")
     problems += [f"{tensors[name].file.name}: unexpected tensor {name}" for name in sorted(set(tensors) - set(expected))]
     shard_files = {entry.file.name for entry in tensors.values()}
-    files = manifests.recorded_files(manifest, "files", _scheme(manifest)) or {}
+    files = manifest.files or {}
     if shard_files != set(files):
         problems.append(f"{MANIFEST_NAME}: files {sorted(files)} != index's {sorted(shard_files)}")
-    return problems + _check_json_files(plan, output, manifest) + _check_side_files(plan, output, manifest)
+    return problems + _check_json_files(plan, output, manifest) + _check_side_files(plan, manifest)
+
+
+def digests(output: Path, manifest: Manifest, entries: list[TensorEntry], checkpoint: Any,
+            anchor: provenance.Anchor | None, advance: Callable[..., None], seconds: dict[str, float],
+            cancelled: threading.Event) -> tuple[list[str], list[str], int, list[str]]:
+    """The structure level's digests (the output's files, then its tensors, from the same pass), the
+    source's shard digests and, for an anchored source, its files against the published digests:
+    (structure problems, source problems, source shards checked, files unlike their published digests),
+    until `cancelled`. `seconds` gets each one's duration (they overlap verify's other work)."""
+    started = time.perf_counter()
+    hashed: dict[str, dict[str, str]] = {}
+    problems = check_files(output, manifest, advance, hashed, cancelled)
+    if not cancelled.is_set():
+        problems += check_tensor_digests(entries, manifest, lambda amount: None, hashed)
+    seconds["digests"] = round(time.perf_counter() - started, 3)
+    started = time.perf_counter()
+    source_problems, checked = check_source_digests(checkpoint, manifest, advance, cancelled)
+    seconds["source-digests"] = round(time.perf_counter() - started, 3)
+    if anchor is None:
+        return problems, source_problems, checked, []
+    started = time.perf_counter()
+    unpublished = [problem for name in sorted(anchor.published) if not cancelled.is_set()
+                   for problem in provenance.mismatches(checkpoint.root, anchor, [name], advance)]
+    seconds["source-published-digests"] = round(time.perf_counter() - started, 3)
+    return problems, source_problems, checked, unpublished
+
+
+def run_alone(report: VerifyReport, opened: Any, plan: Plan, scheduler: Scheduler) -> VerifyReport:
+    """The structure level by itself (asked for, or where the plan's checks already found a problem, or the
+    output cannot be opened): the file digests, then each tensor's, each its own phase."""
+    output, manifest, converted = opened.output, opened.manifest, opened.converted
+    scheduler.phase("digests", sum(path.stat().st_size for path in output.iterdir() if path.is_file()))
+    if converted is None:  # the digests then name what else differs
+        report.structure_problems = check_files(output, manifest, scheduler.advance) + [str(opened.unreadable)]
+        return report
+    hashed: dict[str, dict[str, str]] = {}  # each shard's tensors' digests, taken once for the shard's digest
+    report.structure_problems += check_files(output, manifest, scheduler.advance, hashed)
+    # each tensor too: a damaged shard is then named with the tensors whose bytes changed
+    entries = list(converted.tensors.values())
+    scheduler.phase("tensor-digests", sum(entry.nbytes for entry in entries))
+    report.structure_problems += check_tensor_digests(entries, manifest, scheduler.advance, hashed)
+    if not report.structure_problems:
+        report.proven["structure"] = PROOFS["structure"]
+    return report
