@@ -12,7 +12,7 @@ of SRC in the same round (the copied files fsynced: `sync FILE...`, as bench_con
 it, and the CPU seconds of the process and every process below it that it waited for (getrusage), beside
 the tree CPU seconds the build reports itself where it does (a fork server's workers are not waited for
 by the process): CPU seconds show added work even where the cores hide it. With --verify, each output is
-then verified (`verify --level lossless`, whole process, the same build): its seconds and phases.
+then verified (`verify --level lossless`, whole process, the same build): its seconds, CPU seconds and phases.
 """
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ def run(source: Path, builds: Path, backends: list[str], workers: str, repeats: 
                        "tree_peak_pss_mb": report.get("tree_peak_pss_mb")}
                 if verify:
                     # a failed verify exits 1, which `timed` refuses
-                    wall, _, stdout = timed([sys.executable, "-m", "moeconv", "verify", str(output.resolve()), "--level",
-                                             "lossless", "-q", "--json"], env=env, cwd=scratch)
-                    row["verify_seconds"] = round(wall, 3)
+                    wall, cpu, stdout = timed([sys.executable, "-m", "moeconv", "verify", str(output.resolve()), "--level",
+                                               "lossless", "-q", "--json"], env=env, cwd=scratch)
+                    row["verify_seconds"], row["verify_cpu_seconds"] = round(wall, 3), round(cpu, 2)
                     row["verify_phase_seconds"] = json.loads(stdout)["phase_seconds"]
                 print(json.dumps(row), flush=True)
                 samples.setdefault((name, backend), []).append(row)
@@ -98,13 +98,15 @@ def run(source: Path, builds: Path, backends: list[str], workers: str, repeats: 
                         "conversion_seconds": median(rows, "conversion_seconds"), "cpu_seconds": median(rows, "cpu_seconds"),
                         "tree_cpu_seconds": median(rows, "tree_cpu_seconds"),
                         "tree_peak_pss_mb": median(rows, "tree_peak_pss_mb"),
-                        "verify_seconds": median(rows, "verify_seconds")})
+                        "verify_seconds": median(rows, "verify_seconds"),
+                        "verify_cpu_seconds": median(rows, "verify_cpu_seconds")})
     print("| build | backend | copy + sync | process | conversion | CPU s (waited) | tree CPU s (reported) | tree PSS MB "
-          "| verify |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| verify | verify CPU s (waited) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in summary:
         print(f"| {row['build']} | {row['backend']} | {row['copy_seconds']} | {row['process_seconds']} | "
-              f"{row['conversion_seconds']} | {row['cpu_seconds']} | {row['tree_cpu_seconds']} | {row['tree_peak_pss_mb']} | {row['verify_seconds']} |")
+              f"{row['conversion_seconds']} | {row['cpu_seconds']} | {row['tree_cpu_seconds']} | {row['tree_peak_pss_mb']} | {row['verify_seconds']} | "
+              f"{row['verify_cpu_seconds']} |")
     return summary
 
 

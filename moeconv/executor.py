@@ -6,7 +6,7 @@ which every worker opens itself (`worker_reader`, `worker_descriptor`). Tasks th
 workers forked from multiprocessing's fork server, which `start_workers` starts as soon as a plan says
 they need it: it imports torch (3 to 5 s on the 16-core host) while this process goes on, the workers
 share its pages, and the process that plans, hashes and writes never imports torch. Tasks that do not
-(numpy transcoders, verify's numpy decoding) run on workers forked from this process, at once. Each
+(the packed route, verify's numpy decoding) run on workers forked from this process, at once. Each
 worker runs one torch thread, ignores SIGINT (the driver stops the pool) and dies with the driver (no
 orphan writes on after a kill -9). One worker runs the tasks in this process. Everything runs on the
 CPU: a GPU path was measured slower than these workers and removed (docs/BENCHMARKS.md).

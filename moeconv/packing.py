@@ -183,13 +183,6 @@ def add_to_words(words: torch.Tensor, addend: int) -> torch.Tensor:
     return torch.from_numpy(add_to_word_array(words.numpy(), addend))
 
 
-def int8_to_offset_codes(weight: torch.Tensor) -> torch.Tensor:
-    """Signed int8 w -> uint8 codes w + 128 (`int8_array_to_offset_codes` on the tensor's array)."""
-    import torch
-
-    return torch.from_numpy(int8_array_to_offset_codes(weight.numpy()))
-
-
 def int8_array_to_offset_codes(weight: np.ndarray) -> np.ndarray:
     """Signed int8 w -> uint8 codes w + 128: the two's-complement byte with its top bit flipped
     (a byte reinterpreted as a byte, so no byte-order question arises)."""
@@ -197,7 +190,7 @@ def int8_array_to_offset_codes(weight: np.ndarray) -> np.ndarray:
 
 
 def offset_codes_to_int8(codes: torch.Tensor) -> torch.Tensor:
-    """Inverse of `int8_to_offset_codes`."""
+    """Inverse of `int8_array_to_offset_codes`, on a tensor."""
     import torch
 
     return (codes ^ 0x80).view(torch.int8)

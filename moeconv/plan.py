@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from moeconv import act_order, transcoders, transform
+from moeconv import act_order, transform
 from moeconv._version import __version__
 from moeconv.backends import all_backends, auto_order, backend_name, get_backend
 from moeconv.backends.base import Backend, Serving
@@ -67,8 +67,8 @@ class Plan:
     serving: Serving = field(init=False)  # how vLLM serves the output (`{output}`), or why it does not
     sglang_serving: Serving = field(init=False)  # the same for SGLang (sglang_serving)
     scale_cast: tuple[str, str] | None = field(init=False)  # torch dtype names, at the config's model dtype
-    # Some job decodes to the canonical form (torch): a dense linear or an expert without a transcoder,
-    # or one a transcoder declines (a non-trivial g_idx). Else the workers need no torch.
+    # Some job decodes to the canonical form (torch): a dense linear or an expert whose format and layout do
+    # not meet in the packed form, or one the format declines (a non-trivial g_idx). Else the workers need no torch.
     workers_need_torch: bool = field(init=False)
     # verify's checks decode in numpy where every job's layout and format do (transform.decodes_stored) and no
     # layer folds an act-order permutation (relabelled groups are only reordered); else its workers need torch.
@@ -83,10 +83,7 @@ class Plan:
                 experts[job.module].append(job)
         answer("layer_jobs", {module: tuple(sorted(jobs, key=lambda job: job.expert)) for module, jobs in experts.items()})
         first = self.layers[0].shape
-        answer("codec", Codec(self.source_format, self.backend, self.regroup_factor,
-                              transcoders.find(self.source_format, self.backend.name, first),
-                              transcoders.find_linear(self.source_format,
-                                                      self.dense_backend.name if self.dense_backend else None)))
+        answer("codec", Codec(self.source_format, self.backend, self.regroup_factor))
         answer("quantization_config", _quantization_config(self))
         answer("identity", {
             "tool_version": __version__,
@@ -108,14 +105,12 @@ class Plan:
             self.backend, self.source_format, first, self.architecture.model_type,
             attention_quantized(self.checkpoint, self.source_format), self.dense_backend is not None,
             self.checkpoint.quantization_config), kept))
-        answer("workers_need_torch", self.codec.transcoder is None
-               or any(layer.act_order != act_order.STATIC for layer in self.layers)
-               or (self.detection is not None
-                   and act_order_suspected(self.checkpoint, self.source_format, self.detection))
-               or any(isinstance(job, LinearJob) and (self.codec.linear_transcoder is None
-                                                      or job.shape.activation_bits != 16) for job in self.jobs))
         checked = [job for job in self.jobs if isinstance(job, LinearJob)] + [
             jobs[0] for jobs in self.layer_jobs.values() if jobs]  # a layer's experts share its shape
+        answer("workers_need_torch", not all(transform.takes_packed(job, self.codec) for job in checked)
+               or any(layer.act_order != act_order.STATIC for layer in self.layers)
+               or (self.detection is not None
+                   and act_order_suspected(self.checkpoint, self.source_format, self.detection)))
         answer("checks_need_torch", any(layer.act_order == act_order.FOLDED for layer in self.layers)
                or not all(transform.decodes_stored(job, self.codec) for job in checked))
 
@@ -140,7 +135,9 @@ class Plan:
             "architecture": self.architecture.model_type,
             "format": self.source_format.describe(),
             "regroup_factor": self.regroup_factor,
-            "transcoder": transcoder.__name__ if (transcoder := self.codec.transcoder) else None,  # None: canonical
+            # how the first layer's experts are converted: through the packed form, or the canonical one
+            "route": "packed" if self.layer_jobs and transform.takes_packed(
+                next(iter(self.layer_jobs.values()))[0], self.codec) else "canonical",
             "tp": self.tp,
             "skipped_backends": [{"backend": name, "reason": reason} for name, reason in self.skipped_backends],
             "auto_choice": self.choice,

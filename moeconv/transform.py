@@ -2,9 +2,9 @@
 verify the output blocks and the source back to canonical weights. The only code a worker calls
 (convert's and verify's tasks), besides reading and writing bytes.
 
-An expert goes through the (format, backend) pair's packed-to-packed transcoder where there is one
-(transcoders.py, proven byte-identical to the canonical route; numpy on the stored bytes, no torch),
-else through the canonical form:
+A job goes through the packed form where the source format packs and the layout takes it (packed.py:
+numpy on the stored bytes, no torch; proven byte-identical to the canonical route), else through the
+canonical form:
 the source format decodes each projection (after any lossless regrouping), an act-order down
 projection's input permutation is folded into the same expert's gate and up rows (act_order.fold),
 and the backend encodes the expert's slice of every layer tensor.
@@ -25,7 +25,6 @@ from moeconv.checkpoint.reader import TensorEntry, TensorReader
 from moeconv.packing import bf16_as_float32
 from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat
-from moeconv.transcoders import LinearTranscoder, Transcoder
 from moeconv.worklist import ConvertJob, ExpertJob, SourceSlice
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
@@ -42,8 +41,6 @@ class Codec:
     source_format: SourceFormat
     backend: Backend
     regroup_factor: int = 1  # group size divided by this (scales and zeros repeated): lossless
-    transcoder: Transcoder | None = None  # an expert's stored words straight into the layout (byte-identical)
-    linear_transcoder: LinearTranscoder | None = None  # a dense linear's, into the layout it is written in
 
     def decode_source(self, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
         """One source linear in the canonical form the plan writes."""
@@ -61,33 +58,47 @@ class Codec:
         return regroup(weight, self.regroup_factor), inputs
 
 
-def convert(job: ConvertJob, codec: Codec, reader: TensorReader) -> tuple[dict[str, torch.Tensor], list[Audit]]:
-    """The job's output blocks (by backend suffix), and the audit counts of its source tensors: an
-    expert through the pair's transcoder where there is one and it takes this expert, else decoded to
-    the canonical form and encoded."""
+def takes_packed(job: ConvertJob, codec: Codec) -> bool:
+    """Whether the job's format and layout meet in the packed form (packed.py): the fast path, numpy on the
+    stored bytes. The format may still decline one linear (an act-order g_idx), the layout one expert."""
+    layout = codec.backend if isinstance(job, ExpertJob) else job.encoder
+    return codec.source_format.packs and layout.takes_packed(job.shape)
+
+
+def convert(job: ConvertJob, codec: Codec, reader: TensorReader) -> tuple[dict[str, Any], list[Audit]]:
+    """The job's output blocks (by backend suffix), and the audit counts of its source tensors: through the
+    packed form where the format and the layout take it, else decoded to the canonical form and encoded."""
+    if takes_packed(job, codec):
+        found = _through_packed(job, codec, reader)
+        if found is not None:
+            return found
     if isinstance(job, ExpertJob):
-        if codec.transcoder is not None:
-            stored = _read_expert(job, reader.read_raw)
-            try:
-                slices = codec.transcoder(codec.source_format, stored, job.shape, codec.regroup_factor)
-            except MoeconvError as error:  # any projection's: name the expert
-                raise _expert_refusal(job, error) from None
-            if slices is not None:
-                return slices, _expert_audits(job, codec, _readable(job, stored), {})
-        raw = _read_expert(job, reader.read)
-        weights, audits = _expert_canonical(job, codec, raw)
+        weights, audits = _expert_canonical(job, codec, _read_expert(job, reader.read))
     else:
-        if codec.linear_transcoder is not None and job.shape.activation_bits == 16:
-            stored = {suffix: reader.read_raw(piece.entry) for suffix, piece in job.sources.items()}
-            try:
-                tensors = codec.linear_transcoder(codec.source_format, stored, codec.regroup_factor)
-            except MoeconvError as error:
-                raise MoeconvError(f"{next(iter(job.sources.values())).entry.file}: {job.prefix}: {error}") from None
-            if tensors is not None:
-                readable = _readable_linear(job.sources, stored)
-                return tensors, [(job.prefix, audit_counts(codec.source_format, readable, None))]
         weights, audits = source_weights(job, codec, reader)
     return encode(job, codec, weights), audits
+
+
+def _through_packed(job: ConvertJob, codec: Codec, reader: TensorReader) -> tuple[dict[str, np.ndarray], list[Audit]] | None:
+    """`convert` through the packed form; None where the format or the layout declines."""
+    sources = job.sources if isinstance(job, ExpertJob) else {"linear": job.sources}
+    stored = {projection: {suffix: reader.read_raw(piece.entry) for suffix, piece in linear.items()}
+              for projection, linear in sources.items()}
+    packed = {}
+    for projection, tensors in stored.items():
+        weight = _decoded(codec.source_format.to_packed, sources[projection], tensors)
+        if weight is None:
+            return None
+        packed[projection] = weight.regrouped(codec.regroup_factor)
+    if isinstance(job, ExpertJob):
+        blocks = codec.backend.from_packed(packed, job.shape)
+    else:
+        blocks = job.encoder.from_packed_linear(packed["linear"], job.shape)
+    if blocks is None:
+        return None
+    return blocks, [(_linear_name(linear) if isinstance(job, ExpertJob) else job.prefix,
+                     audit_counts(codec.source_format, _readable_linear(linear, stored[projection]), None))
+                    for projection, linear in sources.items()]
 
 
 def source_weights(job: ConvertJob, codec: Codec,
@@ -132,7 +143,7 @@ def source_weights_stored(job: ConvertJob, codec: Codec, reader: TensorReader
                           ) -> tuple[dict[str, QuantizedWeight], list[Audit]] | None:
     """`source_weights` in numpy, the weights in the stored form (where `decodes_stored`); None for an
     act-order expert, whose fold takes the canonical route. The audits count the stored tensors, as the
-    transcoders' conversions do."""
+    packed route's conversions do."""
     sources = job.sources if isinstance(job, ExpertJob) else {"linear": job.sources}
     stored = {projection: {suffix: reader.read_raw(piece.entry) for suffix, piece in linear.items()}
               for projection, linear in sources.items()}
@@ -150,17 +161,13 @@ def source_weights_stored(job: ConvertJob, codec: Codec, reader: TensorReader
 
 def _read_expert(job: ExpertJob, read: Callable[[TensorEntry], Any]) -> dict[str, dict[str, Any]]:
     """Each projection's tensors by suffix, as `read` gives them (TensorReader.read: torch tensors;
-    read_raw: the stored bytes in numpy, for a transcoder)."""
+    read_raw: the stored bytes in numpy)."""
     return {projection: {suffix: read(piece.entry) for suffix, piece in linear.items()}
             for projection, linear in job.sources.items()}
 
 
-def _readable(job: ExpertJob, stored: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
-    """The stored arrays with BF16 bit patterns as the float32 values they hold, for the audits."""
-    return {projection: _readable_linear(job.sources[projection], linear) for projection, linear in stored.items()}
-
-
 def _readable_linear(sources: dict[str, SourceSlice], stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The stored arrays with BF16 bit patterns as the float32 values they hold, for the audits."""
     return {suffix: bf16_as_float32(array) if sources[suffix].entry.dtype == "BF16" else array
             for suffix, array in stored.items()}
 
@@ -179,12 +186,6 @@ def _expert_audits(job: ExpertJob, codec: Codec, raw: dict[str, dict[str, torch.
                    weights: dict[str, QuantizedWeight]) -> list[Audit]:
     return [(_linear_name(job.sources[projection]), audit_counts(codec.source_format, tensors, weights.get(projection)))
             for projection, tensors in raw.items()]
-
-
-def _expert_refusal(job: ExpertJob, error: MoeconvError) -> MoeconvError:
-    """A decoder's or transcoder's refusal, naming the file and the expert."""
-    first = next(iter(job.sources["gate"].values())).entry
-    return MoeconvError(f"{first.file}: {job.module}.{job.expert}: {error}")
 
 
 def _linear_name(linear: dict[str, SourceSlice]) -> str:

@@ -1,9 +1,11 @@
-"""docs/ARCHITECTURE.md's floor table is true: every module of the package is placed on a floor, and no
-import (at module level, inside a function, or for annotations) points to a higher floor."""
+"""docs/ARCHITECTURE.md's floor table is the measured shape of the package: every room (a module, or a
+subpackage) is placed on the floor one above the highest room it imports (at module level, inside a function,
+or for annotations), floor 0 for a room that imports none, so no import points up or sideways."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -15,7 +17,7 @@ def _floors() -> dict[str, int]:
     """Room (`plan.py`, `checkpoint/`) -> floor, from the table's rows."""
     floors = {}
     for line in (ROOT / "docs" / "ARCHITECTURE.md").read_text().splitlines():
-        match = re.match(r"\| (\d) \| ([^|]+) \|", line)
+        match = re.match(r"\| (\d+) \| ([^|]+) \|", line)
         if match:
             floors.update({room: int(match[1]) for room in re.findall(r"`([^`]+)`", match[2])})
     return floors
@@ -49,6 +51,25 @@ def _imported(path: Path) -> set[Path]:
     return found
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Room -> the other rooms it imports."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        room = _room(path)
+        graph.setdefault(room, set()).update(_room(target) for target in _imported(path) if _room(target) != room)
+    return graph
+
+
+def measured_floors(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Room -> the length of the longest chain of imports below it (rooms import no cycle: a cycle raises)."""
+    @functools.lru_cache(maxsize=None)
+    def floor(room: str, below: frozenset = frozenset()) -> int:
+        assert room not in below, f"import cycle through {room}: {sorted(below)}"
+        return max((floor(target, below | {room}) + 1 for target in graph[room]), default=0)
+
+    return {room: floor(room) for room in graph}
+
+
 def test_the_table_places_every_module():
     floors = _floors()
     unplaced = sorted({_room(path) for path in PACKAGE.rglob("*.py")} - set(floors))
@@ -62,3 +83,11 @@ def test_no_import_points_up():
               for path in sorted(PACKAGE.rglob("*.py")) for target in sorted(_imported(path))
               if floors.get(_room(target), -1) > floors.get(_room(path), 99)]
     assert upward == []
+
+
+def test_the_table_floors_are_the_measured_ones():
+    """A room placed higher than its imports need, or lower, makes the table lie about the shape."""
+    table, measured = _floors(), measured_floors(import_graph())
+    wrong = [f"{room}: table {table.get(room)}, measured {floor}" for room, floor in sorted(measured.items())
+             if table.get(room) != floor]
+    assert wrong == []

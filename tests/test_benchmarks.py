@@ -49,6 +49,7 @@ def test_bench_builds_exports_a_commit_and_compares_it(tmp_path):
     (row,) = json.loads(output.read_text())
     assert row["build"] == "HEAD" and row["backend"] == "triton" and row["conversion_seconds"] > 0
     assert row["verify_seconds"] > 0  # the script refuses a failed verify (exit 1), so this one passed
+    assert row["verify_cpu_seconds"] > 0
 
 
 def test_a_grown_checkpoint_repeats_the_layers_and_converts_and_verifies(tmp_path):

@@ -49,7 +49,7 @@ def test_a_command_imports_no_pydantic(tmp_path):
 PARENT_MODULES = ["moeconv.conversion", "moeconv.executor", "moeconv.checkpoint.reader", "moeconv.checkpoint.writer",
                   "moeconv.checkpoint.manifest", "moeconv.checkpoint.side_files", "moeconv.audit", "moeconv.spec",
                   "moeconv.worklist", "moeconv.plan", "moeconv.survey", "moeconv.detect", "moeconv.transform",
-                  "moeconv.transcoders", "moeconv.act_order", "moeconv.canonical", "moeconv.packing",
+                  "moeconv.packed", "moeconv.act_order", "moeconv.canonical", "moeconv.packing",
                   "moeconv.formats", "moeconv.inspection", "moeconv.api", "moeconv.cli"]
 BLOCKED = f"""
 import sys
@@ -136,16 +136,16 @@ print("workers with torch:", sum(seen), "parent with torch:", "torch" in sys.mod
 
 
 def test_workers_of_a_plan_without_torch_jobs_never_import_it():
-    """Plan.workers_need_torch false (every job has a numpy transcoder): the workers are forked from the
+    """Plan.workers_need_torch false (every job goes through the packed form, in numpy): the workers are forked from the
     parent, which has no torch, and import none."""
     done = subprocess.run([sys.executable, "-c", TORCH_FREE_POOL], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "workers with torch: 0 parent with torch: False", done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
-def test_a_conversion_whose_jobs_all_have_transcoders_imports_no_torch_at_all(tmp_path, workers):
+def test_a_conversion_whose_jobs_all_take_the_packed_route_imports_no_torch_at_all(tmp_path, workers):
     """Synthetic asymmetric GPTQ -> triton: experts and the dense linears (written in compressed-tensors)
-    all through numpy transcoders, so neither the process nor, with one worker, its in-process transform
+    all through the packed form, in numpy, so neither the process nor, with one worker, its in-process transform
     imports torch."""
     from moeconv.synth import SynthSpec, make_checkpoint
 
@@ -161,12 +161,12 @@ import sys
 from moeconv.api import convert
 from moeconv.executor import descendants
 report = convert(sys.argv[1], sys.argv[2], backend="triton", workers=2)
-print("transcoder:", report.plan["transcoder"], "processes left:", len(descendants()))
+print("route:", report.plan["route"], "processes left:", len(descendants()))
 """
 
 
 def test_a_conversion_that_needs_no_torch_starts_no_fork_server(tmp_path):
-    """Every job transcoded in numpy: no process of the tree imports torch. The fork server (which
+    """Every job through the packed form, in numpy: no process of the tree imports torch. The fork server (which
     imports it, and lives until the command ends) is not started speculatively: on 2 cores its import
     cost a torch-free conversion 1 to 2 s and 210 MB (docs/BENCHMARKS.md)."""
     from moeconv.formats import GPTQ
@@ -176,7 +176,7 @@ def test_a_conversion_that_needs_no_torch_starts_no_fork_server(tmp_path):
                                                          intermediate=128))
     done = subprocess.run([sys.executable, "-c", NO_SERVER, str(source), str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300)
-    assert done.stdout.strip() == "transcoder: gptq_to_triton processes left: 0", done.stdout + done.stderr
+    assert done.stdout.strip() == "route: packed processes left: 0", done.stdout + done.stderr
 
 
 def test_a_lossless_verify_imports_torch_only_in_its_workers(tmp_path):

@@ -4,13 +4,14 @@ with no other file changed."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-from moeconv import backends, formats
+from moeconv import backends, formats, transform
 from moeconv.backends import BackendEntry
 from moeconv.formats import GPTQ
 from moeconv.synth import SynthSpec, make_checkpoint
@@ -43,6 +44,23 @@ def test_convert_and_verify_through_the_toy_plugins(registered, tmp_path, source
     assert all(layer.experts_exact == layer.experts_checked == 4 for layer in verdict.layers)
     assert verdict.layers[0].relative_error is not None and verdict.layers[0].relative_error < verdict.tolerance
     assert report.plan["backend"] == backend
+
+
+@pytest.mark.parametrize("source_format, backend", [("toyq", "toy"), ("toyq", "triton"), ("gptq", "toy"),
+                                                    ("toyq", "compressed-tensors")])
+def test_the_toy_plugins_take_the_packed_route(registered, tmp_path, monkeypatch, source_format, backend):
+    """Their `to_packed` and `from_packed` give the toy plugins the fast path into (and from) every layout and
+    format that takes the packed form, byte for byte what the canonical route writes."""
+    import moeconv
+
+    fmt = registered(bits=4, group_size=32) if source_format == "toyq" else GPTQ(bits=4, group_size=32, sym=False)
+    source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=fmt, hidden=64, intermediate=64))
+    assert moeconv.convert(source, tmp_path / "fast", backend=backend, workers=1).plan["route"] == "packed"
+    monkeypatch.setattr(transform, "takes_packed", lambda job, codec: False)
+    assert moeconv.convert(source, tmp_path / "slow", backend=backend, workers=1).plan["route"] == "canonical"
+    digests = [{path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in (tmp_path / folder).iterdir()
+                if path.suffix == ".safetensors"} for folder in ("fast", "slow")]
+    assert digests[0] == digests[1] and digests[0]
 
 
 def test_the_toy_format_is_detected_from_data_and_audited(registered, tmp_path):

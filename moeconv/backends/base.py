@@ -11,6 +11,8 @@ if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not
     import numpy as np
     import torch
 
+    from moeconv.packed import PackedWeight
+
 
 # The two GEMMs of a fused MoE layer and the canonical projections each is made of (gate rows first).
 FUSED_GEMMS = {"w13": ("gate", "up"), "w2": ("down",)}
@@ -120,6 +122,15 @@ class Backend(Protocol):
         """As `decode_expert`, on the stored arrays (BF16 as uint16 bit patterns), the weights in that
         stored form (numpy). Only where `decodes_stored`."""
 
+    def takes_packed(self, layer: MoELayerShape | LinearShape) -> bool:
+        """Whether `from_packed` (or `from_packed_linear`, given a dense linear's shape) writes this layer's
+        layout from the packed form (packed.py), the fast path of every format that `packs`. Default: False."""
+
+    def from_packed(self, expert: dict[str, PackedWeight], layer: MoELayerShape) -> dict[str, np.ndarray] | None:
+        """`encode_expert`'s slices from the expert's projections (gate, up, down) in the packed form, as
+        stored arrays, byte for byte what `encode_expert` of their decoding gives (tests/test_packed.py);
+        None for an expert the canonical route must take. Only where `takes_packed`."""
+
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         """Backend fields of the output's quantization config."""
 
@@ -138,6 +149,9 @@ class Backend(Protocol):
 
     def decode_linear_stored(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
         """As `decode_linear`, on the stored arrays, as `decode_expert_stored` (where `decodes_stored`)."""
+
+    def from_packed_linear(self, weight: PackedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        """`encode_linear` from the packed form, as `from_packed` (where `takes_packed` of the linear)."""
 
     def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,
                                        unquantized_modules: list[str],
@@ -167,6 +181,15 @@ class BackendDefaults:
 
     def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
         raise NotImplementedError(f"backend {self.name!r} decodes torch tensors only")
+
+    def takes_packed(self, layer: MoELayerShape | LinearShape) -> bool:
+        return False
+
+    def from_packed(self, expert: dict[str, PackedWeight], layer: MoELayerShape) -> dict[str, np.ndarray] | None:
+        raise NotImplementedError(f"backend {self.name!r} has no packed route")
+
+    def from_packed_linear(self, weight: PackedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        raise NotImplementedError(f"backend {self.name!r} has no packed route")
 
     def decode_linear_stored(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
         raise NotImplementedError(f"backend {self.name!r} decodes torch tensors only")

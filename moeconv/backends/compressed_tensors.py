@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from moeconv import packing
 from moeconv.spec import TensorSpec
 from moeconv.backends.base import Serving, vllm_serve, with_fused_names
@@ -30,8 +32,9 @@ from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, pac
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import numpy as np
     import torch
+
+    from moeconv.packed import PackedWeight
 
 # The compressed-tensors release vLLM 0.33 pins; the config below is what its QuantizationConfig reads.
 COMPRESSED_TENSORS_TARGET = "0.17.0"
@@ -106,6 +109,14 @@ class CompressedTensorsBackend(PerLinearBackend):
             raise ValueError(f"weight_shape says {stated}, not [{linear.out_features}, {linear.in_features}]")
         return from_packed_words(tensors["weight_packed"], tensors.get("weight_zero_point"), tensors["weight_scale"],
                                  linear)
+
+    def from_packed_linear(self, weight: PackedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        """pack-quantized's words are the packed form's."""
+        tensors = {"weight_packed": weight.words, "weight_scale": weight.scales,
+                   "weight_shape": np.array([weight.out_features, weight.in_features], dtype=np.int64)}
+        if weight.zero_words is not None:
+            tensors["weight_zero_point"] = weight.zero_words
+        return tensors
 
     fp8_block_suffixes = {"weight": "weight", "weight_scale_inv": "weight_scale"}
 

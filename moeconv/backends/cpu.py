@@ -48,6 +48,8 @@ from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, coars
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
     import torch
 
+    from moeconv.packed import PackedWeight
+
 BLOCK_N = 32  # output channels per block: two 16-channel halves of one AVX-512 register each
 MAX_BLOCK_K = 128
 VNNI = 4  # consecutive k per 32-bit lane of a VNNI dot product
@@ -132,6 +134,25 @@ class CpuBackend(BackendDefaults):
 
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
         return self.decode_expert_stored(stored_arrays(slices), layer).as_tensors()
+
+    def takes_packed(self, layer: MoELayerShape | LinearShape) -> bool:
+        """The INT4 blocked layout, where a K block is whole words (the W8A8 layout's bytes are not packed)."""
+        if not isinstance(layer, MoELayerShape) or _layout(layer) is not INT4_BLOCKED or layer.bits != 4:
+            return False
+        group_size = layer_group_size(layer)
+        return group_size is not None and block_k_for(group_size) % 8 == 0
+
+    def from_packed(self, expert: dict[str, PackedWeight], layer: MoELayerShape) -> dict[str, np.ndarray] | None:
+        """None where an fp16 scale is a NaN: torch's fp16 -> fp32 (`encode_expert`) quiets signalling NaNs,
+        numpy's does not."""
+        if any(weight.scales.dtype == np.float16 and np.isnan(weight.scales).any() for weight in expert.values()):
+            return None
+        group_size, slices = layer_group_size(layer), {}
+        blocked = {projection: _packed_blocked(weight, group_size) for projection, weight in expert.items()}
+        for prefix, projections in FUSED_GEMMS.items():
+            for name, parts in zip(blocked_suffixes(prefix), zip(*(blocked[p] for p in projections))):
+                slices[name] = np.concatenate(parts)
+        return slices
 
     def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
         """Raises ValueError naming the tensor when the bytes hold something no canonical weight
@@ -281,6 +302,45 @@ INT4_BLOCKED, INT8_VNNI = Int4BlockedLayout(), Int8VnniLayout()
 def _layout(layer: MoELayerShape) -> Int4BlockedLayout | Int8VnniLayout:
     """W8A8 schemes run the INT8 kernel; everything else the W4A8 one (which refuses non-4-bit)."""
     return INT8_VNNI if layer.activation_bits == 8 else INT4_BLOCKED
+
+
+def _spread_nibbles(words: np.ndarray) -> np.ndarray:
+    """uint32 words -> uint64 words with nibble t of each at bits [8t, 8t + 4) (the others zero)."""
+    spread = words.astype(np.uint64)
+    for shift, mask in ((16, 0x0000FFFF0000FFFF), (8, 0x00FF00FF00FF00FF), (4, 0x0F0F0F0F0F0F0F0F)):
+        spread = (spread | (spread << np.uint64(shift))) & np.uint64(mask)
+    return spread
+
+
+def _nibble_sums(words: np.ndarray) -> np.ndarray:
+    """The sum of the eight 4-bit values of each uint32 word (at most 120)."""
+    pairs = (words & np.uint32(0x0F0F0F0F)) + ((words >> np.uint32(4)) & np.uint32(0x0F0F0F0F))  # 4 bytes <= 30
+    return (pairs * np.uint32(0x01010101)) >> np.uint32(24)
+
+
+def _packed_blocked(weight: PackedWeight, group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`block_int4` of a 4-bit linear in the packed form, regrouped to the layer's `group_size`: (qweight, fp32
+    scales, int8 zeros). Channel n (low nibble) and n + 8 (high nibble) of each 16-channel half share a byte
+    for each k: their words' nibbles are spread to one byte each and or-ed, which gives, per channel pair and
+    quad of k, the 4 bytes (ki) the layout keeps together; those 32-bit units are then moved to the layout's
+    (nc, kc, q, h, ni) order, and the compensation sums are taken from the words."""
+    n, k = weight.out_features, weight.in_features
+    block_k, repeat = block_k_for(group_size), weight.group_size // group_size
+    nc, kc = n // BLOCK_N, k // block_k
+    zeros = weight.zero_points()
+    zeros = np.full(weight.scales.shape, SYMMETRIC_ZERO, dtype=np.uint8) if zeros is None else zeros
+    zeros, scales = np.repeat(zeros, repeat, axis=1), np.repeat(weight.scales, repeat, axis=1)
+    words = weight.words.view(np.uint32).reshape(nc, 2, 2, 8, -1)  # (nc, h, high, ni, K/8)
+    pairs = _spread_nibbles(words[:, :, 0]) | (_spread_nibbles(words[:, :, 1]) << np.uint64(4))
+    quads = np.ascontiguousarray(pairs, dtype="<u8").view(np.uint32).reshape(nc, 2, 8, kc, block_k // VNNI)
+    nibbles = np.ascontiguousarray(quads.transpose(0, 3, 4, 1, 2)).view(np.uint8).reshape(nc, kc, -1)
+    sums = (_nibble_sums(words.reshape(n, kc, block_k // 8)).sum(axis=-1, dtype=np.int32)
+            - block_k * np.repeat(zeros.astype(np.int32), group_size // block_k, axis=1))
+    compensation = np.ascontiguousarray(sums.reshape(nc, BLOCK_N, kc).transpose(0, 2, 1), dtype="<i4")
+    blocks = lambda per_channel: np.ascontiguousarray(  # noqa: E731 (N, G) -> (N/32, G, 32)
+        per_channel.reshape(nc, BLOCK_N, -1).transpose(0, 2, 1))
+    return (np.concatenate([nibbles, compensation.view(np.uint8)], axis=-1), blocks(packing.as_float32(scales)),
+            blocks(zeros.view(np.int8)))
 
 
 def _projections(expert: ExpertWeights) -> tuple[tuple[str, tuple[QuantizedWeight, ...]], ...]:

@@ -28,6 +28,8 @@ if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not
     import numpy as np
     import torch
 
+    from moeconv.packed import PackedWeight
+
 # Humming's pack kernels work on runs of 32 values (upstream asserts L % 32 == 0).
 PACK_RUN = 32
 _DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
@@ -72,6 +74,13 @@ class HummingBackend(PerLinearBackend):
 
     def decode_linear_stored(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
         return from_packed_words(tensors["weight"], tensors.get("zero_point"), tensors["weight_scale"], linear)
+
+    def from_packed_linear(self, weight: PackedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        """The same words as compressed-tensors', under Humming's names."""
+        tensors = {"weight": weight.words, "weight_scale": weight.scales}
+        if weight.zero_words is not None:
+            tensors["zero_point"] = weight.zero_words
+        return tensors
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         """The weight schema as `HummingWeightSchema.from_config` reads it. Channel-wise is group size

@@ -17,6 +17,8 @@ from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, Quantized
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
     import torch
 
+    from moeconv.packed import PackedWeight
+
 
 class PerLinearBackend(BackendDefaults):
     converts_dense_linears = True
@@ -39,6 +41,14 @@ class PerLinearBackend(BackendDefaults):
 
     def decodes_stored(self, layer: MoELayerShape | LinearShape) -> bool:
         return True
+
+    def takes_packed(self, layer: MoELayerShape | LinearShape) -> bool:
+        return layer.activation_bits == 16  # W8A8's int8 codes are not packed
+
+    def from_packed(self, expert: dict[str, PackedWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
+        return {f"{name}.{suffix}": array
+                for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer))
+                for suffix, array in self.from_packed_linear(expert[projection], linear).items()}
 
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
         return self.decode_expert_stored(stored_arrays(slices), layer).as_tensors()

@@ -27,6 +27,8 @@ from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_ch
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
     import torch
 
+    from moeconv.packed import PackedWeight
+
 
 class WNA16Names(NamedTuple):
     """The moe_wna16 tensors of one fused GEMM (`w13` or `w2`)."""
@@ -43,7 +45,7 @@ class Int8Names(NamedTuple):
     weight_scale: str
 
 
-# The layout's tensor names, declared once (the backend, transcoders.py, kernels/runners.py and the vLLM
+# The layout's tensor names, declared once (the backend, kernels/runners.py and the vLLM
 # plugin read them here): <gemm>_<part>, e.g. w13_qweight, w2_weight_scale.
 WNA16 = {gemm: WNA16Names(*(f"{gemm}_{part}" for part in WNA16Names._fields)) for gemm in FUSED_GEMMS}
 INT8 = {gemm: Int8Names(*(f"{gemm}_{part}" for part in Int8Names._fields)) for gemm in FUSED_GEMMS}
@@ -138,6 +140,21 @@ class TritonBackend(BackendDefaults):
 
     def decodes_stored(self, layer: MoELayerShape | LinearShape) -> bool:
         return True
+
+    def takes_packed(self, layer: MoELayerShape | LinearShape) -> bool:
+        return layer.activation_bits == 16  # the int8 layout's codes are not packed
+
+    def from_packed(self, expert: dict[str, PackedWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
+        """The words' bytes are the kernel's codes packed along K, the zero words' bytes down the rows its
+        zero points packed along N: each GEMM's projections stacked, gate rows first."""
+        slices = {}
+        for prefix, projections in FUSED_GEMMS.items():
+            names, rows = WNA16[prefix], [expert[projection] for projection in projections]
+            slices[names.qweight] = np.concatenate([weight.code_bytes() for weight in rows])
+            slices[names.scales] = np.concatenate([weight.scales for weight in rows])
+            if rows[0].zero_words is not None:
+                slices[names.qzeros] = np.concatenate([weight.zero_bytes() for weight in rows])
+        return slices
 
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
         return self.decode_expert_stored(stored_arrays(slices), layer).as_tensors()

@@ -299,7 +299,7 @@ class TensorReader:
 
     def read_raw(self, entry: TensorEntry) -> np.ndarray:
         """A whole tensor's stored bytes as a numpy array of its dtype, without torch (BF16 as its uint16 bit
-        patterns, which numpy has no type for): what a packed-to-packed transcoder moves."""
+        patterns, which numpy has no type for): what the packed route moves."""
         array = self._read_raw(entry, entry.begin, entry.nbytes, entry.shape)
         if self.fingerprints is not None:
             self.fingerprints[entry.name] = zlib.crc32(array.data).to_bytes(4, "little")

@@ -125,7 +125,7 @@ def byte_size(data: torch.Tensor | np.ndarray) -> int:
 
 
 def write_at(fd: int, data: torch.Tensor | np.ndarray, position: int) -> None:
-    """All of the bytes of `data` (a torch tensor, or a numpy array from a transcoder) at file
+    """All of the bytes of `data` (a torch tensor, or a numpy array from the packed route) at file
     `position` of `fd`."""
     if isinstance(data, np.ndarray):
         view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))

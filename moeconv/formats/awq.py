@@ -18,6 +18,7 @@ import numpy as np
 from moeconv import packing
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
+from moeconv.packed import PackedWeight, transposed
 from moeconv.spec import TensorSpec
 from moeconv.formats.base import (
     Detection,
@@ -59,6 +60,42 @@ def _natural_columns(words: np.ndarray) -> np.ndarray:
     transposed = np.ascontiguousarray(words.T).view(np.uint32)
     planes = [((transposed >> np.uint32(4 * slot)) & np.uint32(0xF)).astype(np.uint8) for slot in NATURAL_FROM_SLOTS]
     return np.stack(planes, axis=1).reshape(-1, words.shape[0])
+
+
+# The three rounds of an 8 x 8 nibble transpose of eight 32-bit words: (shift, mask of the low parts).
+_NIBBLE_TRANSPOSE = ((16, 0x0000FFFF), (8, 0x00FF00FF), (4, 0x0F0F0F0F))
+
+
+def _k_words(words: np.ndarray) -> np.ndarray:
+    """AWQ's (K, N/8) words of 4-bit codes packed along N (slot s of word (k, m) holds column
+    8m + AWQ_ORDER[s]) -> (N, K/8) int32 words packed along K in natural column order (slot t of word
+    (n, j) holds row 8j + t). Each 8 x 8 block of nibbles (eight rows of one word column) is transposed in
+    place on the words by three rounds of masked swaps (rows r and r + d exchange the high parts of one with
+    the low parts of the other), then the words are put in natural column order."""
+    k, m = words.shape
+    rows = np.ascontiguousarray(words.view(np.uint32).reshape(k // 8, 8, m).transpose(1, 0, 2))  # (8, K/8, N/8)
+    scratch = np.empty_like(rows[0])
+    for shift, mask in _NIBBLE_TRANSPOSE:
+        distance, low = shift // 4, np.uint32(mask)
+        for r in (r for r in range(8) if not r & distance):
+            top, bottom = rows[r], rows[r + distance]
+            np.right_shift(top, np.uint32(shift), out=scratch)  # tmp = ((top >> shift) ^ bottom) & low
+            np.bitwise_xor(scratch, bottom, out=scratch)
+            np.bitwise_and(scratch, low, out=scratch)
+            np.bitwise_xor(bottom, scratch, out=bottom)
+            np.left_shift(scratch, np.uint32(shift), out=scratch)
+            np.bitwise_xor(top, scratch, out=top)
+    # rows[s] now holds, for every (j, m), the word of column 8m + AWQ_ORDER[s]: (8, K/8, N/8) -> (N, K/8)
+    natural = rows[list(NATURAL_FROM_SLOTS)]
+    return np.ascontiguousarray(natural.transpose(2, 0, 1)).reshape(m * 8, k // 8).view(np.int32)
+
+
+def _natural_words(words: np.ndarray) -> np.ndarray:
+    """AWQ's words packed along N in slot order -> the same words in natural order (slot j holds column j)."""
+    unsigned, natural = words.view(np.uint32), np.zeros(words.shape, dtype=np.uint32)
+    for column, slot in enumerate(NATURAL_FROM_SLOTS):
+        natural |= ((unsigned >> np.uint32(4 * slot)) & np.uint32(0xF)) << np.uint32(4 * column)
+    return natural.view(np.int32)
 
 
 @dataclass(frozen=True)
@@ -141,6 +178,20 @@ class AWQ(StoredDecoding):
         weight = QuantizedWeight(codes=codes, zeros=zeros, scales=np.ascontiguousarray(stored["scales"].T),
                                  bits=self.bits, group_size=effective_group_size(in_features, self.group_size))
         return weight, None
+
+    packs = True
+
+    def to_packed(self, stored: Mapping[str, np.ndarray]) -> PackedWeight:
+        """AWQ packs along N in its interleaved order, the packed form along K in natural order (`_k_words`);
+        the zero words, packed along N like the packed form's, only change slot order."""
+        zero_words = None
+        if self.zero_point:
+            zero_words = transposed(_natural_words(stored["qzeros"]))
+        elif "qzeros" in stored:
+            self.check_symmetric_zeros(stored["qzeros"])
+        words = _k_words(stored["qweight"])
+        return PackedWeight(words=words, zero_words=zero_words, scales=transposed(stored["scales"]), bits=self.bits,
+                            group_size=effective_group_size(words.shape[1] * 8, self.group_size))
 
     def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         import torch

@@ -17,6 +17,8 @@ if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not
     import numpy as np
     import torch
 
+    from moeconv.packed import PackedWeight
+
 
 class HeaderEntry(Protocol):
     """What detection may know of a stored tensor: its name, header shape, and (for messages) the
@@ -119,6 +121,15 @@ class SourceFormat(Protocol):
         """As `decode_ordered`, on the stored arrays (`TensorReader.read_raw`: BF16 as uint16 bit patterns),
         the weight in that stored form (numpy). Only where `decodes_stored`."""
 
+    # The format's stored words go into the packed form (`to_packed`), the fast path into every layout that
+    # takes it (packed.py). Default: False (every linear takes the canonical route).
+    packs: bool
+
+    def to_packed(self, stored: Mapping[str, np.ndarray]) -> PackedWeight | None:
+        """One linear's stored arrays (keyed by suffix) in the packed form, moving bits only; None for a linear
+        the canonical route must take (an act-order g_idx). Only where `packs`; byte-identical to `decode`
+        then packing (tests/test_packed.py)."""
+
     def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         """The canonical form -> this format's tensors (keyed by suffix)."""
 
@@ -146,6 +157,10 @@ class FormatDefaults:
     audited_suffixes: tuple[str, ...] = ()
     group_index_suffix: str | None = None
     decodes_stored: bool = False
+    packs: bool = False
+
+    def to_packed(self, stored: Mapping[str, np.ndarray]) -> PackedWeight | None:
+        raise NotImplementedError(f"{type(self).__name__} has no packed form")
 
     def decode_stored(self, stored: Mapping[str, np.ndarray]) -> tuple[QuantizedWeight, np.ndarray | None]:
         raise NotImplementedError(f"{type(self).__name__} decodes torch tensors only")

@@ -33,6 +33,7 @@ import numpy as np
 from moeconv import act_order, packing
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
+from moeconv.packed import PackedWeight
 from moeconv.spec import TensorSpec
 from moeconv.checkpoint.schema import section
 from moeconv.formats.base import (Detection, StoredDecoding, Linear, Read, SourceFormat, checked_group_size, config_bool, config_int,
@@ -200,6 +201,26 @@ class CompressedTensors(StoredDecoding):
         codes, zeros, scales, inputs = act_order.static_form(codes, zeros, np.ascontiguousarray(stored["weight_scale"]),
                                                              stored.get("weight_g_idx"), group_size)
         return QuantizedWeight(codes=codes, zeros=zeros, scales=scales, bits=self.bits, group_size=group_size), inputs
+
+    @property
+    def packs(self) -> bool:
+        """pack-quantized's words are the packed form's (int-quantized's bytes are not packed)."""
+        return self.packed
+
+    def to_packed(self, stored: Mapping[str, np.ndarray]) -> PackedWeight | None:
+        """The words as they are, checked as `decode_stored` checks them; None for a weight_g_idx that is not
+        k // g (the canonical route folds act-order or refuses it)."""
+        words = stored["weight_packed"]
+        shape = (words.shape[0], words.shape[1] * 32 // self.bits)
+        stated = tuple(int(size) for size in stored["weight_shape"].reshape(-1))
+        if stated != shape:
+            raise MoeconvError(f"weight_shape says {list(stated)}, weight_packed holds {list(shape)}")
+        group_size = effective_group_size(shape[1], self.group_size)
+        g_idx = stored.get("weight_g_idx")
+        if g_idx is not None and act_order.group_order(g_idx, group_size).kind != act_order.STATIC:
+            return None
+        return PackedWeight(words=words, zero_words=None if self.symmetric else stored["weight_zero_point"],
+                            scales=stored["weight_scale"], bits=self.bits, group_size=group_size)
 
     def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         import torch

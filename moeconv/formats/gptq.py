@@ -21,6 +21,7 @@ import numpy as np
 from moeconv import act_order, packing
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
+from moeconv.packed import PackedWeight, transposed
 from moeconv.spec import TensorSpec
 from moeconv.formats.base import (
     Detection,
@@ -116,6 +117,22 @@ class GPTQ(StoredDecoding):
             zeros = np.ascontiguousarray(packing.unpack_array(true_words, self.bits, axis=1).T)
         codes, zeros, scales, inputs = act_order.static_form(codes, zeros, scales, stored.get("g_idx"), group_size)
         return QuantizedWeight(codes=codes, zeros=zeros, scales=scales, bits=self.bits, group_size=group_size), inputs
+
+    packs = True
+
+    def to_packed(self, stored: Mapping[str, np.ndarray]) -> PackedWeight | None:
+        """qweight's (K·b/32, N) words, packed along K, transposed; the TRUE zero words (v1's repeated-ones
+        word added back), packed along N, transposed. None for a non-trivial g_idx (the canonical route
+        folds act-order or refuses it)."""
+        qweight = stored["qweight"]
+        in_features = qweight.shape[0] * 32 // self.bits
+        if not self.static_groups(stored.get("g_idx"), in_features):
+            return None
+        zero_words = None
+        if not self.sym:
+            zero_words = transposed(packing.add_to_word_array(stored["qzeros"], self.zero_offset_word()))
+        return PackedWeight(words=transposed(qweight), zero_words=zero_words, scales=transposed(stored["scales"]),
+                            bits=self.bits, group_size=effective_group_size(in_features, self.group_size))
 
     @staticmethod
     def configures_act_order(config: Mapping[str, Any]) -> bool:

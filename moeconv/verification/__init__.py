@@ -10,7 +10,7 @@ threat model in docs/FORMAT.md).
    conversion job of the plan (each expert, each dense linear a backend converts) decodes from the
    output back to the canonical form, and equals what the SOURCE format's decoder gives for the
    source tensors, bit for bit (both read in numpy where the layout and the format can be, else in
-   torch; never through the converter's transcoders); pass-through tensors are byte-identical to the source.
+   torch; never through the converter's packed route); pass-through tensors are byte-identical to the source.
 3. numerics: the reference kernel the backend names (moeconv.kernels.runners) runs on the converted
    tensors for random tokens, routed so that every checked expert gets one; the reference dequantizes
    the source independently and computes in float64.

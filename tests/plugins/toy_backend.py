@@ -1,5 +1,6 @@
 """A toy backend, the whole of it in one module: each layer's experts stacked, codes one per byte,
-gate and up rows concatenated into w13 and down into w2, zero points and scales alongside.
+gate and up rows concatenated into w13 and down into w2, zero points and scales alongside; `from_packed`
+takes every packing format's fast path.
 Registered by tests/test_plugins.py to prove that a backend needs this module and one registry
 entry, and nothing else in moeconv: verify checks its numerics with the Triton kernel by re-encoding
 it into the triton layout (`Numerics(layout="triton")`)."""
@@ -8,10 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics, Serving
 from moeconv.canonical import MoELayerShape, QuantizedWeight
+from moeconv.packed import PackedWeight
+from moeconv.packing import unpack_array
 from moeconv.spec import TensorSpec
 
 
@@ -42,6 +46,19 @@ class ToyBackend(BackendDefaults):
             slices[f"{prefix}.codes"] = torch.cat([w.codes for w in weights])
             slices[f"{prefix}.zeros"] = torch.cat([w.zeros for w in weights])
             slices[f"{prefix}.scales"] = torch.cat([w.scales for w in weights])
+        return slices
+
+    def takes_packed(self, layer: MoELayerShape) -> bool:
+        return True
+
+    def from_packed(self, expert: dict[str, PackedWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
+        """The fast path from every format that packs: the codes unpacked from the words."""
+        slices = {}
+        for prefix, projections in FUSED_GEMMS.items():
+            weights = [expert[projection] for projection in projections]
+            slices[f"{prefix}.codes"] = np.concatenate([unpack_array(w.words, w.bits, axis=1) for w in weights])
+            slices[f"{prefix}.zeros"] = np.concatenate([w.zero_points() for w in weights])
+            slices[f"{prefix}.scales"] = np.concatenate([w.scales for w in weights])
         return slices
 
     def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:

@@ -1,5 +1,5 @@
 """A toy source format, the whole of it in one module: codes stored one per byte, (N, K); true zero
-points one per byte, (N, G); scales (N, G). Registered by tests/test_plugins.py to prove that a
+points one per byte, (N, G); scales (N, G); `to_packed` gives every layout's fast path. Registered by tests/test_plugins.py to prove that a
 format needs this module and one registry entry, and nothing else in moeconv."""
 
 from __future__ import annotations
@@ -7,10 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from moeconv.canonical import QuantizedWeight, effective_group_size, groups_of
 from moeconv.formats.base import Detection, FormatDefaults, Linear, Read, SourceFormat, checked_group_size, config_int
+from moeconv.packed import PackedWeight, from_codes
 from moeconv.spec import TensorSpec
 
 
@@ -51,6 +53,14 @@ class ToyFormat(FormatDefaults):
         codes = tensors["codes"]
         return QuantizedWeight(codes=codes, zeros=tensors["zeros"], scales=tensors["scales"], bits=self.bits,
                                group_size=effective_group_size(codes.shape[1], self.group_size))
+
+    packs = True
+
+    def to_packed(self, stored: Mapping[str, np.ndarray]) -> PackedWeight | None:
+        """The fast path into every layout that takes the packed form."""
+        codes = stored["codes"]
+        return from_codes(codes, stored["zeros"], stored["scales"], self.bits,
+                          effective_group_size(codes.shape[1], self.group_size))
 
     def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         return {"codes": weight.codes, "zeros": weight.effective_zeros(), "scales": weight.scales}
