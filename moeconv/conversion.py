@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 from moeconv._version import __version__
 from moeconv.audit import Audits
 from moeconv.checkpoint import manifest
-from moeconv.checkpoint.journal import Journal
+from moeconv.checkpoint.journal import Journal, read_journal
 from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
@@ -112,6 +112,13 @@ def staging_folder(output: Path) -> Path:
     """Where an unfinished conversion lives until it is renamed to `output`."""
     output = resolved_output(output)
     return output.parent / f".{output.name}.moeconv-partial"
+
+
+def finished_shards(output: Path) -> list[str]:
+    """The shards an unfinished conversion into `output` has journaled as finished: what running it
+    again keeps (each re-hashed first); none when there is no journal, or a damaged one."""
+    recorded = read_journal(staging_folder(output) / Journal.NAME)
+    return sorted(recorded["done"]) if recorded else []
 
 
 def lock_file(output: Path) -> Path:
