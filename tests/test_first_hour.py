@@ -423,6 +423,28 @@ def _stop_at(monkeypatch, module, function, call):
     return calls, lambda: monkeypatch.setattr(module, function, real)
 
 
+def test_an_interrupted_conversion_counts_the_shards_it_keeps_and_the_rerun_keeps_them(tmp_path, capsys, monkeypatch):
+    """Stopped as the 4th output shard starts filling, while the 3rd is still being finished on its thread:
+    the 3 shards on disk are whole (the bytes of an uninterrupted run), the line says 3 are kept, and the rerun
+    keeps those 3. (The journal used to miss the shard finishing when the stop came: 2 kept, 1 written again.)"""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(layers=4, experts=8, hidden=256, intermediate=128))
+    shard_size = ("--max-shard-size", "150KB")
+    assert run_main(capsys, "convert", source, "-o", tmp_path / "reference", "-q", *shard_size)[0] == 0
+    assert len(list((tmp_path / "reference").glob("*.safetensors"))) > 4
+    started, unpatch = _stop_at(monkeypatch, "moeconv.conversion", "_fill_shard", 4)
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q", *shard_size)
+    staging = tmp_path.resolve() / ".out.moeconv-partial"
+    on_disk = sorted(path.name for path in staging.glob("*.safetensors"))
+    assert code == 3 and on_disk == sorted(args[1].file_name for args in started[:3]), (on_disk, err)
+    for name in on_disk:
+        assert (staging / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
+    assert err == (f"interrupted (SIGINT): 3 finished shard(s) kept in {staging}; run the same command again to "
+                   f"finish the conversion from there\n")
+    unpatch()
+    code, out, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q", *shard_size)
+    assert code == 0 and "│ resumed │ 3 finished shard(s) kept │" in " ".join(out.split()), err
+
+
 def test_an_interrupted_one_shard_conversion_promises_only_what_it_keeps(tmp_path, capsys, monkeypatch):
     """A one-shard output stopped while its shard fills keeps nothing and says so, and the rerun starts over
     (resumed: no); stopped after its shard finished (writing the configs), it keeps that one, and says so."""
