@@ -28,7 +28,7 @@ from moeconv.sglang_plugin.config import parse_for_sglang
 from moeconv.sglang_plugin.shards import STACKED, fill
 from moeconv.synth import SynthSpec, make_checkpoint
 from moeconv.checkpoint.reader import open_checkpoint
-from moeconv.vllm_plugin.config import PluginRefusal, check_files
+from moeconv.backends.triton_config import PluginRefusal, check_files
 
 from strategies import random_canonical, weight_columns, weight_rows
 

@@ -18,7 +18,7 @@ from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.checkpoint.writer import tensor_digest
 from moeconv.formats import GPTQ
 from moeconv.synth import SynthSpec, make_checkpoint
-from moeconv.vllm_plugin.config import PluginRefusal
+from moeconv.backends.triton_config import PluginRefusal
 from moeconv.vllm_plugin.integrity import ENV, TensorDigests, requested, tensor_bytes
 
 from helpers import blocks_digest, reseal

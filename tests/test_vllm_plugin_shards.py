@@ -108,7 +108,7 @@ def test_the_plugin_is_an_entry_point_and_imports_no_vllm():
 
     assert [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "moeconv"] == [
         "moeconv.vllm_plugin:register"]
-    code = ("import sys, moeconv.vllm_plugin, moeconv.vllm_plugin.shards, moeconv.vllm_plugin.config; "
+    code = ("import sys, moeconv.vllm_plugin, moeconv.vllm_plugin.shards, moeconv.backends.triton_config; "
             "print('vllm' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 

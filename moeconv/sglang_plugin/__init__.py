@@ -24,7 +24,8 @@ tested without SGLang (tests/test_sglang_plugin.py).
 
 from __future__ import annotations
 
-QUANT_METHOD = "moeconv"
+from moeconv.backends.triton_config import QUANT_METHOD
+
 ENGINE_VERSION = "0.5.23"  # the one SGLang release whose MoeWNA16Method and loaders this plugin was checked against
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeconv.vllm_plugin.config import INT8_LAYOUT, PluginRefusal, StackedLayout, parse
+from moeconv.backends.triton_config import INT8_LAYOUT, PluginRefusal, StackedLayout, parse
 
 
 def parse_for_sglang(config: Any) -> StackedLayout:

@@ -19,7 +19,7 @@ tensor-parallel rank) are vLLM-free, so they are tested without vLLM.
 
 from __future__ import annotations
 
-QUANT_METHOD = "moeconv"
+from moeconv.backends.triton_config import QUANT_METHOD
 
 
 def register() -> None:

@@ -37,14 +37,13 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 
 from moeconv.backends.compressed_tensors import CompressedTensorsBackend
 from moeconv.backends.triton import GEMM_OF, WNA16, TritonBackend
+from moeconv.backends.triton_config import INT8_LAYOUT, QUANT_METHOD, PluginRefusal, StackedLayout, check_files, parse
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.errors import MoeconvError
 from moeconv.load_ledger import KV_CACHE_SCALES, LoadLedger, skipped_by_design
 from moeconv.spec import TORCH_DTYPES
-from moeconv.vllm_plugin import QUANT_METHOD
 from moeconv.vllm_plugin import integrity
-from moeconv.vllm_plugin.config import INT8_LAYOUT, PluginRefusal, StackedLayout, check_files, parse
 from moeconv.vllm_plugin.shards import PARAMETERS, fill
 
 ENGINE_VERSIONS = ("0.33.",)  # the vLLM releases whose MoE methods and oracle this plugin was built against

@@ -111,7 +111,7 @@ def _numerics(source: Path, layer, module_name: str) -> dict:
     from moeconv.kernels.runners import NUMERICS_TOLERANCE, W8A8_NUMERICS_TOLERANCE
     from moeconv import transform
     from moeconv.plan import make_plan
-    from moeconv.vllm_plugin.config import INT8_LAYOUT
+    from moeconv.backends.triton_config import INT8_LAYOUT
 
     plan = make_plan(source, backend="triton")
     moe = next(item for item in plan.layers if item.module == module_name)
