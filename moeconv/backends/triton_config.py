@@ -12,9 +12,10 @@ must be a boolean and `group_size` an integer (null is refused: it used to read 
 "channel-wise").
 
 `check_files` then holds the config against the output's safetensors headers: every MoE layer's stacked
-tensors must be exactly the ones the triton backend writes for the config and the sizes the tensors' rows say, so zero points stored without `has_zp: true` (or missing
-with it), and a group size or bit width the shapes contradict, are refused before anything is served, as
-are FP8 block linears copied from the source, which the dense layers' method does not read.
+tensors must be exactly the ones the triton backend writes for the config and the sizes the tensors' rows
+say, so zero points stored without `has_zp: true` (or missing with it), and a group size or bit width the
+shapes contradict, are refused before anything is served, as are FP8 block linears copied from the source,
+which the dense layers' method does not read.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def _file_tensors(output: Path) -> dict[str, tuple[Path, str]]:
 
 
 def _moe_layers(model):
-    from moeconv.vllm_plugin.method import STACKED_METHODS
+    from moeconv.engines.vllm_plugin.method import STACKED_METHODS
 
     # (the checkpoint's module path: vLLM nests RoutedExperts one module deeper, and MiniMax's layer_name
     # says mlp where the module and the checkpoint say block_sparse_moe)
@@ -68,7 +68,7 @@ def _moe_layers(model):
 
 
 def check(source: Path, output: Path) -> dict:
-    from moeconv.vllm_plugin.shards import PARAMETERS
+    from moeconv.engines.vllm_plugin.shards import PARAMETERS
 
     model, result = build_and_load(output, moe_backend="triton")
     layers = _moe_layers(model)

@@ -1,4 +1,4 @@
-"""The `moeconv` quantization method for vLLM (imported only by `moeconv.vllm_plugin.register`).
+"""The `moeconv` quantization method for vLLM (imported only by `moeconv.engines.vllm_plugin.register`).
 
 Built for vLLM 0.33. A MoE layer of a `triton` output is served by the method vLLM itself builds for the
 `compressed-tensors` output of the same source (`CompressedTensorsWNA16MoEMethod`, or the W8A8 int8
@@ -43,8 +43,8 @@ from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.errors import MoeconvError
 from moeconv.load_ledger import KV_CACHE_SCALES, LoadLedger, skipped_by_design
 from moeconv.spec import TORCH_DTYPES
-from moeconv.vllm_plugin import integrity
-from moeconv.vllm_plugin.shards import PARAMETERS, fill
+from moeconv.engines.vllm_plugin import integrity
+from moeconv.engines.vllm_plugin.shards import PARAMETERS, fill
 
 ENGINE_VERSIONS = ("0.33.",)  # the vLLM releases whose MoE methods and oracle this plugin was built against
 STACKED = tuple(PARAMETERS)  # every stacked tensor name of the triton layout (both variants)

@@ -1,6 +1,6 @@
 """The output's `quantization_config` as the SGLang plugin reads it (no SGLang here).
 
-The stacked layout is parsed by the same strict parser as the vLLM plugin's (moeconv.vllm_plugin.config:
+The stacked layout is parsed by the same strict parser as the vLLM plugin's (moeconv.backends.triton_config:
 every value that decides how the bytes are read is checked, never coerced, each refusal one line starting
 `moeconv:`). What SGLang's MoeWNA16Method cannot hold is refused on top of it: the int8 W8A8 layout (SGLang
 0.5.23 has an int8 MoE method only under its own `w8a8_int8` config, whose parameters this plugin does not
@@ -33,7 +33,7 @@ def refusing_config(installed: str) -> type:
     (the first thing SGLang does with a `moeconv` output), naming both versions."""
     from sglang.srt.layers.quantization.base_config import QuantizationConfig
 
-    from moeconv.sglang_plugin import ENGINE_VERSION
+    from moeconv.engines.sglang_plugin import ENGINE_VERSION
 
     class RefusingConfig(QuantizationConfig):
         @classmethod

@@ -1,7 +1,7 @@
 """An SGLang plugin that serves moeconv's stacked `triton` outputs through SGLang's own Triton MoE method.
 
 `pip install moeconv` next to SGLang registers it (entry point `sglang.srt.plugins`: moeconv =
-moeconv.sglang_plugin:register; SGLang's `load_plugins()` calls it at the start of each of its processes,
+moeconv.engines.sglang_plugin:register; SGLang's `load_plugins()` calls it at the start of each of its processes,
 filtered by SGLANG_PLUGINS). A `--backend triton` output's config says `quant_method: "moeconv"`; with the
 plugin, SGLang parses that config strictly (config.py), serves each MoE layer with SGLang's
 `MoeWNA16Method` (`layers/quantization/moe_wna16.py`: its parameters are the stacked tensors under the
@@ -40,11 +40,11 @@ def register() -> None:
     from sglang.srt.layers.quantization import QUANTIZATION_METHODS
 
     if installed_sglang() != ENGINE_VERSION:
-        from moeconv.sglang_plugin.config import refusing_config
+        from moeconv.engines.sglang_plugin.config import refusing_config
 
         QUANTIZATION_METHODS[QUANT_METHOD] = refusing_config(installed_sglang())
         return
-    from moeconv.sglang_plugin.method import MoeconvConfig, check_loads
+    from moeconv.engines.sglang_plugin.method import MoeconvConfig, check_loads
 
     QUANTIZATION_METHODS[QUANT_METHOD] = MoeconvConfig
     check_loads()
