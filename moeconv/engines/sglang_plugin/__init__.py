@@ -11,7 +11,7 @@ in `process_weights_after_loading`, naming the parameter, when a stacked paramet
 dense layers load through the method SGLang builds for the source's own config (or for the
 compressed-tensors config moeconv wrote them in, for an asymmetric GPTQ source).
 
-Built for SGLang 0.5.23 only (ENGINE_VERSION). SGLang has no declared way to register a quantization
+Built for the SGLang release engines/ names only (ENGINE_VERSION). SGLang has no declared way to register a quantization
 method: `register` inserts "moeconv" into the module-level dict `QUANTIZATION_METHODS`
 (`layers/quantization/__init__.py`), which `ModelConfig._verify_quantization` and
 `get_quantization_config` read at call time, and `MoeWNA16Method`'s constructor, `create_weights` and
@@ -25,8 +25,9 @@ tested without SGLang (tests/test_sglang_plugin.py).
 from __future__ import annotations
 
 from moeconv.backends.triton_config import QUANT_METHOD
+from moeconv.engines import SGLANG
 
-ENGINE_VERSION = "0.5.23"  # the one SGLang release whose MoeWNA16Method and loaders this plugin was checked against
+ENGINE_VERSION = SGLANG.version  # the one SGLang release whose MoeWNA16Method and loaders this plugin was checked against
 
 
 def installed_sglang() -> str:

@@ -1,4 +1,5 @@
-"""The `moeconv` quantization method for SGLang 0.5.23 (imported only by `moeconv.engines.sglang_plugin.register`).
+"""The `moeconv` quantization method for SGLang (ENGINE_VERSION; imported only by
+`moeconv.engines.sglang_plugin.register`).
 
 A MoE layer of a `triton` output is served by SGLang's own `MoeWNA16Method` (`layers/quantization/
 moe_wna16.py`), whose parameters are the stacked tensors under the same names and byte layout, TRUE zero
