@@ -101,11 +101,11 @@ class Plan:
             "source": self.checkpoint.identity(),
         })
         answer("targets", engines.targets(self.backend.name))
-        answer("scale_cast", engines.VLLM.scale_cast(self.backend.name, first.scale_dtype, _model_dtype(self.checkpoint)))
+        model_dtype = _model_dtype(self.checkpoint)
+        answer("scale_cast", engines.VLLM.scale_cast(self.backend.name, first.scale_dtype, model_dtype))
         output = engines.output_of(self.backend.name, first, self.source_format, self.dense_backend is not None,
                                    self.checkpoint.quantization_config, self.architecture.model_type,
-                                   attention_quantized(self.checkpoint, self.source_format),
-                                   _model_dtype(self.checkpoint))
+                                   attention_quantized(self.checkpoint, self.source_format), model_dtype)
         answer("serving", engines.VLLM.serving(output))
         answer("sglang_serving", engines.SGLANG.serving(output))
         checked = [job for job in self.jobs if isinstance(job, LinearJob)] + [
@@ -260,7 +260,8 @@ def _choose_auto(layers: list[MoELayer], source_format: SourceFormat,
             continue
         first = layers[0].shape
         shape = replace(first, group_size=first.group_size // factor)
-        served = serving(candidate, source_format, shape, factor, source_config)
+        served = engines.VLLM.serving(engines.output_of(
+            candidate.name, shape, source_format, converts_dense(candidate, source_format, factor), source_config))
         if served.engine is None:
             unserved.append((candidate, factor, served))
             skipped.append((candidate.name, f"no engine serves its output: {served.how}"))
@@ -313,16 +314,9 @@ def converts_dense(backend: Backend, source_format: SourceFormat, factor: int) -
     return backend.converts_dense_linears or (backend.dense_linear_backend(source_format) is not None and factor == 1)
 
 
-def serving(backend: Backend, source_format: SourceFormat, layer: MoELayerShape, factor: int = 1,
-            source_config: Mapping[str, Any] | None = None) -> Serving:
-    """How vLLM would serve the backend's output of this source at regroup `factor`, before planning."""
-    return engines.VLLM.serving(engines.output_of(backend.name, layer, source_format,
-                                                  converts_dense(backend, source_format, factor), source_config))
-
-
 def attention_quantized(checkpoint: Checkpoint, source_format: SourceFormat) -> bool:
     """Whether any attention linear of the source is quantized (a scale of the source format under
-    `self_attn`), which SGLang's DeepSeek loader refuses (engines/sglang_0_5_23.py)."""
+    `self_attn`), which SGLang's DeepSeek loader refuses (engines.SGLANG)."""
     scales = tuple(f".{suffix}" for suffix in source_format.suffixes() if suffix != "weight")
     return any(".self_attn." in name and name.endswith(scales) for name in checkpoint.tensors)
 

@@ -35,7 +35,8 @@ def answer(output: Output) -> Serving:
         return Serving(None, f"no engine loads this layout from disk yet; for SGLang use --backend {instead}")
     if deepseek and output.attention_quantized and not (backend == "humming" and layer.symmetric) and not int8:
         return Serving(None, f"{NAME}'s DeepSeek loader takes float, FP8 or AWQ attention only, and this source's "
-                             "attention is quantized" + ("; for SGLang use --backend humming" if layer.symmetric else ""))
+                             "attention is quantized"
+                             + ("; for SGLang use --backend humming" if layer.symmetric else ""))
     if backend == "triton":
         if int8:
             return Serving(None, "moeconv's SGLang plugin does not serve the int8 layout; for SGLang use --backend "

@@ -27,7 +27,7 @@ from __future__ import annotations
 from moeconv.backends.triton_config import QUANT_METHOD
 from moeconv.engines import SGLANG
 
-ENGINE_VERSION = SGLANG.version  # the one SGLang release whose MoeWNA16Method and loaders this plugin was checked against
+ENGINE_VERSION = SGLANG.version  # the one release whose MoeWNA16Method and loaders this plugin was checked against
 
 
 def installed_sglang() -> str:

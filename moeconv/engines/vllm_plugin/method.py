@@ -1,8 +1,8 @@
 """The `moeconv` quantization method for vLLM (imported only by `moeconv.engines.vllm_plugin.register`).
 
-Built for the vLLM release engines/ names (ENGINE_VERSION). A MoE layer of a `triton` output is served by the method vLLM itself builds for the
-`compressed-tensors` output of the same source (`CompressedTensorsWNA16MoEMethod`, or the W8A8 int8
-one), because its parameters are N-first like the stacked tensors: each stacked tensor fills its
+Built for the vLLM release engines/ names (ENGINE_VERSION). A MoE layer of a `triton` output is served by
+the method vLLM itself builds for the `compressed-tensors` output of the same source
+(`CompressedTensorsWNA16MoEMethod`, or the W8A8 int8 one), because its parameters are N-first like the stacked tensors: each stacked tensor fills its
 parameter with one copy of this rank's part (`shards.fill`), no per-expert tensor, no per-expert Python.
 That method's `__init__` asks vLLM's own MoE oracle which backend serves the layer on this machine
 (`fused_moe/oracle/int_wna16.py`, `oracle/int8.py`: Humming on compute capability 9.0, Marlin or
