@@ -469,6 +469,6 @@ def test_an_interrupted_verify_does_not_promise_a_resume(tmp_path, capsys, monke
     """verify resumes nothing: stopped, it says that it changed nothing and that running it again starts over."""
     source = make_checkpoint(tmp_path / "src", SynthSpec())
     assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
-    _stop_at(monkeypatch, "moeconv.structure", "check_tensor_digests", 1)
+    _stop_at(monkeypatch, "moeconv.verification.structure", "check_tensor_digests", 1)
     code, _, err = run_main(capsys, "verify", tmp_path / "out", "-q")
     assert code == 3 and err == "interrupted (SIGINT): nothing was changed; run the command again to start over\n"
