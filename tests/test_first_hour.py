@@ -363,8 +363,8 @@ def test_the_wheel_installs_into_an_engine_environment_and_registers_its_plugins
     alone = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # only what that venv holds
     found = json.loads(subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=True,
                                       cwd=tmp_path, env=alone).stdout)
-    assert found == {"torch": "2.14.0+engine", "vllm": ["moeconv.vllm_plugin:register"],
-                     "sglang": ["moeconv.sglang_plugin:register"], "installed": ["moeconv", "torch"]}, found
+    assert found == {"torch": "2.14.0+engine", "vllm": ["moeconv.engines.vllm_plugin:register"],
+                     "sglang": ["moeconv.engines.sglang_plugin:register"], "installed": ["moeconv", "torch"]}, found
 
 
 def test_verify_s_default_samples_the_kernel_on_a_cpu_says_so_up_front_and_names_the_sample(tmp_path, capsys):

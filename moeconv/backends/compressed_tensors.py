@@ -27,7 +27,7 @@ import numpy as np
 
 from moeconv import packing
 from moeconv.spec import TensorSpec
-from moeconv.backends.base import Serving, vllm_serve, with_fused_names
+from moeconv.backends.base import with_fused_names
 from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words, per_rank_refusal
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
@@ -36,7 +36,8 @@ if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not
 
     from moeconv.packed import PackedWeight
 
-# The compressed-tensors release vLLM 0.33 pins; the config below is what its QuantizationConfig reads.
+# The compressed-tensors release vLLM pins (engines/: its targets); the config below is what its
+# QuantizationConfig reads.
 COMPRESSED_TENSORS_TARGET = "0.17.0"
 PACK_QUANTIZED, INT_QUANTIZED = "pack-quantized", "int-quantized"
 FLOAT_QUANTIZED, MIXED_PRECISION = "float-quantized", "mixed-precision"
@@ -46,7 +47,7 @@ FLOAT_QUANTIZED, MIXED_PRECISION = "float-quantized", "mixed-precision"
 # at run time (what DeepSeek's fp8 kernels do).
 FP8_BLOCK = 128
 # The token embedding's module name in every family moeconv reads. An embedding is no `Linear` target, so
-# it is never in `ignore` (llm-compressor lists none); SGLang 0.5.23's w8a8_int8 method, which serves
+# it is never in `ignore` (llm-compressor lists none); SGLang's w8a8_int8 method, which serves
 # compressed-tensors W8A8, answers an ignored embedding with a linear method and refuses to start.
 EMBEDDING = "embed_tokens"
 
@@ -58,11 +59,6 @@ def _format(activation_bits: int) -> str:
 class CompressedTensorsBackend(PerLinearBackend):
     name = "compressed-tensors"
     layout_version = 1
-    # What the output is for, recorded in moeconv.json (kernel layouts and loaders age).
-    targets = {"engine": "vllm==0.33.0", "compressed-tensors": "0.17.0 (QuantizationConfig)"}
-
-    def serving(self, layer: MoELayerShape) -> Serving:
-        return Serving("stock vLLM 0.33", vllm_serve(layer))
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         return per_rank_refusal(layer, lambda what, size: _refusal(what, size, layer.bits, layer.group_size,
