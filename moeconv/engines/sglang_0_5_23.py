@@ -51,8 +51,8 @@ def answer(output: Output) -> Serving:
         if reason:
             return Serving(None, f"{reason}; for SGLang use --backend compressed-tensors" if layer.symmetric
                            else f"{reason}, not shown to load in {NAME}")
-        served = Serving(f"{NAME} through moeconv's plugin", "pip install moeconv in SGLang's environment (it "
-                                                              "registers the plugin), then " + launch(layer))
+        served = Serving(f"{NAME} through moeconv's plugin", "install moeconv into SGLang's environment ("
+                                                              "docs/SERVING.md; it registers the plugin), then " + launch(layer))
     elif backend == "compressed-tensors":
         if int8:
             served = Serving(NAME, launch(layer, " --quantization w8a8_int8"))

@@ -81,7 +81,8 @@ def answer(output: Output) -> Serving:
             return Serving(None, "moeconv's vLLM plugin does not serve channel-wise moe_wna16 scales yet; "
                                  "for vLLM use --backend compressed-tensors")
         served = Serving(f"{NAME} through moeconv's plugin",
-                         f"pip install moeconv in vLLM's environment (it registers the plugin), then {serve(layer)}")
+                         f"install moeconv into vLLM's environment (docs/SERVING.md; it registers the plugin), "
+                         f"then {serve(layer)}")
     elif output.backend == "compressed-tensors":
         served = Serving(f"stock {NAME}", serve(layer))
     elif output.backend == "humming":
