@@ -54,7 +54,7 @@ class FloatScheme:
     def describe(self) -> str:
         globals_ = {None: "", DIVIDE: ", global scale divided by", MULTIPLY: ", global scale multiplied by"}
         inputs = ", static input global scale" if self.input_scale else ""
-        return (f"{self.name}: E2M1 codes, a {self.scale_encoding.upper()} scale per {self.block}"
+        return (f"{self.name}: E2M1 codes, one {self.scale_encoding.upper()} scale per {self.block}"
                 f"{globals_[self.global_convention]}{inputs}")
 
 

@@ -336,7 +336,7 @@ def unserved_dense_layers(backend: Backend, source_format: SourceFormat, convert
         return f"the dense layers keep the source's {refusal}"
     if fmt.method == "gptq" and not fmt.symmetric:
         return "the dense layers keep the source's asymmetric GPTQ, which vLLM 0.33 does not load"
-    if fmt.method == "modelopt":
+    if fmt.method == "modelopt" and fmt.float_scheme is None:
         return "the dense layers keep the source's ModelOpt W4A16_AWQ, which vLLM 0.33 does not load"
     return None
 

@@ -201,6 +201,7 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
             first, other = list(scale_dtypes.values())[:2]
             raise MoeconvError(f"{other.file}: tensor {other.name} is {other.dtype}{list(other.shape)}, but "
                                f"{first.name} is {first.dtype}: {module} mixes scale dtypes {sorted(scale_dtypes)}")
+        scheme = source_format.float_scheme  # float codes: the block scales are bytes of the scheme's encoding
         shape = MoELayerShape(
             experts=experts_expected,
             hidden=hidden,
@@ -208,11 +209,12 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
             bits=source_format.bits,
             group_size=source_format.group_size,
             symmetric=source_format.symmetric,
-            scale_dtype=next(iter(scale_dtypes)),
+            scale_dtype=scheme.scale_dtype if scheme else next(iter(scale_dtypes)),
             activation_bits=source_format.activation_bits,
             projection_names=architecture.engine_projection_names(tuple(
                 architecture.parse(next(iter(ordered[0][projection].values())).name).projection_name
                 for projection in PROJECTIONS)),
+            float_scheme=scheme,
         )
         layers.append(MoELayer(module, shape, ordered))
     if not layers:
@@ -297,11 +299,13 @@ def find_dense_linears(checkpoint: Checkpoint, source_format: SourceFormat, back
         own = {suffix: entry for suffix, entry in tensors.items() if suffix in required or suffix in optional}
         out_features, in_features = _linear_shape(source_format, own)
         _check_linear(own, prefix, "linear", source_format, out_features, in_features)
-        scale_dtype = next(entry.dtype for entry in own.values() if entry.dtype in FLOAT_DTYPES and len(entry.shape) == 2)
+        scheme = source_format.float_scheme
+        scale_dtype = scheme.scale_dtype if scheme else next(
+            entry.dtype for entry in own.values() if entry.dtype in FLOAT_DTYPES and len(entry.shape) == 2)
         group_size = source_format.group_size
         shape = LinearShape(out_features, in_features, source_format.bits,
                             group_size // regroup_factor if group_size > 0 else group_size,
-                            source_format.symmetric, scale_dtype, source_format.activation_bits)
+                            source_format.symmetric, scale_dtype, source_format.activation_bits, scheme)
         reason = backend.linear_refusal(shape)
         if reason:
             raise MoeconvError(f"{checkpoint.root}: {prefix}: backend {backend.name!r} cannot convert this "

@@ -65,6 +65,8 @@ class CompressedTensorsBackend(PerLinearBackend):
         return Serving("stock vLLM 0.33", vllm_serve(layer))
 
     def refusal(self, layer: MoELayerShape) -> str | None:
+        if layer.float_scheme is not None:
+            return "moeconv does not write float codes into compressed-tensors yet"
         return per_rank_refusal(layer, lambda what, size: _refusal(what, size, layer.bits, layer.group_size,
                                                                    layer.symmetric, layer.activation_bits))
 

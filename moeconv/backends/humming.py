@@ -49,6 +49,9 @@ class HummingBackend(PerLinearBackend):
                              "(Humming's own loader reads it); for vLLM use --backend compressed-tensors")
 
     def refusal(self, layer: MoELayerShape) -> str | None:
+        if layer.float_scheme is not None:
+            return (f"moeconv writes Humming's integer schema only; its FP4 weight types ({layer.float_scheme.name}) are "
+                    f"not written yet (--backend compressed-tensors writes them)")
         return per_rank_refusal(layer, lambda what, size: _pack_refusal(what, size)
                                 or _group_refusal(what, size, layer.group_size)) or _bits_refusal(layer.bits)
 

@@ -84,6 +84,10 @@ class TritonBackend(BackendDefaults):
                        f"pip install moeconv in vLLM's environment (it registers the plugin), then {vllm_serve(layer)}")
 
     def refusal(self, layer: MoELayerShape) -> str | None:
+        if layer.float_scheme is not None:
+            return (f"vLLM's moe_wna16 Triton layout holds integer codes (code - zero) * scale; {layer.float_scheme.name} "
+                    f"E2M1 codes with {layer.float_scheme.scale_encoding.upper()} block scales are no integer-affine "
+                    f"code (--backend compressed-tensors writes them)")
         if layer.activation_bits == 8:
             return _int8_refusal(layer)
         if layer.bits not in (4, 8):
