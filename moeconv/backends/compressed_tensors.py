@@ -77,8 +77,9 @@ class CompressedTensorsBackend(PerLinearBackend):
 
     def serving(self, layer: MoELayerShape) -> Serving:
         if layer.float_scheme is not None:
-            return Serving(f"stock vLLM 0.33 (its compressed-tensors {layer.float_scheme.name} MoE method; not yet run "
-                           f"on a moeconv output)", vllm_serve(layer))
+            return Serving(f"stock vLLM 0.33 (its compressed-tensors {layer.float_scheme.name} MoE method: its loader "
+                           f"took every tensor of NVFP4A16 and MXFP4A16 outputs on the CPU path; no GPU run yet)",
+                           vllm_serve(layer))
         return Serving("stock vLLM 0.33", vllm_serve(layer))
 
     def refusal(self, layer: MoELayerShape) -> str | None:
