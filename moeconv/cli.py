@@ -175,30 +175,27 @@ def convert(
         raise typer.BadParameter("choose one of --trust-config and --trust-data", param_hint="'--trust-data'")
     trust = "config" if trust_config else "data" if trust_data else None
     zero_format = _zero_format(zero_format)
-    if not dry_run:
-        check_output_folder(output)  # a link, a file or a full folder is refused before any work
-    plan = make_plan(source, backend=backend, max_shard_size=max_shard_size, revision=revision,
-                     local_files_only=local_files_only, trust=trust, tp=tp, regroup=regroup,
-                     zero_format=zero_format)
-    if plan.choice:
-        err.print(literal(plan.choice), highlight=False, soft_wrap=True)
-    for note in render.detection_notes(plan):
-        err.print(literal(note), highlight=False, soft_wrap=True)
-    if dry_run:
-        summary = plan.summary()
-        if as_json:
-            render.print_json(summary)
-        else:
-            render.print_plan(summary)
-            render.print_next_steps(plan, output or Path("OUT"), converted=False)
-        return
-    with _progress("converting", plan.checkpoint.total_bytes, quiet) as advance:
-        try:
+    with _interrupted_conversion(None if dry_run else output):
+        if not dry_run:
+            check_output_folder(output)  # a link, a file or a full folder is refused before any work
+        plan = make_plan(source, backend=backend, max_shard_size=max_shard_size, revision=revision,
+                         local_files_only=local_files_only, trust=trust, tp=tp, regroup=regroup,
+                         zero_format=zero_format)
+        if plan.choice:
+            err.print(literal(plan.choice), highlight=False, soft_wrap=True)
+        for note in render.detection_notes(plan):
+            err.print(literal(note), highlight=False, soft_wrap=True)
+        if dry_run:
+            summary = plan.summary()
+            if as_json:
+                render.print_json(summary)
+            else:
+                render.print_plan(summary)
+                render.print_next_steps(plan, output or Path("OUT"), converted=False)
+            return
+        with _progress("converting", plan.checkpoint.total_bytes, quiet) as advance:
             report = run_conversion(plan, output, progress=advance, workers=workers, executor=executor,
                                     ray_address=ray_address, skip_unsafe_files=skip_unsafe_files)
-        except KeyboardInterrupt:  # in-process callers (main() turns signals into exit 3 itself)
-            err.print(f"[bold red]interrupted[/]: {RESUME}")
-            raise typer.Exit(3) from None
     for name, reason in report.skipped_files.items():
         err.print(literal(f"note: {name} not copied: {reason}"), highlight=False, soft_wrap=True)
     if as_json:
@@ -444,8 +441,28 @@ def _end_now(code: Any) -> None:
     os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
-# What an interrupted convert keeps: finished shards (a one-shard output keeps nothing, and starts over).
-RESUME = "run the same command again to resume (finished shards are kept, the rest is written again)"
+@contextmanager
+def _interrupted_conversion(output: Path | None):
+    """A conversion into `output` stopped by a signal (or by Ctrl-C in a caller that does not go through
+    main()) ends in one line, exit 3, saying what running it again keeps: the shards its journal records
+    as finished (a one-shard output, or one stopped before its first shard finished, keeps nothing).
+    `output` None (a dry run): nothing is written, main() says so."""
+    from moeconv.errors import Interrupted
+
+    try:
+        yield
+    except (KeyboardInterrupt, Interrupted) as stop:
+        if output is None:
+            raise
+        from moeconv.conversion import finished_shards, staging_folder
+
+        kept = finished_shards(output)
+        again = (f"{len(kept)} finished shard(s) kept in {staging_folder(output)}; run the same command again to "
+                 f"finish the conversion from there" if kept else
+                 "no shard had finished, so nothing is kept; run the same command again to start over")
+        which = f" ({stop})" if str(stop) else ""  # the signal's name; Ctrl-C in a caller's process has none
+        err.print(f"[bold red]interrupted[/]{which}: {literal(again)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(Interrupted.exit_code) from None
 
 
 def _command_name() -> str:
@@ -468,8 +485,8 @@ def _main() -> None:
         err.print(f"[bold red]error:[/] {literal(error)}", highlight=False, soft_wrap=True)
         sys.exit(error.exit_code)
     except Interrupted as interruption:
-        again = RESUME if _command_name() == "convert" else "nothing was changed; run the command again to start over"
-        err.print(f"[bold red]interrupted[/] ({interruption}): {again}")
+        changed = "" if _command_name() == "demo" else "nothing was changed; "  # demo remakes its folders
+        err.print(f"[bold red]interrupted[/] ({interruption}): {changed}run the command again to start over")
         sys.exit(Interrupted.exit_code)
     finally:
         for sig, handler in previous.items():

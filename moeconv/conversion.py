@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 from moeconv._version import __version__
 from moeconv.audit import Audits
 from moeconv.checkpoint import manifest
-from moeconv.checkpoint.journal import Journal
+from moeconv.checkpoint.journal import Journal, read_journal
 from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
@@ -112,6 +112,13 @@ def staging_folder(output: Path) -> Path:
     """Where an unfinished conversion lives until it is renamed to `output`."""
     output = resolved_output(output)
     return output.parent / f".{output.name}.moeconv-partial"
+
+
+def finished_shards(output: Path) -> list[str]:
+    """The shards an unfinished conversion into `output` has journaled as finished: what running it
+    again keeps (each re-hashed first); none when there is no journal, or a damaged one."""
+    recorded = read_journal(staging_folder(output) / Journal.NAME)
+    return sorted(recorded["done"]) if recorded else []
 
 
 def lock_file(output: Path) -> Path:
@@ -355,26 +362,36 @@ class LocalShards:
     def run(self, plan: Plan, shards: list[OutputShard], staging: Path, advance: Progress) -> Iterator[ShardDone]:
         """Each shard is finished (its last blocks hashed, fsync, rename) on a thread while the workers
         fill the next one: the fsync waits for the disk, and the cores need not wait with it. A
-        shard is yielded (and so journaled) only once finished."""
+        shard is yielded (and so journaled) only once finished, and a shard that finishes while the next
+        one is stopped (Ctrl-C, a failure) is yielded too, before the stop goes on: else a whole shard
+        would be on disk but not in the journal, and a resume would delete it and write it again."""
         from concurrent.futures import ThreadPoolExecutor
 
         with Executor(self.workers, needs_torch=plan.workers_need_torch) as executor, \
                 ThreadPoolExecutor(1, thread_name_prefix="moeconv-finish") as finisher:
-            finishing = None
+            finishing = None  # the shard on the finishing thread, not yet yielded
             try:
                 for shard in shards:
                     audits, path = Audits(), staging / shard.file_name
                     writer, hasher, fingerprints = _fill_shard(plan, shard, path, advance, audits, executor)
                     try:
                         if finishing is not None:
-                            yield _finished(*finishing)
+                            done, finishing = _finished(*finishing), None
+                            yield done
                     except BaseException:  # the previous shard failed, or the caller stopped: drop this one
                         hasher.cancel()
                         writer.abort()
                         raise
                     finishing = (finisher.submit(_finish_shard, writer, hasher, path), shard, fingerprints, audits)
                 if finishing is not None:
-                    yield _finished(*finishing)
+                    done, finishing = _finished(*finishing), None
+                    yield done
+            except GeneratorExit:  # the caller stopped taking shards: it journals nothing more
+                raise
+            except BaseException:
+                if finishing is not None and finishing[0].exception() is None:  # waits for it to finish
+                    yield _finished(*finishing)  # journaled by the caller; its next step re-raises the stop
+                raise
             finally:
                 self.worker_peak_rss_mb = executor.worker_peak_rss_mb
         # After close: the sampler's last look was taken while the workers still lived.

@@ -6,12 +6,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from moeconv import engines
 from moeconv.audit import Audits
 from moeconv.audit import count as audit_counts
 from moeconv.backends import all_backends
 from moeconv.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
 from moeconv.errors import MoeconvError
-from moeconv.plan import attention_quantized, choose_backend, eligibility, serving, sglang_serving
+from moeconv.plan import attention_quantized, choose_backend, converts_dense, eligibility
 from moeconv.spec import FLOAT_DTYPES
 from moeconv.survey import check_global_scales, survey
 
@@ -71,15 +72,16 @@ def _verdict(backend, layers, source_format, source_config, model_type, attentio
     refusals = {layer.module: backend.refusal(layer.shape) for layer in layers}
     first = layers[0].shape
     shape = replace(first, group_size=first.group_size // factor)
+    output = engines.output_of(backend.name, shape, source_format, converts_dense(backend, source_format, factor),
+                               source_config, model_type, attention_is_quantized)
     return {
         "eligible": reason is None and factor == 1,
         "eligible_with_regroup": reason is None,
         "regroup_factor": factor,
         "reason": reason or next((f"{m}: {r}" for m, r in refusals.items() if r), None),
         "layers": {module: refusal or "ok" for module, refusal in refusals.items()},
-        "serving": serving(backend, source_format, shape, factor=factor, source_config=source_config)._asdict(),
-        "sglang_serving": sglang_serving(backend, source_format, shape, model_type, attention_is_quantized,
-                                         source_config=source_config)._asdict(),
+        "serving": engines.VLLM.serving(output)._asdict(),
+        "sglang_serving": engines.SGLANG.serving(output)._asdict(),
     }
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
-from moeconv import act_order
+from moeconv import act_order, engines
 from moeconv.backends.base import Backend
 from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, effective_group_size
 from moeconv.checkpoint import manifest as manifests
@@ -279,7 +279,7 @@ def check_dense_g_idx(checkpoint: Checkpoint, names: list[str], source_format: S
             continue
         what = act_order.describe(kind, "linear") if converts else (
             f"{suffix} is not k // group_size (act-order) on a linear this backend copies as it is; engines "
-            f"read copied linears with static groups (vLLM 0.33 ignores {suffix})")
+            f"read copied linears with static groups ({engines.VLLM.name} ignores {suffix})")
         raise MoeconvError(f"{entry.file}: {name}: {what}")
 
 

@@ -216,6 +216,9 @@ def _build(spec: SynthSpec) -> tuple[_Builder, dict[str, Any]]:
         if arch == "qwen3_moe":  # Qwen3's per-head RMSNorm of queries and keys
             for norm in ("q_norm", "k_norm"):
                 b.dense(f"{p}.self_attn.{norm}.weight", (h // _QWEN3_HEADS,), ones=True)
+        if arch == "minimax_m2":  # MiniMax-M2's RMSNorm over all heads' queries and keys (heads x head_dim = h)
+            for norm in ("q_norm", "k_norm"):
+                b.dense(f"{p}.self_attn.{norm}.weight", (h,), ones=True)
         if layer < spec.dense_layers:
             b.mlp(f"{p}.mlp", _HF_NAMES, spec.dense_intermediate)
             continue

@@ -13,7 +13,9 @@
 # `large7` (the same two builds at 25 GB), `awq7n` (the grown 7.2 GB AWQ source on every backend, verified,
 # then the fixed cost), `cpu7` (the cpu layout's numpy checks and two rounds of the per-linear backends, 7.2 GB AWQ
 # and GPTQ), `prep8` (cd0a9f0 against the build whose verify prepares with the collector paused and compares JSON
-# files by their serializations: 7.2 GB into the per-linear layouts, then 25 GB into humming).
+# files by their serializations: 7.2 GB into the per-linear layouts, then 25 GB into humming), `final10` (main
+# after the packed form: grown 7.2 GB GPTQ and AWQ into every backend, verified), `large10` (the same build, the
+# 25 GB GPTQ source into triton, humming and compressed-tensors, verified).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -34,6 +36,17 @@ verified() {  # $1: gptq or awq, $2: layers, $3: backends, $4: repeats, $5: json
   rm -rf bench-data/$1-$2L
 }
 case $phase in
+  final10|large10)
+    # The blake3 and google-re2 wheels (cp312) in .whl carried: the image has neither.
+    python3 -m pip install -q --no-deps .whl/*.whl
+    python3 -m compileall -q moeconv
+    if [ $phase = final10 ]; then
+      for format in gptq awq; do
+        verified $format 22 triton,compressed-tensors,humming,cpu 1 "${format}22.json"
+      done
+    else
+      verified gptq 77 triton,humming,compressed-tensors 1 large.json
+    fi ;;
   digest9)
     # A/B: a7f7845 (sha256 block digests, manifest version 3) against 124f8b0 (BLAKE3, version 4), both
     # exported with `benchmarks/bench_builds.py export a7f7845 124f8b0` and .builds carried, the blake3 wheel

@@ -154,8 +154,8 @@ def test_every_serve_line_names_vllm_and_sglang_right_for_the_source(tmp_path, c
         "SGLang plugin)"]
     code, out, _ = run_main(capsys, "convert", asym, "--backend", "triton", "--dry-run", "--tp", "2")
     assert code == 0 and out.splitlines()[-1] == (
-        "serve: SGLang 0.5.23 through moeconv's plugin: pip install moeconv in SGLang's environment (it registers "
-        "the plugin), then python -m sglang.launch_server --model-path OUT --tp-size 2")
+        "serve: SGLang 0.5.23 through moeconv's plugin: install moeconv into SGLang's environment (docs/SERVING.md; it "
+        "registers the plugin), then python -m sglang.launch_server --model-path OUT --tp-size 2")
     code, out, _ = run_main(capsys, "convert", sym, "--backend", "compressed-tensors", "--dry-run")
     assert code == 0 and out.splitlines()[-1] == "serve: SGLang 0.5.23: python -m sglang.launch_server --model-path OUT"
     code, out, _ = run_main(capsys, "convert", mixtral, "--backend", "triton", "--dry-run")
@@ -363,8 +363,28 @@ def test_the_wheel_installs_into_an_engine_environment_and_registers_its_plugins
     alone = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # only what that venv holds
     found = json.loads(subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=True,
                                       cwd=tmp_path, env=alone).stdout)
-    assert found == {"torch": "2.14.0+engine", "vllm": ["moeconv.vllm_plugin:register"],
-                     "sglang": ["moeconv.sglang_plugin:register"], "installed": ["moeconv", "torch"]}, found
+    assert found == {"torch": "2.14.0+engine", "vllm": ["moeconv.engines.vllm_plugin:register"],
+                     "sglang": ["moeconv.engines.sglang_plugin:register"], "installed": ["moeconv", "torch"]}, found
+
+
+def test_the_plugins_load_in_an_environment_without_blake3_or_re2():
+    """SGLang 0.5.23's environment holds neither blake3 nor google-re2 (the fresh-clone run of 2026-12-04: the
+    plugin's import failed and SGLang refused every triton output as "Unknown quantization method"): both
+    plugins import without them, and hashing without blake3 is one line saying what to install."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; sys.modules['blake3'] = None; sys.modules['re2'] = None\n"
+        "import moeconv.engines.vllm_plugin, moeconv.engines.sglang_plugin\n"
+        "from moeconv.engines.vllm_plugin import integrity\n"
+        "from moeconv.checkpoint.writer import BLAKE3\n"
+        "from moeconv.errors import MoeconvError\n"
+        "try:\n    BLAKE3.new()\nexcept MoeconvError as error:\n    print(error)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ("moeconv.json's version-4 digests need the blake3 package, which this Python environment "
+                           "lacks: pip install blake3 (it needs nothing else)\n")
 
 
 def test_verify_s_default_samples_the_kernel_on_a_cpu_says_so_up_front_and_names_the_sample(tmp_path, capsys):
@@ -401,3 +421,74 @@ def test_verify_after_the_source_moved_points_to_source_and_says_where_the_path_
         f"--source SRC\n"), err
     code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "-q", "--source", tmp_path / "moved")
     assert code == 0 and out.splitlines()[-1].startswith("verdict: ok"), out
+
+
+def _stop_at(monkeypatch, module, function, call):
+    """`module.function` stopped on its `call`-th call as SIGINT stops a command (main()'s handler raises
+    Interrupted there); returns the arguments of each call, and the unpatch."""
+    import importlib
+
+    from moeconv.errors import Interrupted
+
+    module = importlib.import_module(module)
+    real, calls = getattr(module, function), []
+
+    def stopped(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == call:
+            raise Interrupted("SIGINT")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, function, stopped)
+    return calls, lambda: monkeypatch.setattr(module, function, real)
+
+
+def test_an_interrupted_conversion_counts_the_shards_it_keeps_and_the_rerun_keeps_them(tmp_path, capsys, monkeypatch):
+    """Stopped as the 4th output shard starts filling, while the 3rd is still being finished on its thread:
+    the 3 shards on disk are whole (the bytes of an uninterrupted run), the line says 3 are kept, and the rerun
+    keeps those 3. (The journal used to miss the shard finishing when the stop came: 2 kept, 1 written again.)"""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(layers=4, experts=8, hidden=256, intermediate=128))
+    shard_size = ("--max-shard-size", "150KB")
+    assert run_main(capsys, "convert", source, "-o", tmp_path / "reference", "-q", *shard_size)[0] == 0
+    assert len(list((tmp_path / "reference").glob("*.safetensors"))) > 4
+    started, unpatch = _stop_at(monkeypatch, "moeconv.conversion", "_fill_shard", 4)
+    code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q", *shard_size)
+    staging = tmp_path.resolve() / ".out.moeconv-partial"
+    on_disk = sorted(path.name for path in staging.glob("*.safetensors"))
+    assert code == 3 and on_disk == sorted(args[1].file_name for args in started[:3]), (on_disk, err)
+    for name in on_disk:
+        assert (staging / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
+    assert err == (f"interrupted (SIGINT): 3 finished shard(s) kept in {staging}; run the same command again to "
+                   f"finish the conversion from there\n")
+    unpatch()
+    code, out, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q", *shard_size)
+    assert code == 0 and "│ resumed │ 3 finished shard(s) kept │" in " ".join(out.split()), err
+
+
+def test_an_interrupted_one_shard_conversion_promises_only_what_it_keeps(tmp_path, capsys, monkeypatch):
+    """A one-shard output stopped while its shard fills keeps nothing and says so, and the rerun starts over
+    (resumed: no); stopped after its shard finished (writing the configs), it keeps that one, and says so."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec())
+    for folder, stop, kept in (("early", "_fill_shard", []),
+                               ("late", "_write_metadata", ["model-00001-of-00001.safetensors"])):
+        staging = tmp_path.resolve() / f".{folder}.moeconv-partial"
+        _, unpatch = _stop_at(monkeypatch, "moeconv.conversion", stop, 1)
+        code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / folder, "-q")
+        assert code == 3 and [path.name for path in staging.glob("*.safetensors")] == kept, err
+        assert err == ((f"interrupted (SIGINT): 1 finished shard(s) kept in {staging}; run the same command again "
+                        f"to finish the conversion from there\n") if kept else
+                       "interrupted (SIGINT): no shard had finished, so nothing is kept; run the same command again "
+                       "to start over\n")
+        unpatch()
+        code, out, _ = run_main(capsys, "convert", source, "-o", tmp_path / folder, "-q")
+        resumed = "1 finished shard(s) kept" if kept else "no"
+        assert code == 0 and f"│ resumed │ {resumed} │" in " ".join(out.split()), out
+
+
+def test_an_interrupted_verify_does_not_promise_a_resume(tmp_path, capsys, monkeypatch):
+    """verify resumes nothing: stopped, it says that it changed nothing and that running it again starts over."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec())
+    assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
+    _stop_at(monkeypatch, "moeconv.verification.structure", "check_tensor_digests", 1)
+    code, _, err = run_main(capsys, "verify", tmp_path / "out", "-q")
+    assert code == 3 and err == "interrupted (SIGINT): nothing was changed; run the command again to start over\n"

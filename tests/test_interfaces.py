@@ -37,7 +37,7 @@ def _plugin(module: str, name: str) -> type:
 
 def test_the_protocols_declare_the_hooks_the_plan_reads():
     assert {"decode_ordered", "configures_act_order", "group_index_suffix", "from_config"} <= _members(SourceFormat)
-    assert {"converts_dense_linears", "scales_in_model_dtype", "linear_tensors", "serving"} <= _members(Backend)
+    assert {"converts_dense_linears", "dense_linear_backend", "linear_tensors", "refusal"} <= _members(Backend)
 
 
 @pytest.mark.parametrize("cls", [AWQ, GPTQ, CompressedTensors, CompressedTensorsFloat, ModelOpt, ModelOptNvfp4, "toy"], ids=lambda c: getattr(c, "__name__", c))

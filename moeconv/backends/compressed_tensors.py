@@ -34,7 +34,7 @@ import numpy as np
 from moeconv import packing
 from moeconv.float_codes import DIVIDE, MXFP4, FloatScheme, FloatWeight, pack_codes, unpack_codes
 from moeconv.spec import TensorSpec
-from moeconv.backends.base import Serving, vllm_serve, with_fused_names
+from moeconv.backends.base import with_fused_names
 from moeconv.backends.per_linear import (PerLinearBackend, from_packed_words, packed_words, per_rank_refusal,
                                          projection_shapes)
 from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
@@ -44,7 +44,8 @@ if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not
 
     from moeconv.packed import PackedWeight
 
-# The compressed-tensors release vLLM 0.33 pins; the config below is what its QuantizationConfig reads.
+# The compressed-tensors release vLLM pins (engines/: its targets); the config below is what its
+# QuantizationConfig reads.
 COMPRESSED_TENSORS_TARGET = "0.17.0"
 PACK_QUANTIZED, INT_QUANTIZED = "pack-quantized", "int-quantized"
 NVFP4_PACK_QUANTIZED, MXFP4_PACK_QUANTIZED = "nvfp4-pack-quantized", "mxfp4-pack-quantized"
@@ -56,7 +57,7 @@ FLOAT_QUANTIZED, MIXED_PRECISION = "float-quantized", "mixed-precision"
 # at run time (what DeepSeek's fp8 kernels do).
 FP8_BLOCK = 128
 # The token embedding's module name in every family moeconv reads. An embedding is no `Linear` target, so
-# it is never in `ignore` (llm-compressor lists none); SGLang 0.5.23's w8a8_int8 method, which serves
+# it is never in `ignore` (llm-compressor lists none); SGLang's w8a8_int8 method, which serves
 # compressed-tensors W8A8, answers an ignored embedding with a linear method and refuses to start.
 EMBEDDING = "embed_tokens"
 
@@ -70,17 +71,7 @@ def _format(activation_bits: int, scheme: FloatScheme | None = None) -> str:
 class CompressedTensorsBackend(PerLinearBackend):
     name = "compressed-tensors"
     layout_version = 1
-    # What the output is for, recorded in moeconv.json (kernel layouts and loaders age).
-    targets = {"engine": "vllm==0.33.0", "compressed-tensors": "0.17.0 (QuantizationConfig)"}
-
     float_global_convention = DIVIDE
-
-    def serving(self, layer: MoELayerShape) -> Serving:
-        if layer.float_scheme is not None:
-            return Serving(f"stock vLLM 0.33 (its compressed-tensors {layer.float_scheme.name} MoE method: its loader "
-                           f"took every tensor of NVFP4A16 and MXFP4A16 outputs on the CPU path; no GPU run yet)",
-                           vllm_serve(layer))
-        return Serving("stock vLLM 0.33", vllm_serve(layer))
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.float_scheme is not None:
@@ -224,7 +215,7 @@ class CompressedTensorsBackend(PerLinearBackend):
 
 def _float_group(scheme: FloatScheme, fmt: str) -> dict[str, Any]:
     """The config group compressed-tensors writes for a float scheme (its presets NVFP4, NVFP4A16, MXFP4A16 in
-    compressed_tensors/quantization/quant_scheme.py), what vLLM 0.33 reads to pick its NVFP4 or MXFP4 MoE method."""
+    compressed_tensors/quantization/quant_scheme.py), what vLLM reads to pick its NVFP4 or MXFP4 MoE method."""
     scale_dtype = "torch.uint8" if scheme.name == MXFP4.name else "torch.float8_e4m3fn"
     strategy = "group" if scheme.name == MXFP4.name else "tensor_group"
     weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": strategy, "group_size": scheme.block,

@@ -25,9 +25,6 @@ class PerLinearBackend(BackendDefaults):
     # The engines' kernels for these schemas compute the same GEMMs as the Triton kernel on the stacked
     # layout, so verify re-encodes the output into that layout through the canonical form.
     numerics = Numerics("triton", layout="triton")
-    # vLLM 0.33 creates these schemas' scale parameters in the model dtype and casts the stored scales
-    # into them at load (measured with its own loader: tests/engines/scale_dtype.py).
-    scales_in_model_dtype = True
 
     def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:
         return [spec._replace(name=f"{name}.{spec.name}", per_expert=True, derives_from=(projection,))

@@ -39,7 +39,7 @@ from pathlib import Path
 import moeconv
 from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.synth import SynthSpec, make_checkpoint
-from moeconv.vllm_plugin.integrity import ENV as VERIFY_ENV
+from moeconv.engines.vllm_plugin.integrity import ENV as VERIFY_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_matrix import ENGINE_PYTHON, NOT_IN_CHECKPOINTS, command_line, not_consumed  # noqa: E402
@@ -65,8 +65,8 @@ MANY_EXPERTS = SynthSpec(architecture="qwen3_moe", source_format=GPTQ(4, 32, sym
 EXPECTED_REFUSALS = {
     "cpu backend output": "backend 'cpu' outputs hold the blocked layout vLLM's CPU experts build",
     'config edited: has_zp "false"': "moeconv: the output's quantization_config: has_zp must be true or false",
-    "config edited: group_size 16, files hold 32": "w13_scales: the file holds F16[4, 128, 4], the config and "
-                                                   "the model's sizes say F16[4, 128, 8]",
+    "config edited: group_size 16, files hold 32": "w13_scales is F16[4, 128, 4]; bits 4, group_size 16 and has_zp "
+                                                   "false with the layer's sizes (E 4, H 128, I 64) say F16[4, 128, 8]",
 }
 # With MOECONV_VERIFY_ON_LOAD=1: copies of a triton output with one byte of one tensor flipped, a stacked
 # one (the plugin copies it) and a dense one (the model's own loader takes it); the manifest records each
