@@ -14,7 +14,7 @@ from moeconv.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
 from moeconv.errors import MoeconvError
 from moeconv.plan import attention_quantized, choose_backend, converts_dense, eligibility
 from moeconv.spec import FLOAT_DTYPES
-from moeconv.survey import survey
+from moeconv.survey import check_global_scales, survey
 
 
 def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]:
@@ -68,6 +68,7 @@ def _verdict(backend, layers, source_format, source_config, model_type, attentio
     """Whether the backend takes the checkpoint (as it is, or after --regroup), with each layer's reason,
     and how each engine (vLLM, SGLang) would serve its output."""
     factor, reason = eligibility(backend, layers, allow_regroup=True)
+    reason = reason or _global_scale_refusal(backend, layers, source_format)
     refusals = {layer.module: backend.refusal(layer.shape) for layer in layers}
     first = layers[0].shape
     shape = replace(first, group_size=first.group_size // factor)
@@ -84,12 +85,28 @@ def _verdict(backend, layers, source_format, source_config, model_type, attentio
     }
 
 
+def _global_scale_refusal(backend, layers, source_format) -> str | None:
+    """Why the backend cannot write these float codes' global scales exactly (survey.check_global_scales: the
+    plan reads the dense linears' too), or None."""
+    if source_format.float_scheme is None:
+        return None
+    try:
+        with TensorReader() as reader:
+            check_global_scales([entry for layer in layers for expert in layer.experts for linear in expert.values()
+                                 for entry in linear.values()], source_format, backend, reader)
+    except MoeconvError as refusal:
+        return str(refusal)
+    return None
+
+
 def _auto(layers, source_format, source_config) -> str:
     """What `convert --backend auto` would choose, and why (or why nothing fits)."""
     try:
-        return choose_backend("auto", layers, True, source_format, source_config)[3]
+        backend, _, _, choice = choose_backend("auto", layers, True, source_format, source_config)
     except MoeconvError as refusal:
         return str(refusal)
+    refusal = _global_scale_refusal(backend, layers, source_format)
+    return f"convert refuses: {refusal}" if refusal else choice
 
 
 def _audit(source_format, layers) -> Audits:

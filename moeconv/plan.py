@@ -27,8 +27,8 @@ from moeconv.engines import Serving
 from moeconv.formats import SourceFormat
 from moeconv.models import Architecture
 from moeconv.spec import FLOAT_DTYPES
-from moeconv.survey import (MoELayer, act_order_suspected, check_dense_g_idx, find_dense_linears, fp8_block_linears,
-                            natural_key, survey)
+from moeconv.survey import (MoELayer, act_order_suspected, check_dense_g_idx, check_global_scales, find_dense_linears,
+                            fp8_block_linears, natural_key, survey)
 from moeconv.transform import Codec
 from moeconv.worklist import (CopyJob, ExpertJob, Job, LinearJob, OutputShard, Unit, assign_shards, copy_job, layer_unit,
                               linear_job, single)
@@ -110,7 +110,7 @@ class Plan:
         answer("sglang_serving", engines.SGLANG.serving(output))
         checked = [job for job in self.jobs if isinstance(job, LinearJob)] + [
             jobs[0] for jobs in self.layer_jobs.values() if jobs]  # a layer's experts share its shape
-        answer("workers_need_torch", not all(transform.takes_packed(job, self.codec) for job in checked)
+        answer("workers_need_torch", not all(transform.numpy_route(job, self.codec) for job in checked)
                or any(layer.act_order != act_order.STATIC for layer in self.layers)
                or (self.detection is not None
                    and act_order_suspected(self.checkpoint, self.source_format, self.detection)))
@@ -138,9 +138,9 @@ class Plan:
             "architecture": self.architecture.model_type,
             "format": self.source_format.describe(),
             "regroup_factor": self.regroup_factor,
-            # how the first layer's experts are converted: through the packed form, or the canonical one
-            "route": "packed" if self.layer_jobs and transform.takes_packed(
-                next(iter(self.layer_jobs.values()))[0], self.codec) else "canonical",
+            # how the first layer's experts are converted: as float codes, through the packed form, or the canonical one
+            "route": "float" if self.source_format.float_scheme is not None else "packed" if self.layer_jobs and
+            transform.takes_packed(next(iter(self.layer_jobs.values()))[0], self.codec) else "canonical",
             "tp": self.tp,
             "skipped_backends": [{"backend": name, "reason": reason} for name, reason in self.skipped_backends],
             "auto_choice": self.choice,
@@ -359,6 +359,12 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     if source_format.group_index_suffix:
         with TensorReader() as reader:
             check_dense_g_idx(checkpoint, others, source_format, reader, dense is not None)
+    if source_format.float_scheme is not None:
+        with TensorReader() as reader:
+            check_global_scales([entry for layer in layers for expert in layer.experts for linear in expert.values()
+                                 for entry in linear.values()] +
+                                [entry for linear in linears for entry in linear.tensors.values()],
+                                source_format, target, reader)
     fp8: dict[str, str] = {}  # FP8 block-scaled tensors a whole-checkpoint config describes: source -> output name
     if dense is not None:
         units += [(linear.prefix, single(linear_job(dense, linear, named(linear.prefix)))) for linear in linears]

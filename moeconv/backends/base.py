@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not
     import numpy as np
     import torch
 
+    from moeconv.float_codes import FloatWeight
     from moeconv.packed import PackedWeight
 
 
@@ -114,6 +115,19 @@ class Backend(Protocol):
         stored arrays, byte for byte what `encode_expert` of their decoding gives (tests/test_packed.py);
         None for an expert the canonical route must take. Only where `takes_packed`."""
 
+    # The convention the layout writes an NVFP4 global scale in (float_codes.DIVIDE or MULTIPLY); the plan reads
+    # every global scale of a source in the other one and refuses one whose reciprocal is not exact. Default:
+    # None (the layout takes no float codes; its `refusal` says so).
+    float_global_convention: str | None
+
+    def from_float(self, expert: dict[str, FloatWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
+        """`encode_expert`'s slices from the expert's projections in the canonical float form (float_codes.py),
+        as stored arrays. Only for a layer the backend takes whose `float_scheme` is set; its
+        `decode_expert_stored` gives FloatWeights back."""
+
+    def from_float_linear(self, weight: FloatWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        """`from_float` of one dense float-coded linear (`decode_linear_stored` gives it back)."""
+
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         """Backend fields of the output's quantization config."""
 
@@ -151,6 +165,13 @@ class BackendDefaults:
 
     converts_dense_linears: bool = False
     fp8_block_suffixes: dict[str, str] | None = None
+    float_global_convention: str | None = None
+
+    def from_float(self, expert: dict[str, FloatWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
+        raise NotImplementedError(f"backend {self.name!r} takes no float codes")
+
+    def from_float_linear(self, weight: FloatWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        raise NotImplementedError(f"backend {self.name!r} takes no float codes")
 
     def dense_linear_backend(self, source_format: Any) -> str | None:
         return None

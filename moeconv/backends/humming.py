@@ -41,6 +41,9 @@ class HummingBackend(PerLinearBackend):
     layout_version = 1
 
     def refusal(self, layer: MoELayerShape) -> str | None:
+        if layer.float_scheme is not None:
+            return (f"moeconv writes Humming's integer schema only; its FP4 weight types ({layer.float_scheme.name}) are "
+                    f"not written yet (--backend compressed-tensors writes them)")
         return per_rank_refusal(layer, lambda what, size: _pack_refusal(what, size)
                                 or _group_refusal(what, size, layer.group_size)) or _bits_refusal(layer.bits)
 

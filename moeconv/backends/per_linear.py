@@ -78,7 +78,7 @@ def projection_shapes(layer: MoELayerShape) -> tuple[LinearShape, LinearShape, L
     """gate, up, down of one expert, as standalone linears (these schemas do not fuse them on disk)."""
     def linear(out_features: int, in_features: int) -> LinearShape:
         return LinearShape(out_features, in_features, layer.bits, layer.group_size, layer.symmetric,
-                           layer.scale_dtype, layer.activation_bits)
+                           layer.scale_dtype, layer.activation_bits, layer.float_scheme)
 
     gate_up = linear(layer.intermediate, layer.hidden)
     return gate_up, gate_up, linear(layer.hidden, layer.intermediate)

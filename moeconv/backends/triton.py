@@ -75,6 +75,10 @@ class TritonBackend(BackendDefaults):
         return "compressed-tensors" if source_format.method == "gptq" and not source_format.symmetric else None
 
     def refusal(self, layer: MoELayerShape) -> str | None:
+        if layer.float_scheme is not None:
+            return (f"vLLM's moe_wna16 Triton layout holds integer codes (code - zero) * scale; {layer.float_scheme.name} "
+                    f"E2M1 codes with {layer.float_scheme.scale_encoding.upper()} block scales are no integer-affine "
+                    f"code (--backend compressed-tensors writes them)")
         if layer.activation_bits == 8:
             return _int8_refusal(layer)
         if layer.bits not in (4, 8):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
 
-from moeconv.spec import TORCH_NAMES
+from moeconv.spec import FLOAT_DTYPES, TORCH_NAMES
 
 if TYPE_CHECKING:
     from moeconv.canonical import MoELayerShape
@@ -67,6 +67,8 @@ class EngineRelease:
         the backend's scale parameters in the model dtype and that differs from the scales' own
         (`scale_dtype`, a safetensors code); else None."""
         model = model_dtype if model_dtype in _ENGINE_DTYPES else None  # a config may hold anything
+        if scale_dtype not in FLOAT_DTYPES:  # float codes' scale bytes (UE8M0, E4M3): the engines keep their dtype
+            return None
         stored = TORCH_NAMES[scale_dtype]
         if backend not in self.casts_scales_of or model is None or model == stored:
             return None

@@ -54,6 +54,8 @@ def answer(output: Output) -> Serving:
         served = Serving(f"{NAME} through moeconv's plugin", "install moeconv into SGLang's environment ("
                                                               "docs/SERVING.md; it registers the plugin), then " + launch(layer))
     elif backend == "compressed-tensors":
+        if layer.float_scheme is not None:
+            return Serving(None, f"not shown with {NAME} for float codes ({layer.float_scheme.name}) yet")
         if int8:
             served = Serving(NAME, launch(layer, " --quantization w8a8_int8"))
         elif not layer.symmetric:

@@ -67,7 +67,7 @@ def dense_refusal(output: Output) -> str | None:
         return f"the dense layers keep the source's {refusal}"
     if fmt.method == "gptq" and not fmt.symmetric:
         return f"the dense layers keep the source's asymmetric GPTQ, which {NAME} does not load"
-    if fmt.method == "modelopt":
+    if fmt.method == "modelopt" and fmt.float_scheme is None:
         return f"the dense layers keep the source's ModelOpt W4A16_AWQ, which {NAME} does not load"
     return None
 
@@ -84,6 +84,9 @@ def answer(output: Output) -> Serving:
                          f"install moeconv into vLLM's environment (docs/SERVING.md; it registers the plugin), "
                          f"then {serve(layer)}")
     elif output.backend == "compressed-tensors":
+        if layer.float_scheme is not None:
+            return Serving(f"stock {NAME} (its compressed-tensors {layer.float_scheme.name} MoE method: its loader took "
+                           f"every tensor of NVFP4A16 and MXFP4A16 outputs on the CPU path; no GPU run yet)", serve(layer))
         served = Serving(f"stock {NAME}", serve(layer))
     elif output.backend == "humming":
         if not layer.symmetric:
