@@ -39,7 +39,7 @@ $(ENGINES_STAMP): pyproject.toml
 	test -x .venv-engines/bin/python || $(PYTHON) -m venv .venv-engines
 	.venv-engines/bin/pip install -q vllm==0.33.0
 	# moeconv itself, beside vLLM (no deps: vLLM's torch stays), for its vllm.general_plugins entry point.
-	.venv-engines/bin/pip install -q --no-deps -e .
+	.venv-engines/bin/pip install -q --no-deps -e . blake3 google-re2
 	touch $(ENGINES_STAMP)
 
 engines: $(ENGINES_STAMP)
@@ -61,7 +61,7 @@ $(SGLANG_STAMP): tests/engines/sglang-requirements.txt pyproject.toml
 	.venv-sglang/bin/pip install -q -r tests/engines/sglang-requirements.txt
 	.venv-sglang/bin/pip install -q --no-deps sglang==0.5.23
 	# moeconv itself, beside SGLang (no deps: SGLang's torch stays), for its sglang.srt.plugins entry point.
-	.venv-sglang/bin/pip install -q --no-deps -e .
+	.venv-sglang/bin/pip install -q --no-deps -e . blake3 google-re2
 	touch $(SGLANG_STAMP)
 
 engines-sglang: $(SGLANG_STAMP)

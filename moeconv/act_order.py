@@ -3,7 +3,7 @@
 `g_idx[k]` is the group of input channel k. Static groups are `g_idx == k // g`; act-order quantizes the
 channels in another order (GPTQModel and AutoGPTQ: by decreasing Hessian diagonal), so group j holds the
 channels `perm[j·g:(j+1)·g]` and `g_idx[k] = invperm[k] // g`. The kernels moeconv writes for know only
-static groups, and vLLM 0.33 no longer loads act-order at all. A g_idx is one of:
+static groups, and vLLM (the release engines/ names) no longer loads act-order at all. A g_idx is one of:
 
 - STATIC: `k // g`.
 - RELABELLED: `σ(k // g)` for a permutation σ of the groups; the same weight with static groups and the

@@ -16,6 +16,8 @@ from moeconv.packing import stored_array
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
     import torch
 
+    from moeconv.float_codes import FloatScheme
+
 SUPPORTED_BITS = (2, 4, 8)
 PROJECTIONS = ("gate", "up", "down")  # an expert's three linears, in the canonical order
 CHANNELWISE = -1  # the configured group size of channel-wise quantization (configs also write 0)
@@ -159,6 +161,7 @@ class MoELayerShape:
     activation_bits: int = 16  # 8: the scheme quantizes activations to int8 per token (W8A8)
     tp: int = 1  # tensor-parallel ranks the layer will be split over (eligibility only: tensors stay whole)
     projection_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate/up/down as the output names them
+    float_scheme: FloatScheme | None = None  # float-coded experts (float_codes.py); None: integer codes
 
     def group_size_for(self, in_features: int) -> int:
         return effective_group_size(in_features, self.group_size)
@@ -182,6 +185,7 @@ class LinearShape:
     symmetric: bool
     scale_dtype: str
     activation_bits: int = 16
+    float_scheme: FloatScheme | None = None  # a float-coded linear (float_codes.py); None: integer codes
 
     @property
     def effective_group_size(self) -> int:

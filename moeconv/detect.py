@@ -49,7 +49,7 @@ def detect(linears: Iterable[Linear], configured: SourceFormat) -> Detection:
     detection = Detection(None)
     vectors = {suffix for cls in REGISTRY.values() for suffix in cls.vector_suffixes}
     misshapen = next((entry for tensors, _, _ in linears for suffix, entry in tensors.items()
-                      if len(entry.shape) != (1 if suffix in vectors else 2)), None)
+                      if len(entry.shape) not in ((0, 1) if suffix in vectors else (2,))), None)
     if misshapen is not None:  # no reading from data before the header shapes make sense (the plan says why)
         detection.evidence.append(f"{misshapen.name} has shape {list(misshapen.shape)}")
         return detection

@@ -6,14 +6,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from moeconv import engines
 from moeconv.audit import Audits
 from moeconv.audit import count as audit_counts
 from moeconv.backends import all_backends
 from moeconv.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
 from moeconv.errors import MoeconvError
-from moeconv.plan import attention_quantized, choose_backend, eligibility, serving, sglang_serving
+from moeconv.plan import attention_quantized, choose_backend, converts_dense, eligibility
 from moeconv.spec import FLOAT_DTYPES
-from moeconv.survey import survey
+from moeconv.survey import check_global_scales, survey
 
 
 def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]:
@@ -67,27 +68,45 @@ def _verdict(backend, layers, source_format, source_config, model_type, attentio
     """Whether the backend takes the checkpoint (as it is, or after --regroup), with each layer's reason,
     and how each engine (vLLM, SGLang) would serve its output."""
     factor, reason = eligibility(backend, layers, allow_regroup=True)
+    reason = reason or _global_scale_refusal(backend, layers, source_format)
     refusals = {layer.module: backend.refusal(layer.shape) for layer in layers}
     first = layers[0].shape
     shape = replace(first, group_size=first.group_size // factor)
+    output = engines.output_of(backend.name, shape, source_format, converts_dense(backend, source_format, factor),
+                               source_config, model_type, attention_is_quantized)
     return {
         "eligible": reason is None and factor == 1,
         "eligible_with_regroup": reason is None,
         "regroup_factor": factor,
         "reason": reason or next((f"{m}: {r}" for m, r in refusals.items() if r), None),
         "layers": {module: refusal or "ok" for module, refusal in refusals.items()},
-        "serving": serving(backend, source_format, shape, factor=factor, source_config=source_config)._asdict(),
-        "sglang_serving": sglang_serving(backend, source_format, shape, model_type, attention_is_quantized,
-                                         source_config=source_config)._asdict(),
+        "serving": engines.VLLM.serving(output)._asdict(),
+        "sglang_serving": engines.SGLANG.serving(output)._asdict(),
     }
+
+
+def _global_scale_refusal(backend, layers, source_format) -> str | None:
+    """Why the backend cannot write these float codes' global scales exactly (survey.check_global_scales: the
+    plan reads the dense linears' too), or None."""
+    if source_format.float_scheme is None:
+        return None
+    try:
+        with TensorReader() as reader:
+            check_global_scales([entry for layer in layers for expert in layer.experts for linear in expert.values()
+                                 for entry in linear.values()], source_format, backend, reader)
+    except MoeconvError as refusal:
+        return str(refusal)
+    return None
 
 
 def _auto(layers, source_format, source_config) -> str:
     """What `convert --backend auto` would choose, and why (or why nothing fits)."""
     try:
-        return choose_backend("auto", layers, True, source_format, source_config)[3]
+        backend, _, _, choice = choose_backend("auto", layers, True, source_format, source_config)
     except MoeconvError as refusal:
         return str(refusal)
+    refusal = _global_scale_refusal(backend, layers, source_format)
+    return f"convert refuses: {refusal}" if refusal else choice
 
 
 def _audit(source_format, layers) -> Audits:

@@ -43,7 +43,7 @@ class Architecture:
     projections: Mapping[str, str]  # checkpoint projection name -> canonical projection
     experts_key: str  # config key: number of routed experts
     intermediate_key: str  # config key: per-expert intermediate size
-    # The names the engine's model class maps (vLLM 0.33), which an output carries whatever names the source
+    # The names the engine's model class maps (vLLM's, engines/), which an output carries whatever names the source
     # used: the module that holds the router and `experts`, and gate, up, down. None: the source's own.
     engine_parent: str | None = None
     engine_projections: tuple[str, str, str] | None = None
@@ -133,7 +133,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     for arch in (
         # Both the legacy `block_sparse_moe.experts.E.w1/w2/w3` names and the
         # `mlp.experts.E.gate_proj/...` names GPTQModel writes under transformers 5; outputs carry the
-        # former, which vLLM 0.33's MixtralForCausalLM maps (its WeightsMapper renames gate_proj to w1 but
+        # former, which vLLM's MixtralForCausalLM maps (its WeightsMapper renames gate_proj to w1 but
         # not mlp to block_sparse_moe: "no module or parameter named 'layers.0.mlp'").
         Architecture("mixtral", ("block_sparse_moe", "mlp"), _MIXTRAL_PROJECTIONS,
                      "num_local_experts", "intermediate_size", engine_parent="block_sparse_moe",

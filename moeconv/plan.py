@@ -1,7 +1,8 @@
 """What will be written and what the output says: the backend (named, or chosen by `--backend auto`),
 the regroup factor, the work list (worklist.py) in output shards, and the output's answers, computed
 once as the plan's fields: the jobs of each MoE layer, the codec, the quantization config, the
-identity a resumed run must match, and the scale cast the engine makes at load.
+identity a resumed run must match, what it targets, how each engine release serves it (engines/) and the
+scale cast the engine makes at load.
 
 `make_plan` works from headers and configs (what the source is: survey.py), so `convert --dry-run`
 and `inspect` read no expert weights. Every check that can be made before writing is made here, so
@@ -14,19 +15,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from moeconv import act_order, transform
+from moeconv import act_order, engines, transform
 from moeconv._version import __version__
 from moeconv.backends import all_backends, auto_order, backend_name, get_backend
-from moeconv.backends.base import Backend, Serving
-from moeconv.canonical import MoELayerShape, is_channelwise
+from moeconv.backends.base import Backend
+from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import Checkpoint, TensorReader, collection_paused, open_checkpoint
 from moeconv.detect import Detection
 from moeconv.errors import MoeconvError
-from moeconv.formats import SourceFormat, autoround
+from moeconv.engines import Serving
+from moeconv.formats import SourceFormat
 from moeconv.models import Architecture
-from moeconv.spec import FLOAT_DTYPES, TORCH_NAMES
-from moeconv.survey import (MoELayer, act_order_suspected, check_dense_g_idx, find_dense_linears, fp8_block_linears,
-                            natural_key, survey)
+from moeconv.spec import FLOAT_DTYPES
+from moeconv.survey import (MoELayer, act_order_suspected, check_dense_g_idx, check_global_scales, find_dense_linears,
+                            fp8_block_linears, natural_key, survey)
 from moeconv.transform import Codec
 from moeconv.worklist import (CopyJob, ExpertJob, Job, LinearJob, OutputShard, Unit, assign_shards, copy_job, layer_unit,
                               linear_job, single)
@@ -64,9 +66,10 @@ class Plan:
     codec: Codec = field(init=False)
     quantization_config: dict[str, Any] = field(init=False)  # config.json's, and quantize_config.json
     identity: dict[str, Any] = field(init=False)  # everything that decides the bytes: a resumed run must match it
-    serving: Serving = field(init=False)  # how vLLM serves the output (`{output}`), or why it does not
-    sglang_serving: Serving = field(init=False)  # the same for SGLang (sglang_serving)
-    scale_cast: tuple[str, str] | None = field(init=False)  # torch dtype names, at the config's model dtype
+    targets: dict[str, str] = field(init=False)  # the engine and kernel versions it is for (engines.targets)
+    serving: Serving = field(init=False)  # how vLLM serves the output (`{output}`), or why it does not (engines.VLLM)
+    sglang_serving: Serving = field(init=False)  # the same for SGLang (engines.SGLANG)
+    scale_cast: tuple[str, str] | None = field(init=False)  # vLLM's, as torch dtype names, at the config's model dtype
     # Some job decodes to the canonical form (torch): a dense linear or an expert whose format and layout do
     # not meet in the packed form, or one the format declines (a non-trivial g_idx). Else the workers need no torch.
     workers_need_torch: bool = field(init=False)
@@ -97,17 +100,17 @@ class Plan:
             "format": self.source_format.describe(),
             "source": self.checkpoint.identity(),
         })
-        answer("scale_cast", engine_scale_cast(self.backend, first.scale_dtype, _model_dtype(self.checkpoint)))
-        kept = f" --dtype {self.scale_cast[0]}" if self.scale_cast else ""  # the scales as stored (detection note)
-        answer("serving", _with_flags(serving(self.backend, self.source_format, first, self.dense_backend is not None,
-                                              source_config=self.checkpoint.quantization_config), kept))
-        answer("sglang_serving", _with_flags(sglang_serving(
-            self.backend, self.source_format, first, self.architecture.model_type,
-            attention_quantized(self.checkpoint, self.source_format), self.dense_backend is not None,
-            self.checkpoint.quantization_config), kept))
+        answer("targets", engines.targets(self.backend.name))
+        model_dtype = _model_dtype(self.checkpoint)
+        answer("scale_cast", engines.VLLM.scale_cast(self.backend.name, first.scale_dtype, model_dtype))
+        output = engines.output_of(self.backend.name, first, self.source_format, self.dense_backend is not None,
+                                   self.checkpoint.quantization_config, self.architecture.model_type,
+                                   attention_quantized(self.checkpoint, self.source_format), model_dtype)
+        answer("serving", engines.VLLM.serving(output))
+        answer("sglang_serving", engines.SGLANG.serving(output))
         checked = [job for job in self.jobs if isinstance(job, LinearJob)] + [
             jobs[0] for jobs in self.layer_jobs.values() if jobs]  # a layer's experts share its shape
-        answer("workers_need_torch", not all(transform.takes_packed(job, self.codec) for job in checked)
+        answer("workers_need_torch", not all(transform.numpy_route(job, self.codec) for job in checked)
                or any(layer.act_order != act_order.STATIC for layer in self.layers)
                or (self.detection is not None
                    and act_order_suspected(self.checkpoint, self.source_format, self.detection)))
@@ -135,9 +138,9 @@ class Plan:
             "architecture": self.architecture.model_type,
             "format": self.source_format.describe(),
             "regroup_factor": self.regroup_factor,
-            # how the first layer's experts are converted: through the packed form, or the canonical one
-            "route": "packed" if self.layer_jobs and transform.takes_packed(
-                next(iter(self.layer_jobs.values()))[0], self.codec) else "canonical",
+            # how the first layer's experts are converted: as float codes, through the packed form, or the canonical one
+            "route": "float" if self.source_format.float_scheme is not None else "packed" if self.layer_jobs and
+            transform.takes_packed(next(iter(self.layer_jobs.values()))[0], self.codec) else "canonical",
             "tp": self.tp,
             "skipped_backends": [{"backend": name, "reason": reason} for name, reason in self.skipped_backends],
             "auto_choice": self.choice,
@@ -200,20 +203,6 @@ def _quantization_config(plan: Plan) -> dict[str, Any]:
     }
 
 
-_ENGINE_DTYPES = ("bfloat16", "float16", "float32")
-
-
-def engine_scale_cast(backend: Backend, scale_dtype: str, model_dtype: str | None) -> tuple[str, str] | None:
-    """(stored scale dtype, the dtype the engine casts them to), as torch dtype names, when the backend's
-    engine creates scale parameters in the model dtype and that differs from the scales' own
-    (`scale_dtype`, a safetensors code); else None."""
-    model = model_dtype if model_dtype in _ENGINE_DTYPES else None  # a config may hold anything
-    stored = TORCH_NAMES[scale_dtype]
-    if not backend.scales_in_model_dtype or model is None or model == stored:
-        return None
-    return stored, model
-
-
 MIN_REGROUPED_GROUP_SIZE = 32
 
 
@@ -271,7 +260,8 @@ def _choose_auto(layers: list[MoELayer], source_format: SourceFormat,
             continue
         first = layers[0].shape
         shape = replace(first, group_size=first.group_size // factor)
-        served = serving(candidate, source_format, shape, factor=factor, source_config=source_config)
+        served = engines.VLLM.serving(engines.output_of(
+            candidate.name, shape, source_format, converts_dense(candidate, source_format, factor), source_config))
         if served.engine is None:
             unserved.append((candidate, factor, served))
             skipped.append((candidate.name, f"no engine serves its output: {served.how}"))
@@ -317,117 +307,18 @@ def _choice_line(backend: Backend, factor: int, layer: MoELayerShape, why: str,
     return f"--backend auto takes {backend.name}: {why}{regrouped}{passed}"
 
 
-def unserved_dense_layers(backend: Backend, source_format: SourceFormat, converted: bool | None = None,
-                          factor: int = 1, source_config: Mapping[str, Any] | None = None) -> str | None:
-    """Why no engine loads the output's dense layers, when the backend copies them as they are and vLLM
-    0.33 refuses their format: asymmetric GPTQ (its GPTQ is symmetric only; measured with `make
-    test-engines`), ModelOpt's int4 (its ModelOpt methods read FP8, NVFP4 and MXFP8 only: LINEAR_ALGOS in
-    vllm/model_executor/layers/quantization/modelopt.py), an AutoRound config vLLM's INC method does not
-    read (formats/autoround.py: vllm_refusal). `converted`: whether the plan converts them
-    (Plan.dense_backend); None, before planning: whether the backend would at regroup `factor` (a backend
-    that names another one for them converts them unregrouped only: _dense_backend). `source_config`: the
-    source's quantization_config, which copied dense layers keep."""
-    fmt = source_format
-    if converted is None:
-        converted = backend.converts_dense_linears or (backend.dense_linear_backend(fmt) is not None and factor == 1)
-    if converted:
-        return None
-    if source_config is not None and (refusal := autoround.vllm_refusal(source_config)):
-        return f"the dense layers keep the source's {refusal}"
-    if fmt.method == "gptq" and not fmt.symmetric:
-        return "the dense layers keep the source's asymmetric GPTQ, which vLLM 0.33 does not load"
-    if fmt.method == "modelopt":
-        return "the dense layers keep the source's ModelOpt W4A16_AWQ, which vLLM 0.33 does not load"
-    return None
-
-
-def serving(backend: Backend, source_format: SourceFormat, layer: MoELayerShape,
-            dense_converted: bool | None = None, factor: int = 1,
-            source_config: Mapping[str, Any] | None = None) -> Serving:
-    """The backend's own answer, unless the dense layers it copies are what no engine loads
-    (unserved_dense_layers: `dense_converted`, `factor`, `source_config`)."""
-    served = backend.serving(layer)
-    reason = unserved_dense_layers(backend, source_format, dense_converted, factor, source_config)
-    if served.engine and reason:
-        return Serving(None, f"{reason} (moeconv's vLLM plugin refuses this output at start-up); for vLLM use "
-                             "--backend compressed-tensors")
-    return served
-
-
-def _with_flags(served: Serving, flags: str) -> Serving:
-    """The serve command with `flags` appended (the command ends every `how` that names an engine)."""
-    return served._replace(how=served.how + flags) if served.engine and flags else served
-
-
-# The engine facts for SGLang, in one place (docs/SGLANG.md: measured with `make test-engines-sglang`).
-SGLANG = "SGLang 0.5.23"
-SGLANG_SHOWN_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")  # loaded by SGLang's own classes
-_DEEPSEEK = ("deepseek_v2", "deepseek_v3", "kimi_k2")  # SGLang's DeepSeek loader (MLA attention)
-
-
-def sglang_launch(layer: MoELayerShape, flags: str = "") -> str:
-    """SGLang's launch line for an output folder, at the tensor-parallel size it was checked for."""
-    return ("python -m sglang.launch_server --model-path {output}" + flags
-            + (f" --tp-size {layer.tp}" if layer.tp > 1 else ""))
+def converts_dense(backend: Backend, source_format: SourceFormat, factor: int) -> bool:
+    """Whether the plan writes the dense quantized linears in a layout of its own (Plan.dense_backend) at
+    regroup `factor`, before planning: a backend that names another one for them converts them unregrouped
+    only (_dense_backend)."""
+    return backend.converts_dense_linears or (backend.dense_linear_backend(source_format) is not None and factor == 1)
 
 
 def attention_quantized(checkpoint: Checkpoint, source_format: SourceFormat) -> bool:
     """Whether any attention linear of the source is quantized (a scale of the source format under
-    `self_attn`): SGLang 0.5.23's DeepSeek loader takes float, FP8 or AWQ attention only."""
+    `self_attn`), which SGLang's DeepSeek loader refuses (engines.SGLANG)."""
     scales = tuple(f".{suffix}" for suffix in source_format.suffixes() if suffix != "weight")
     return any(".self_attn." in name and name.endswith(scales) for name in checkpoint.tensors)
-
-
-def sglang_serving(backend: Backend, source_format: SourceFormat, layer: MoELayerShape, model_type: str,
-                   attention_is_quantized: bool, dense_converted: bool | None = None,
-                   source_config: Mapping[str, Any] | None = None) -> Serving:
-    """Which SGLang 0.5.23 path serves the backend's output of this source, and how; engine None: why not,
-    and the backend that SGLang does serve for it. Families SGLang's loader was not run on here get the
-    command with that said."""
-    mixtral, deepseek = model_type == "mixtral", model_type in _DEEPSEEK
-    int8 = layer.activation_bits == 8
-    if backend.name == "cpu":
-        instead = ("triton (moeconv's SGLang plugin)" if not mixtral
-                   else "compressed-tensors" if layer.symmetric else "humming")
-        return Serving(None, f"no engine loads this layout from disk yet; for SGLang use --backend {instead}")
-    if deepseek and attention_is_quantized and not (backend.name == "humming" and layer.symmetric) and not int8:
-        return Serving(None, f"{SGLANG}'s DeepSeek loader takes float, FP8 or AWQ attention only, and this source's "
-                             "attention is quantized" + ("; for SGLang use --backend humming" if layer.symmetric else ""))
-    if backend.name == "triton":
-        if int8:
-            return Serving(None, "moeconv's SGLang plugin does not serve the int8 layout; for SGLang use --backend "
-                                 "compressed-tensors, served with --quantization w8a8_int8")
-        if is_channelwise(layer.group_size):
-            return Serving(None, "moeconv's SGLang plugin does not serve channel-wise scales; for SGLang use "
-                                 "--backend compressed-tensors")
-        if mixtral:
-            return Serving(None, f"{SGLANG} builds Mixtral's experts one linear each under this quantization; for "
-                                 "SGLang use --backend " + ("compressed-tensors" if layer.symmetric else "humming"))
-        reason = unserved_dense_layers(backend, source_format, dense_converted, source_config=source_config)
-        if reason:
-            return Serving(None, f"{reason}; for SGLang use --backend compressed-tensors" if layer.symmetric
-                           else f"{reason}, not shown to load in {SGLANG}")
-        served = Serving(f"{SGLANG} through moeconv's plugin", "pip install moeconv in SGLang's environment (it "
-                                                                "registers the plugin), then " + sglang_launch(layer))
-    elif backend.name == "compressed-tensors":
-        if int8:
-            served = Serving(SGLANG, sglang_launch(layer, " --quantization w8a8_int8"))
-        elif not layer.symmetric:
-            return Serving(None, f"{SGLANG} refuses the expert zero points of every asymmetric compressed-tensors "
-                                 "checkpoint (sgl-project/sglang PR #39510); for SGLang use --backend "
-                                 + ("humming" if mixtral else "triton (moeconv's SGLang plugin)"))
-        else:
-            served = Serving(SGLANG, sglang_launch(layer))
-    elif backend.name == "humming":
-        if not layer.symmetric and not mixtral:
-            return Serving(None, f"{SGLANG}'s loader refuses the expert zero_point of an asymmetric Humming "
-                                 "checkpoint; for SGLang use --backend triton (moeconv's SGLang plugin)")
-        served = Serving(f"{SGLANG} (quant_method humming)", sglang_launch(layer))
-    else:
-        return Serving(None, f"not shown with {SGLANG}")
-    if model_type not in SGLANG_SHOWN_FAMILIES:
-        return served._replace(engine=f"{served.engine}, not shown for {model_type}")
-    return served
 
 
 def make_plan(source: Path | Checkpoint, backend: str = "triton", max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
@@ -468,6 +359,12 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     if source_format.group_index_suffix:
         with TensorReader() as reader:
             check_dense_g_idx(checkpoint, others, source_format, reader, dense is not None)
+    if source_format.float_scheme is not None:
+        with TensorReader() as reader:
+            check_global_scales([entry for layer in layers for expert in layer.experts for linear in expert.values()
+                                 for entry in linear.values()] +
+                                [entry for linear in linears for entry in linear.tensors.values()],
+                                source_format, target, reader)
     fp8: dict[str, str] = {}  # FP8 block-scaled tensors a whole-checkpoint config describes: source -> output name
     if dense is not None:
         units += [(linear.prefix, single(linear_job(dense, linear, named(linear.prefix)))) for linear in linears]

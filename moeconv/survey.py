@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
-from moeconv import act_order
+from moeconv import act_order, engines
 from moeconv.backends.base import Backend
 from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, effective_group_size
 from moeconv.checkpoint import manifest as manifests
@@ -201,6 +201,7 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
             first, other = list(scale_dtypes.values())[:2]
             raise MoeconvError(f"{other.file}: tensor {other.name} is {other.dtype}{list(other.shape)}, but "
                                f"{first.name} is {first.dtype}: {module} mixes scale dtypes {sorted(scale_dtypes)}")
+        scheme = source_format.float_scheme  # float codes: the block scales are bytes of the scheme's encoding
         shape = MoELayerShape(
             experts=experts_expected,
             hidden=hidden,
@@ -208,11 +209,12 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
             bits=source_format.bits,
             group_size=source_format.group_size,
             symmetric=source_format.symmetric,
-            scale_dtype=next(iter(scale_dtypes)),
+            scale_dtype=scheme.scale_dtype if scheme else next(iter(scale_dtypes)),
             activation_bits=source_format.activation_bits,
             projection_names=architecture.engine_projection_names(tuple(
                 architecture.parse(next(iter(ordered[0][projection].values())).name).projection_name
                 for projection in PROJECTIONS)),
+            float_scheme=scheme,
         )
         layers.append(MoELayer(module, shape, ordered))
     if not layers:
@@ -277,7 +279,7 @@ def check_dense_g_idx(checkpoint: Checkpoint, names: list[str], source_format: S
             continue
         what = act_order.describe(kind, "linear") if converts else (
             f"{suffix} is not k // group_size (act-order) on a linear this backend copies as it is; engines "
-            f"read copied linears with static groups (vLLM 0.33 ignores {suffix})")
+            f"read copied linears with static groups ({engines.VLLM.name} ignores {suffix})")
         raise MoeconvError(f"{entry.file}: {name}: {what}")
 
 
@@ -297,11 +299,13 @@ def find_dense_linears(checkpoint: Checkpoint, source_format: SourceFormat, back
         own = {suffix: entry for suffix, entry in tensors.items() if suffix in required or suffix in optional}
         out_features, in_features = _linear_shape(source_format, own)
         _check_linear(own, prefix, "linear", source_format, out_features, in_features)
-        scale_dtype = next(entry.dtype for entry in own.values() if entry.dtype in FLOAT_DTYPES and len(entry.shape) == 2)
+        scheme = source_format.float_scheme
+        scale_dtype = scheme.scale_dtype if scheme else next(
+            entry.dtype for entry in own.values() if entry.dtype in FLOAT_DTYPES and len(entry.shape) == 2)
         group_size = source_format.group_size
         shape = LinearShape(out_features, in_features, source_format.bits,
                             group_size // regroup_factor if group_size > 0 else group_size,
-                            source_format.symmetric, scale_dtype, source_format.activation_bits)
+                            source_format.symmetric, scale_dtype, source_format.activation_bits, scheme)
         reason = backend.linear_refusal(shape)
         if reason:
             raise MoeconvError(f"{checkpoint.root}: {prefix}: backend {backend.name!r} cannot convert this "
@@ -390,8 +394,9 @@ FP8_BLOCK = 128  # DeepSeek-V3's and MiniMax-M2's weight_block_size: one weight_
 
 def fp8_block_linears(checkpoint: Checkpoint, backend: Backend, others: list[str]) -> dict[str, str]:
     """A whole-checkpoint scheme's config describes every linear, so FP8 block-scaled linears beside the
-    integer experts (MiniMax, DeepSeek: `weight` F8_E4M3 and `weight_scale_inv` F32, one scale a 128x128
-    block) are copied as they are under the backend's names and described as such (`fp8_block_suffixes`):
+    quantized experts (MiniMax, DeepSeek: `weight` F8_E4M3 and `weight_scale_inv` F32, one scale a 128x128
+    block; compressed-tensors' FP8_BLOCK: `weight_scale` in the weight's float dtype, docs/FLOAT_SOURCES.md
+    section 3) are copied as they are under the backend's names and described as such (`fp8_block_suffixes`):
     source name -> output name (the suffix renamed). A backend that cannot describe them refuses, with
     the way out; FP8 tensors of any other shape are refused naming them: never declared quantized like the
     experts or float, which an engine would misread."""
@@ -407,10 +412,12 @@ def fp8_block_linears(checkpoint: Checkpoint, backend: Backend, others: list[str
     renames = {}
     for weight in fp8:
         prefix, _, suffix = weight.name.rpartition(".")
-        scale = checkpoint.tensors.get(f"{prefix}.weight_scale_inv")
+        scale = checkpoint.tensors.get(f"{prefix}.weight_scale_inv") or checkpoint.tensors.get(f"{prefix}.weight_scale")
         grid = tuple(-(-size // FP8_BLOCK) for size in weight.shape)
-        if suffix != "weight" or weight.dtype != "F8_E4M3" or len(weight.shape) != 2 or scale is None or \
-                scale.dtype != "F32" or tuple(scale.shape) != grid:
+        scale_ok = scale is not None and (scale.dtype == "F32" if scale.name.endswith("_inv") else
+                                          scale.dtype in FLOAT_DTYPES)
+        if suffix != "weight" or weight.dtype != "F8_E4M3" or len(weight.shape) != 2 or not scale_ok or \
+                tuple(scale.shape) != grid:
             found = "none" if scale is None else f"{scale.dtype}{list(scale.shape)}"
             raise MoeconvError(
                 f"{weight.file}: tensor {weight.name} is {weight.dtype}{list(weight.shape)} with {prefix}.weight_scale_inv "
@@ -418,8 +425,31 @@ def fp8_block_linears(checkpoint: Checkpoint, backend: Backend, others: list[str
                 f"`weight_scale_inv` of one scale per {FP8_BLOCK}x{FP8_BLOCK} block (F32{list(grid)} here); "
                 f"--backend triton converts the experts and copies the rest")
         renames[weight.name] = f"{prefix}.{suffixes['weight']}"
-        renames[scale.name] = f"{prefix}.{suffixes['weight_scale_inv']}"
+        renames[scale.name] = f"{prefix}.{suffixes[scale.name.rpartition('.')[2]]}"
     return renames
+
+
+def check_global_scales(entries: list[TensorEntry], source_format: SourceFormat, backend: Backend,
+                        reader: TensorReader) -> None:
+    """Float codes written in the other global-scale convention than the source's (a ModelOpt weight_scale_2 as
+    compressed-tensors' divided weight_global_scale): every global scale of `entries` (the float32 scalars of
+    the float-coded linears: weight and input global scales) is read, and the first whose reciprocal is not a
+    float32 refused, since the output would decode to other weights (float_codes.exact_reciprocal)."""
+    from moeconv.float_codes import exact_reciprocal
+
+    scheme, wanted = source_format.float_scheme, backend.float_global_convention
+    if scheme is None or scheme.global_convention in (None, wanted):
+        return
+    for entry in entries:
+        if entry.dtype != "F32" or entry.nbytes != 4:
+            continue
+        value = reader.read_array(entry).reshape(())
+        if exact_reciprocal(value) is None:
+            raise MoeconvError(
+                f"{entry.file}: tensor {entry.name} is {float(value)!r}: {source_format.method} multiplies by it, "
+                f"backend {backend.name!r} writes the reciprocal that is divided by, and 1/{float(value)!r} is no "
+                f"float32 (only a power of two's reciprocal is), so the output would not decode to the source's values; "
+                f"refusing rather than rounding it (docs/FLOAT_SOURCES.md, section 4)")
 
 
 @dataclass(frozen=True)

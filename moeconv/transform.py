@@ -65,9 +65,20 @@ def takes_packed(job: ConvertJob, codec: Codec) -> bool:
     return codec.source_format.packs and layout.takes_packed(job.shape)
 
 
+def numpy_route(job: ConvertJob, codec: Codec) -> bool:
+    """Whether `convert` runs in numpy on the stored bytes: through the packed form, or float codes (whose
+    canonical form is numpy: float_codes.py)."""
+    return codec.source_format.float_scheme is not None or takes_packed(job, codec)
+
+
 def convert(job: ConvertJob, codec: Codec, reader: TensorReader) -> tuple[dict[str, Any], list[Audit]]:
-    """The job's output blocks (by backend suffix), and the audit counts of its source tensors: through the
-    packed form where the format and the layout take it, else decoded to the canonical form and encoded."""
+    """The job's output blocks (by backend suffix), and the audit counts of its source tensors: float codes
+    read into the canonical float form and written by the layout; through the packed form where the format and
+    the layout take it; else decoded to the canonical form and encoded."""
+    if codec.source_format.float_scheme is not None:
+        weights, audits = source_weights_stored(job, codec, reader)
+        layout = codec.backend.from_float if isinstance(job, ExpertJob) else job.encoder.from_float_linear
+        return layout(weights if isinstance(job, ExpertJob) else weights["linear"], job.shape), audits
     if takes_packed(job, codec):
         found = _through_packed(job, codec, reader)
         if found is not None:

@@ -12,7 +12,7 @@ whose MoE layers vLLM's oracle serves with HUMMING on compute capability 9.0, an
 Part A, for each staged source (GPTQ 4-bit symmetric g128; asymmetric g32; the real GPTQModel act-order
 checkpoint, asymmetric g32):
   1. the staged parameters equal what moeconv's plugin fills from the `triton` output (moeconv.convert
-     here, moeconv.vllm_plugin.shards.fill), so the synthetic timing layers of part B hold what vLLM would;
+     here, moeconv.engines.vllm_plugin.shards.fill), so the synthetic timing layers of part B hold what vLLM would;
   2. they equal, after Humming's own schema conversion (`convert_humming`, as vLLM calls it, before its
      symmetric-integer step), what Humming's own `HummingLayer.from_safetensors` reads from moeconv's
      `humming` output of the same source, expert by expert;
@@ -525,7 +525,7 @@ def stacked_tensors(output: Path, layer_name: str) -> dict[str, torch.Tensor]:
 def plugin_fill(stacked: dict[str, torch.Tensor], like: dict[str, torch.Tensor], meta: dict, bits: int,
                 group_size: int) -> dict[str, torch.Tensor]:
     """The compressed-tensors parameters moeconv's plugin fills from the stacked tensors (tp 1)."""
-    from moeconv.vllm_plugin.shards import PARAMETERS, fill
+    from moeconv.engines.vllm_plugin.shards import PARAMETERS, fill
 
     filled = {}
     for name, tensor in stacked.items():

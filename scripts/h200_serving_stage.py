@@ -139,7 +139,7 @@ def _dump_one(target: Path, scratch: Path, kind: str, what) -> None:
     import moeconv
     from moeconv.formats import GPTQ
     from moeconv.synth import SynthSpec, make_checkpoint
-    from moeconv.vllm_plugin.method import LOGGER_NAME
+    from moeconv.engines.vllm_plugin.method import LOGGER_NAME
     from vllm_load import build_and_load
 
     shutil.rmtree(target, ignore_errors=True)

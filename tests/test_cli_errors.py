@@ -170,10 +170,10 @@ def test_convert_says_which_engine_serves_an_asymmetric_gptq_source(monkeypatch,
     source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(4, 32, sym=False), hidden=64, intermediate=64))
     code, out, _ = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "out", "--backend", "triton", "-q")
     assert code == 0 and out.splitlines()[-2:] == [
-        f"serve: vLLM 0.33 through moeconv's plugin: pip install moeconv in vLLM's environment (it registers the "
-        f"plugin), then vllm serve {tmp_path / 'out'}",
-        f"serve: SGLang 0.5.23 through moeconv's plugin: pip install moeconv in SGLang's environment (it registers "
-        f"the plugin), then python -m sglang.launch_server --model-path {tmp_path / 'out'}"]
+        f"serve: vLLM 0.33 through moeconv's plugin: install moeconv into vLLM's environment (docs/SERVING.md; it "
+        f"registers the plugin), then vllm serve {tmp_path / 'out'}",
+        f"serve: SGLang 0.5.23 through moeconv's plugin: install moeconv into SGLang's environment (docs/SERVING.md; it "
+        f"registers the plugin), then python -m sglang.launch_server --model-path {tmp_path / 'out'}"]
     code, out, _ = run_main(monkeypatch, capsys, "convert", source, "-o", tmp_path / "ct", "--backend", "compressed-tensors",
                             "-q")
     assert code == 0 and out.splitlines()[-2:] == [

@@ -154,8 +154,8 @@ def test_every_serve_line_names_vllm_and_sglang_right_for_the_source(tmp_path, c
         "SGLang plugin)"]
     code, out, _ = run_main(capsys, "convert", asym, "--backend", "triton", "--dry-run", "--tp", "2")
     assert code == 0 and out.splitlines()[-1] == (
-        "serve: SGLang 0.5.23 through moeconv's plugin: pip install moeconv in SGLang's environment (it registers "
-        "the plugin), then python -m sglang.launch_server --model-path OUT --tp-size 2")
+        "serve: SGLang 0.5.23 through moeconv's plugin: install moeconv into SGLang's environment (docs/SERVING.md; it "
+        "registers the plugin), then python -m sglang.launch_server --model-path OUT --tp-size 2")
     code, out, _ = run_main(capsys, "convert", sym, "--backend", "compressed-tensors", "--dry-run")
     assert code == 0 and out.splitlines()[-1] == "serve: SGLang 0.5.23: python -m sglang.launch_server --model-path OUT"
     code, out, _ = run_main(capsys, "convert", mixtral, "--backend", "triton", "--dry-run")
@@ -363,8 +363,28 @@ def test_the_wheel_installs_into_an_engine_environment_and_registers_its_plugins
     alone = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # only what that venv holds
     found = json.loads(subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=True,
                                       cwd=tmp_path, env=alone).stdout)
-    assert found == {"torch": "2.14.0+engine", "vllm": ["moeconv.vllm_plugin:register"],
-                     "sglang": ["moeconv.sglang_plugin:register"], "installed": ["moeconv", "torch"]}, found
+    assert found == {"torch": "2.14.0+engine", "vllm": ["moeconv.engines.vllm_plugin:register"],
+                     "sglang": ["moeconv.engines.sglang_plugin:register"], "installed": ["moeconv", "torch"]}, found
+
+
+def test_the_plugins_load_in_an_environment_without_blake3_or_re2():
+    """SGLang 0.5.23's environment holds neither blake3 nor google-re2 (the fresh-clone run of 2026-12-04: the
+    plugin's import failed and SGLang refused every triton output as "Unknown quantization method"): both
+    plugins import without them, and hashing without blake3 is one line saying what to install."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; sys.modules['blake3'] = None; sys.modules['re2'] = None\n"
+        "import moeconv.engines.vllm_plugin, moeconv.engines.sglang_plugin\n"
+        "from moeconv.engines.vllm_plugin import integrity\n"
+        "from moeconv.checkpoint.writer import BLAKE3\n"
+        "from moeconv.errors import MoeconvError\n"
+        "try:\n    BLAKE3.new()\nexcept MoeconvError as error:\n    print(error)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ("moeconv.json's version-4 digests need the blake3 package, which this Python environment "
+                           "lacks: pip install blake3 (it needs nothing else)\n")
 
 
 def test_verify_s_default_samples_the_kernel_on_a_cpu_says_so_up_front_and_names_the_sample(tmp_path, capsys):
@@ -469,6 +489,6 @@ def test_an_interrupted_verify_does_not_promise_a_resume(tmp_path, capsys, monke
     """verify resumes nothing: stopped, it says that it changed nothing and that running it again starts over."""
     source = make_checkpoint(tmp_path / "src", SynthSpec())
     assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
-    _stop_at(monkeypatch, "moeconv.structure", "check_tensor_digests", 1)
+    _stop_at(monkeypatch, "moeconv.verification.structure", "check_tensor_digests", 1)
     code, _, err = run_main(capsys, "verify", tmp_path / "out", "-q")
     assert code == 3 and err == "interrupted (SIGINT): nothing was changed; run the command again to start over\n"

@@ -12,7 +12,7 @@ import pytest
 
 from moeconv.backends import REGISTRY as BACKENDS
 from moeconv.backends.base import Backend, BackendDefaults
-from moeconv.formats import AWQ, GPTQ, CompressedTensors
+from moeconv.formats import AWQ, GPTQ, CompressedTensors, CompressedTensorsFloat, ModelOptNvfp4
 from moeconv.formats.modelopt import ModelOpt
 from moeconv.formats.base import FormatDefaults, SourceFormat
 
@@ -37,10 +37,10 @@ def _plugin(module: str, name: str) -> type:
 
 def test_the_protocols_declare_the_hooks_the_plan_reads():
     assert {"decode_ordered", "configures_act_order", "group_index_suffix", "from_config"} <= _members(SourceFormat)
-    assert {"converts_dense_linears", "scales_in_model_dtype", "linear_tensors", "serving"} <= _members(Backend)
+    assert {"converts_dense_linears", "dense_linear_backend", "linear_tensors", "refusal"} <= _members(Backend)
 
 
-@pytest.mark.parametrize("cls", [AWQ, GPTQ, CompressedTensors, ModelOpt, "toy"], ids=lambda c: getattr(c, "__name__", c))
+@pytest.mark.parametrize("cls", [AWQ, GPTQ, CompressedTensors, CompressedTensorsFloat, ModelOpt, ModelOptNvfp4, "toy"], ids=lambda c: getattr(c, "__name__", c))
 def test_every_format_has_every_member(cls):
     cls = _plugin("toy_format", "ToyFormat") if cls == "toy" else cls
     assert issubclass(cls, FormatDefaults)

@@ -21,7 +21,8 @@ from moeconv.backends import all_backends
 from moeconv.backends.base import ExpertWeights
 from moeconv.backends.cpu import CpuBackend
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, regroup, stored_arrays
-from moeconv.formats import AWQ, GPTQ, REGISTRY, AutoRound, CompressedTensors, ModelOpt
+from moeconv.formats import (AWQ, GPTQ, REGISTRY, AutoRound, CompressedTensors, CompressedTensorsFloat, ModelOpt,
+                             ModelOptNvfp4)
 
 from strategies import random_canonical
 
@@ -45,8 +46,10 @@ def _id(value) -> str:
 def test_every_registered_format_that_packs_is_covered():
     """A new format that packs is added to PACKING; the others take the canonical route."""
     assert not ModelOpt.packs and not CompressedTensors(format="int-quantized", bits=8, group_size=-1).packs
+    # float codes have their own route (float_codes.py), never the packed form of integer words
+    assert not CompressedTensorsFloat.packs and not ModelOptNvfp4.packs
     # AutoRound reads its config into the GPTQ or AWQ format its packing names.
-    assert set(REGISTRY.values()) - {AutoRound, ModelOpt} == set(PACKING)
+    assert set(REGISTRY.values()) - {AutoRound, ModelOpt, CompressedTensorsFloat, ModelOptNvfp4} == set(PACKING)
     assert all(cls(**params).packs for cls, grid in PACKING.items() for params in grid)
 
 

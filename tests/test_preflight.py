@@ -78,10 +78,10 @@ def test_auto_chooses_what_an_engine_serves_regrouping_to_fit(tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["group_size"] == 64
     assert out.splitlines()[-3:] == [
         f"next: moeconv verify {tmp_path / 'out'}",
-        f"serve: vLLM 0.33 through moeconv's plugin: pip install moeconv in vLLM's environment (it registers the "
-        f"plugin), then vllm serve {tmp_path / 'out'} --tensor-parallel-size 2",
-        f"serve: SGLang 0.5.23 through moeconv's plugin: pip install moeconv in SGLang's environment (it registers "
-        f"the plugin), then python -m sglang.launch_server --model-path {tmp_path / 'out'} --tp-size 2"]
+        f"serve: vLLM 0.33 through moeconv's plugin: install moeconv into vLLM's environment (docs/SERVING.md; it "
+        f"registers the plugin), then vllm serve {tmp_path / 'out'} --tensor-parallel-size 2",
+        f"serve: SGLang 0.5.23 through moeconv's plugin: install moeconv into SGLang's environment (docs/SERVING.md; it "
+        f"registers the plugin), then python -m sglang.launch_server --model-path {tmp_path / 'out'} --tp-size 2"]
 
 
 def test_auto_prefers_a_served_layout_over_an_unserved_one(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The SGLang plugin's SGLang-free parts (moeconv/sglang_plugin/config.py, shards.py), without SGLang.
+"""The SGLang plugin's SGLang-free parts (moeconv/engines/sglang_plugin/config.py, shards.py), without SGLang.
 
 shards.py: rank r's part of each stacked triton tensor, copied into the parameter of SGLang's
 MoeWNA16Method, must be exactly that parameter for the rank's own slice of the canonical weights (gate and
@@ -24,11 +24,11 @@ from moeconv.backends.base import ExpertWeights
 from moeconv.backends.triton import TritonBackend
 from moeconv.canonical import MoELayerShape
 from moeconv.formats import GPTQ, CompressedTensors
-from moeconv.sglang_plugin.config import parse_for_sglang
-from moeconv.sglang_plugin.shards import STACKED, fill
+from moeconv.engines.sglang_plugin.config import parse_for_sglang
+from moeconv.engines.sglang_plugin.shards import STACKED, fill
 from moeconv.synth import SynthSpec, make_checkpoint
 from moeconv.checkpoint.reader import open_checkpoint
-from moeconv.vllm_plugin.config import PluginRefusal, check_files
+from moeconv.backends.triton_config import PluginRefusal, check_files
 
 from strategies import random_canonical, weight_columns, weight_rows
 
@@ -121,7 +121,7 @@ def test_a_cpu_output_is_refused_by_the_shared_parser(tmp_path):
 
 def test_the_plugin_is_an_entry_point_and_imports_no_sglang():
     assert [e.value for e in entry_points(group="sglang.srt.plugins") if e.name == "moeconv"] == [
-        "moeconv.sglang_plugin:register"]
-    code = ("import sys, moeconv.sglang_plugin, moeconv.sglang_plugin.shards, moeconv.sglang_plugin.config; "
-            "print('sglang' in sys.modules)")
+        "moeconv.engines.sglang_plugin:register"]
+    code = ("import sys, moeconv.engines.sglang_plugin, moeconv.engines.sglang_plugin.shards, "
+            "moeconv.engines.sglang_plugin.config; print('sglang' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

@@ -1,4 +1,4 @@
-"""The vLLM plugin's reading of an output's quantization_config (moeconv/vllm_plugin/config.py), without
+"""The vLLM plugin's reading of an output's quantization_config (moeconv/backends/triton_config.py), without
 vLLM: the configs `convert --backend triton` writes parse to what they say, and every hostile value is
 one refusal line starting `moeconv:` (a PluginRefusal), never a coerced value or another exception."""
 
@@ -16,7 +16,7 @@ from moeconv.canonical import CHANNELWISE
 from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.synth import SynthSpec, make_checkpoint
 from moeconv.checkpoint.reader import open_checkpoint
-from moeconv.vllm_plugin.config import INT8_LAYOUT, WNA16_LAYOUT, PluginRefusal, check_files, parse
+from moeconv.backends.triton_config import INT8_LAYOUT, WNA16_LAYOUT, PluginRefusal, check_files, parse
 
 
 def _converted(tmp_path_factory, name: str, fmt) -> Path:

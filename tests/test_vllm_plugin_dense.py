@@ -16,7 +16,7 @@ import moeconv
 from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.formats import GPTQ
 from moeconv.synth import SynthSpec, make_checkpoint
-from moeconv.vllm_plugin.config import PluginRefusal, parse
+from moeconv.backends.triton_config import PluginRefusal, parse
 
 ATTENTION = "model.layers.0.self_attn.q_proj"
 

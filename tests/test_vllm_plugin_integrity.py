@@ -1,4 +1,4 @@
-"""Integrity at load (moeconv/vllm_plugin/integrity.py, MOECONV_VERIFY_ON_LOAD=1), without vLLM: each tensor
+"""Integrity at load (moeconv/engines/vllm_plugin/integrity.py, MOECONV_VERIFY_ON_LOAD=1), without vLLM: each tensor
 as vLLM's default loader hands it over (safetensors' `get_tensor`, memory-mapped) passes only while its
 bytes hash to the digest moeconv.json records for it (computed by the writer as it wrote the shard); one
 flipped byte inside one tensor is one `moeconv:` refusal naming that tensor and its shard, and every other
@@ -18,8 +18,8 @@ from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.checkpoint.writer import tensor_digest
 from moeconv.formats import GPTQ
 from moeconv.synth import SynthSpec, make_checkpoint
-from moeconv.vllm_plugin.config import PluginRefusal
-from moeconv.vllm_plugin.integrity import ENV, TensorDigests, requested, tensor_bytes
+from moeconv.backends.triton_config import PluginRefusal
+from moeconv.engines.vllm_plugin.integrity import ENV, TensorDigests, requested, tensor_bytes
 
 from helpers import blocks_digest, reseal
 

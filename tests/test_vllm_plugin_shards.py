@@ -1,4 +1,4 @@
-"""The vLLM plugin's loading (moeconv/vllm_plugin/shards.py), without vLLM: rank r's part of each stacked
+"""The vLLM plugin's loading (moeconv/engines/vllm_plugin/shards.py), without vLLM: rank r's part of each stacked
 triton tensor, copied into the parameter of vLLM's compressed-tensors MoE method, must be exactly what
 that parameter holds for the compressed-tensors encoding of the rank's own slice of the canonical
 weights (gate and up rows [r·I/T, (r+1)·I/T), down's input columns likewise), encoded independently by
@@ -17,7 +17,7 @@ from moeconv.backends.base import ExpertWeights
 from moeconv.backends.triton import TritonBackend
 from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.formats import CompressedTensors
-from moeconv.vllm_plugin.shards import PARAMETERS, fill
+from moeconv.engines.vllm_plugin.shards import PARAMETERS, fill
 
 from strategies import random_canonical, weight_columns, weight_rows
 
@@ -107,9 +107,9 @@ def test_the_plugin_is_an_entry_point_and_imports_no_vllm():
     from importlib.metadata import entry_points
 
     assert [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "moeconv"] == [
-        "moeconv.vllm_plugin:register"]
-    code = ("import sys, moeconv.vllm_plugin, moeconv.vllm_plugin.shards, moeconv.vllm_plugin.config; "
-            "print('vllm' in sys.modules)")
+        "moeconv.engines.vllm_plugin:register"]
+    code = ("import sys, moeconv.engines.vllm_plugin, moeconv.engines.vllm_plugin.shards, "
+            "moeconv.backends.triton_config; print('vllm' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 

@@ -1,7 +1,8 @@
 """Target layouts: one module per serving kernel's layout, each encoding one expert's canonical
 weights into its slice of the layer's stacked tensors and decoding them back.
 
-Backends map tensors to tensors; they know nothing of files, source formats or each other. The
+Backends map tensors to tensors; they know nothing of files, source formats or each other
+(triton_config.py, which reads a triton output's config back for the engine plugins, excepted). The
 registry is a plain table: adding a backend is one module and one entry here. Entries name their
 class rather than import it, so the CLI builds its `--backend` help without importing torch.
 """

@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not
     import numpy as np
     import torch
 
+    from moeconv.float_codes import FloatWeight
     from moeconv.packed import PackedWeight
 
 
@@ -20,14 +21,14 @@ FUSED_GEMMS = {"w13": ("gate", "up"), "w2": ("down",)}
 
 # Modules the engines build fused from several checkpoint linears, by the name of the fused module. An
 # engine asks an output's list of float linears about the fused name; where the model class declares the
-# fusion it unfuses the name and asks about each shard, but SGLang 0.5.23's DeepseekV2ForCausalLM declares
+# fusion it unfuses the name and asks about each shard, but SGLang's DeepseekV2ForCausalLM (engines/) declares
 # only fused_qkv_a_proj_with_mqa (`models/deepseek_v2.py :: packed_modules_mapping`), so a dense layer's or a
 # shared expert's float gate_proj and up_proj, listed by name, left its gate_up_proj quantized
 # (compressed-tensors: "KeyError: 'model.layers.0.mlp.gate_up_proj.weight'"; humming: "'MergedColumnParallelLinear'
 # object has no attribute 'weight'"). So when every shard under one parent is listed, the fused name is
 # listed too (moonshotai/Kimi-K2-Thinking's own `ignore` covers gate_up_proj). SGLang's rule (adapted from
 # vLLM's, `compressed_tensors/utils.py :: should_ignore_layer`) takes a listed fused name as it is, and vLLM
-# 0.33 loads these outputs with every tensor consumed (tests/engines/run_matrix.py --only routed-experts-only).
+# loads these outputs with every tensor consumed (tests/engines/run_matrix.py --only routed-experts-only).
 FUSED_SHARDS = {"gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -63,19 +64,6 @@ class Numerics(NamedTuple):
     layout: str | None = None
 
 
-class Serving(NamedTuple):
-    """Which engine loads a backend's output as it is on disk, and how (`how` may name `{output}`); engine
-    None: none does yet, and `how` says why and the way out. What the docs measured with `make test-engines`."""
-
-    engine: str | None
-    how: str
-
-
-def vllm_serve(layer: MoELayerShape) -> str:
-    """The `vllm serve` line for an output folder, at the tensor-parallel size it was checked for."""
-    return "vllm serve {output}" + (f" --tensor-parallel-size {layer.tp}" if layer.tp > 1 else "")
-
-
 class Backend(Protocol):
     """One target layout. Implementations inherit `BackendDefaults`, which holds the default of every
     member a backend may leave out (marked "default:" below); nothing else in moeconv probes a backend
@@ -88,12 +76,8 @@ class Backend(Protocol):
 
     name: str
     layout_version: int
-    targets: dict[str, str]  # the engine and kernel-package versions the output is for
     numerics: Numerics
     converts_dense_linears: bool  # default: False (dense linears pass through byte for byte)
-    # The engine creates the layout's scale parameters in the model dtype and casts the stored scales
-    # into them at load (verify then checks the cast). Default: False (the scales are read as stored).
-    scales_in_model_dtype: bool
     # How the output holds FP8 block-scaled linears beside the integer ones (DeepSeek's and MiniMax's `weight`
     # F8_E4M3 with `weight_scale_inv` F32, one scale a 128x128 block): source suffix -> output suffix, the
     # bytes copied as they are and the linears described by `checkpoint_quantization_config`. Default: None,
@@ -131,11 +115,21 @@ class Backend(Protocol):
         stored arrays, byte for byte what `encode_expert` of their decoding gives (tests/test_packed.py);
         None for an expert the canonical route must take. Only where `takes_packed`."""
 
+    # The convention the layout writes an NVFP4 global scale in (float_codes.DIVIDE or MULTIPLY); the plan reads
+    # every global scale of a source in the other one and refuses one whose reciprocal is not exact. Default:
+    # None (the layout takes no float codes; its `refusal` says so).
+    float_global_convention: str | None
+
+    def from_float(self, expert: dict[str, FloatWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
+        """`encode_expert`'s slices from the expert's projections in the canonical float form (float_codes.py),
+        as stored arrays. Only for a layer the backend takes whose `float_scheme` is set; its
+        `decode_expert_stored` gives FloatWeights back."""
+
+    def from_float_linear(self, weight: FloatWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        """`from_float` of one dense float-coded linear (`decode_linear_stored` gives it back)."""
+
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         """Backend fields of the output's quantization config."""
-
-    def serving(self, layer: MoELayerShape) -> Serving:
-        """Which engine serves this layout for the layer (layer.tp: the size it is served with)."""
 
     def linear_refusal(self, linear: LinearShape) -> str | None:
         """Why this backend cannot take the dense linear, or None if it can (converts_dense_linears only)."""
@@ -167,11 +161,17 @@ class Backend(Protocol):
 
 class BackendDefaults:
     """The default of every member of `Backend` a backend may leave out, declared once: dense linears
-    pass through (the plan never asks for the `linear_*` members then), scales are read as stored."""
+    pass through (the plan never asks for the `linear_*` members then)."""
 
     converts_dense_linears: bool = False
-    scales_in_model_dtype: bool = False
     fp8_block_suffixes: dict[str, str] | None = None
+    float_global_convention: str | None = None
+
+    def from_float(self, expert: dict[str, FloatWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
+        raise NotImplementedError(f"backend {self.name!r} takes no float codes")
+
+    def from_float_linear(self, weight: FloatWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        raise NotImplementedError(f"backend {self.name!r} takes no float codes")
 
     def dense_linear_backend(self, source_format: Any) -> str | None:
         return None

@@ -16,6 +16,12 @@ Per expert and projection under the checkpoint's own names, and for every dense 
   int-quantized (W8A8 sources stay W8A8):
     weight             int8 (N, K): canonical code − 128
     weight_scale       (N, 1) in the source dtype
+  nvfp4-pack-quantized / mxfp4-pack-quantized (float-coded sources: float_codes.py), as llm-compressor writes them:
+    weight_packed        uint8 (N, K/2): E2M1 codes, element 2j in the low nibble of byte j
+    weight_scale         NVFP4: F8_E4M3 (N, K/16); MXFP4: U8 (N, K/32), the scale bytes as the source's
+    weight_global_scale  NVFP4: F32 (1,), divided by (compressed-tensors' convention: a ModelOpt source's
+                         weight_scale_2 is written as its reciprocal where that is exact, else refused)
+    input_global_scale   NVFP4 W4A4: F32 (1,), the static input global scale, in the same convention
 Words are built with explicit shifts (moeconv.packing), so the bytes do not depend on the host.
 """
 
@@ -26,19 +32,24 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moeconv import packing
+from moeconv.float_codes import DIVIDE, MXFP4, FloatScheme, FloatWeight, pack_codes, unpack_codes
 from moeconv.spec import TensorSpec
-from moeconv.backends.base import Serving, vllm_serve, with_fused_names
-from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words, per_rank_refusal
-from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
+from moeconv.backends.base import with_fused_names
+from moeconv.backends.per_linear import (PerLinearBackend, from_packed_words, packed_words, per_rank_refusal,
+                                         projection_shapes)
+from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
     import torch
 
     from moeconv.packed import PackedWeight
 
-# The compressed-tensors release vLLM 0.33 pins; the config below is what its QuantizationConfig reads.
+# The compressed-tensors release vLLM pins (engines/: its targets); the config below is what its
+# QuantizationConfig reads.
 COMPRESSED_TENSORS_TARGET = "0.17.0"
 PACK_QUANTIZED, INT_QUANTIZED = "pack-quantized", "int-quantized"
+NVFP4_PACK_QUANTIZED, MXFP4_PACK_QUANTIZED = "nvfp4-pack-quantized", "mxfp4-pack-quantized"
+GLOBAL_SCALE, INPUT_SCALE = "weight_global_scale", "input_global_scale"
 FLOAT_QUANTIZED, MIXED_PRECISION = "float-quantized", "mixed-precision"
 # FP8 block-scaled linears (DeepSeek's and MiniMax's `weight` F8_E4M3 + `weight_scale_inv`): compressed-tensors'
 # FP8_BLOCK scheme, the same block grid and the same multiplier (`weight_scale_inv` is what the FP8 codes
@@ -46,29 +57,35 @@ FLOAT_QUANTIZED, MIXED_PRECISION = "float-quantized", "mixed-precision"
 # at run time (what DeepSeek's fp8 kernels do).
 FP8_BLOCK = 128
 # The token embedding's module name in every family moeconv reads. An embedding is no `Linear` target, so
-# it is never in `ignore` (llm-compressor lists none); SGLang 0.5.23's w8a8_int8 method, which serves
+# it is never in `ignore` (llm-compressor lists none); SGLang's w8a8_int8 method, which serves
 # compressed-tensors W8A8, answers an ignored embedding with a linear method and refuses to start.
 EMBEDDING = "embed_tokens"
 
 
-def _format(activation_bits: int) -> str:
+def _format(activation_bits: int, scheme: FloatScheme | None = None) -> str:
+    if scheme is not None:
+        return MXFP4_PACK_QUANTIZED if scheme.name == MXFP4.name else NVFP4_PACK_QUANTIZED
     return INT_QUANTIZED if activation_bits == 8 else PACK_QUANTIZED
 
 
 class CompressedTensorsBackend(PerLinearBackend):
     name = "compressed-tensors"
     layout_version = 1
-    # What the output is for, recorded in moeconv.json (kernel layouts and loaders age).
-    targets = {"engine": "vllm==0.33.0", "compressed-tensors": "0.17.0 (QuantizationConfig)"}
-
-    def serving(self, layer: MoELayerShape) -> Serving:
-        return Serving("stock vLLM 0.33", vllm_serve(layer))
+    float_global_convention = DIVIDE
 
     def refusal(self, layer: MoELayerShape) -> str | None:
+        if layer.float_scheme is not None:
+            block = layer.float_scheme.block
+            return per_rank_refusal(layer, lambda what, size: None if size % block == 0 else
+                                    f"the {what} {size} is not a multiple of the {block}-element block")
         return per_rank_refusal(layer, lambda what, size: _refusal(what, size, layer.bits, layer.group_size,
                                                                    layer.symmetric, layer.activation_bits))
 
     def linear_refusal(self, linear: LinearShape) -> str | None:
+        if linear.float_scheme is not None:
+            block = linear.float_scheme.block
+            return None if linear.in_features % block == 0 else \
+                f"the input size {linear.in_features} is not a multiple of the {block}-element block"
         return (_refusal("input size", linear.in_features, linear.bits, linear.group_size, linear.symmetric,
                          linear.activation_bits)
                 or (None if linear.symmetric else  # zero points pack along N
@@ -77,6 +94,15 @@ class CompressedTensorsBackend(PerLinearBackend):
 
     def linear_tensors(self, linear: LinearShape) -> list[TensorSpec]:
         n, k, bits = linear.out_features, linear.in_features, linear.bits
+        scheme = linear.float_scheme
+        if scheme is not None:
+            specs = [TensorSpec("weight_packed", (n, k // 2), "U8"),
+                     TensorSpec("weight_scale", (n, k // scheme.block), scheme.scale_dtype)]
+            if scheme.global_convention is not None:
+                specs.append(TensorSpec(GLOBAL_SCALE, (1,), "F32"))
+            if scheme.input_scale:
+                specs.append(TensorSpec(INPUT_SCALE, (1,), "F32"))
+            return specs
         if linear.activation_bits == 8:
             return [TensorSpec("weight", (n, k), "I8"), TensorSpec("weight_scale", (n, 1), linear.scale_dtype)]
         groups = k // linear.effective_group_size
@@ -99,8 +125,32 @@ class CompressedTensorsBackend(PerLinearBackend):
             tensors["weight_zero_point"] = zeros
         return tensors
 
-    def decode_linear_stored(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
-        """Inverse of `encode_linear`; raises ValueError when weight_shape is not [N, K]."""
+    def from_float(self, expert: dict[str, FloatWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
+        return {f"{name}.{suffix}": array
+                for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer))
+                for suffix, array in self.from_float_linear(expert[projection], linear).items()}
+
+    def from_float_linear(self, weight: FloatWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        """The bytes as they are, the global scales divided by (FloatWeight.in_convention: exact or ValueError;
+        the plan refused what is not exact before a byte was written)."""
+        weight = weight.in_convention(DIVIDE)
+        arrays = {"weight_packed": pack_codes(weight.codes), "weight_scale": weight.scales}
+        if weight.global_scale is not None:
+            arrays[GLOBAL_SCALE] = weight.global_scale.reshape(1)
+        if weight.input_scale is not None:
+            arrays[INPUT_SCALE] = weight.input_scale.reshape(1)
+        return arrays
+
+    def decode_linear_stored(self, tensors: dict[str, np.ndarray], linear: LinearShape
+                             ) -> QuantizedWeight | FloatWeight:
+        """Inverse of `encode_linear` (and of `from_float_linear` for float codes); raises ValueError when
+        weight_shape is not [N, K]."""
+        scheme = linear.float_scheme
+        if scheme is not None:
+            scalars = {field: tensors[suffix].reshape(()).copy() for field, suffix in
+                       (("global_scale", GLOBAL_SCALE), ("input_scale", INPUT_SCALE)) if suffix in tensors}
+            return FloatWeight(unpack_codes(tensors["weight_packed"]), tensors["weight_scale"].view(np.uint8),
+                               scheme.in_convention(DIVIDE), **scalars)
         if linear.activation_bits == 8:
             return QuantizedWeight(codes=packing.int8_array_to_offset_codes(tensors["weight"]), zeros=None,
                                    scales=tensors["weight_scale"], bits=8, group_size=linear.in_features)
@@ -118,7 +168,8 @@ class CompressedTensorsBackend(PerLinearBackend):
             tensors["weight_zero_point"] = weight.zero_words
         return tensors
 
-    fp8_block_suffixes = {"weight": "weight", "weight_scale_inv": "weight_scale"}
+    # DeepSeek's `weight_scale_inv` renamed; a compressed-tensors source's own FP8_BLOCK `weight_scale` kept
+    fp8_block_suffixes = {"weight": "weight", "weight_scale_inv": "weight_scale", "weight_scale": "weight_scale"}
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         return self.checkpoint_quantization_config(layer, None, [])
@@ -130,7 +181,7 @@ class CompressedTensorsBackend(PerLinearBackend):
         (experts and dense quantized linears share the source's scheme), the float linears ignored
         (the embedding is not a linear: EMBEDDING), and the FP8 block-scaled linears, if any, in a group
         of their own that names them (a module name is matched before the `Linear` class)."""
-        fmt = _format(layer.activation_bits)
+        fmt = _format(layer.activation_bits, layer.float_scheme)
         channelwise = is_channelwise(layer.group_size) or fmt == INT_QUANTIZED
         weights = {"num_bits": layer.bits, "type": "int", "symmetric": layer.symmetric,
                    "strategy": "channel" if channelwise else "group",
@@ -144,6 +195,8 @@ class CompressedTensorsBackend(PerLinearBackend):
                            "observer_kwargs": {}}
         groups = {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations,
                               "output_activations": None, "format": fmt}}
+        if layer.float_scheme is not None:
+            groups["group_0"] = _float_group(layer.float_scheme, fmt)
         if fp8_block_modules:
             groups["group_1"] = _fp8_block_group(fp8_block_modules)
         return {
@@ -158,6 +211,21 @@ class CompressedTensorsBackend(PerLinearBackend):
             "global_compression_ratio": None,
             "version": COMPRESSED_TENSORS_TARGET,
         }
+
+
+def _float_group(scheme: FloatScheme, fmt: str) -> dict[str, Any]:
+    """The config group compressed-tensors writes for a float scheme (its presets NVFP4, NVFP4A16, MXFP4A16 in
+    compressed_tensors/quantization/quant_scheme.py), what vLLM reads to pick its NVFP4 or MXFP4 MoE method."""
+    scale_dtype = "torch.uint8" if scheme.name == MXFP4.name else "torch.float8_e4m3fn"
+    strategy = "group" if scheme.name == MXFP4.name else "tensor_group"
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": strategy, "group_size": scheme.block,
+               "block_structure": None, "dynamic": False, "actorder": None, "observer": "memoryless_minmax",
+               "observer_kwargs": {}, "scale_dtype": scale_dtype, "zp_dtype": None}
+    activations = None
+    if scheme.input_scale:  # a static global scale per linear, block scales at run time
+        activations = {**weights, "dynamic": "local", "observer": "static_minmax"}
+    return {"targets": ["Linear"], "weights": weights, "input_activations": activations, "output_activations": None,
+            "format": fmt}
 
 
 def _fp8_block_group(modules: tuple[str, ...]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from moeconv import packing
-from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics, Serving
+from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics
 from moeconv.spec import TORCH_NAMES, TensorSpec
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, coarsen, is_channelwise, regroup, stored_arrays
 
@@ -109,14 +109,11 @@ class CpuBackend(BackendDefaults):
     name = "cpu"
     layout_version = 2  # 2: one group size per layer (the kernel derives it from w13)
     numerics = Numerics("cpu")
-    targets = {"kernel": "vLLM 0.33.0 CPUExpertsInt4 / CPUExpertsInt8 (sgl-kernel x86 layouts)",
-               "engine": "none yet: stock vLLM 0.33 repacks at load and has no loader for these (plugin planned)"}
-
-    def serving(self, layer: MoELayerShape) -> Serving:
-        return Serving(None, "no engine loads this layout from disk yet (vLLM 0.33's CPU experts build it at load "
-                             "time from the source); for vLLM use --backend compressed-tensors")
 
     def refusal(self, layer: MoELayerShape) -> str | None:
+        if layer.float_scheme is not None:
+            return (f"the x86 CPU kernels' layouts (blocked INT4, VNNI INT8) hold integer codes; {layer.float_scheme.name} "
+                    f"E2M1 codes are no integer-affine code (--backend compressed-tensors writes them)")
         if layer.intermediate % layer.tp:
             return f"intermediate size {layer.intermediate} does not split over tp={layer.tp}"
         if layer.tp > 1:  # every check below is about what one rank holds

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from moeconv.spec import TensorSpec
-from moeconv.backends.base import Serving, vllm_serve, with_fused_names
+from moeconv.backends.base import with_fused_names
 from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words, per_rank_refusal
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
@@ -39,16 +39,11 @@ _MODEL_DTYPES = {"float16": "F16", "half": "F16", "bfloat16": "BF16", "float32":
 class HummingBackend(PerLinearBackend):
     name = "humming"
     layout_version = 1
-    targets = {"engine": "vllm==0.33.0 (quant_method humming)", "humming-kernels": "0.1.19"}
-
-    def serving(self, layer: MoELayerShape) -> Serving:
-        """Measured with `make test-engines` (docs/FORMAT.md, backend humming)."""
-        if layer.symmetric:
-            return Serving("vLLM 0.33 (quant_method humming)", vllm_serve(layer))
-        return Serving(None, "vLLM 0.33's loader refuses the expert zero_point of an asymmetric Humming checkpoint "
-                             "(Humming's own loader reads it); for vLLM use --backend compressed-tensors")
 
     def refusal(self, layer: MoELayerShape) -> str | None:
+        if layer.float_scheme is not None:
+            return (f"moeconv writes Humming's integer schema only; its FP4 weight types ({layer.float_scheme.name}) are "
+                    f"not written yet (--backend compressed-tensors writes them)")
         return per_rank_refusal(layer, lambda what, size: _pack_refusal(what, size)
                                 or _group_refusal(what, size, layer.group_size)) or _bits_refusal(layer.bits)
 

@@ -25,9 +25,6 @@ class PerLinearBackend(BackendDefaults):
     # The engines' kernels for these schemas compute the same GEMMs as the Triton kernel on the stacked
     # layout, so verify re-encodes the output into that layout through the canonical form.
     numerics = Numerics("triton", layout="triton")
-    # vLLM 0.33 creates these schemas' scale parameters in the model dtype and casts the stored scales
-    # into them at load (measured with its own loader: tests/engines/scale_dtype.py).
-    scales_in_model_dtype = True
 
     def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:
         return [spec._replace(name=f"{name}.{spec.name}", per_expert=True, derives_from=(projection,))
@@ -81,7 +78,7 @@ def projection_shapes(layer: MoELayerShape) -> tuple[LinearShape, LinearShape, L
     """gate, up, down of one expert, as standalone linears (these schemas do not fuse them on disk)."""
     def linear(out_features: int, in_features: int) -> LinearShape:
         return LinearShape(out_features, in_features, layer.bits, layer.group_size, layer.symmetric,
-                           layer.scale_dtype, layer.activation_bits)
+                           layer.scale_dtype, layer.activation_bits, layer.float_scheme)
 
     gate_up = linear(layer.intermediate, layer.hidden)
     return gate_up, gate_up, linear(layer.hidden, layer.intermediate)

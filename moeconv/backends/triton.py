@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from moeconv import packing
-from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics, Serving, vllm_serve
+from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics
 from moeconv.spec import TORCH_NAMES, TensorSpec
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise, stored_arrays
 
@@ -66,24 +66,19 @@ class TritonBackend(BackendDefaults):
     name = "triton"
     layout_version = 1
     numerics = Numerics("triton")
-    targets = {"kernel": "vLLM 0.33.0 TritonWNA16Experts / TritonExperts layouts",
-               "engine": "vLLM 0.33 with moeconv's plugin (moeconv/vllm_plugin): stock vLLM has no loader for stacked experts"}
 
     def dense_linear_backend(self, source_format: Any) -> str | None:
-        """vLLM 0.33's GPTQ is symmetric only (`AutoGPTQConfig`), so an asymmetric GPTQ source's attention,
-        shared experts and dense MLPs are written in compressed-tensors pack-quantized with TRUE zero points
-        (the `compressed-tensors` backend's linears), which vLLM serves; the plugin reads them with the
-        config's `dense_quantization_config`."""
+        """vLLM's GPTQ is symmetric only (`AutoGPTQConfig`; the release's `dense_refusal`, engines/), so an
+        asymmetric GPTQ source's attention, shared experts and dense MLPs are written in compressed-tensors
+        pack-quantized with TRUE zero points (the `compressed-tensors` backend's linears), which vLLM serves;
+        the plugin reads them with the config's `dense_quantization_config`."""
         return "compressed-tensors" if source_format.method == "gptq" and not source_format.symmetric else None
 
-    def serving(self, layer: MoELayerShape) -> Serving:
-        if layer.activation_bits != 8 and is_channelwise(layer.group_size):
-            return Serving(None, "moeconv's vLLM plugin does not serve channel-wise moe_wna16 scales yet; "
-                                 "for vLLM use --backend compressed-tensors")
-        return Serving("vLLM 0.33 through moeconv's plugin",
-                       f"pip install moeconv in vLLM's environment (it registers the plugin), then {vllm_serve(layer)}")
-
     def refusal(self, layer: MoELayerShape) -> str | None:
+        if layer.float_scheme is not None:
+            return (f"vLLM's moe_wna16 Triton layout holds integer codes (code - zero) * scale; {layer.float_scheme.name} "
+                    f"E2M1 codes with {layer.float_scheme.scale_encoding.upper()} block scales are no integer-affine "
+                    f"code (--backend compressed-tensors writes them)")
         if layer.activation_bits == 8:
             return _int8_refusal(layer)
         if layer.bits not in (4, 8):

@@ -93,7 +93,7 @@ def derived(plan: Any, scheme: DigestScheme = CURRENT) -> dict[str, Any]:
     return {
         "backend": plan.backend.name,
         "layout_version": plan.backend.layout_version,
-        "targets": plan.backend.targets,
+        "targets": plan.targets,
         "format": plan.source_format.describe(),
         # How the format was decided: the data's evidence, and what the user chose where it could not decide.
         "format_decision": {"evidence": plan.detection.evidence if plan.detection else [],

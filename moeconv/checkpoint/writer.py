@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
-from blake3 import blake3
 
 from moeconv.errors import MoeconvError
 from moeconv.spec import DTYPE_SIZES, TensorSpec
@@ -170,8 +169,17 @@ class DigestScheme:
     shard_key: str  # an output shard's digest, made of its tensors' (shard_digest)
 
     def new(self):
-        """A fresh hasher (`update`, `digest`); both libraries release the GIL while they hash."""
-        return blake3() if self.name == "blake3" else hashlib.sha256()
+        """A fresh hasher (`update`, `digest`); both libraries release the GIL while they hash. blake3 is
+        imported here: the engine plugins import this module, and an engine's environment may not hold
+        blake3, which only hashing needs (docs/SERVING.md)."""
+        if self.name != "blake3":
+            return hashlib.sha256()
+        try:
+            from blake3 import blake3
+        except ImportError:
+            raise MoeconvError("moeconv.json's version-4 digests need the blake3 package, which this Python "
+                               "environment lacks: pip install blake3 (it needs nothing else)") from None
+        return blake3()
 
     def of(self, data) -> bytes:
         hasher = self.new()

@@ -34,11 +34,7 @@ PACKINGS = {
     "auto_round:auto_awq": "awq", "auto_round:awq": "awq",
 }
 FLOAT_BITS = 16  # an extra_config entry at 16 bits or more keeps the layer in float
-# The integer packings vLLM 0.33's INC method (which serves quant_method "auto-round") reads: INCConfig's
-# SUPPORTED_FORMATS, with a missing packing read as auto_round:auto_gptq
-# (vllm/model_executor/layers/quantization/inc/inc.py); it takes no other spelling of the method.
 METHODS = ("auto-round", "intel/auto-round")  # its quant_method, and the alias (the registry's keys)
-VLLM_METHOD, VLLM_PACKINGS = "auto-round", ("auto_round:auto_gptq", "auto_round:auto_awq")
 
 
 class AutoRound:
@@ -70,20 +66,6 @@ class AutoRound:
         if words == "awq":
             return AWQ.from_config({"bits": bits, "group_size": group_size, "zero_point": not sym}, where)
         return GPTQ.from_config({"bits": bits, "group_size": group_size, "sym": sym, "checkpoint_format": words}, where)
-
-
-def vllm_refusal(config: Mapping[str, Any]) -> str | None:
-    """For an AutoRound config (any other: None), why vLLM 0.33 would not load layers kept in it: a packing
-    or spelling its INC method does not read (the plain `auto_round` packing, measured with `make
-    test-engines`: "Unsupported packing_format: auto_round")."""
-    method = config.get("quant_method")
-    if method not in METHODS:
-        return None
-    packing = config.get("packing_format") or VLLM_PACKINGS[0]
-    if method == VLLM_METHOD and packing in VLLM_PACKINGS:
-        return None
-    return (f"AutoRound quantization ({method!r}, packing_format {packing!r}), which vLLM 0.33 does not load "
-            f"(its INC method reads {VLLM_METHOD!r} with {' or '.join(VLLM_PACKINGS)})")
 
 
 def _check_integer(config: Mapping[str, Any], where: str, what: str) -> None:

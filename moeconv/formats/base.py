@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not
     import numpy as np
     import torch
 
+    from moeconv.float_codes import FloatScheme
     from moeconv.packed import PackedWeight
 
 
@@ -66,7 +67,7 @@ class SourceFormat(Protocol):
     bits: int
     group_size: int  # as configured: -1 means channel-wise
     activation_bits: int  # 16, or 8 for dynamic per-token int8 activations (W8A8)
-    vector_suffixes: tuple[str, ...]  # the suffixes whose tensors are 1-D (g_idx, weight_shape); default: none
+    vector_suffixes: tuple[str, ...]  # the suffixes whose tensors are 1-D or scalars (g_idx, weight_shape); default: none
     audited_suffixes: tuple[str, ...]  # the small tensors `audit` reads (besides the scales); default: none
     # The tensor that gives each input channel's group (act_order.py), for formats that may store one;
     # the plan reads every one of them when act-order is suspected. Default: None (no such tensor).
@@ -125,6 +126,11 @@ class SourceFormat(Protocol):
     # takes it (packed.py). Default: False (every linear takes the canonical route).
     packs: bool
 
+    # The float scheme of a float-coded format (MXFP4, NVFP4: float_codes.py): its `decode_stored` gives the
+    # canonical float form (`FloatWeight`), which only a layout that takes float codes writes. Default: None
+    # (integer codes: the canonical form).
+    float_scheme: FloatScheme | None
+
     def to_packed(self, stored: Mapping[str, np.ndarray]) -> PackedWeight | None:
         """One linear's stored arrays (keyed by suffix) in the packed form, moving bits only; None for a linear
         the canonical route must take (an act-order g_idx). Only where `packs`; byte-identical to `decode`
@@ -158,6 +164,7 @@ class FormatDefaults:
     group_index_suffix: str | None = None
     decodes_stored: bool = False
     packs: bool = False
+    float_scheme: FloatScheme | None = None
 
     def to_packed(self, stored: Mapping[str, np.ndarray]) -> PackedWeight | None:
         raise NotImplementedError(f"{type(self).__name__} has no packed form")

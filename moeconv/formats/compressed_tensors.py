@@ -80,40 +80,11 @@ class CompressedTensors(StoredDecoding):
     @classmethod
     def from_config(cls, config: Mapping[str, Any], where: str) -> CompressedTensors:
         field = f"{where}: quantization_config"
-        status = config.get("quantization_status", "compressed")
-        if status != "compressed":
-            raise MoeconvError(f"{field}.quantization_status is {status!r}; only 'compressed' checkpoints hold packed weights")
-        sparsity = section(config, "sparsity_config", field)
-        if sparsity.get("format") not in (None, "dense"):
-            raise MoeconvError(f"{field}.sparsity_config.format {sparsity['format']!r} is not supported")
-        groups = section(config, "config_groups", field)
-        if not groups:
-            raise MoeconvError(f"{field}.config_groups is missing or empty")
-        for name, group in groups.items():
-            if not isinstance(group, dict):
-                raise MoeconvError(f"{field}.config_groups.{name} must be an object, not {type(group).__name__}")
-            targets = group.get("targets") or []
-            if not isinstance(targets, list) or not all(isinstance(target, str) for target in targets):
-                raise MoeconvError(f"{field}.config_groups.{name}.targets must be a list of strings")
-        schemes = {
-            name: _scheme(group, group.get("format") or config.get("format"), f"{field}.config_groups.{name}")
-            for name, group in groups.items()
-            if _targets_experts(group.get("targets") or [], f"{field}.config_groups.{name}.targets")
-        }
-        if not schemes:
-            raise MoeconvError(f"{field}.config_groups: no group's targets cover the routed experts")
-        if len(set(schemes.values())) > 1:
-            names = ", ".join(sorted(schemes))
-            raise MoeconvError(
-                f"{field}.config_groups: the experts fall under groups with different schemes ({names}); "
-                "moeconv needs one scheme for all experts"
-            )
-        fmt, bits, group_size, symmetric, activation_bits = next(iter(schemes.values()))
-        ignore = config.get("ignore") or []
-        if not isinstance(ignore, list) or not all(isinstance(name, str) for name in ignore):
-            raise MoeconvError(f"{field}.ignore must be a list of module names")
+        schemes = {name: _scheme(group, group.get("format") or config.get("format"), f"{field}.config_groups.{name}")
+                   for name, group in expert_groups(config, field).items()}
+        fmt, bits, group_size, symmetric, activation_bits = one_scheme(schemes, field)
         return cls(format=fmt, bits=bits, group_size=group_size, symmetric=symmetric,
-                   activation_bits=activation_bits, ignore=tuple(config.get("ignore") or ()))
+                   activation_bits=activation_bits, ignore=ignored_modules(config, field))
 
     @staticmethod
     def configures_act_order(config: Mapping[str, Any]) -> bool:
@@ -137,8 +108,10 @@ class CompressedTensors(StoredDecoding):
 
     @classmethod
     def claims(cls, linears: list[Linear]) -> bool:
-        """pack-quantized: weight_packed and weight_scale (int-quantized W8A8 is read from the config)."""
-        return bool(linears) and all({"weight_packed", "weight_scale"} <= set(tensors) for tensors, _, _ in linears)
+        """pack-quantized: weight_packed int32 words and weight_scale (int-quantized W8A8 is read from the config;
+        the float schemes' weight_packed is bytes: compressed_tensors_float.py)."""
+        return bool(linears) and all({"weight_packed", "weight_scale"} <= set(tensors)
+                                     and tensors["weight_packed"].dtype == "I32" for tensors, _, _ in linears)
 
     @classmethod
     def from_data(cls, linears: list[Linear], configured: SourceFormat, read: Read,
@@ -276,6 +249,48 @@ class CompressedTensors(StoredDecoding):
             "global_compression_ratio": None,
             "version": COMPRESSED_TENSORS_VERSION,
         }
+
+
+def expert_groups(config: Mapping[str, Any], field: str) -> dict[str, Mapping[str, Any]]:
+    """The config groups whose targets cover the routed experts, after the checks every compressed-tensors
+    config must pass (`field`: the config, for refusals): compressed, dense, groups that are objects with
+    lists of targets. The experts' format and float or integer scheme are the reading format's to check."""
+    status = config.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise MoeconvError(f"{field}.quantization_status is {status!r}; only 'compressed' checkpoints hold packed weights")
+    sparsity = section(config, "sparsity_config", field)
+    if sparsity.get("format") not in (None, "dense"):
+        raise MoeconvError(f"{field}.sparsity_config.format {sparsity['format']!r} is not supported")
+    groups = section(config, "config_groups", field)
+    if not groups:
+        raise MoeconvError(f"{field}.config_groups is missing or empty")
+    for name, group in groups.items():
+        if not isinstance(group, dict):
+            raise MoeconvError(f"{field}.config_groups.{name} must be an object, not {type(group).__name__}")
+        targets = group.get("targets") or []
+        if not isinstance(targets, list) or not all(isinstance(target, str) for target in targets):
+            raise MoeconvError(f"{field}.config_groups.{name}.targets must be a list of strings")
+    experts = {name: group for name, group in groups.items()
+               if _targets_experts(group.get("targets") or [], f"{field}.config_groups.{name}.targets")}
+    if not experts:
+        raise MoeconvError(f"{field}.config_groups: no group's targets cover the routed experts")
+    return experts
+
+
+def one_scheme(schemes: Mapping[str, Any], field: str) -> Any:
+    """The one scheme the experts' groups (`schemes`: group name -> scheme) share, or a refusal."""
+    if len(set(schemes.values())) > 1:
+        names = ", ".join(sorted(schemes))
+        raise MoeconvError(f"{field}.config_groups: the experts fall under groups with different schemes ({names}); "
+                           "moeconv needs one scheme for all experts")
+    return next(iter(schemes.values()))
+
+
+def ignored_modules(config: Mapping[str, Any], field: str) -> tuple[str, ...]:
+    ignore = config.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(name, str) for name in ignore):
+        raise MoeconvError(f"{field}.ignore must be a list of module names")
+    return tuple(ignore)
 
 
 def _targets_experts(targets: list[str], where: str) -> bool:

@@ -78,7 +78,7 @@ class ModelOpt(FormatDefaults):
         algo = config.get("quant_algo")
         if algo != QUANT_ALGO:
             raise MoeconvError(f"{where}: ModelOpt quant_algo {algo!r} is not read: moeconv reads ModelOpt's 4-bit "
-                               f"integer weights ({QUANT_ALGO!r}); its FP8, NVFP4, MXFP4, W4A8 and mixed-precision "
+                               f"integer weights ({QUANT_ALGO!r}) and its NVFP4; its FP8, MXFP4, W4A8 and mixed-precision "
                                f"exports are other formats")
         if config_bool(config, "has_zero_point", False, where):
             raise MoeconvError(f"{where}: ModelOpt has_zero_point true: its int4 export stores no zero points "

@@ -44,7 +44,13 @@ def kernel_layers(count: int, level: str | None, numerics_layers: int | None,
 def run(report: VerifyReport, plan: Plan, checks: Checks, tensors: dict[str, TensorEntry], reader: TensorReader,
         scheduler: Scheduler, asked: str | None, numerics_layers: int | None, tokens: int,
         generator: torch.Generator | None) -> None:
-    """The kernel check of the layers `kernel_layers` picks, in its own phase, into `report.layers`."""
+    """The kernel check of the layers `kernel_layers` picks, in its own phase, into `report.layers`; none for
+    float codes, which no reference kernel reads yet (said in the report)."""
+    if plan.source_format.float_scheme is not None:
+        if asked in (None, "numerics"):
+            report.numerics_not_run = (f"no reference kernel reads {plan.source_format.float_scheme.name} codes yet "
+                                       f"(the lossless level compared every code and scale byte)")
+        return
     kernel = LAYER_KERNELS[plan.backend.numerics.kernel]
     indices, sampled = kernel_layers(len(report.layers), asked, numerics_layers,
                                      lambda: kernel.device().startswith("cpu"))

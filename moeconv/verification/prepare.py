@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moeconv import provenance
+from moeconv import engines, provenance
 from moeconv.checkpoint import manifest as manifests
 from moeconv.checkpoint.manifest import MANIFEST_NAME, Manifest
 from moeconv.checkpoint.reader import Checkpoint, open_checkpoint, read_json
 from moeconv.errors import MoeconvError
 from moeconv.kernels.runners import LAYER_KERNELS
-from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, engine_scale_cast, make_plan
+from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
 from moeconv.source import ResolvedSource, is_hub_id, resolve_source
 from moeconv.verification.report import VerifyReport
 from moeconv.verification.structure import check_links
@@ -97,7 +97,7 @@ def scale_cast(output: Path, plan: Plan) -> tuple[str, str] | None:
     served = config.get("torch_dtype") or config.get("dtype")
     if not isinstance(served, str):
         return plan.scale_cast
-    return engine_scale_cast(plan.backend, plan.layers[0].shape.scale_dtype, served)
+    return engines.VLLM.scale_cast(plan.backend.name, plan.layers[0].shape.scale_dtype, served)
 
 
 def _recorded_source(output: Path, recorded: dict[str, Any]) -> ResolvedSource:

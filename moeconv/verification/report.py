@@ -67,6 +67,7 @@ class VerifyReport:
     # The MoE layers the kernel ran on when verify's default sampled them (on a CPU); empty: every layer it ran on
     # was asked for (--level numerics, --numerics-layers).
     kernel_sample: list[str] = field(default_factory=list)
+    numerics_not_run: str | None = None  # why the numerics level ran no kernel where it was asked for
     phase_seconds: dict[str, float] = field(default_factory=dict)  # wall time of each phase (PHASE_UNITS)
 
     @property
@@ -96,6 +97,8 @@ class VerifyReport:
         found = (["the tensors' bytes are self-consistent; not compared with the source (--level lossless compares "
                   "them)"] if self.level == "structure" else [])
         found += [f"decided by the user, not the data: {what}" for what in self.decided_by_user]
+        if self.numerics_not_run:
+            found.append(f"numerics not run: {self.numerics_not_run}")
         if self.engine_scale_cast.get("changed"):
             found.append(f"{self.engine_scale_cast['changed']} scale(s) change when the engine casts them "
                          f"(serve with --dtype {self.engine_scale_cast['stored']})")

@@ -19,7 +19,7 @@ Prints one JSON line per pair and choice.
 
 Tensor parallelism: with MOECONV_DIFFERENTIAL_TP=T (T > 1) the script runs itself T times, one process
 per rank (gloo, on the CPU; MOECONV_DIFFERENTIAL_RANK set for each), and every rank compares its own part:
-the plugin's slicing of each stacked tensor (moeconv/vllm_plugin/shards.py) against the parameters stock
+the plugin's slicing of each stacked tensor (moeconv/engines/vllm_plugin/shards.py) against the parameters stock
 vLLM's own loaders fill for that rank from the reference. Each line then carries `rank`. With
 MOECONV_DIFFERENTIAL_EP=1 as well, vLLM's expert parallelism is on (each rank holds its share of the
 experts, placed by vLLM's expert map), and the same comparison runs.
@@ -156,7 +156,7 @@ def main() -> None:
         return _ranks()
     from vllm.plugins import load_general_plugins
 
-    from moeconv.vllm_plugin.method import LOGGER_NAME
+    from moeconv.engines.vllm_plugin.method import LOGGER_NAME
 
     load_general_plugins()
     _patch_platform()

@@ -59,7 +59,7 @@ def _file_tensors(output: Path) -> dict[str, tuple[Path, str]]:
 
 
 def _moe_layers(model):
-    from moeconv.vllm_plugin.method import STACKED_METHODS
+    from moeconv.engines.vllm_plugin.method import STACKED_METHODS
 
     # (the checkpoint's module path: vLLM nests RoutedExperts one module deeper, and MiniMax's layer_name
     # says mlp where the module and the checkpoint say block_sparse_moe)
@@ -68,7 +68,7 @@ def _moe_layers(model):
 
 
 def check(source: Path, output: Path) -> dict:
-    from moeconv.vllm_plugin.shards import PARAMETERS
+    from moeconv.engines.vllm_plugin.shards import PARAMETERS
 
     model, result = build_and_load(output, moe_backend="triton")
     layers = _moe_layers(model)
@@ -111,7 +111,7 @@ def _numerics(source: Path, layer, module_name: str) -> dict:
     from moeconv.kernels.runners import NUMERICS_TOLERANCE, W8A8_NUMERICS_TOLERANCE
     from moeconv import transform
     from moeconv.plan import make_plan
-    from moeconv.vllm_plugin.config import INT8_LAYOUT
+    from moeconv.backends.triton_config import INT8_LAYOUT
 
     plan = make_plan(source, backend="triton")
     moe = next(item for item in plan.layers if item.module == module_name)

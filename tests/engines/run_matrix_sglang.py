@@ -7,7 +7,7 @@ sources (as SGLang picks their method, and also with the `--quantization` a user
 (markdown) and exits 1, in every family where SGLang loads the family's own compressed-tensors source,
 when a compressed-tensors output of a symmetric source does not load (a W8A8 one with
 `--quantization w8a8_int8`), when a 4-bit `triton` output does not load through moeconv's SGLang plugin
-(moeconv/sglang_plugin, which sglang_load.py loads as SGLang's processes do), or when an output SGLang
+(moeconv/engines/sglang_plugin, which sglang_load.py loads as SGLang's processes do), or when an output SGLang
 takes leaves a checkpoint tensor unconsumed or a parameter unloaded. The triton outputs that load are then
 checked by sglang_plugin_check.py (MoE parameters = file bytes; SGLang's Triton kernel against the float64
 source), a second table, failing on any mismatch; and where SGLang's own moe_wna16 loads the source, its
@@ -367,7 +367,7 @@ def _report(cases, results, refusals) -> list[str]:
             continue
         # SGLang's compressed-tensors method has no W8A8 int8 MoE scheme on CUDA ("only for NPU"): its
         # w8a8_int8 method is the one that takes a compressed-tensors W8A8 checkpoint's experts.
-        # moeconv's plugin (moeconv/sglang_plugin) serves the moe_wna16 `triton` layout, zero points included.
+        # moeconv's plugin (moeconv/engines/sglang_plugin) serves the moe_wna16 `triton` layout, zero points included.
         # Not Mixtral: SGLang 0.5.23 builds a Mixtral whose quantization is not in its own list with one linear
         # per expert (QuantMixtralForCausalLM), which no stacked tensor can fill; the plugin refuses it.
         expected = (fmt.symmetric and backend == ("compressed-tensors --quantization w8a8_int8" if w8a8

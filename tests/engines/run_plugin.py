@@ -39,7 +39,7 @@ from pathlib import Path
 import moeconv
 from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.synth import SynthSpec, make_checkpoint
-from moeconv.vllm_plugin.integrity import ENV as VERIFY_ENV
+from moeconv.engines.vllm_plugin.integrity import ENV as VERIFY_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_matrix import ENGINE_PYTHON, NOT_IN_CHECKPOINTS, command_line, not_consumed  # noqa: E402

@@ -15,7 +15,7 @@ iterator. As in vllm_load.py: every parameter is filled with a sentinel first, t
 sentinels, and every weight loader is wrapped to record which checkpoint tensors it consumed. Prints
 one JSON line per checkpoint: loaded (true/false), SGLang's error if it refused, the checkpoint
 tensors no loader consumed, the parameters left unloaded. SGLang's general plugins are loaded first, as
-SGLang's processes load them (`sglang.srt.plugins.load_plugins`): moeconv's own (moeconv/sglang_plugin,
+SGLang's processes load them (`sglang.srt.plugins.load_plugins`): moeconv's own (moeconv/engines/sglang_plugin,
 installed into .venv-sglang by `make engines-sglang`), which serves the `triton` outputs.
 
 What is chosen for the CPU, and why (none of it is a loader; the list is the whole of it):

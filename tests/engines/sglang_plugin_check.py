@@ -51,7 +51,7 @@ TOKENS, TOPK_MAX, BLOCK_M = 16, 2, 16
 
 
 def _moe_layers(model) -> list[tuple[str, torch.nn.Module]]:
-    from moeconv.sglang_plugin.method import StackedMoeWNA16Method
+    from moeconv.engines.sglang_plugin.method import StackedMoeWNA16Method
 
     return [(name, module) for name, module in model.named_modules()
             if isinstance(getattr(module, "quant_method", None), StackedMoeWNA16Method)]
@@ -201,8 +201,8 @@ def refusals(output: Path, scratch: Path) -> dict:
 
     from safetensors.torch import load_file, save_file
 
-    import moeconv.sglang_plugin as plugin
-    from moeconv.sglang_plugin.method import StackedMoeWNA16Method
+    import moeconv.engines.sglang_plugin as plugin
+    from moeconv.engines.sglang_plugin.method import StackedMoeWNA16Method
 
     answers = {}
     real = importlib.metadata.version

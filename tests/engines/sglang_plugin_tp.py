@@ -35,7 +35,7 @@ def _rank(rank: int, init_method: str, pairs: list[str], queue) -> None:
     from sglang.srt.layers.quantization.moe_wna16 import MoeWNA16Method
     from sglang.srt.plugins import load_plugins
 
-    from moeconv.sglang_plugin.method import StackedMoeWNA16Method
+    from moeconv.engines.sglang_plugin.method import StackedMoeWNA16Method
 
     load_plugins()
     for pair in pairs:

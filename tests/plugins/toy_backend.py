@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics, Serving
+from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics
 from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.packed import PackedWeight
 from moeconv.packing import unpack_array
@@ -22,7 +22,6 @@ from moeconv.spec import TensorSpec
 class ToyBackend(BackendDefaults):
     name = "toy"
     layout_version = 1
-    targets = {"engine": "none: a test of the registry"}
     numerics = Numerics("triton", layout="triton")
 
     def refusal(self, layer: MoELayerShape) -> str | None:
@@ -75,6 +74,3 @@ class ToyBackend(BackendDefaults):
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         return {"bits": layer.bits, "group_size": layer.group_size, "layout": "toy-stacked-bytes"}
-
-    def serving(self, layer: MoELayerShape) -> Serving:
-        return Serving(None, "no engine reads the toy layout (it tests the registry)")

@@ -19,7 +19,7 @@ import torch
 from moeconv.checkpoint import manifest as manifests
 from moeconv.checkpoint.writer import tensor_digest
 from moeconv.errors import MoeconvError
-from moeconv.vllm_plugin.config import PluginRefusal
+from moeconv.backends.triton_config import PluginRefusal
 
 ENV = "MOECONV_VERIFY_ON_LOAD"
 

@@ -1,6 +1,8 @@
-"""The output's `quantization_config`, parsed strictly before vLLM builds a single layer (no vLLM here).
+"""A `triton` output's `quantization_config`, parsed strictly, and held against its files: what both engine
+plugins read before the engine builds a single layer (moeconv.engines.vllm_plugin, moeconv.engines.sglang_plugin;
+no engine here), beside the backend that writes it.
 
-vLLM hands the plugin the raw JSON of `config.json`. Every value that decides how the stacked bytes
+The engine hands the plugin the raw JSON of `config.json`. Every value that decides how the stacked bytes
 are read is checked the way `convert` checks a source's config (`moeconv.formats.base.config_int`,
 `config_bool`, `checked_group_size`): `has_zp: "false"`, `bits: 4.7`, `group_size: 127.9`, a numeric
 or boolean `scale_dtype`, a group size that is negative, not a power of two or wider than a byte
@@ -9,11 +11,11 @@ config, are each one refusal starting `moeconv:`, never a coerced value or a raw
 must be a boolean and `group_size` an integer (null is refused: it used to read as "symmetric" and
 "channel-wise").
 
-`check_files` then holds the config against the output's safetensors headers (the SGLang plugin uses
-both): every MoE layer's stacked tensors must be exactly the ones the triton backend writes for the
-config and the sizes the tensors' rows say, so zero points stored without `has_zp: true` (or missing
-with it), and a group size or bit width the shapes contradict, are refused before anything is served, as
-are FP8 block linears copied from the source, which the dense layers' method does not read.
+`check_files` then holds the config against the output's safetensors headers: every MoE layer's stacked
+tensors must be exactly the ones the triton backend writes for the config and the sizes the tensors' rows
+say, so zero points stored without `has_zp: true` (or missing with it), and a group size or bit width the
+shapes contradict, are refused before anything is served, as are FP8 block linears copied from the source,
+which the dense layers' method does not read.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from moeconv.checkpoint.reader import Checkpoint, TensorEntry
 from moeconv.errors import MoeconvError
 from moeconv.formats.base import checked_group_size, config_bool, config_int
 from moeconv.spec import FLOAT_DTYPES
-from moeconv.vllm_plugin import QUANT_METHOD
+
+QUANT_METHOD = "moeconv"  # the quant_method of a triton output's config, the name both plugins register
 
 WNA16_LAYOUT = "moe_wna16"
 INT8_LAYOUT = "int8_w8a8"
@@ -37,7 +40,7 @@ WHERE = "the output's quantization_config"
 
 
 class PluginRefusal(MoeconvError, ValueError):
-    """Why the plugin will not serve an output; the message is one line starting `moeconv:`. A ValueError
+    """Why an engine plugin will not serve an output; the message is one line starting `moeconv:`. A ValueError
     too: vLLM reports a quantization config's ValueError as the reason its config did not validate."""
 
     def __init__(self, why: str) -> None:

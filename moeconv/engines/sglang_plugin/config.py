@@ -1,9 +1,9 @@
 """The output's `quantization_config` as the SGLang plugin reads it (no SGLang here).
 
-The stacked layout is parsed by the same strict parser as the vLLM plugin's (moeconv.vllm_plugin.config:
+The stacked layout is parsed by the same strict parser as the vLLM plugin's (moeconv.backends.triton_config:
 every value that decides how the bytes are read is checked, never coerced, each refusal one line starting
 `moeconv:`). What SGLang's MoeWNA16Method cannot hold is refused on top of it: the int8 W8A8 layout (SGLang
-0.5.23 has an int8 MoE method only under its own `w8a8_int8` config, whose parameters this plugin does not
+has an int8 MoE method only under its own `w8a8_int8` config, whose parameters this plugin does not
 fill) and channel-wise scales (MoeWNA16Method reads one group size for both GEMMs and divides by it).
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeconv.vllm_plugin.config import INT8_LAYOUT, PluginRefusal, StackedLayout, parse
+from moeconv.backends.triton_config import INT8_LAYOUT, PluginRefusal, StackedLayout, parse
+from moeconv.engines.sglang_plugin import ENGINE_VERSION
 
 
 def parse_for_sglang(config: Any) -> StackedLayout:
@@ -19,8 +20,8 @@ def parse_for_sglang(config: Any) -> StackedLayout:
     PluginRefusal saying why."""
     stacked = parse(config)
     if stacked.layout == INT8_LAYOUT:
-        raise PluginRefusal("the int8 W8A8 stacked layout is not served on SGLang by this plugin (SGLang 0.5.23 "
-                            "serves int8 MoE through its w8a8_int8 method): convert with --backend "
+        raise PluginRefusal(f"the int8 W8A8 stacked layout is not served on SGLang by this plugin (SGLang "
+                            f"{ENGINE_VERSION} serves int8 MoE through its w8a8_int8 method): convert with --backend "
                             "compressed-tensors and serve with --quantization w8a8_int8")
     if stacked.channelwise:
         raise PluginRefusal("channel-wise scales: SGLang's MoeWNA16Method divides both GEMMs by one group size; "
@@ -32,8 +33,6 @@ def refusing_config(installed: str) -> type:
     """A config class for an SGLang release this plugin was not built for: it refuses when SGLang builds it
     (the first thing SGLang does with a `moeconv` output), naming both versions."""
     from sglang.srt.layers.quantization.base_config import QuantizationConfig
-
-    from moeconv.sglang_plugin import ENGINE_VERSION
 
     class RefusingConfig(QuantizationConfig):
         @classmethod

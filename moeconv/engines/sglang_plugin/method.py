@@ -1,4 +1,5 @@
-"""The `moeconv` quantization method for SGLang 0.5.23 (imported only by `moeconv.sglang_plugin.register`).
+"""The `moeconv` quantization method for SGLang (ENGINE_VERSION; imported only by
+`moeconv.engines.sglang_plugin.register`).
 
 A MoE layer of a `triton` output is served by SGLang's own `MoeWNA16Method` (`layers/quantization/
 moe_wna16.py`), whose parameters are the stacked tensors under the same names and byte layout, TRUE zero
@@ -29,15 +30,15 @@ from sglang.srt.layers.quantization.moe_wna16 import MoeWNA16Config, MoeWNA16Met
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 
 from moeconv.backends.triton import TritonBackend
+from moeconv.backends.triton_config import QUANT_METHOD, PluginRefusal, StackedLayout, check_files
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.errors import MoeconvError
 from moeconv.load_ledger import KV_CACHE_SCALES, LoadLedger, skipped_by_design
-from moeconv.sglang_plugin import ENGINE_VERSION, QUANT_METHOD, installed_sglang
-from moeconv.sglang_plugin.config import parse_for_sglang
-from moeconv.sglang_plugin.shards import fill
+from moeconv.engines.sglang_plugin import ENGINE_VERSION, installed_sglang
+from moeconv.engines.sglang_plugin.config import parse_for_sglang
+from moeconv.engines.sglang_plugin.shards import fill
 from moeconv.spec import TORCH_DTYPES
-from moeconv.vllm_plugin.config import PluginRefusal, StackedLayout, check_files
 
 logger = logging.getLogger("sglang.moeconv")
 PER_EXPERT = re.compile(r"\.experts\.\d+\.")  # a module of one expert (`...experts.3.w1`)

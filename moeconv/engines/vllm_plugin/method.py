@@ -1,8 +1,8 @@
-"""The `moeconv` quantization method for vLLM (imported only by `moeconv.vllm_plugin.register`).
+"""The `moeconv` quantization method for vLLM (imported only by `moeconv.engines.vllm_plugin.register`).
 
-Built for vLLM 0.33. A MoE layer of a `triton` output is served by the method vLLM itself builds for the
-`compressed-tensors` output of the same source (`CompressedTensorsWNA16MoEMethod`, or the W8A8 int8
-one), because its parameters are N-first like the stacked tensors: each stacked tensor fills its
+Built for the vLLM release engines/ names (ENGINE_VERSION). A MoE layer of a `triton` output is served by
+the method vLLM itself builds for the `compressed-tensors` output of the same source
+(`CompressedTensorsWNA16MoEMethod`, or the W8A8 int8 one), because its parameters are N-first like the stacked tensors: each stacked tensor fills its
 parameter with one copy of this rank's part (`shards.fill`), no per-expert tensor, no per-expert Python.
 That method's `__init__` asks vLLM's own MoE oracle which backend serves the layer on this machine
 (`fused_moe/oracle/int_wna16.py`, `oracle/int8.py`: Humming on compute capability 9.0, Marlin or
@@ -37,17 +37,17 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 
 from moeconv.backends.compressed_tensors import CompressedTensorsBackend
 from moeconv.backends.triton import GEMM_OF, WNA16, TritonBackend
+from moeconv.backends.triton_config import INT8_LAYOUT, QUANT_METHOD, PluginRefusal, StackedLayout, check_files, parse
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import open_checkpoint
+from moeconv.engines import VLLM
 from moeconv.errors import MoeconvError
 from moeconv.load_ledger import KV_CACHE_SCALES, LoadLedger, skipped_by_design
 from moeconv.spec import TORCH_DTYPES
-from moeconv.vllm_plugin import QUANT_METHOD
-from moeconv.vllm_plugin import integrity
-from moeconv.vllm_plugin.config import INT8_LAYOUT, PluginRefusal, StackedLayout, check_files, parse
-from moeconv.vllm_plugin.shards import PARAMETERS, fill
+from moeconv.engines.vllm_plugin import integrity
+from moeconv.engines.vllm_plugin.shards import PARAMETERS, fill
 
-ENGINE_VERSIONS = ("0.33.",)  # the vLLM releases whose MoE methods and oracle this plugin was built against
+ENGINE_VERSION = VLLM.version  # the vLLM release whose MoE methods and oracle this plugin was built against
 STACKED = tuple(PARAMETERS)  # every stacked tensor name of the triton layout (both variants)
 
 LOGGER_NAME = "vllm.moeconv"  # under vLLM's logger: its handler, format and VLLM_LOGGING_LEVEL
@@ -60,8 +60,8 @@ class MoeconvConfig(QuantizationConfig):
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
-        if not vllm.__version__.startswith(ENGINE_VERSIONS):
-            raise PluginRefusal(f"this plugin was built for vLLM {', '.join(v + 'x' for v in ENGINE_VERSIONS)}, "
+        if not vllm.__version__.startswith(f"{ENGINE_VERSION}."):
+            raise PluginRefusal(f"this plugin was built for vLLM {ENGINE_VERSION}.x, "
                                 f"not {vllm.__version__}; reconvert or upgrade moeconv")
         if sys.byteorder != "little":  # the int32 parameters are filled byte for byte, as vLLM's own views assume
             raise PluginRefusal("the stacked layouts are served on little-endian hosts only")
@@ -406,7 +406,7 @@ def route_stacked_tensors() -> None:
         by_design = skipped_by_design(model_config.hf_text_config.num_hidden_layers,
                                       model_config.hf_config.tie_word_embeddings)
 
-        def skipped(name: str) -> bool:  # vLLM 0.33's mapper drops g_idx (act-order is gone; moeconv copies trivial ones)
+        def skipped(name: str) -> bool:  # vLLM's mapper drops g_idx (act-order is gone; moeconv copies trivial ones)
             return name.endswith(".g_idx") or by_design(name)
 
         def routed(weights):

@@ -1,0 +1,79 @@
+"""SGLang 0.5.23: which path serves each backend's output and how, or why none does, measured with `make
+test-engines-sglang` (docs/SGLANG.md). The plugin (engines/sglang_plugin) is built for this release only:
+under any other its config refuses."""
+
+from __future__ import annotations
+
+from moeconv.canonical import MoELayerShape, is_channelwise
+from moeconv.engines.base import EngineRelease, Output, Serving
+
+VERSION = "0.5.23"  # the one release whose MoeWNA16Method and loaders the plugin was checked against
+NAME = f"SGLang {VERSION}"
+SHOWN_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")  # loaded by SGLang's own classes here
+DEEPSEEK = ("deepseek_v2", "deepseek_v3", "kimi_k2")  # SGLang's DeepSeek loader (MLA attention)
+PLUGIN = "triton (moeconv's SGLang plugin)"
+
+# The backends whose serve line keeps the stored scale dtype: vLLM's (measured there, not apart here). Its
+# MoeWNA16Method casts the plugin's triton scales too (docs/SGLANG.md), which the line does not flag yet.
+CASTS_SCALES_OF = frozenset({"humming", "compressed-tensors"})
+
+
+def launch(layer: MoELayerShape, flags: str = "") -> str:
+    """SGLang's launch line for an output folder, at the tensor-parallel size it was checked for."""
+    return ("python -m sglang.launch_server --model-path {output}" + flags
+            + (f" --tp-size {layer.tp}" if layer.tp > 1 else ""))
+
+
+def answer(output: Output) -> Serving:
+    """Which path serves the backend's output of this source, and how; engine None: why not, and the backend
+    that SGLang does serve for it. Families its loader was not run on here get the command with that said."""
+    layer, backend = output.layer, output.backend
+    mixtral, deepseek = output.model_type == "mixtral", output.model_type in DEEPSEEK
+    int8 = layer.activation_bits == 8
+    if backend == "cpu":
+        instead = PLUGIN if not mixtral else "compressed-tensors" if layer.symmetric else "humming"
+        return Serving(None, f"no engine loads this layout from disk yet; for SGLang use --backend {instead}")
+    if deepseek and output.attention_quantized and not (backend == "humming" and layer.symmetric) and not int8:
+        return Serving(None, f"{NAME}'s DeepSeek loader takes float, FP8 or AWQ attention only, and this source's "
+                             "attention is quantized"
+                             + ("; for SGLang use --backend humming" if layer.symmetric else ""))
+    if backend == "triton":
+        if int8:
+            return Serving(None, "moeconv's SGLang plugin does not serve the int8 layout; for SGLang use --backend "
+                                 "compressed-tensors, served with --quantization w8a8_int8")
+        if is_channelwise(layer.group_size):
+            return Serving(None, "moeconv's SGLang plugin does not serve channel-wise scales; for SGLang use "
+                                 "--backend compressed-tensors")
+        if mixtral:
+            return Serving(None, f"{NAME} builds Mixtral's experts one linear each under this quantization; for "
+                                 "SGLang use --backend " + ("compressed-tensors" if layer.symmetric else "humming"))
+        reason = output.dense_refusal  # the plugin hands the copied dense layers to SGLang's own methods
+        if reason:
+            return Serving(None, f"{reason}; for SGLang use --backend compressed-tensors" if layer.symmetric
+                           else f"{reason}, not shown to load in {NAME}")
+        served = Serving(f"{NAME} through moeconv's plugin", "install moeconv into SGLang's environment ("
+                                                              "docs/SERVING.md; it registers the plugin), then " + launch(layer))
+    elif backend == "compressed-tensors":
+        if layer.float_scheme is not None:
+            return Serving(None, f"not shown with {NAME} for float codes ({layer.float_scheme.name}) yet")
+        if int8:
+            served = Serving(NAME, launch(layer, " --quantization w8a8_int8"))
+        elif not layer.symmetric:
+            return Serving(None, f"{NAME} refuses the expert zero points of every asymmetric compressed-tensors "
+                                 "checkpoint (sgl-project/sglang PR #39510); for SGLang use --backend "
+                                 + ("humming" if mixtral else PLUGIN))
+        else:
+            served = Serving(NAME, launch(layer))
+    elif backend == "humming":
+        if not layer.symmetric and not mixtral:
+            return Serving(None, f"{NAME}'s loader refuses the expert zero_point of an asymmetric Humming "
+                                 f"checkpoint; for SGLang use --backend {PLUGIN}")
+        served = Serving(f"{NAME} (quant_method humming)", launch(layer))
+    else:
+        return Serving(None, f"not shown with {NAME}")
+    if output.model_type not in SHOWN_FAMILIES:
+        return served._replace(engine=f"{served.engine}, not shown for {output.model_type}")
+    return served
+
+
+RELEASE = EngineRelease("SGLang", VERSION, answer, CASTS_SCALES_OF)

@@ -1,0 +1,52 @@
+"""What the float-coded formats share: one linear's stored arrays read into the canonical float form
+(float_codes.FloatWeight), refusing what cannot be read exactly, each refusal naming the tensor's suffix (the
+codec's caller adds the file and the linear)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from moeconv.errors import MoeconvError
+from moeconv.float_codes import FloatScheme, FloatWeight, global_refusal, scale_refusal, unpack_codes
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+    import torch
+
+
+def float_weight(scheme: FloatScheme, packed: np.ndarray, scales: np.ndarray,
+                 scalars: Mapping[str, tuple[str, np.ndarray | None]]) -> FloatWeight:
+    """`packed` (N, K/2) code bytes and `scales` (N, K/block) scale bytes; `scalars`: FloatWeight field ->
+    (suffix, its stored array or None), the global scales of one element each."""
+    codes = unpack_codes(packed)
+    scales = np.ascontiguousarray(scales).view(np.uint8)
+    if codes.shape[1] % scheme.block or scales.shape != (codes.shape[0], codes.shape[1] // scheme.block):
+        raise MoeconvError(f"weight_scale {list(scales.shape)} is not one scale per {scheme.block} of the "
+                           f"{list(codes.shape)} codes")
+    reason = scale_refusal(scales, scheme.scale_encoding)
+    if reason:
+        raise MoeconvError(f"weight_scale {reason}")
+    found = {}
+    for field, (suffix, stored) in scalars.items():
+        if stored is None:
+            continue
+        if stored.size != 1 or stored.dtype != np.float32:
+            raise MoeconvError(f"{suffix} is {stored.dtype}{list(stored.shape)}, not one float32")
+        value = np.array(stored.reshape(()), dtype=np.float32)
+        reason = global_refusal(value)
+        if reason:
+            raise MoeconvError(f"{suffix} {reason}")
+        found[field] = value
+    return FloatWeight(codes, scales, scheme, **found)
+
+
+def stored_float(source_format: Any, tensors: Mapping[str, torch.Tensor]) -> FloatWeight:
+    """A float format's `decode` of torch tensors: its `decode_stored` of their bytes (float8 as bytes)."""
+    import torch
+
+    from moeconv.canonical import stored_arrays
+
+    as_bytes = {suffix: tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
+                for suffix, tensor in tensors.items()}
+    return source_format.decode_stored(stored_arrays(as_bytes))[0]
