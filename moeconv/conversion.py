@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 from moeconv._version import __version__
 from moeconv.audit import Audits
 from moeconv.checkpoint import manifest
-from moeconv.checkpoint.journal import Journal, read_journal
+from moeconv.checkpoint.journal import Journal, record_name, recorded_shards, temporary_name, write_record
 from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
 from moeconv.checkpoint.writer import (
-    CURRENT, BlockHasher, ShardWriter, byte_size, copy_into, file_digest, write_at,
+    CURRENT, TENSOR_DIGESTS_KEY, BlockHasher, ShardWriter, byte_size, copy_into, file_digest, write_at,
 )
 from moeconv.errors import MoeconvError, PlantedLink, Unfinished, human_bytes
 from moeconv.executor import Executor, in_batches, peak_rss_mb, worker_descriptor, worker_reader
@@ -115,10 +115,9 @@ def staging_folder(output: Path) -> Path:
 
 
 def finished_shards(output: Path) -> list[str]:
-    """The shards an unfinished conversion into `output` has journaled as finished: what running it
-    again keeps (each re-hashed first); none when there is no journal, or a damaged one."""
-    recorded = read_journal(staging_folder(output) / Journal.NAME)
-    return sorted(recorded["done"]) if recorded else []
+    """The shards an unfinished conversion into `output` has journaled or recorded as finished: what
+    running it again keeps (each re-hashed first); none when there is no journal, or a damaged one."""
+    return recorded_shards(staging_folder(output))
 
 
 def lock_file(output: Path) -> Path:
@@ -141,11 +140,13 @@ def _check_source_apart(output: Path, source: Path, files: list[Path]) -> None:
 
 
 def _staging_names(plan: Plan, sides: SideFiles) -> set[str]:
-    """Every file convert writes in the staging folder (the journal adds its own): the shards and the
-    side files, each first under its `.partial` name, the index, the configs and the manifest."""
-    copied = [shard.file_name for shard in plan.shards] + [side.name for side in sides.copied]
-    return {*copied, *(name + ".partial" for name in copied), INDEX_NAME, "config.json", QUANTIZE_CONFIG_NAME,
-            MANIFEST_NAME}
+    """Every file convert writes in the staging folder (the journal adds its own, and each writer's
+    temporary copies): the shards and their tasks' records, the side files (first under their `.partial`
+    name), the index, the configs and the manifest."""
+    shards = [shard.file_name for shard in plan.shards]
+    copied = [side.name for side in sides.copied]
+    return {*shards, *map(record_name, shards), *copied, *(name + ".partial" for name in copied), INDEX_NAME,
+            "config.json", QUANTIZE_CONFIG_NAME, MANIFEST_NAME}
 
 
 @contextmanager
@@ -405,20 +406,21 @@ def _finished(digests: Any, shard: OutputShard, fingerprints: dict[str, bytes], 
     return ShardDone(shard.file_name, digest, _source_fingerprint(shard, fingerprints), audits, tensors)
 
 
-def convert_shard(plan: Plan, shard: OutputShard, staging: Path, executor: Executor,
-                  advance: Progress | None) -> ShardDone:
-    """One output shard written into `staging` under its own name, whole (_fill_shard, _finish_shard)."""
-    audits = Audits()
-    path = staging / shard.file_name
-    writer, hasher, fingerprints = _fill_shard(plan, shard, path, advance or (lambda nbytes: None), audits, executor)
-    digest, tensors = _finish_shard(writer, hasher, path)
-    return ShardDone(shard.file_name, digest, _source_fingerprint(shard, fingerprints), audits, tensors)
-
-
 def convert_shard_alone(plan: Plan, index: int, staging: str) -> ShardDone:
-    """Output shard `index` converted in this process alone: the body of a Ray task (distributed.py)."""
+    """Output shard `index` converted in this process alone: the body of a Ray task (distributed.py).
+    Its record is written before the shard takes its final name, so a shard whole under that name is
+    kept by a resume even when the driver died before it heard of it (checkpoint/journal.py)."""
+    shard, folder = plan.shards[index], Path(staging)
+    path = folder / shard.file_name
     with Executor(1, needs_torch=plan.workers_need_torch) as executor:
-        return convert_shard(plan, plan.shards[index], Path(staging), executor, None)
+        audits = Audits()
+        writer, hasher, fingerprints = _fill_shard(plan, shard, path, lambda nbytes: None, audits, executor)
+    digest, tensors = _sealed(writer, hasher)
+    done = ShardDone(shard.file_name, digest, _source_fingerprint(shard, fingerprints), audits, tensors)
+    write_record(folder, shard.file_name, {"bytes": writer.size, CURRENT.shard_key: digest, "source": done.source,
+                                           TENSOR_DIGESTS_KEY: tensors})
+    os.replace(writer.path, path)
+    return done
 
 
 def _check_free_space(plan: Plan, staging: Path, journal: Journal, side_bytes: int) -> None:
@@ -442,7 +444,7 @@ def _fill_shard(plan: Plan, shard: OutputShard, path: Path, advance: Progress, a
     per worker; every byte has one place, so the bytes do not depend on the scheduling. Completions
     are taken in job order, which tells the hasher how far the file is final."""
     metadata = {"format": "pt", "producer": f"moeconv {__version__}", "backend": plan.backend.name}
-    temporary = path.with_name(path.name + ".partial")
+    temporary = path.with_name(temporary_name(path.name))
     codec = plan.codec
     writer = ShardWriter(temporary, shard.tensors, metadata)
     try:
@@ -471,15 +473,22 @@ def _fill_shard(plan: Plan, shard: OutputShard, path: Path, advance: Progress, a
 
 
 def _finish_shard(writer: ShardWriter, hasher: BlockHasher, path: Path) -> tuple[str, dict[str, str]]:
+    """The filled shard's digests (`_sealed`), then renamed to `path`, so a shard file under its final
+    name is always whole."""
+    digests = _sealed(writer, hasher)
+    os.replace(writer.path, path)
+    return digests
+
+
+def _sealed(writer: ShardWriter, hasher: BlockHasher) -> tuple[str, dict[str, str]]:
     """The filled shard's digest and its tensors' once its last blocks are hashed; then flushed to disk
-    (fsync) and renamed to `path`, so a shard file under its final name is always whole."""
+    (fsync) and closed."""
     try:
         digests = hasher.finish(writer.size)
     except BaseException:
         writer.abort()
         raise
     writer.close()
-    os.replace(writer.path, path)
     return digests
 
 

@@ -3,9 +3,11 @@
 
 The driver plans from headers and keeps the journal; each task converts one output shard exactly as
 the local executor does (the caller's task, moeconv.conversion.convert_shard_alone: the same jobs, the
-same bytes), writing it under its temporary name in the staging folder and renaming it when whole,
-and returns its digest, its source fingerprint and its audit counts. So every node must see the source and the output's
-parent folder at the same paths (shared storage), and a task is idempotent: a retry (Ray retries a
+same bytes), writing it under a temporary name of its own in the staging folder, then its record
+beside it, then renaming it when whole, and returns its digest, its source fingerprint and its audit
+counts. A task that finishes after its driver was killed is kept by the resume through that record,
+and a task that outlives its driver never renames another attempt's temporary file
+(checkpoint/journal.py). So every node must see the source and the output's parent folder at the same paths (shared storage), and a task is idempotent: a retry (Ray retries a
 task whose worker or node died) rewrites the shard from the start. An input error is not retried:
 the driver raises the task's own error, one line naming the file and tensor.
 
@@ -96,6 +98,7 @@ class RayShards:
         started, self.device = connect(self.address)
         import ray
 
+        pending: dict = {}
         try:
             remote = ray.remote(num_cpus=1, max_retries=self.max_retries)(self.task)
             plan_ref = ray.put(plan)
@@ -104,15 +107,12 @@ class RayShards:
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 shard = pending.pop(ready[0])
-                try:
-                    done = _result(ready[0])
-                except BaseException:
-                    for other in pending:
-                        ray.cancel(other, force=True)
-                    raise
+                done = _result(ready[0])
                 advance(shard.source_bytes)
                 yield done
-        finally:
+        finally:  # a failed task, a stop, or a caller that took no more: the other tasks end with the run
+            for other in pending:
+                ray.cancel(other, force=True)
             if started:
                 ray.shutdown()
 

@@ -68,8 +68,8 @@ def source(tmp_path_factory):
                                      experts=8, layers=3), max_shard_size=400_000)
 
 
-def _local(source: Path, folder: Path, backend: str = "triton") -> Path:
-    moeconv.convert(source, folder, backend=backend, max_shard_size=150_000, workers=1)
+def _local(source: Path, folder: Path, backend: str = "triton", max_shard_size: int = 150_000) -> Path:
+    moeconv.convert(source, folder, backend=backend, max_shard_size=max_shard_size, workers=1)
     return folder
 
 
@@ -150,42 +150,74 @@ def test_an_input_error_in_a_task_is_one_line(local_ray, source, tmp_path, capsy
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("kill", ["group", "driver"])
-def test_a_killed_driver_resumes_on_ray(no_ray, source, tmp_path, kill):
-    """No Ray in this process (a driver would join it through address="auto", and killing the group
-    would then leave it alone): the driver starts its own local Ray, as a user's would. `driver`: kill -9
-    of the driver alone, its local Ray left to die (some of its processes outlive it): the rerun joins
-    what is left or starts its own, and resumes."""
-    command = [sys.executable, "-m", "moeconv", "convert", str(source), "-o", str(tmp_path / "out"), "-q",
-               "--executor", "ray", "--max-shard-size", "150KB", "--json"]
-    journal = tmp_path / ".out.moeconv-partial" / "moeconv-progress.json"
-    driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and driver.poll() is None:
-        try:
-            if json.loads(journal.read_text())["done"]:
-                break
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.05)
-    if driver.poll() is not None:
-        pytest.fail(f"the driver ended before it could be killed: {driver.communicate()[1].decode()[-500:]}")
+def _whole_shards(staging: Path) -> set[str]:
+    """The shards under their final names in the staging folder (a shard is renamed there only when whole)."""
+    return {path.name for path in staging.glob("*.safetensors")} if staging.is_dir() else set()
+
+
+def _journaled(journal: Path) -> int:
     try:
-        if kill == "group":
-            os.killpg(driver.pid, signal.SIGKILL)
-        else:
-            os.kill(driver.pid, signal.SIGKILL)
-        driver.wait()
-        resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    finally:
-        try:  # what the killed driver's Ray left running (it shares the driver's process group)
-            os.killpg(driver.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        return len(json.loads(journal.read_text())["done"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def _settled(staging: Path) -> set[str]:
+    """The whole shards once the tasks that outlived a killed driver have stopped adding any (1 s
+    without a new one, 10 s at most)."""
+    seen, quiet_since, deadline = _whole_shards(staging), time.monotonic(), time.monotonic() + 10
+    while time.monotonic() - quiet_since < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = _whole_shards(staging)
+        if now != seen:
+            seen, quiet_since = now, time.monotonic()
+    return seen
+
+
+@pytest.mark.parametrize("kill", ["group", "driver"])
+def test_a_driver_killed_at_several_points_resumes_to_the_same_bytes(no_ray, source, tmp_path, kill):
+    """kill -9 of the driver while its first shard is being written, after two are journaled and with
+    one left, each rerun killed in turn, then a last rerun: the same bytes as one uninterrupted run. No
+    Ray in this process (a driver would join it through address="auto", and killing the group would
+    then leave it alone): each driver starts its own local Ray, as a user's would. `driver`: kill -9 of
+    the driver alone, its local Ray left to die: its tasks outlive it (seen here: they finish their
+    shard), so each rerun must keep what they finished (their records) and never take their temporary
+    files for its own."""
+    command = [sys.executable, "-m", "moeconv", "convert", str(source), "-o", str(tmp_path / "out"), "-q",
+               "--executor", "ray", "--max-shard-size", "50KB", "--json"]
+    shards = len(make_plan(source, max_shard_size=50_000).shards)
+    assert shards >= 6
+    staging = tmp_path / ".out.moeconv-partial"
+    journal = staging / "moeconv-progress.json"
+    stages = [("its first shard being written", lambda: _journaled(journal) == 0 and any(staging.glob("*.partial"))),
+              ("two shards journaled", lambda: _journaled(journal) >= 2),
+              ("one shard left", lambda: _journaled(journal) >= shards - 1)]
+    whole = set()
+    for stage, reached in stages:
+        driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and driver.poll() is None and not reached():
+            time.sleep(0.01)
+        if driver.poll() is not None:
+            pytest.fail(f"the driver ended before {stage}: {driver.communicate()[1].decode()[-500:]}")
+        try:
+            if kill == "group":
+                os.killpg(driver.pid, signal.SIGKILL)
+            else:
+                os.kill(driver.pid, signal.SIGKILL)
+            driver.wait()
+            whole = _settled(staging)
+        finally:
+            try:  # what the killed driver's Ray left running (it shares the driver's process group)
+                os.killpg(driver.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     report = json.loads(resumed.stdout)
-    assert report["resumed_files"] and report["device"].startswith("ray:")
-    assert _files(tmp_path / "out") == _files(_local(source, tmp_path / "local"))
+    assert report["device"].startswith("ray:")
+    assert len(whole) >= shards - 1 and whole <= set(report["resumed_files"])  # none finished was written again
+    assert _files(tmp_path / "out") == _files(_local(source, tmp_path / "local", max_shard_size=50_000))
 
 
 def test_an_unreachable_ray_address_is_one_line(no_ray, tmp_path, source, capsys):
