@@ -26,11 +26,11 @@ from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
 from moeconv.checkpoint.writer import (
-    CURRENT, BlockHasher, ShardWriter, byte_size, copy_into, file_digest, write_at,
+    CURRENT, BlockHasher, ShardWriter, copy_into, file_digest, write_at,
 )
 from moeconv.errors import MoeconvError, PlantedLink, Unfinished, human_bytes
 from moeconv.executor import Executor, in_batches, peak_rss_mb, worker_descriptor, worker_reader
-from moeconv import provenance
+from moeconv import provenance, transform
 from moeconv.provenance import Anchor, recorded_anchor
 from moeconv.worklist import OutputShard, SourceSlice
 
@@ -223,7 +223,7 @@ def _check_unchanged_source(plan: Plan, shard: OutputShard, staging: Path, journ
     changed = None
     with TensorReader(fingerprints={}) as reader:
         for piece in _converted_inputs(shard):
-            reader.read(piece.entry)
+            reader.read_raw(piece.entry)
         if _source_fingerprint(shard, reader.fingerprints) != journal.done[shard.file_name]["source"]:
             changed = "a converted tensor"
     if changed is None:
@@ -358,7 +358,7 @@ class LocalShards:
         shard is yielded (and so journaled) only once finished."""
         from concurrent.futures import ThreadPoolExecutor
 
-        with Executor(self.workers, needs_torch=plan.workers_need_torch) as executor, \
+        with Executor(self.workers) as executor, \
                 ThreadPoolExecutor(1, thread_name_prefix="moeconv-finish") as finisher:
             finishing = None
             try:
@@ -400,7 +400,7 @@ def convert_shard(plan: Plan, shard: OutputShard, staging: Path, executor: Execu
 
 def convert_shard_alone(plan: Plan, index: int, staging: str) -> ShardDone:
     """Output shard `index` converted in this process alone: the body of a Ray task (distributed.py)."""
-    with Executor(1, needs_torch=plan.workers_need_torch) as executor:
+    with Executor(1) as executor:
         return convert_shard(plan, plan.shards[index], Path(staging), executor, None)
 
 
@@ -476,11 +476,9 @@ def _run_job(job, codec, path: Path, positions: dict[str, int]) -> tuple[list, d
         entry = job.source.entry
         copy_into(fd, positions[""], entry.file, entry.begin, entry.end, entry.name)
         return [], {}
-    from moeconv import transform  # the codecs (torch where a job needs it): a worker's, not the parent's
-
     blocks, counts = transform.convert(job, codec, reader)
     for suffix, data in blocks.items():
-        if byte_size(data) != job.slots[suffix].nbytes:
+        if data.nbytes != job.slots[suffix].nbytes:
             raise ValueError(f"{job.slots[suffix].tensor.name}: the backend made {tuple(data.shape)}, "
                              f"not the planned {job.slots[suffix].shape}")
         write_at(fd, data, positions[suffix])

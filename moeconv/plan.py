@@ -25,7 +25,7 @@ from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat, autoround
 from moeconv.models import Architecture
 from moeconv.spec import FLOAT_DTYPES, TORCH_NAMES
-from moeconv.survey import (MoELayer, act_order_suspected, check_dense_g_idx, find_dense_linears, fp8_block_linears,
+from moeconv.survey import (MoELayer, check_dense_g_idx, find_dense_linears, fp8_block_linears,
                             natural_key, survey)
 from moeconv.transform import Codec
 from moeconv.worklist import (CopyJob, ExpertJob, Job, LinearJob, OutputShard, Unit, assign_shards, copy_job, layer_unit,
@@ -67,12 +67,6 @@ class Plan:
     serving: Serving = field(init=False)  # how vLLM serves the output (`{output}`), or why it does not
     sglang_serving: Serving = field(init=False)  # the same for SGLang (sglang_serving)
     scale_cast: tuple[str, str] | None = field(init=False)  # torch dtype names, at the config's model dtype
-    # Some job decodes to the canonical form (torch): a dense linear or an expert whose format and layout do
-    # not meet in the packed form, or one the format declines (a non-trivial g_idx). Else the workers need no torch.
-    workers_need_torch: bool = field(init=False)
-    # verify's checks decode in numpy where every job's layout and format do (transform.decodes_stored) and no
-    # layer folds an act-order permutation (relabelled groups are only reordered); else its workers need torch.
-    checks_need_torch: bool = field(init=False)
 
     def __post_init__(self) -> None:
         answer = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen: set once here)
@@ -105,15 +99,6 @@ class Plan:
             self.backend, self.source_format, first, self.architecture.model_type,
             attention_quantized(self.checkpoint, self.source_format), self.dense_backend is not None,
             self.checkpoint.quantization_config), kept))
-        checked = [job for job in self.jobs if isinstance(job, LinearJob)] + [
-            jobs[0] for jobs in self.layer_jobs.values() if jobs]  # a layer's experts share its shape
-        answer("workers_need_torch", not all(transform.takes_packed(job, self.codec) for job in checked)
-               or any(layer.act_order != act_order.STATIC for layer in self.layers)
-               or (self.detection is not None
-                   and act_order_suspected(self.checkpoint, self.source_format, self.detection)))
-        answer("checks_need_torch", any(layer.act_order == act_order.FOLDED for layer in self.layers)
-               or not all(transform.decodes_stored(job, self.codec) for job in checked))
-
     @property
     def output_bytes(self) -> int:
         return sum(shard.nbytes for shard in self.shards)

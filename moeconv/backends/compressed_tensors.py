@@ -31,9 +31,7 @@ from moeconv.backends.base import Serving, vllm_serve, with_fused_names
 from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words, per_rank_refusal
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
-
+if TYPE_CHECKING:
     from moeconv.packed import PackedWeight
 
 # The compressed-tensors release vLLM 0.33 pins; the config below is what its QuantizationConfig reads.
@@ -87,19 +85,17 @@ class CompressedTensorsBackend(PerLinearBackend):
             specs.append(TensorSpec("weight_zero_point", (n * bits // 32, groups), "I32"))
         return specs
 
-    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, torch.Tensor]:
-        import torch
-
+    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
         if linear.activation_bits == 8:
-            return {"weight": packing.offset_codes_to_int8(weight.codes), "weight_scale": weight.scales.contiguous()}
+            return {"weight": packing.offset_codes_to_int8(weight.codes), "weight_scale": weight.scales}
         codes, zeros = packed_words(weight)
-        tensors = {"weight_packed": codes, "weight_scale": weight.scales.contiguous(),
-                   "weight_shape": torch.tensor(weight.codes.shape, dtype=torch.int64)}
+        tensors = {"weight_packed": codes, "weight_scale": weight.scales,
+                   "weight_shape": np.array(weight.codes.shape, dtype=np.int64)}
         if zeros is not None:
             tensors["weight_zero_point"] = zeros
         return tensors
 
-    def decode_linear_stored(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
+    def decode_linear(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
         """Inverse of `encode_linear`; raises ValueError when weight_shape is not [N, K]."""
         if linear.activation_bits == 8:
             return QuantizedWeight(codes=packing.int8_array_to_offset_codes(tensors["weight"]), zeros=None,
