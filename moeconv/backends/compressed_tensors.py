@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moeconv import packing
-from moeconv.float_codes import DIVIDE, MXFP4, FloatScheme, FloatWeight, pack_codes, unpack_codes
+from moeconv.float_codes import DIVIDE, MXFP4, FloatScheme, FloatWeight, unpack_codes
+from moeconv.formats.compressed_tensors_float import float_arrays
 from moeconv.spec import TensorSpec
 from moeconv.backends.base import with_fused_names
 from moeconv.backends.per_linear import (PerLinearBackend, from_packed_words, packed_words, per_rank_refusal,
@@ -131,15 +132,9 @@ class CompressedTensorsBackend(PerLinearBackend):
                 for suffix, array in self.from_float_linear(expert[projection], linear).items()}
 
     def from_float_linear(self, weight: FloatWeight, linear: LinearShape) -> dict[str, np.ndarray]:
-        """The bytes as they are, the global scales divided by (FloatWeight.in_convention: exact or ValueError;
-        the plan refused what is not exact before a byte was written)."""
-        weight = weight.in_convention(DIVIDE)
-        arrays = {"weight_packed": pack_codes(weight.codes), "weight_scale": weight.scales}
-        if weight.global_scale is not None:
-            arrays[GLOBAL_SCALE] = weight.global_scale.reshape(1)
-        if weight.input_scale is not None:
-            arrays[INPUT_SCALE] = weight.input_scale.reshape(1)
-        return arrays
+        """The bytes as they are, the global scales divided by (the plan refused what is not exact before a
+        byte was written): the compressed-tensors format's own arrays."""
+        return float_arrays(weight)
 
     def decode_linear_stored(self, tensors: dict[str, np.ndarray], linear: LinearShape
                              ) -> QuantizedWeight | FloatWeight:

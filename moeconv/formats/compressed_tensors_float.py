@@ -144,16 +144,7 @@ class CompressedTensorsFloat(FormatDefaults):
         return stored_float(self, tensors)
 
     def encode_stored(self, weight: FloatWeight) -> dict[str, np.ndarray]:
-        """The canonical float form -> this format's arrays (weight_packed, weight_scale, global scales as (1,))."""
-        from moeconv.float_codes import pack_codes
-
-        weight = weight.in_convention(DIVIDE)
-        arrays = {"weight_packed": pack_codes(weight.codes), "weight_scale": weight.scales}
-        if weight.global_scale is not None:
-            arrays[GLOBAL] = weight.global_scale.reshape(1)
-        if weight.input_scale is not None:
-            arrays[INPUT] = weight.input_scale.reshape(1)
-        return arrays
+        return float_arrays(weight)
 
     def encode(self, weight: FloatWeight) -> dict[str, torch.Tensor]:
         import torch
@@ -218,3 +209,18 @@ def _scheme(group: Mapping[str, Any], fmt: Any, field: str) -> tuple[str, bool]:
     raise MoeconvError(f"{field}.input_activations is not read: {fmt} with 16-bit activations, or NVFP4 W4A4 with "
                        f"a static input global scale (num_bits 4, type float, strategy tensor_group, group_size 16, "
                        f"dynamic 'local')")
+
+
+def float_arrays(weight: FloatWeight) -> dict[str, np.ndarray]:
+    """The canonical float form -> compressed-tensors' arrays (weight_packed, weight_scale, the global scales
+    as (1,), divided by: FloatWeight.in_convention, exact or ValueError); the compressed-tensors backend
+    writes the same."""
+    from moeconv.float_codes import pack_codes
+
+    weight = weight.in_convention(DIVIDE)
+    arrays = {"weight_packed": pack_codes(weight.codes), "weight_scale": weight.scales}
+    if weight.global_scale is not None:
+        arrays[GLOBAL] = weight.global_scale.reshape(1)
+    if weight.input_scale is not None:
+        arrays[INPUT] = weight.input_scale.reshape(1)
+    return arrays
