@@ -62,8 +62,9 @@ def decoded_zeros_match(folder: Path, version: str, truth: dict[str, torch.Tenso
                 words = reading.zero_offset_word()
                 from moeconv import packing
 
-                zeros = packing.unpack(packing.add_to_words(handle.get_tensor(name), words), bits, dim=1).T
-                if not torch.equal(zeros.contiguous(), truth[f"{prefix}.{key}"]):
+                zeros = packing.unpack_array(packing.add_to_word_array(handle.get_tensor(name).numpy(), words), bits,
+                                             axis=1).T
+                if not torch.equal(torch.from_numpy(zeros.copy()), truth[f"{prefix}.{key}"]):
                     return False
     return True
 

@@ -19,15 +19,11 @@ static groups, and vLLM (the release engines/ names) no longer loads act-order a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moeconv.canonical import QuantizedWeight
 from moeconv.errors import MoeconvError
-
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
 
 STATIC, RELABELLED, PERMUTED, IRREGULAR = "static", "relabelled", "permuted", "irregular"
 FOLDED = "down folded into gate/up"  # a layer whose down projections are PERMUTED: folded
@@ -44,10 +40,9 @@ class GroupOrder:
     channels: np.ndarray | None = None
 
 
-def group_order(g_idx: np.ndarray | torch.Tensor | None, group_size: int) -> GroupOrder:
+def group_order(g_idx: np.ndarray | None, group_size: int) -> GroupOrder:
     """Classify one linear's g_idx (None: a format without one, static). `group_size` is the effective
-    one (K for channel-wise). Numpy, so that the parent classifies without torch (a CPU tensor is read
-    as an array)."""
+    one (K for channel-wise)."""
     if g_idx is None:
         return GroupOrder(STATIC)
     labels = np.asarray(g_idx).astype(np.int64).reshape(-1)
@@ -75,21 +70,21 @@ def describe(kind: str, projection: str) -> str:
             f"shared with other layers (re-quantize with desc_act off here, or static_groups=True)")
 
 
-def fold(producers: dict[str, QuantizedWeight], inputs: torch.Tensor | None) -> dict[str, QuantizedWeight]:
+def fold(producers: dict[str, QuantizedWeight], inputs: np.ndarray | None) -> dict[str, QuantizedWeight]:
     """The gate and up projections with their output rows permuted by `inputs`, the permutation a down
     projection's act-order inputs were put in static order with (None: unchanged)."""
     if inputs is None:
         return producers
-    return {projection: QuantizedWeight(codes=weight.codes[inputs].contiguous(),
-                                        zeros=None if weight.zeros is None else weight.zeros[inputs].contiguous(),
-                                        scales=weight.scales[inputs].contiguous(),
+    return {projection: QuantizedWeight(codes=weight.codes[inputs],
+                                        zeros=None if weight.zeros is None else weight.zeros[inputs],
+                                        scales=weight.scales[inputs],
                                         bits=weight.bits, group_size=weight.group_size)
             for projection, weight in producers.items()}
 
 
 def static_form(codes: np.ndarray, zeros: np.ndarray | None, scales: np.ndarray, g_idx: np.ndarray | None,
                 group_size: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
-    """A linear's codes (N, K), zeros and scales (N, G) as stored (numpy), read with its g_idx: the same in
+    """A linear's codes (N, K), zeros and scales (N, G), read with its g_idx: the same in
     static groups (relabelled groups reordered), and for act-order the input permutation P under which
     that holds (the stored linear is W[:, P]; None otherwise). Irregular groups are refused."""
     order = group_order(g_idx, group_size)

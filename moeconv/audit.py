@@ -14,37 +14,19 @@ import numpy as np
 
 from moeconv.packing import as_float32, float32_cast
 
-if TYPE_CHECKING:  # the counts run where tensors are (the workers); the totals need no torch
-    import torch
-
+if TYPE_CHECKING:
     from moeconv.canonical import QuantizedWeight
 
 
-def count(source_format: Any, tensors: dict[str, np.ndarray | torch.Tensor],
-          weight: QuantizedWeight | None) -> dict[str, int]:
-    """The audit counts of one source linear (its raw tensors by suffix, and its canonical form if decoded):
-    torch tensors in the workers, numpy arrays where `inspect` reads them without torch."""
+def count(source_format: Any, tensors: dict[str, np.ndarray], weight: QuantizedWeight | None) -> dict[str, int]:
+    """The audit counts of one source linear: its stored arrays by suffix with BF16 widened to float32, and
+    its canonical form if decoded (whose scales are in the stored form)."""
     found = source_format.audit(tensors)
-    scales = weight.scales if weight is not None else next(
-        (tensor for tensor in tensors.values() if _is_floating(tensor)), None)
+    scales = as_float32(weight.scales) if weight is not None else next(
+        (tensor for tensor in tensors.values() if tensor.dtype.kind == "f"), None)
     if scales is not None:
-        found["nonfinite_scales"] = int((~np.isfinite(_floats(scales))).sum())
+        found["nonfinite_scales"] = int((~np.isfinite(scales)).sum())
     return found
-
-
-def _is_floating(values: np.ndarray | torch.Tensor) -> bool:
-    return values.dtype.kind == "f" if isinstance(values, np.ndarray) else values.is_floating_point()
-
-
-def _floats(values: np.ndarray | torch.Tensor) -> np.ndarray:
-    """The values as a numpy float array (a torch dtype numpy lacks, BF16 or FP8, widened to float32: exact)."""
-    if isinstance(values, np.ndarray):
-        return values
-    import torch
-
-    if values.dtype not in (torch.float16, torch.float32, torch.float64):
-        values = values.float()
-    return values.numpy()
 
 
 class Audits:
@@ -63,12 +45,12 @@ class Audits:
             self.casts[key] += other.casts[key]
         self.casts["max_relative_change"] = max(self.casts["max_relative_change"], other.casts["max_relative_change"])
 
-    def record_cast(self, scales: np.ndarray | torch.Tensor, stored: str, engine: str) -> None:
-        """What an engine's cast of `scales` (of torch dtype `stored`: float16, bfloat16 or float32, BF16 in
-        numpy given as the float32 values it holds) to `engine` does to them: values that change, values
+    def record_cast(self, scales: np.ndarray, stored: str, engine: str) -> None:
+        """What an engine's cast of `scales` (of torch dtype `stored`: float16, bfloat16 or float32; in the
+        stored form, BF16 as its uint16 bit patterns) to `engine` does to them: values that change, values
         that become infinite, the largest relative change among the finite ones. Each of the three dtypes
         holds only float32 values, so every cast is a rounding of float32 values (`packing.float32_cast`)."""
-        values = _floats(scales).astype(np.float32, copy=False).reshape(-1)
+        values = as_float32(scales).reshape(-1)
         finite = np.isfinite(values)
         cast = _rounded(values, engine)
         changed = finite & (_rounded(cast, stored).view(np.uint32) != values.view(np.uint32))

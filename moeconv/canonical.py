@@ -7,15 +7,13 @@ to one. Equality of canonical forms is what "lossless" means in `verify`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moeconv.packing import stored_array
+from moeconv.packing import as_float32
 
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
-
+if TYPE_CHECKING:
     from moeconv.float_codes import FloatScheme
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -43,30 +41,30 @@ class QuantizedWeight:
 
     codes: uint8 (N, K), values in [0, 2^bits).
     zeros: uint8 (N, K / g) of TRUE zero points, or None for the implicit 2^(bits−1).
-    scales: (N, K / g) in the source dtype, never silently cast.
+    scales: (N, K / g) in the source dtype, never silently cast, in the stored form: float16, float32, or
+    BF16 as its uint16 bit patterns (as `TensorReader.read_raw` gives them; numpy has no BF16).
     group_size: g, with g == K for channel-wise quantization.
 
-    The fields are torch tensors, or numpy arrays in the stored form (BF16 scales as their uint16 bit
-    patterns, as `TensorReader.read_raw` gives them) where a format or a layout decodes without torch
-    (`decode_stored`, for verify's workers); `mismatch` compares either, the other methods take tensors.
+    Numpy arrays: every codec moves bits on the stored arrays, so no worker needs torch.
     """
 
-    codes: torch.Tensor | np.ndarray
-    zeros: torch.Tensor | np.ndarray | None
-    scales: torch.Tensor | np.ndarray
+    codes: np.ndarray
+    zeros: np.ndarray | None
+    scales: np.ndarray
     bits: int
     group_size: int
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
-        assert _dtype_name(self.codes) == "uint8", self.codes.dtype
+        assert self.codes.dtype == np.uint8, self.codes.dtype
         assert self.bits in SUPPORTED_BITS, self.bits
         assert k % self.group_size == 0, (k, self.group_size)
         groups = k // self.group_size
-        assert tuple(self.scales.shape) == (n, groups), (self.scales.shape, n, groups)
+        assert self.scales.dtype in SCALE_DTYPES, self.scales.dtype
+        assert self.scales.shape == (n, groups), (self.scales.shape, n, groups)
         if self.zeros is not None:
-            assert _dtype_name(self.zeros) == "uint8", self.zeros.dtype
-            assert tuple(self.zeros.shape) == (n, groups), (self.zeros.shape, n, groups)
+            assert self.zeros.dtype == np.uint8, self.zeros.dtype
+            assert self.zeros.shape == (n, groups), (self.zeros.shape, n, groups)
 
     @property
     def out_features(self) -> int:
@@ -80,62 +78,47 @@ class QuantizedWeight:
     def symmetric(self) -> bool:
         return self.zeros is None
 
-    def effective_zeros(self) -> torch.Tensor:
+    def effective_zeros(self) -> np.ndarray:
         """The zero points with the implicit symmetric one made explicit."""
-        import torch
-
         if self.zeros is not None:
             return self.zeros
-        return torch.full(self.scales.shape, 1 << (self.bits - 1), dtype=torch.uint8)
+        return np.full(self.scales.shape, 1 << (self.bits - 1), dtype=np.uint8)
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The dense (N, K) weight, computed in `dtype` (float32 if None; float32/float64 for references)."""
-        import torch
-
-        dtype = torch.float32 if dtype is None else dtype
-        codes = self.codes.to(dtype)
-        zeros = self.effective_zeros().to(dtype).repeat_interleave(self.group_size, dim=1)
-        scales = self.scales.to(dtype).repeat_interleave(self.group_size, dim=1)
-        return (codes - zeros) * scales
+    def dequantize(self, dtype: type = np.float32) -> np.ndarray:
+        """The dense (N, K) weight, computed in `dtype` (float32, or float64 for references)."""
+        codes = self.codes.astype(dtype)
+        zeros = np.repeat(self.effective_zeros().astype(dtype), self.group_size, axis=1)
+        scales = np.repeat(as_float32(self.scales).astype(dtype), self.group_size, axis=1)
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN and infinite scales are the source's: kept
+            return (codes - zeros) * scales
 
     def mismatch(self, other: QuantizedWeight) -> str | None:
         """None if bit-identical to `other`, else a short description of the first difference."""
         if (self.bits, self.group_size) != (other.bits, other.group_size):
             return f"bits/group_size {self.bits}/{self.group_size} != {other.bits}/{other.group_size}"
         for field in ("codes", "scales"):
-            mine, theirs = getattr(self, field), getattr(other, field)
-            problem = _tensor_mismatch(mine, theirs)
+            problem = _array_mismatch(getattr(self, field), getattr(other, field))
             if problem:
                 return f"{field}: {problem}"
         if (self.zeros is None) != (other.zeros is None):
             return "zeros: one side symmetric, the other not"
         if self.zeros is not None:
-            problem = _tensor_mismatch(self.zeros, other.zeros)
+            problem = _array_mismatch(self.zeros, other.zeros)
             if problem:
                 return f"zeros: {problem}"
         return None
 
 
-def _dtype_name(values: torch.Tensor | np.ndarray) -> str:
-    return str(values.dtype).removeprefix("torch.")
+# The scales' dtypes in the stored form (uint16: BF16 bit patterns).
+SCALE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.uint16))
 
 
-def _stored_bytes(values: torch.Tensor | np.ndarray) -> np.ndarray:
-    """The values' bytes, flat and contiguous. reshape(-1) first: a transposed (N, 1) tensor counts as
-    contiguous but has stride(-1) != 1."""
-    if isinstance(values, np.ndarray):
-        return np.ascontiguousarray(values.reshape(-1)).view(np.uint8)
-    import torch
-
-    return np.ascontiguousarray(values.reshape(-1).view(torch.uint8).numpy())
-
-
-def _tensor_mismatch(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> str | None:
-    if isinstance(a, np.ndarray) != isinstance(b, np.ndarray) or a.dtype != b.dtype or a.shape != b.shape:
+def _array_mismatch(a: np.ndarray, b: np.ndarray) -> str | None:
+    if a.dtype != b.dtype or a.shape != b.shape:
         return f"{a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
-    # Compare bytes, not values: NaN scales and -0.0 must round-trip too.
-    # Compared in numpy: faster than torch's on one thread (docs/BENCHMARKS.md, verify's bit-exact check).
-    mine, theirs = _stored_bytes(a), _stored_bytes(b)
+    # Compare bytes, not values: NaN scales and -0.0 must round-trip too. reshape(-1) first: a transposed
+    # (N, 1) array counts as contiguous in both orders.
+    mine, theirs = (np.ascontiguousarray(values.reshape(-1)).view(np.uint8) for values in (a, b))
     # as 8-byte words where the length allows: one comparison per 8 bytes (3x faster on 1.5 MB of codes)
     unit = np.uint64 if mine.size % 8 == 0 else np.uint8
     if np.array_equal(mine.view(unit), theirs.view(unit)):
@@ -198,20 +181,13 @@ def regroup(weight: QuantizedWeight, factor: int) -> QuantizedWeight:
     moe_wna16 loader does when the group size does not divide a per-rank size."""
     if factor == 1:
         return weight
-    zeros = None if weight.zeros is None else _repeat_groups(weight.zeros, factor)
-    return QuantizedWeight(codes=weight.codes, zeros=zeros, scales=_repeat_groups(weight.scales, factor),
+    zeros = None if weight.zeros is None else np.repeat(weight.zeros, factor, axis=1)
+    return QuantizedWeight(codes=weight.codes, zeros=zeros, scales=np.repeat(weight.scales, factor, axis=1),
                            bits=weight.bits, group_size=weight.group_size // factor)
 
 
-def _repeat_groups(values: torch.Tensor | np.ndarray, factor: int) -> torch.Tensor | np.ndarray:
-    """(N, G) -> (N, G · factor), each group repeated: tensors, or arrays in the stored form."""
-    if isinstance(values, np.ndarray):
-        return np.repeat(values, factor, axis=1)
-    return values.repeat_interleave(factor, dim=1)
-
-
 def coarsen(weight: QuantizedWeight, factor: int, name: str) -> QuantizedWeight:
-    """Inverse of `regroup`, on a weight in the stored form: groups `factor` times wider. Raises ValueError
+    """Inverse of `regroup`: groups `factor` times wider. Raises ValueError
     naming the tensor when the `factor` scales or zero points of a wider group are not all the same (bytes
     no regrouping made)."""
     if factor == 1:
@@ -229,23 +205,3 @@ def coarsen(weight: QuantizedWeight, factor: int, name: str) -> QuantizedWeight:
         wide.append(np.ascontiguousarray(part.reshape(n, groups // factor, factor)[..., 0]))
     return QuantizedWeight(codes=weight.codes, zeros=wide[1], scales=wide[0], bits=weight.bits,
                            group_size=weight.group_size * factor)
-
-
-def stored_arrays(tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """Tensors as the numpy arrays `decode_stored` reads (no copy; BF16 as its uint16 bit patterns)."""
-    return {name: stored_array(tensor) for name, tensor in tensors.items()}
-
-
-def as_tensors(weight: QuantizedWeight) -> QuantizedWeight:
-    """A weight decoded in the stored form (numpy) as torch tensors (no copy of writable arrays). Scales
-    are floating point in every format, so uint16 scales are BF16 bit patterns and become BF16 again."""
-    import torch
-
-    def tensor(values: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(values if values.flags.writeable else values.copy())
-
-    scales = tensor(weight.scales)
-    if weight.scales.dtype == np.uint16:
-        scales = scales.view(torch.bfloat16)
-    return QuantizedWeight(codes=tensor(weight.codes), zeros=None if weight.zeros is None else tensor(weight.zeros),
-                           scales=scales, bits=weight.bits, group_size=weight.group_size)

@@ -26,11 +26,11 @@ from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
 from moeconv.checkpoint.writer import (
-    CURRENT, TENSOR_DIGESTS_KEY, BlockHasher, ShardWriter, byte_size, copy_into, file_digest, write_at,
+    CURRENT, TENSOR_DIGESTS_KEY, BlockHasher, ShardWriter, copy_into, file_digest, write_at,
 )
 from moeconv.errors import MoeconvError, PlantedLink, Unfinished, human_bytes
 from moeconv.executor import Executor, in_batches, peak_rss_mb, worker_descriptor, worker_reader
-from moeconv import provenance
+from moeconv import provenance, transform
 from moeconv.provenance import Anchor, recorded_anchor
 from moeconv.worklist import OutputShard, SourceSlice
 
@@ -231,7 +231,7 @@ def _check_unchanged_source(plan: Plan, shard: OutputShard, staging: Path, journ
     changed = None
     with TensorReader(fingerprints={}) as reader:
         for piece in _converted_inputs(shard):
-            reader.read(piece.entry)
+            reader.read_raw(piece.entry)
         if _source_fingerprint(shard, reader.fingerprints) != journal.done[shard.file_name]["source"]:
             changed = "a converted tensor"
     if changed is None:
@@ -368,7 +368,7 @@ class LocalShards:
         would be on disk but not in the journal, and a resume would delete it and write it again."""
         from concurrent.futures import ThreadPoolExecutor
 
-        with Executor(self.workers, needs_torch=plan.workers_need_torch) as executor, \
+        with Executor(self.workers) as executor, \
                 ThreadPoolExecutor(1, thread_name_prefix="moeconv-finish") as finisher:
             finishing = None  # the shard on the finishing thread, not yet yielded
             try:
@@ -412,7 +412,7 @@ def convert_shard_alone(plan: Plan, index: int, staging: str) -> ShardDone:
     kept by a resume even when the driver died before it heard of it (checkpoint/journal.py)."""
     shard, folder = plan.shards[index], Path(staging)
     path = folder / shard.file_name
-    with Executor(1, needs_torch=plan.workers_need_torch) as executor:
+    with Executor(1) as executor:
         audits = Audits()
         writer, hasher, fingerprints = _fill_shard(plan, shard, path, lambda nbytes: None, audits, executor)
     digest, tensors = _sealed(writer, hasher)
@@ -502,11 +502,9 @@ def _run_job(job, codec, path: Path, positions: dict[str, int]) -> tuple[list, d
         entry = job.source.entry
         copy_into(fd, positions[""], entry.file, entry.begin, entry.end, entry.name)
         return [], {}
-    from moeconv import transform  # the codecs (torch where a job needs it): a worker's, not the parent's
-
     blocks, counts = transform.convert(job, codec, reader)
     for suffix, data in blocks.items():
-        if byte_size(data) != job.slots[suffix].nbytes:
+        if data.nbytes != job.slots[suffix].nbytes:
             raise ValueError(f"{job.slots[suffix].tensor.name}: the backend made {tuple(data.shape)}, "
                              f"not the planned {job.slots[suffix].shape}")
         write_at(fd, data, positions[suffix])

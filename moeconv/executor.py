@@ -2,12 +2,10 @@
 
 Processes, not threads: on a 16-core host, threads stopped scaling at 2 to 4 workers (each job took
 13x longer with 16 threads: the GIL; docs/BENCHMARKS.md), and the jobs share nothing but files,
-which every worker opens itself (`worker_reader`, `worker_descriptor`). Tasks that need torch run on
-workers forked from multiprocessing's fork server, which `start_workers` starts as soon as a plan says
-they need it: it imports torch (3 to 5 s on the 16-core host) while this process goes on, the workers
-share its pages, and the process that plans, hashes and writes never imports torch. Tasks that do not
-(the packed route, verify's numpy decoding) run on workers forked from this process, at once. Each
-worker runs one torch thread, ignores SIGINT (the driver stops the pool) and dies with the driver (no
+which every worker opens itself (`worker_reader`, `worker_descriptor`). No task needs torch (every codec is
+numpy), so the workers are forked from this process, at once, and share its pages (the plan); a fork
+server that imported torch for them was removed with the last torch codec (docs/BENCHMARKS.md). Each
+worker runs one BLAS/OpenMP thread, ignores SIGINT (the driver stops the pool) and dies with the driver (no
 orphan writes on after a kill -9). One worker runs the tasks in this process. Everything runs on the
 CPU: a GPU path was measured slower than these workers and removed (docs/BENCHMARKS.md).
 """
@@ -16,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -99,8 +96,7 @@ def cpu_seconds(pid: int | str = "self") -> float | None:
 
 
 class TreeMemory:
-    """The memory of this process and every process below it (the workers, the fork server they come
-    from), sampled on a thread every `interval` seconds and once more at `stop`: the peak of their summed
+    """The memory of this process and every process below it (the workers), sampled on a thread every `interval` seconds and once more at `stop`: the peak of their summed
     PSS, the largest PSS a single one of them had, and the CPU seconds the tree used meanwhile (each
     process's from the first sample, the workers' whole). A peak shorter than the interval can be
     missed, and a process's last CPU after the last sample is: lower bounds.
@@ -177,37 +173,25 @@ def _in_worker(function: Callable, task: tuple) -> tuple[Any, float | None]:
     return function(*task), peak_rss_mb()
 
 
-def _start_worker(driver: int, torch_needed: bool) -> None:
-    """Dies with the driver (the process that runs the pool), first: a worker that outlived a `kill -9`
-    of the driver would write on into the folder the user's resume works in. A worker forked by the
-    driver has the kernel kill it with its parent (PR_SET_PDEATHSIG); one forked by the fork server
-    watches the driver itself (`_watch`): the server leaves only when every worker has (each holds the
-    pipe whose end it waits for), so its death would never come. Then one intra-op thread for every
-    --workers value (`worker_boot` set it in the server; a server that could not import it leaves it to
-    here), for torch now or if a job imports it."""
+def _start_worker(driver: int) -> None:
+    """Dies with the driver (the process that runs the pool and forked it), first: a worker that outlived a
+    `kill -9` of the driver would write on into the folder the user's resume works in, so the kernel kills
+    it with its parent (PR_SET_PDEATHSIG). Then one thread for anything that reads these variables when it
+    first starts its threads."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
     try:
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
     except (OSError, AttributeError):
         pass
-    if os.getppid() != parent or not _alive(driver):  # gone before PR_SET_PDEATHSIG was set
+    if os.getppid() != driver:  # gone before PR_SET_PDEATHSIG was set
         os._exit(1)
-    if parent != driver:
-        import threading
-
-        threading.Thread(target=_watch, args=(driver,), name="moeconv-driver-watch", daemon=True).start()
     _reuse_freed_memory()
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[variable] = "1"
-    if torch_needed or "torch" in sys.modules:  # a driver that had imported it forked it along
-        import torch
-
-        torch.set_num_threads(1)
 
 
 # glibc's mallopt parameters (malloc.h) and what a worker sets them to.
@@ -240,78 +224,6 @@ def _share_heap_with_forks() -> None:
     gc.freeze()
 
 
-def _watch(driver: int) -> None:
-    """Ends this worker when the driver has ended: at once where the kernel tells (a pidfd, Linux 5.3),
-    else within WATCH_SECONDS."""
-    import select
-
-    try:
-        handle = os.pidfd_open(driver)
-    except (AttributeError, OSError):
-        handle = None
-    if handle is not None:
-        select.select([handle], [], [])
-    else:
-        while _alive(driver):
-            time.sleep(WATCH_SECONDS)
-    os._exit(1)
-
-
-WATCH_SECONDS = 0.5
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
-def _forkserver_context() -> Any:
-    import multiprocessing
-
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["moeconv.worker_boot"])
-    return context
-
-
-def start_workers(workers: int | None = None) -> None:
-    """Starts, now, the fork server the workers of this process's next pools are forked from (once per
-    process; it lives until this process ends), so that its import of torch runs beside what this
-    process does next (verify: the digests). Only for work known to need torch: a server started for a
-    conversion that then needed none cost it time and memory (docs/BENCHMARKS.md). Nothing for one
-    worker (it runs the tasks in this process)."""
-    if (workers or default_workers()) > 1:
-        from multiprocessing import forkserver
-
-        _forkserver_context()
-        _start_resource_tracker()
-        forkserver.ensure_running()
-
-
-def _start_resource_tracker() -> None:
-    """Starts multiprocessing's resource tracker (the fork server's pools need it) with its stdout and
-    stderr on /dev/null: it outlives an interrupted command by a moment and would print its own
-    clean-up notes ("leaked semaphore objects") after the command's last line, into the caller's pipe.
-    This process writes nothing meanwhile (no progress has started when the workers are started)."""
-    from multiprocessing import resource_tracker
-
-    saved = [os.dup(1), os.dup(2)]
-    nowhere = os.open(os.devnull, os.O_WRONLY)
-    try:
-        for stream in (1, 2):
-            os.dup2(nowhere, stream)
-        resource_tracker.ensure_running()
-    finally:
-        for stream, kept in zip((1, 2), saved):
-            os.dup2(kept, stream)
-            os.close(kept)
-        os.close(nowhere)
-
-
 JOBS_PER_TASK = 8
 
 
@@ -337,12 +249,11 @@ def default_workers() -> int:
 
 
 class Executor:
-    """`map(function, tasks)`: function(*task) for each task, in order, at most 2 x workers in flight.
-    needs_torch: whether the tasks need it. Workers that do are forked from the fork server (`start_workers`),
-    which imported it for all of them; workers that do not are forked from this process, which has no
-    torch to share, and start at once."""
+    """`map(function, tasks)`: function(*task) for each task, in order, at most 2 x workers in flight, on
+    workers forked from this process (its objects frozen out of the collector meanwhile, so that their
+    pages stay shared)."""
 
-    def __init__(self, workers: int | None = None, needs_torch: bool = True):
+    def __init__(self, workers: int | None = None):
         import multiprocessing
 
         self.workers = workers or default_workers()
@@ -350,30 +261,19 @@ class Executor:
         self.memory = TreeMemory()  # this process and the workers, from their start while they live
         self._pool = None
         self._frozen = False  # this process's objects frozen out of the collector for the forks (close thaws)
-        self._default_threads: int | None = None
         if self.workers > 1:
             try:
-                if needs_torch:
-                    start_workers(self.workers)
-                context = _forkserver_context() if needs_torch else multiprocessing.get_context("fork")
-                if not needs_torch:
-                    _share_heap_with_forks()
-                    self._frozen = True
+                _share_heap_with_forks()
+                self._frozen = True
                 self._pool = ProcessPoolExecutor(max_workers=self.workers, initializer=_start_worker,
-                                                 initargs=(os.getpid(), needs_torch), mp_context=context)
+                                                 initargs=(os.getpid(),),
+                                                 mp_context=multiprocessing.get_context("fork"))
                 # Every worker now: the pool starts them as tasks arrive, and one that is idle is reused.
                 for started in [self._pool.submit(os.getpid) for _ in range(self.workers)]:
                     started.result()
             except BaseException:
                 self.close()
                 raise
-        elif needs_torch or "torch" in sys.modules:
-            # One intra-op thread, as in every worker: with torch's default (every core) a single
-            # worker kept about 13 cores busy on a 16-core host for the work of one.
-            import torch
-
-            self._default_threads = torch.get_num_threads()
-            torch.set_num_threads(1)
 
     def map(self, function: Callable, tasks: Iterable[tuple]) -> Iterator[Any]:
         if self._pool is None:
@@ -404,10 +304,6 @@ class Executor:
         _close_descriptor()
         if "reader" in _STATE:  # the in-process worker's: its descriptors must not outlive the run
             _STATE.pop("reader").close()
-        if self._default_threads is not None:
-            import torch
-
-            torch.set_num_threads(self._default_threads)
 
     def __enter__(self) -> Executor:
         return self

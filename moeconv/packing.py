@@ -8,76 +8,60 @@ its bytes in order of significance: there a view is six times faster than four s
 the same bytes (tests check both paths); elsewhere the shifts are used. Along the innermost dimension
 the sub-byte values of one byte are spread to (or gathered from) adjacent bytes through an explicitly
 little-endian word ('<u2', '<u4'), which numpy reads the same on any host. So the result never
-depends on the host's byte order. The shifts run in numpy where its uint8 kernels beat torch's on one
-thread (docs/BENCHMARKS.md). Only widths that divide the container are supported (2, 4, 8 bits);
+depends on the host's byte order. All numpy: its uint8 kernels beat torch's on one thread
+(docs/BENCHMARKS.md), and no codec needs torch. Only widths that divide the container are supported (2, 4, 8 bits);
 3-bit GPTQ's split words are refused earlier, at plan time.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
-
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
-_CONTAINER_BITS = {"int32": 32, "uint8": 8}  # by dtype name (torch's without its prefix, or numpy's)
+_CONTAINER_BITS = {"int32": 32, "uint8": 8}  # by dtype name
 
 
-def values_per_container(bits: int, container: torch.dtype | np.dtype | str) -> int:
-    width = _CONTAINER_BITS[str(container).removeprefix("torch.")]
+def values_per_container(bits: int, container: np.dtype | str) -> int:
+    width = _CONTAINER_BITS[str(container)]
     if width % bits:
         raise ValueError(f"{bits}-bit values do not tile a {width}-bit container")
     return width // bits
 
 
-def pack(codes: torch.Tensor, bits: int, dim: int, container: torch.dtype) -> torch.Tensor:
-    """Pack uint8 `codes` (values < 2^bits) along `dim` into `container` (torch.int32 or torch.uint8).
-
-    Works in place along `dim` (slots become a new axis after it), so no transposed copies are made.
-    """
-    import torch
-
-    per = values_per_container(bits, container)
-    dim = dim % codes.dim()
-    if codes.shape[dim] % per:
-        raise ValueError(f"cannot pack {codes.shape[dim]} values into containers of {per}")
-    packed = _pack_slots(codes, bits, dim) if bits < 8 else codes
-    if container is torch.int32:
-        packed = _bytes_to_words(packed, dim)
-    return packed.contiguous()
+def pack_array(values: np.ndarray, bits: int, axis: int, container: type | np.dtype) -> np.ndarray:
+    """Pack uint8 `values` (< 2^bits) along `axis` into `container` (np.int32 words or np.uint8 bytes):
+    value j of a container at bits [j·b, j·b + b)."""
+    per = values_per_container(bits, np.dtype(container))
+    axis = axis % values.ndim
+    if values.shape[axis] % per:
+        raise ValueError(f"cannot pack {values.shape[axis]} values into containers of {per}")
+    packed = _pack_slots(values, bits, axis) if bits < 8 else np.ascontiguousarray(values)
+    return _bytes_to_words(packed, axis) if np.dtype(container) == np.int32 else packed
 
 
-def _array(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as a contiguous numpy array, for the shifts and masks run in numpy."""
-    return np.ascontiguousarray(tensor.numpy())
+def _slots(values: np.ndarray, axis: int, per: int) -> np.ndarray:
+    """Split `axis` into (length / per, per)."""
+    return values.reshape(values.shape[:axis] + (values.shape[axis] // per, per) + values.shape[axis + 1:])
 
 
-def _slots(tensor: torch.Tensor, dim: int, per: int) -> torch.Tensor:
-    """Split `dim` into (length / per, per)."""
-    return tensor.unflatten(dim, (tensor.shape[dim] // per, per))
-
-
-def _pack_slots(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """uint8 values -> bytes along `dim`; every shift stays inside the byte."""
-    import torch
-
+def _pack_slots(values: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """uint8 values -> bytes along `axis`; every shift stays inside the byte."""
     per = 8 // bits
-    if dim == values.dim() - 1:  # each byte's values are adjacent: read them as one little-endian word
+    if axis == values.ndim - 1:  # each byte's values are adjacent: read them as one little-endian word
         word = np.dtype(f"u{per}").type  # native, for the arithmetic
-        words = _array(values).reshape(-1, per).view(_WORD_OF[per]).astype(word).reshape(values.shape[:-1] + (-1,))
+        words = np.ascontiguousarray(values).reshape(-1, per).view(_WORD_OF[per]).astype(word).reshape(
+            values.shape[:-1] + (-1,))
         packed = words & word(0xFF)
         for slot in range(1, per):
             packed |= ((words >> word(8 * slot)) & word(0xFF)) << word(slot * bits)
-        return torch.from_numpy(packed.astype(np.uint8))
-    grouped = _slots(values, dim, per)  # torch's strided select beats numpy's take here
-    packed = grouped.select(dim + 1, 0).clone()
+        return packed.astype(np.uint8)
+    grouped = _slots(values, axis, per)
+    packed = np.take(grouped, 0, axis=axis + 1)  # a copy
     for slot in range(1, per):
-        packed |= grouped.select(dim + 1, slot) << (slot * bits)
+        packed |= np.take(grouped, slot, axis=axis + 1) << np.uint8(slot * bits)
     return packed
 
 
@@ -85,43 +69,20 @@ def _pack_slots(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 _WORD_OF = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
-def _bytes_to_words(packed_bytes: torch.Tensor, dim: int, allow_view: bool = True) -> torch.Tensor:
-    """Bytes -> int32 words along `dim`, byte i at bits [8i, 8i + 8). The top byte enters as a
-    signed value so that its shift cannot overflow int32."""
-    import torch
-
-    if allow_view and _LITTLE_ENDIAN and dim == packed_bytes.dim() - 1:
-        # reshape(-1) first: size-1 dims may carry strides that view() refuses
-        words = packed_bytes.contiguous().reshape(-1).view(torch.int32)
-        return words.reshape(*packed_bytes.shape[:-1], packed_bytes.shape[-1] // 4)
-    grouped = _slots(packed_bytes, dim, 4)
-    byte = [grouped.select(dim + 1, i).to(torch.int32) for i in range(4)]
-    top = byte[3] - ((byte[3] >= 128).to(torch.int32) << 8)
-    return byte[0] | (byte[1] << 8) | (byte[2] << 16) | (top << 24)
-
-
-def words_to_bytes(words: torch.Tensor, dim: int, allow_view: bool = True) -> torch.Tensor:
-    """int32 words -> bytes along `dim`, least significant first. The shifts: an arithmetic right
-    shift of a negative int32 only copies the sign into bits the 0xFF mask removes."""
-    import torch
-
-    if allow_view and _LITTLE_ENDIAN and dim == words.dim() - 1:
-        return words.contiguous().reshape(-1).view(torch.uint8).reshape(*words.shape[:-1], words.shape[-1] * 4)
-    split = torch.stack([((words >> (8 * i)) & 0xFF).to(torch.uint8) for i in range(4)], dim + 1)
-    return split.flatten(dim, dim + 1)
-
-
-def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Inverse of `pack`: uint8 codes, `dim` grown by the number of values per container
-    (`unpack_array` on the tensor's array)."""
-    import torch
-
-    return torch.from_numpy(unpack_array(_array(packed), bits, dim))
+def _bytes_to_words(packed_bytes: np.ndarray, axis: int, allow_view: bool = True) -> np.ndarray:
+    """Bytes -> int32 words along `axis`, byte i at bits [8i, 8i + 8)."""
+    if allow_view and _LITTLE_ENDIAN and axis == packed_bytes.ndim - 1:
+        return np.ascontiguousarray(packed_bytes).view(np.int32)
+    grouped = _slots(packed_bytes, axis, 4)
+    words = np.take(grouped, 0, axis=axis + 1).astype(np.uint32)
+    for i in range(1, 4):
+        words |= np.take(grouped, i, axis=axis + 1).astype(np.uint32) << np.uint32(8 * i)
+    return words.view(np.int32)
 
 
 def unpack_array(packed: np.ndarray, bits: int, axis: int) -> np.ndarray:
-    """`unpack` in numpy, for the workers that decode without torch: int32 words (or uint8 bytes)
-    -> uint8 codes. Words are split into bytes, then bytes into values with uint8 shifts, each slot
+    """Inverse of `pack_array`: int32 words (or uint8 bytes) -> uint8 codes, `axis` grown by the number of
+    values per container. Words are split into bytes, then bytes into values with uint8 shifts, each slot
     written into its place of the result."""
     values_per_container(bits, packed.dtype)  # refuses widths that do not tile the container
     axis = axis % packed.ndim
@@ -151,10 +112,10 @@ def unpack_array(packed: np.ndarray, bits: int, axis: int) -> np.ndarray:
     return values.reshape(shape)
 
 
-def _word_array_bytes(words: np.ndarray, axis: int) -> np.ndarray:
-    """`words_to_bytes` in numpy: int32 words -> bytes along `axis`, least significant first (a view of
-    the memory along the innermost axis on a little-endian host, else shifts)."""
-    if _LITTLE_ENDIAN and axis == words.ndim - 1:
+def _word_array_bytes(words: np.ndarray, axis: int, allow_view: bool = True) -> np.ndarray:
+    """int32 words -> bytes along `axis`, least significant first (a view of the memory along the innermost
+    axis on a little-endian host, else shifts)."""
+    if allow_view and _LITTLE_ENDIAN and axis == words.ndim - 1:
         return np.ascontiguousarray(words).view(np.uint8)
     unsigned = words.view(np.uint32)
     split = np.stack([((unsigned >> np.uint32(8 * i)) & np.uint32(0xFF)).astype(np.uint8) for i in range(4)], axis + 1)
@@ -162,7 +123,7 @@ def _word_array_bytes(words: np.ndarray, axis: int) -> np.ndarray:
 
 
 def add_to_word_array(words: np.ndarray, addend: int) -> np.ndarray:
-    """`add_to_words` in numpy: int32 words + addend modulo 2^32."""
+    """int32 words + addend modulo 2^32 (carries cross slots, exactly as integer arithmetic does)."""
     total = (np.asarray(words).astype(np.int64) + addend) & 0xFFFFFFFF
     return total.astype(np.uint32).view(np.int32)
 
@@ -175,25 +136,15 @@ def repeated_word(value: int, bits: int) -> int:
     return word
 
 
-def add_to_words(words: torch.Tensor, addend: int) -> torch.Tensor:
-    """int32 words + addend modulo 2^32 (carries cross slots, exactly as integer arithmetic does):
-    `add_to_word_array` on the tensor's array (a handful of small torch ops cost 4x more)."""
-    import torch
-
-    return torch.from_numpy(add_to_word_array(words.numpy(), addend))
-
-
 def int8_array_to_offset_codes(weight: np.ndarray) -> np.ndarray:
     """Signed int8 w -> uint8 codes w + 128: the two's-complement byte with its top bit flipped
     (a byte reinterpreted as a byte, so no byte-order question arises)."""
     return np.ascontiguousarray(weight).view(np.uint8) ^ np.uint8(0x80)
 
 
-def offset_codes_to_int8(codes: torch.Tensor) -> torch.Tensor:
-    """Inverse of `int8_array_to_offset_codes`, on a tensor."""
-    import torch
-
-    return (codes ^ 0x80).view(torch.int8)
+def offset_codes_to_int8(codes: np.ndarray) -> np.ndarray:
+    """Inverse of `int8_array_to_offset_codes`."""
+    return (np.ascontiguousarray(codes) ^ np.uint8(0x80)).view(np.int8)
 
 
 def bf16_as_float32(bits: np.ndarray) -> np.ndarray:
@@ -205,21 +156,6 @@ def as_float32(values: np.ndarray) -> np.ndarray:
     """Floating-point values in the stored form (BF16 as its uint16 bit patterns, float16, float32) as the
     float32 values they are, exactly."""
     return bf16_as_float32(values) if values.dtype == np.uint16 else values.astype(np.float32, copy=False)
-
-
-def float32_tensor(scales: torch.Tensor) -> torch.Tensor:
-    """A float16, bfloat16 or float32 tensor widened to float32 exactly (`as_float32`): torch's own cast
-    quiets a float16 signalling NaN, which the layouts' float32 scales would then not give back."""
-    import torch
-
-    return torch.from_numpy(as_float32(stored_array(scales)))
-
-
-def stored_array(tensor: torch.Tensor) -> np.ndarray:
-    """A tensor as the numpy array of its stored form, without a copy (BF16 as its uint16 bit patterns)."""
-    import torch
-
-    return tensor.view(torch.int16).numpy().view(np.uint16) if tensor.dtype == torch.bfloat16 else tensor.numpy()
 
 
 def float32_cast(values: np.ndarray, dtype: str) -> np.ndarray:

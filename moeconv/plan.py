@@ -27,7 +27,7 @@ from moeconv.engines import Serving
 from moeconv.formats import SourceFormat
 from moeconv.models import Architecture
 from moeconv.spec import FLOAT_DTYPES
-from moeconv.survey import (MoELayer, act_order_suspected, check_dense_g_idx, check_global_scales, find_dense_linears,
+from moeconv.survey import (MoELayer, check_dense_g_idx, check_global_scales, find_dense_linears,
                             fp8_block_linears, natural_key, survey)
 from moeconv.transform import Codec
 from moeconv.worklist import (CopyJob, ExpertJob, Job, LinearJob, OutputShard, Unit, assign_shards, copy_job, layer_unit,
@@ -70,12 +70,6 @@ class Plan:
     serving: Serving = field(init=False)  # how vLLM serves the output (`{output}`), or why it does not (engines.VLLM)
     sglang_serving: Serving = field(init=False)  # the same for SGLang (engines.SGLANG)
     scale_cast: tuple[str, str] | None = field(init=False)  # vLLM's, as torch dtype names, at the config's model dtype
-    # Some job decodes to the canonical form (torch): a dense linear or an expert whose format and layout do
-    # not meet in the packed form, or one the format declines (a non-trivial g_idx). Else the workers need no torch.
-    workers_need_torch: bool = field(init=False)
-    # verify's checks decode in numpy where every job's layout and format do (transform.decodes_stored) and no
-    # layer folds an act-order permutation (relabelled groups are only reordered); else its workers need torch.
-    checks_need_torch: bool = field(init=False)
 
     def __post_init__(self) -> None:
         answer = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen: set once here)
@@ -108,14 +102,6 @@ class Plan:
                                    attention_quantized(self.checkpoint, self.source_format), model_dtype)
         answer("serving", engines.VLLM.serving(output))
         answer("sglang_serving", engines.SGLANG.serving(output))
-        checked = [job for job in self.jobs if isinstance(job, LinearJob)] + [
-            jobs[0] for jobs in self.layer_jobs.values() if jobs]  # a layer's experts share its shape
-        answer("workers_need_torch", not all(transform.numpy_route(job, self.codec) for job in checked)
-               or any(layer.act_order != act_order.STATIC for layer in self.layers)
-               or (self.detection is not None
-                   and act_order_suspected(self.checkpoint, self.source_format, self.detection)))
-        answer("checks_need_torch", any(layer.act_order == act_order.FOLDED for layer in self.layers)
-               or not all(transform.decodes_stored(job, self.codec) for job in checked))
 
     @property
     def output_bytes(self) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from moeconv.canonical import QuantizedWeight
@@ -63,7 +64,14 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int, symmetric: bool,
         codes = torch.round(groups / scales.float().unsqueeze(-1)) + zero_points.unsqueeze(-1)
         zeros = zero_points.to(torch.uint8)
     codes = codes.clamp(0, top).to(torch.uint8).reshape(n, k)
-    return QuantizedWeight(codes=codes, zeros=zeros, scales=scales, bits=bits, group_size=g)
+    return QuantizedWeight(codes=codes.numpy(), zeros=None if zeros is None else zeros.numpy(),
+                           scales=stored_array(scales), bits=bits, group_size=g)
+
+
+def stored_array(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as the numpy array of its stored form, without a copy (BF16, which numpy lacks, as its
+    uint16 bit patterns): what the codecs read and write."""
+    return tensor.view(torch.int16).numpy().view(np.uint16) if tensor.dtype == torch.bfloat16 else tensor.numpy()
 
 
 def random_weight(out_features: int, in_features: int, group_size: int, generator: torch.Generator) -> torch.Tensor:
@@ -114,7 +122,7 @@ class SynthSpec:
 
 
 # A unit is what one call produces: (declared tensors, producer of their values).
-_Unit = tuple[list[TensorSpec], Callable[[], dict[str, torch.Tensor]]]
+_Unit = tuple[list[TensorSpec], Callable[[], dict[str, np.ndarray]]]
 
 
 class _Builder:
@@ -129,9 +137,9 @@ class _Builder:
     def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None, ones: bool = False) -> None:
         dtype = dtype or self.spec.dtype
 
-        def make() -> dict[str, torch.Tensor]:
+        def make() -> dict[str, np.ndarray]:
             value = torch.ones(shape) if ones else torch.randn(shape, generator=self._generator(name)) * 0.02
-            return {name: value.to(dtype)}
+            return {name: stored_array(value.to(dtype))}
 
         self.units.append(([TensorSpec(name, shape, SAFETENSORS_DTYPES[dtype])], make))
 
@@ -143,7 +151,7 @@ class _Builder:
             if suffix in fmt.written_suffixes()
         ]
 
-        def make() -> dict[str, torch.Tensor]:
+        def make() -> dict[str, np.ndarray]:
             weight = random_weight(out_features, in_features, fmt.group_size, self._generator(prefix))
             canonical = quantize(weight, fmt.bits, fmt.group_size, fmt.symmetric, self.spec.dtype)
             return {f"{prefix}.{suffix}": tensor for suffix, tensor in fmt.encode(canonical).items()}

@@ -13,7 +13,7 @@ and the backend encodes the expert's slice of every layer tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -21,16 +21,14 @@ from moeconv import act_order
 from moeconv.audit import count as audit_counts
 from moeconv.backends.base import Backend, ExpertWeights
 from moeconv.canonical import QuantizedWeight, regroup
-from moeconv.checkpoint.reader import TensorEntry, TensorReader
+from moeconv.checkpoint.reader import TensorReader
 from moeconv.packing import bf16_as_float32
 from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat
 from moeconv.worklist import ConvertJob, ExpertJob, SourceSlice
 
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
-
 Audit = tuple[str, dict[str, int]]  # (source linear, audit counts)
+Stored = dict[str, np.ndarray]  # one linear's (or one job's output) stored arrays, by suffix
 
 
 @dataclass(frozen=True)
@@ -42,161 +40,122 @@ class Codec:
     backend: Backend
     regroup_factor: int = 1  # group size divided by this (scales and zeros repeated): lossless
 
-    def decode_source(self, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
+    def decode_source(self, stored: Stored) -> QuantizedWeight:
         """One source linear in the canonical form the plan writes."""
-        return regroup(self.source_format.decode(tensors), self.regroup_factor)
+        return regroup(self.source_format.decode(stored), self.regroup_factor)
 
-    def decode_ordered(self, tensors: dict[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None]:
+    def decode_ordered(self, stored: Stored) -> tuple[QuantizedWeight, np.ndarray | None]:
         """As `decode_source`, and for an act-order linear the input permutation under which its groups
         are static (act_order.py); formats that store no g_idx have none."""
-        weight, inputs = self.source_format.decode_ordered(tensors)
-        return regroup(weight, self.regroup_factor), inputs
-
-    def decode_stored(self, stored: dict[str, np.ndarray]) -> tuple[QuantizedWeight, np.ndarray | None]:
-        """As `decode_ordered`, in numpy on the stored arrays (where the format `decodes_stored`)."""
-        weight, inputs = self.source_format.decode_stored(stored)
+        weight, inputs = self.source_format.decode_ordered(stored)
         return regroup(weight, self.regroup_factor), inputs
 
 
 def takes_packed(job: ConvertJob, codec: Codec) -> bool:
-    """Whether the job's format and layout meet in the packed form (packed.py): the fast path, numpy on the
-    stored bytes. The format may still decline one linear (an act-order g_idx), the layout one expert."""
+    """Whether the job's format and layout meet in the packed form (packed.py): the fast path, moving the
+    stored words as they are. The format may still decline one linear (an act-order g_idx)."""
     layout = codec.backend if isinstance(job, ExpertJob) else job.encoder
     return codec.source_format.packs and layout.takes_packed(job.shape)
 
 
-def numpy_route(job: ConvertJob, codec: Codec) -> bool:
-    """Whether `convert` runs in numpy on the stored bytes: through the packed form, or float codes (whose
-    canonical form is numpy: float_codes.py)."""
-    return codec.source_format.float_scheme is not None or takes_packed(job, codec)
-
-
-def convert(job: ConvertJob, codec: Codec, reader: TensorReader) -> tuple[dict[str, Any], list[Audit]]:
+def convert(job: ConvertJob, codec: Codec, reader: TensorReader) -> tuple[Stored, list[Audit]]:
     """The job's output blocks (by backend suffix), and the audit counts of its source tensors: float codes
     read into the canonical float form and written by the layout; through the packed form where the format and
     the layout take it; else decoded to the canonical form and encoded."""
+    stored = _read_sources(job, reader)
     if codec.source_format.float_scheme is not None:
-        weights, audits = source_weights_stored(job, codec, reader)
-        layout = codec.backend.from_float if isinstance(job, ExpertJob) else job.encoder.from_float_linear
-        return layout(weights if isinstance(job, ExpertJob) else weights["linear"], job.shape), audits
+        return _from_float(job, codec, stored), _audits(job, codec, stored, {})
     if takes_packed(job, codec):
-        found = _through_packed(job, codec, reader)
-        if found is not None:
-            return found
+        blocks = _through_packed(job, codec, stored)
+        if blocks is not None:
+            return blocks, _audits(job, codec, stored, {})
+    weights = _canonical(job, codec, stored)
+    return encode(job, codec, weights), _audits(job, codec, stored, weights)
+
+
+def _from_float(job: ConvertJob, codec: Codec, stored: dict[str, Stored]) -> Stored:
+    """`convert`'s blocks from the canonical float form (float_codes.FloatWeight), which only a layout that
+    takes float codes writes (the plan refused the others)."""
+    weights = {projection: _decoded(codec.source_format.decode, _sources(job)[projection], tensors)
+               for projection, tensors in stored.items()}
     if isinstance(job, ExpertJob):
-        weights, audits = _expert_canonical(job, codec, _read_expert(job, reader.read))
-    else:
-        weights, audits = source_weights(job, codec, reader)
-    return encode(job, codec, weights), audits
+        return codec.backend.from_float(weights, job.shape)
+    return job.encoder.from_float_linear(weights["linear"], job.shape)
 
 
-def _through_packed(job: ConvertJob, codec: Codec, reader: TensorReader) -> tuple[dict[str, np.ndarray], list[Audit]] | None:
-    """`convert` through the packed form; None where the format or the layout declines."""
-    sources = job.sources if isinstance(job, ExpertJob) else {"linear": job.sources}
-    stored = {projection: {suffix: reader.read_raw(piece.entry) for suffix, piece in linear.items()}
-              for projection, linear in sources.items()}
+def _through_packed(job: ConvertJob, codec: Codec, stored: dict[str, Stored]) -> Stored | None:
+    """`convert`'s blocks through the packed form; None where the format declines a linear or the layout
+    the expert."""
     packed = {}
     for projection, tensors in stored.items():
-        weight = _decoded(codec.source_format.to_packed, sources[projection], tensors)
+        weight = _decoded(codec.source_format.to_packed, _sources(job)[projection], tensors)
         if weight is None:
             return None
         packed[projection] = weight.regrouped(codec.regroup_factor)
     if isinstance(job, ExpertJob):
-        blocks = codec.backend.from_packed(packed, job.shape)
-    else:
-        blocks = job.encoder.from_packed_linear(packed["linear"], job.shape)
-    if blocks is None:
-        return None
-    return blocks, [(_linear_name(linear) if isinstance(job, ExpertJob) else job.prefix,
-                     audit_counts(codec.source_format, _readable_linear(linear, stored[projection]), None))
-                    for projection, linear in sources.items()]
+        return codec.backend.from_packed(packed, job.shape)
+    return job.encoder.from_packed_linear(packed["linear"], job.shape)
 
 
-def source_weights(job: ConvertJob, codec: Codec,
-                   reader: TensorReader) -> tuple[dict[str, QuantizedWeight], list[Audit]]:
-    """The canonical weights the job's source tensors decode to (gate, up and down of an expert; one
-    keyed "linear" of a dense linear), and their audit counts."""
-    if isinstance(job, ExpertJob):
-        return _expert_canonical(job, codec, _read_expert(job, reader.read))
-    tensors = {suffix: reader.read(piece.entry) for suffix, piece in job.sources.items()}
-    weight = _decoded(codec.decode_source, job.sources, tensors)
-    return {"linear": weight}, [(job.prefix, audit_counts(codec.source_format, tensors, weight))]
+def source_weights(job: ConvertJob, codec: Codec, reader: TensorReader) -> tuple[dict[str, QuantizedWeight], list[Audit]]:
+    """The canonical weights the job's source tensors decode to (gate, up and down of an expert, an act-order
+    down projection's permutation folded into gate and up; one keyed "linear" of a dense linear), and their
+    audit counts."""
+    stored = _read_sources(job, reader)
+    weights = _canonical(job, codec, stored)
+    return weights, _audits(job, codec, stored, weights)
 
 
-def encode(job: ConvertJob, codec: Codec, weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
+def encode(job: ConvertJob, codec: Codec, weights: dict[str, QuantizedWeight]) -> Stored:
     """Canonical weights (as `source_weights` keys them) -> the job's output blocks."""
     if isinstance(job, ExpertJob):
         return codec.backend.encode_expert(ExpertWeights(**weights), job.shape)
     return job.encoder.encode_linear(weights["linear"], job.shape)
 
 
-def decode(job: ConvertJob, codec: Codec, blocks: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+def decode(job: ConvertJob, codec: Codec, blocks: Stored) -> dict[str, QuantizedWeight]:
     """Inverse of `encode`: the job's output blocks back to canonical weights."""
     if isinstance(job, ExpertJob):
         return codec.backend.decode_expert(blocks, job.shape)._asdict()
     return {"linear": job.encoder.decode_linear(blocks, job.shape)}
 
 
-def decodes_stored(job: ConvertJob, codec: Codec) -> bool:
-    """Whether `decode_stored` and `source_weights_stored` read this job in numpy (no torch)."""
-    layout = codec.backend if isinstance(job, ExpertJob) else job.encoder
-    return layout.decodes_stored(job.shape) and codec.source_format.decodes_stored
+def _sources(job: ConvertJob) -> dict[str, dict[str, SourceSlice]]:
+    """The job's source linears: an expert's projections, or a dense linear keyed "linear"."""
+    return job.sources if isinstance(job, ExpertJob) else {"linear": job.sources}
 
 
-def decode_stored(job: ConvertJob, codec: Codec, blocks: dict[str, np.ndarray]) -> dict[str, QuantizedWeight]:
-    """`decode` in numpy, on the output blocks' stored arrays (where `decodes_stored`)."""
-    if isinstance(job, ExpertJob):
-        return codec.backend.decode_expert_stored(blocks, job.shape)._asdict()
-    return {"linear": job.encoder.decode_linear_stored(blocks, job.shape)}
+def _read_sources(job: ConvertJob, reader: TensorReader) -> dict[str, Stored]:
+    """Each source linear's stored arrays (`TensorReader.read_raw`), by suffix."""
+    return {projection: {suffix: reader.read_raw(piece.entry) for suffix, piece in linear.items()}
+            for projection, linear in _sources(job).items()}
 
 
-def source_weights_stored(job: ConvertJob, codec: Codec, reader: TensorReader
-                          ) -> tuple[dict[str, QuantizedWeight], list[Audit]] | None:
-    """`source_weights` in numpy, the weights in the stored form (where `decodes_stored`); None for an
-    act-order expert, whose fold takes the canonical route. The audits count the stored tensors, as the
-    packed route's conversions do."""
-    sources = job.sources if isinstance(job, ExpertJob) else {"linear": job.sources}
-    stored = {projection: {suffix: reader.read_raw(piece.entry) for suffix, piece in linear.items()}
-              for projection, linear in sources.items()}
-    weights = {}
-    for projection, tensors in stored.items():
-        weight, inputs = _decoded(codec.decode_stored, sources[projection], tensors)
-        if inputs is not None:
-            return None
-        weights[projection] = weight
-    audits = [(_linear_name(linear) if isinstance(job, ExpertJob) else job.prefix,
-               audit_counts(codec.source_format, _readable_linear(linear, stored[projection]), None))
-              for projection, linear in sources.items()]
-    return weights, audits
+def _canonical(job: ConvertJob, codec: Codec, stored: dict[str, Stored]) -> dict[str, QuantizedWeight]:
+    """Decoded; an act-order down projection folded with its gate and up (act_order.fold)."""
+    sources = _sources(job)
+    if not isinstance(job, ExpertJob):
+        return {"linear": _decoded(codec.decode_source, sources["linear"], stored["linear"])}
+    weights = {projection: _decoded(codec.decode_source, sources[projection], stored[projection])
+               for projection in ("gate", "up")}
+    down, inputs = _decoded(codec.decode_ordered, sources["down"], stored["down"])
+    return {**act_order.fold(weights, inputs), "down": down}
 
 
-def _read_expert(job: ExpertJob, read: Callable[[TensorEntry], Any]) -> dict[str, dict[str, Any]]:
-    """Each projection's tensors by suffix, as `read` gives them (TensorReader.read: torch tensors;
-    read_raw: the stored bytes in numpy)."""
-    return {projection: {suffix: read(piece.entry) for suffix, piece in linear.items()}
-            for projection, linear in job.sources.items()}
+def _audits(job: ConvertJob, codec: Codec, stored: dict[str, Stored], weights: dict[str, QuantizedWeight]) -> list[Audit]:
+    """The audit counts of each source linear: its stored arrays with BF16 bit patterns as the float32 values
+    they hold, and its canonical form where decoded (not a float form's: its scales are code bytes)."""
+    sources = _sources(job)
+    integer = codec.source_format.float_scheme is None
+    return [(_linear_name(sources[projection]) if isinstance(job, ExpertJob) else job.prefix,
+             audit_counts(codec.source_format, _readable_linear(sources[projection], tensors),
+                          weights.get(projection) if integer else None))
+            for projection, tensors in stored.items()]
 
 
-def _readable_linear(sources: dict[str, SourceSlice], stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The stored arrays with BF16 bit patterns as the float32 values they hold, for the audits."""
+def _readable_linear(sources: dict[str, SourceSlice], stored: Stored) -> Stored:
     return {suffix: bf16_as_float32(array) if sources[suffix].entry.dtype == "BF16" else array
             for suffix, array in stored.items()}
-
-
-def _expert_canonical(job: ExpertJob, codec: Codec, raw: dict[str, dict[str, torch.Tensor]]
-                      ) -> tuple[dict[str, QuantizedWeight], list[Audit]]:
-    """Decoded; an act-order down projection folded with its gate and up (act_order.fold)."""
-    weights = {projection: _decoded(codec.decode_source, job.sources[projection], raw[projection])
-               for projection in ("gate", "up")}
-    down, inputs = _decoded(codec.decode_ordered, job.sources["down"], raw["down"])
-    weights = {**act_order.fold(weights, inputs), "down": down}
-    return weights, _expert_audits(job, codec, raw, weights)
-
-
-def _expert_audits(job: ExpertJob, codec: Codec, raw: dict[str, dict[str, torch.Tensor]],
-                   weights: dict[str, QuantizedWeight]) -> list[Audit]:
-    return [(_linear_name(job.sources[projection]), audit_counts(codec.source_format, tensors, weights.get(projection)))
-            for projection, tensors in raw.items()]
 
 
 def _linear_name(linear: dict[str, SourceSlice]) -> str:
@@ -204,8 +163,7 @@ def _linear_name(linear: dict[str, SourceSlice]) -> str:
     return next(iter(linear.values())).key.rsplit(".", 1)[0]
 
 
-def _decoded(decode_one: Callable[[dict[str, torch.Tensor]], Any], sources: dict[str, SourceSlice],
-             tensors: dict[str, torch.Tensor]) -> Any:
+def _decoded(decode_one: Callable[[Stored], Any], sources: dict[str, SourceSlice], tensors: Stored) -> Any:
     """`decode_one` (one of the codec's) of one source linear; a refusal names the file and the linear."""
     try:
         return decode_one(tensors)

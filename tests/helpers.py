@@ -140,7 +140,7 @@ def converted_weights(output: Path, source: Path, backend: str, trust: str | Non
         for job in plan.jobs:
             if isinstance(job, CopyJob):
                 continue
-            blocks = {suffix: reader.read_slice(converted.tensors[slot.tensor.name], slot.offset, slot.shape)
+            blocks = {suffix: reader.read_raw_slice(converted.tensors[slot.tensor.name], slot.offset, slot.shape)
                       for suffix, slot in job.slots.items()}
             decoded = transform.decode(job, plan.codec, blocks)
             if isinstance(job, LinearJob):

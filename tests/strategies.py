@@ -1,9 +1,11 @@
 """Hypothesis strategies for canonical weights, with edge values forced in."""
 
+import numpy as np
 import torch
 from hypothesis import strategies as st
 
 from moeconv.canonical import QuantizedWeight, groups_of
+from moeconv.synth import stored_array
 
 
 @st.composite
@@ -29,7 +31,8 @@ def quantized_weights(draw, bits: int, symmetric: bool, group_size: int, k_multi
 
 def random_canonical(generator: torch.Generator, bits: int, symmetric: bool, out_features: int, in_features: int,
                      groups: int, scale_dtype=torch.float16) -> QuantizedWeight:
-    """Random codes, zeros and scales, with code and zero point 0 at the first and 2^b − 1 at the last place."""
+    """Random codes, zeros and scales, with code and zero point 0 at the first and 2^b − 1 at the last place
+    (drawn with torch's generator, in the stored form: BF16 scales as their uint16 bit patterns)."""
     top = (1 << bits) - 1
     codes = torch.randint(0, top + 1, (out_features, in_features), dtype=torch.uint8, generator=generator)
     codes[0, 0], codes[-1, -1] = 0, top
@@ -38,7 +41,8 @@ def random_canonical(generator: torch.Generator, bits: int, symmetric: bool, out
         zeros = torch.randint(0, top + 1, (out_features, groups), dtype=torch.uint8, generator=generator)
         zeros[0, 0], zeros[-1, -1] = 0, top
     scales = (torch.rand(out_features, groups, generator=generator) * 0.1 + 1e-4).to(scale_dtype)
-    return QuantizedWeight(codes=codes, zeros=zeros, scales=scales, bits=bits, group_size=in_features // groups)
+    return QuantizedWeight(codes=codes.numpy(), zeros=None if zeros is None else zeros.numpy(),
+                           scales=stored_array(scales), bits=bits, group_size=in_features // groups)
 
 
 @st.composite
@@ -53,17 +57,21 @@ def decoded_linears(draw, source, out_features: int, in_features: int, scale_dty
 
 def weight_rows(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
     """Output channels [start, stop) of a canonical weight: one tensor-parallel rank's slice of N."""
-    return QuantizedWeight(weight.codes[start:stop].contiguous(),
-                           None if weight.zeros is None else weight.zeros[start:stop].contiguous(),
-                           weight.scales[start:stop].contiguous(), weight.bits, weight.group_size)
+    return QuantizedWeight(weight.codes[start:stop], None if weight.zeros is None else weight.zeros[start:stop],
+                           weight.scales[start:stop], weight.bits, weight.group_size)
 
 
 def weight_columns(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
     """Input channels [start, stop) (whole groups) of a canonical weight: one rank's slice of K."""
     g = weight.group_size
     if weight.scales.shape[1] == 1:  # channel-wise: each slice of K keeps the one group of its channel
-        return QuantizedWeight(weight.codes[:, start:stop].contiguous(), weight.zeros, weight.scales, weight.bits,
-                               stop - start)
-    return QuantizedWeight(weight.codes[:, start:stop].contiguous(),
-                           None if weight.zeros is None else weight.zeros[:, start // g:stop // g].contiguous(),
-                           weight.scales[:, start // g:stop // g].contiguous(), weight.bits, g)
+        return QuantizedWeight(weight.codes[:, start:stop], weight.zeros, weight.scales, weight.bits, stop - start)
+    return QuantizedWeight(weight.codes[:, start:stop],
+                           None if weight.zeros is None else weight.zeros[:, start // g:stop // g],
+                           weight.scales[:, start // g:stop // g], weight.bits, g)
+
+
+def as_tensors(stored: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Stored arrays (a codec's output) as the torch tensors an engine loads: uint16 is BF16's bit patterns."""
+    return {name: torch.from_numpy(array).view(torch.bfloat16) if array.dtype == np.uint16 else torch.from_numpy(array)
+            for name, array in stored.items()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -25,6 +26,7 @@ from moeconv.canonical import QuantizedWeight
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.errors import MoeconvError
 from moeconv.formats import GPTQ, CompressedTensors
+from moeconv.packing import as_float32
 from moeconv import transform
 from moeconv.plan import make_plan
 from moeconv.worklist import ExpertJob
@@ -37,15 +39,22 @@ DATA = Path(__file__).parent / "data" / "gptqmodel_act_order"
 
 def _act_order_weight(weight: QuantizedWeight, g_idx: torch.Tensor) -> torch.Tensor:
     """The float64 weight an act-order GPTQ linear means, read straight from the definition."""
-    zeros = weight.effective_zeros().double()[:, g_idx.long()]
-    return (weight.codes.double() - zeros) * weight.scales.double()[:, g_idx.long()]
+    groups = g_idx.numpy().astype(np.int64)
+    zeros = weight.effective_zeros().astype(np.float64)[:, groups]
+    scales = as_float32(weight.scales).astype(np.float64)[:, groups]
+    return torch.from_numpy((weight.codes.astype(np.float64) - zeros) * scales)
 
 
-def _stored(fmt, weight: QuantizedWeight, g_idx: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The format's tensors of `weight` with `g_idx` (GPTQ's g_idx, compressed-tensors' weight_g_idx) in
+def _dense(weight: QuantizedWeight) -> torch.Tensor:
+    """A canonical weight in float64, as a tensor (for torch's silu and matmuls)."""
+    return torch.from_numpy(weight.dequantize(np.float64))
+
+
+def _stored(fmt, weight: QuantizedWeight, g_idx: torch.Tensor) -> dict[str, np.ndarray]:
+    """The format's stored arrays of `weight` with `g_idx` (GPTQ's g_idx, compressed-tensors' weight_g_idx) in
     place of k // g (codes, zeros and scales are packed by column and by group index alike, whatever the
     grouping)."""
-    return {**fmt.encode(weight), fmt.group_index_suffix: g_idx.to(torch.int32)}
+    return {**fmt.encode(weight), fmt.group_index_suffix: g_idx.to(torch.int32).numpy()}
 
 
 @settings(max_examples=60, deadline=None)
@@ -64,15 +73,15 @@ def test_an_act_order_linear_decodes_to_its_inputs_permuted_exactly(bits, sym, g
     else:
         fmt = GPTQ(bits, group_size, sym=sym, checkpoint_format=version)
     if bits == 4 and not sym and version == "gptq":
-        weight.zeros.clamp_(min=1)  # v1 cannot store a zero of 0 cleanly (formats/gptq.py)
+        np.maximum(weight.zeros, 1, out=weight.zeros)  # v1 cannot store a zero of 0 cleanly (formats/gptq.py)
     decoded, inputs = fmt.decode_ordered(_stored(fmt, weight, g_idx))
     truth = _act_order_weight(weight, g_idx)
     if torch.equal(g_idx, torch.arange(k) // group_size):
         assert inputs is None
-        assert torch.equal(decoded.dequantize(torch.float64), truth)
+        assert torch.equal(_dense(decoded), truth)
         return
     assert inputs is not None and sorted(inputs.tolist()) == list(range(k))
-    assert torch.equal(decoded.dequantize(torch.float64), truth[:, inputs])
+    assert torch.equal(_dense(decoded), truth[:, inputs])
     with pytest.raises(MoeconvError, match="act-order permutation"):
         fmt.decode(_stored(fmt, weight, g_idx))
 
@@ -94,9 +103,8 @@ def test_folding_keeps_the_expert_function(sym, seed):
     def expert(w_gate, w_up, w_down):
         return (torch.nn.functional.silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
 
-    source = expert(gate.dequantize(torch.float64), up.dequantize(torch.float64), _act_order_weight(down, g_idx))
-    result = expert(folded["gate"].dequantize(torch.float64), folded["up"].dequantize(torch.float64),
-                    folded_down.dequantize(torch.float64))
+    source = expert(_dense(gate), _dense(up), _act_order_weight(down, g_idx))
+    result = expert(_dense(folded["gate"]), _dense(folded["up"]), _dense(folded_down))
     torch.testing.assert_close(result, source, rtol=1e-12, atol=1e-12)  # only the summation order differs
 
 
@@ -108,7 +116,7 @@ def test_folding_keeps_the_expert_function(sym, seed):
     (torch.arange(96) // 16, act_order.IRREGULAR),  # labels past the last group
 ])
 def test_group_order_kinds(g_idx, kind):
-    assert act_order.group_order(g_idx.to(torch.int32), 32).kind == kind
+    assert act_order.group_order(g_idx.to(torch.int32).numpy(), 32).kind == kind
 
 
 def test_relabelled_groups_decode_exactly_and_need_no_fold():
@@ -118,7 +126,7 @@ def test_relabelled_groups_decode_exactly_and_need_no_fold():
     fmt = GPTQ(4, 32, sym=False, checkpoint_format="gptq_v2")
     decoded, inputs = fmt.decode_ordered(_stored(fmt, weight, g_idx))
     assert inputs is None
-    assert torch.equal(decoded.dequantize(torch.float64), _act_order_weight(weight, g_idx))
+    assert torch.equal(_dense(decoded), _act_order_weight(weight, g_idx))
 
 
 # ------------------------------------------------------------------ the real GPTQModel checkpoints
@@ -128,7 +136,8 @@ def test_gptqmodel_wrote_act_order_only_where_asked():
     """The data is what it claims: down_only has act-order on every routed down_proj and nowhere else."""
     for variant, permuted in (("down_only", {"down_proj"}), ("everywhere", {"gate_proj", "up_proj", "down_proj"})):
         tensors = load_file(str(DATA / variant / "model.safetensors"))
-        kinds = {name: act_order.group_order(value, 32).kind for name, value in tensors.items() if name.endswith(".g_idx")}
+        kinds = {name: act_order.group_order(value.numpy(), 32).kind for name, value in tensors.items()
+                 if name.endswith(".g_idx")}
         expert = {name.split(".")[-2] for name, kind in kinds.items() if kind == act_order.PERMUTED and ".experts." in name}
         assert expert == permuted, (variant, expert)
         if variant == "down_only":
@@ -137,9 +146,9 @@ def test_gptqmodel_wrote_act_order_only_where_asked():
 
 def _output_expert(plan, job: ExpertJob, out_tensors, reader) -> dict[str, torch.Tensor]:
     """The float64 gate, up and down an output file holds for one expert (its own layout decoded)."""
-    blocks = {suffix: reader.read_slice(out_tensors[slot.tensor.name], slot.offset, slot.shape)
+    blocks = {suffix: reader.read_raw_slice(out_tensors[slot.tensor.name], slot.offset, slot.shape)
               for suffix, slot in job.slots.items()}
-    return {p: w.dequantize(torch.float64) for p, w in transform.decode(job, plan.codec, blocks).items()}
+    return {p: _dense(w) for p, w in transform.decode(job, plan.codec, blocks).items()}
 
 
 @pytest.mark.parametrize("backend", list(REGISTRY))
@@ -203,18 +212,18 @@ def test_real_compressed_tensors_actorder_group_reads_as_permuted_inputs(case, s
     scales group by group, and the weight equals the library's own decompression, permuted."""
     t = {key.split(".", 1)[1]: value for key, value in load_file(str(CT_DATA)).items() if key.startswith(f"{case}.")}
     fmt = CompressedTensors(bits=4, group_size=32, symmetric=symmetric)
-    stored = {key: t[key] for key in ("weight_packed", "weight_scale", "weight_shape", "weight_g_idx", "weight_zero_point")
-              if key in t}
+    stored = {key: t[key].numpy() for key in ("weight_packed", "weight_scale", "weight_shape", "weight_g_idx",
+                                              "weight_zero_point") if key in t}
     with pytest.raises(MoeconvError, match="act-order"):
         fmt.decode(stored)
     weight, inputs = fmt.decode_ordered(stored)
+    inputs = torch.from_numpy(inputs)
     assert torch.equal(t["weight_g_idx"][inputs].long(), torch.arange(128) // 32)
-    assert torch.equal(weight.codes, t["codes"][:, inputs])
-    assert torch.equal(weight.effective_zeros(), t["zeros"])
-    assert torch.equal(weight.scales, t["scales"])
+    assert torch.equal(torch.from_numpy(weight.codes), t["codes"][:, inputs])
+    assert torch.equal(torch.from_numpy(weight.effective_zeros()), t["zeros"])
+    assert torch.equal(torch.from_numpy(weight.scales), t["scales"])
     # the library dequantizes in float16: one rounding of s·(q − z)
-    torch.testing.assert_close(weight.dequantize(torch.float64).float(), t["decompressed"][:, inputs],
-                               rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(_dense(weight).float(), t["decompressed"][:, inputs], rtol=1e-3, atol=1e-6)
 
 
 def test_a_compressed_tensors_checkpoint_with_actorder_group_on_down_folds(tmp_path):
@@ -257,11 +266,11 @@ def test_a_compressed_tensors_checkpoint_with_actorder_group_on_down_folds(tmp_p
         job = plan.layer_jobs[plan.layers[0].module][1]
         with TensorReader() as reader:
             w = _output_expert(plan, job, open_checkpoint(out).tensors, reader)
-            raw = {p: {s: reader.read(piece.entry) for s, piece in linear.items()} for p, linear in job.sources.items()}
+            raw = {p: {s: reader.read_raw(piece.entry) for s, piece in linear.items()} for p, linear in job.sources.items()}
         prefix = f"{plan.layers[0].module}.1.down_proj"
         source_down = _act_order_weight(static.decode({k: v for k, v in raw["down"].items() if k != "weight_g_idx"}),
                                         g_idx[prefix])
-        gate, up = (static.decode(raw[p]).dequantize(torch.float64) for p in ("gate", "up"))
+        gate, up = (_dense(static.decode(raw[p])) for p in ("gate", "up"))
         x = torch.randn(4, 64, generator=gen, dtype=torch.float64)
         ours = (torch.nn.functional.silu(x @ w["gate"].T) * (x @ w["up"].T)) @ w["down"].T
         theirs = (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ source_down.T
@@ -270,8 +279,8 @@ def test_a_compressed_tensors_checkpoint_with_actorder_group_on_down_folds(tmp_p
 
 def test_relabelled_groups_on_every_projection_are_checked_in_numpy(tmp_path):
     """A compressed-tensors MoE (actorder "group") whose experts store a weight_g_idx that relabels whole groups
-    (group 1's channels first): no fold, only the scales reordered, so verify decodes both sides in numpy
-    (Plan.checks_need_torch false) and every backend's output is bit-exact against that reading."""
+    (group 1's channels first): no fold, only the scales reordered, and every backend's output is bit-exact
+    against that reading."""
     import json
 
     from safetensors.torch import save_file
@@ -296,7 +305,6 @@ def test_relabelled_groups_on_every_projection_are_checked_in_numpy(tmp_path):
 
     assert set(moeconv.inspect(source)["act_order"].values()) == {act_order.RELABELLED}
     for backend in REGISTRY:
-        assert not make_plan(source, backend=backend).checks_need_torch, backend
         moeconv.convert(source, tmp_path / backend, backend=backend)
         report = moeconv.verify(tmp_path / backend, level="lossless")
         assert report.ok and all(layer.experts_exact == layer.experts_checked > 0 for layer in report.layers), \

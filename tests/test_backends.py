@@ -5,6 +5,7 @@ registry is covered here without editing this file (it replaces one copy per bac
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -12,8 +13,8 @@ from hypothesis import strategies as st
 
 from moeconv.backends import REGISTRY, all_backends, get_backend
 from moeconv.backends.base import ExpertWeights
-from moeconv.canonical import MoELayerShape, QuantizedWeight, stored_arrays
-from moeconv.spec import TORCH_DTYPES
+from moeconv.canonical import MoELayerShape, QuantizedWeight
+from moeconv.checkpoint.reader import NUMPY_DTYPES
 from moeconv.formats import AWQ, GPTQ, CompressedTensors
 
 from strategies import decoded_linears
@@ -60,7 +61,7 @@ def test_round_trip_through_every_backend(backend_name, source, data, scale_dtyp
     for suffix, tensor in slices.items():
         spec = specs[suffix]
         assert tuple(tensor.shape) == (spec.shape if spec.per_expert else spec.shape[1:]), suffix
-        assert tensor.dtype == TORCH_DTYPES[spec.dtype], suffix
+        assert tensor.dtype == NUMPY_DTYPES[spec.dtype], suffix  # the stored form: BF16 as uint16
         assert set(spec.derives_from) <= {"gate", "up", "down"} and spec.derives_from, suffix
     decoded = backend.decode_expert(slices, shape)
     for projection in ("gate", "up", "down"):
@@ -97,20 +98,22 @@ def test_every_output_records_what_it_targets(tmp_path):
 def test_every_16_bit_scale_comes_back_from_float32_scales(name, w8a8, dtype):
     """The layouts that store float32 scales (the x86 cpu ones, triton's int8): every one of the 65,536
     float16 or bfloat16 patterns, NaNs (signalling ones too) and infinities included, as an expert's scales,
-    encoded and decoded in numpy (`decode_expert_stored`), is the same pattern. torch's own float16 -> float32
-    cast quiets a signalling NaN; the encoders widen exactly (packing.float32_tensor)."""
+    encoded and decoded, is the same pattern. torch's own float16 -> float32 cast quiets a signalling NaN;
+    the encoders widen exactly (packing.as_float32)."""
     backend = get_backend(name)
-    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(TORCH_DTYPES[dtype])
+    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)  # BF16's stored form: its bit patterns
+    patterns = patterns.view(np.float16) if dtype == "F16" else patterns
     if w8a8:  # one scale per channel: the gate's and the up's 32,768 channels hold the patterns
         shape = MoELayerShape(1, 32, 1 << 15, 8, -1, True, dtype, activation_bits=8)
         scales = (patterns[: 1 << 15, None], patterns[1 << 15:, None], patterns[:32, None])
     else:  # groups of 4 along K = 1,024: each projection's (1,024, 256) scales hold the patterns 4 times
         shape = MoELayerShape(1, 1024, 1024, 4, 4, True, dtype)
-        scales = (patterns.reshape(1024, 64).repeat(1, 4),) * 3
-    weights = [QuantizedWeight(codes=torch.randint(0, 1 << shape.bits, (s.shape[0], k), dtype=torch.uint8),
-                               zeros=None, scales=s.contiguous(), bits=shape.bits, group_size=k // s.shape[1])
+        scales = (np.tile(patterns.reshape(1024, 64), (1, 4)),) * 3
+    rng = np.random.default_rng(0)
+    weights = [QuantizedWeight(codes=rng.integers(0, 1 << shape.bits, (s.shape[0], k), dtype=np.uint8),
+                               zeros=None, scales=np.ascontiguousarray(s), bits=shape.bits, group_size=k // s.shape[1])
                for s, k in zip(scales, (shape.hidden, shape.hidden, shape.intermediate))]
     slices = backend.encode_expert(ExpertWeights(*weights), shape)
-    decoded = backend.decode_expert_stored(stored_arrays(slices), shape).as_tensors()
+    decoded = backend.decode_expert(slices, shape)
     for projection, weight, back in zip(ExpertWeights._fields, weights, decoded):
         assert back.mismatch(weight) is None, projection

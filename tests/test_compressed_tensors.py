@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -30,6 +31,7 @@ from moeconv.kernels.fused_moe import GemmConfig, align_tokens_to_experts
 from moeconv.kernels.int8_moe import int8_fused_moe, int8_moe_gemm, quantize_per_token
 from moeconv.kernels.reference import random_routing, reference_fused_moe, relative_error
 from moeconv.kernels.runners import W8A8_NUMERICS_TOLERANCE
+from moeconv.synth import stored_array
 
 from helpers import cli, packers_python, synth
 from strategies import quantized_weights
@@ -64,30 +66,30 @@ def test_decode_encode_round_trip(source, data):
 
 def test_pack_quantized_hand_checked():
     # Signed values q = -8..7 along K are codes 0..15 (offset 8): value j of a word at bits 4j.
-    q = torch.arange(-8, 8).repeat(8, 2)  # (N=8, K=32)
-    zp = torch.arange(-8, 0)  # one zero point per row, signed; stored offset-binary along N
-    weight_packed = torch.tensor([[0x76543210, 0xFEDCBA98 - (1 << 32)] * 2] * 8, dtype=torch.int32)
-    weight_zero_point = torch.tensor([[0x76543210]], dtype=torch.int32)
+    q = np.tile(np.arange(-8, 8), (8, 2))  # (N=8, K=32)
+    zp = np.arange(-8, 0)  # one zero point per row, signed; stored offset-binary along N
+    weight_packed = np.array([[0x76543210, 0xFEDCBA98 - (1 << 32)] * 2] * 8, dtype=np.int32)
+    weight_zero_point = np.array([[0x76543210]], dtype=np.int32)
     decoded = CompressedTensors(bits=4, group_size=-1, symmetric=False).decode({
-        "weight_packed": weight_packed, "weight_scale": torch.ones(8, 1, dtype=torch.float16),
-        "weight_shape": torch.tensor([8, 32]), "weight_zero_point": weight_zero_point})
-    assert torch.equal(decoded.codes.to(torch.int64), q + 8)
+        "weight_packed": weight_packed, "weight_scale": np.ones((8, 1), dtype=np.float16),
+        "weight_shape": np.array([8, 32]), "weight_zero_point": weight_zero_point})
+    assert np.array_equal(decoded.codes.astype(np.int64), q + 8)
     assert decoded.zeros[:, 0].tolist() == (zp + 8).tolist()  # the TRUE zero: no ±1 anywhere
-    assert torch.equal(decoded.dequantize(torch.float64), (q - zp[:, None]).double())
+    assert np.array_equal(decoded.dequantize(np.float64), (q - zp[:, None]).astype(np.float64))
 
 
 def test_int8_codes_are_the_signed_bytes_plus_128():
-    weight = torch.tensor([[-128, -1, 0, 127]], dtype=torch.int8)
-    decoded = W8A8.decode({"weight": weight, "weight_scale": torch.ones(1, 1, dtype=torch.bfloat16)})
+    weight = np.array([[-128, -1, 0, 127]], dtype=np.int8)
+    decoded = W8A8.decode({"weight": weight, "weight_scale": stored_array(torch.ones(1, 1, dtype=torch.bfloat16))})
     assert decoded.codes.tolist() == [[0, 127, 128, 255]]
     assert decoded.zeros is None and decoded.group_size == 4
-    assert decoded.dequantize(torch.float64).tolist() == [[-128.0, -1.0, 0.0, 127.0]]
+    assert decoded.dequantize(np.float64).tolist() == [[-128.0, -1.0, 0.0, 127.0]]
 
 
 def test_weight_shape_must_match_the_packed_tensor():
-    tensors = W4A16.encode(QuantizedWeight(torch.zeros(8, 128, dtype=torch.uint8), None,
-                                           torch.ones(8, 1, dtype=torch.float16), 4, 128))
-    tensors["weight_shape"] = torch.tensor([8, 120])
+    tensors = W4A16.encode(QuantizedWeight(np.zeros((8, 128), dtype=np.uint8), None,
+                                           np.ones((8, 1), dtype=np.float16), 4, 128))
+    tensors["weight_shape"] = np.array([8, 120])
     with pytest.raises(MoeconvError, match=r"weight_shape says \[8, 120\]"):
         W4A16.decode(tensors)
 
@@ -227,19 +229,19 @@ def _w8a8_layer(experts=1, hidden=4, intermediate=2, **changes) -> MoELayerShape
 
 def test_triton_w8a8_hand_checked_bytes():
     def weight(rows):
-        codes = torch.tensor(rows, dtype=torch.uint8)
+        codes = np.array(rows, dtype=np.uint8)
         scales = torch.arange(1, codes.shape[0] + 1, dtype=torch.bfloat16)[:, None] / 64
-        return QuantizedWeight(codes, None, scales, 8, codes.shape[1])
+        return QuantizedWeight(codes, None, stored_array(scales), 8, codes.shape[1])
 
     gate, up = weight([[0, 127, 128, 255], [1, 2, 3, 4]]), weight([[255, 255, 0, 0], [128, 128, 128, 128]])
     down = weight([[0, 255], [128, 129], [7, 8], [200, 100]])
     layer = _w8a8_layer()
     slices = TritonBackend().encode_expert(ExpertWeights(gate, up, down), layer)
-    assert slices["w13_weight"].dtype == torch.int8
+    assert slices["w13_weight"].dtype == np.int8
     assert slices["w13_weight"].tolist() == [[-128, -1, 0, 127], [-127, -126, -125, -124], [127, 127, -128, -128],
                                              [0, 0, 0, 0]]
     assert slices["w2_weight"].tolist() == [[-128, 127], [0, 1], [-121, -120], [72, -28]]
-    assert slices["w13_weight_scale"].dtype == torch.float32
+    assert slices["w13_weight_scale"].dtype == np.float32
     assert slices["w13_weight_scale"].flatten().tolist() == [1 / 64, 2 / 64, 1 / 64, 2 / 64]
     specs = {spec.name: (spec.shape, spec.dtype) for spec in TritonBackend().layer_tensors(layer)}
     assert specs == {"w13_weight": ((1, 4, 4), "I8"), "w13_weight_scale": ((1, 4, 1), "F32"),
@@ -389,13 +391,13 @@ def test_real_compressed_tensors_packer(ct_packed, case):
     t = {key.removeprefix(case.name + "."): value for key, value in ct_packed.items()
          if key.startswith(case.name + ".")}
     fmt = _ct_format(case)
-    stored = {suffix: t[suffix] for suffix in fmt.suffixes()}
+    stored = {suffix: stored_array(t[suffix]) for suffix in fmt.suffixes()}
     assert set(fmt.suffixes()) == {key for key in t if key.startswith("weight")}
-    intended = QuantizedWeight(t["codes"], None if case.sym else t["zeros"], t["scales"], case.bits,
-                               case.k // case.groups)
+    intended = QuantizedWeight(t["codes"].numpy(), None if case.sym else t["zeros"].numpy(), stored_array(t["scales"]),
+                               case.bits, case.k // case.groups)
     assert fmt.decode(stored).mismatch(intended) is None
-    for suffix, tensor in fmt.encode(intended).items():
-        assert tensor.dtype == stored[suffix].dtype and torch.equal(tensor, stored[suffix]), suffix
+    for suffix, array in fmt.encode(intended).items():
+        assert array.dtype == stored[suffix].dtype and np.array_equal(array, stored[suffix]), suffix
     if "unpacked" in t:  # compressed-tensors' own unpacking gives q = code - 2^(b-1)
         assert torch.equal(t["unpacked"].to(torch.int16) + (1 << (case.bits - 1)), t["codes"].to(torch.int16))
 
@@ -406,10 +408,10 @@ def test_the_engine_scale_cast_is_counted_and_an_overflow_fails():
     from moeconv.audit import Audits
 
     audits = Audits()
-    audits.record_cast(torch.tensor([1.0, 1.0 + 2**-10, 0.5, 3.0 + 2**-9], dtype=torch.float16), "float16", "bfloat16")
+    audits.record_cast(np.array([1.0, 1.0 + 2**-10, 0.5, 3.0 + 2**-9], dtype=np.float16), "float16", "bfloat16")
     assert audits.casts["checked"] == 4 and audits.casts["changed"] == 2 and audits.casts["overflow"] == 0
     assert audits.casts["max_relative_change"] == pytest.approx(2**-10 / (1.0 + 2**-10))  # beats 2^-9 / 3
-    audits.record_cast(torch.tensor([131072.0, 2.0], dtype=torch.bfloat16), "bfloat16", "float16")  # > 65504: inf
+    audits.record_cast(stored_array(torch.tensor([131072.0, 2.0], dtype=torch.bfloat16)), "bfloat16", "float16")  # inf
     assert audits.casts["overflow"] == 1 and audits.casts["checked"] == 6
 
 
@@ -433,7 +435,7 @@ def test_the_cast_audit_counts_what_torchs_own_cast_does(values, pair):
     overflow = finite & ~torch.isfinite(cast)
     kept = finite & ~overflow & (scales != 0)
     audits = Audits()
-    audits.record_cast(scales, *pair)
+    audits.record_cast(stored_array(scales), *pair)
     assert audits.casts["checked"] == int(finite.sum())
     assert audits.casts["changed"] == int(changed.sum())
     assert audits.casts["overflow"] == int(overflow.sum())

@@ -9,6 +9,7 @@ import math
 import re
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -17,7 +18,7 @@ from safetensors import safe_open
 
 from moeconv.backends.cpu import CpuBackend
 from moeconv.backends.base import ExpertWeights
-from moeconv.backends.cpu import block_int4, vnni_suffixes
+from moeconv.backends.cpu import BlockedInt4, block_int4, vnni_suffixes
 from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.errors import MoeconvError
@@ -25,7 +26,7 @@ from moeconv.formats import AWQ, GPTQ, CompressedTensors
 from moeconv.kernels.reference import random_routing, reference_fused_moe, relative_error
 from moeconv.kernels.cpu_reference import blocked_linear, cpu_fused_moe, quantize_rows, vnni_linear
 from moeconv.plan import make_plan
-from moeconv.synth import SynthSpec, make_checkpoint, quantize, random_weight
+from moeconv.synth import SynthSpec, make_checkpoint, quantize, random_weight, stored_array
 from moeconv.kernels.runners import W8A8_NUMERICS_TOLERANCE
 from moeconv.verification import verify
 
@@ -38,11 +39,26 @@ backend = CpuBackend()
 def _codes_weight(out_features, in_features, group_size, code, zero) -> QuantizedWeight:
     """A weight whose codes and zero points are given by formulas of (n, k) and (n, group)."""
     groups = in_features // group_size
-    codes = torch.tensor([[code(n, k) for k in range(in_features)] for n in range(out_features)], dtype=torch.uint8)
-    zeros = None if zero is None else torch.tensor([[zero(n, g) for g in range(groups)] for n in range(out_features)],
-                                                   dtype=torch.uint8)
-    scales = torch.arange(out_features * groups, dtype=torch.float16).reshape(out_features, groups) / 64
+    codes = np.array([[code(n, k) for k in range(in_features)] for n in range(out_features)], dtype=np.uint8)
+    zeros = None if zero is None else np.array([[zero(n, g) for g in range(groups)] for n in range(out_features)],
+                                               dtype=np.uint8)
+    scales = np.arange(out_features * groups, dtype=np.float16).reshape(out_features, groups) / np.float16(64)
     return QuantizedWeight(codes, zeros, scales, 4, group_size)
+
+
+def _dense(weight: QuantizedWeight) -> torch.Tensor:
+    """A canonical weight in float64, as a tensor (for the references)."""
+    return torch.from_numpy(weight.dequantize(np.float64))
+
+
+def _blocked(weight: QuantizedWeight) -> BlockedInt4:
+    """`block_int4`'s arrays as the tensors the kernel model reads."""
+    return BlockedInt4(*(torch.from_numpy(array) for array in block_int4(weight)))
+
+
+def _slices(tensors: dict[str, torch.Tensor], expert: int) -> dict[str, np.ndarray]:
+    """One expert's slices of stacked layer tensors, as the stored arrays a decoder reads (copies)."""
+    return {name: tensor[expert].numpy().copy() for name, tensor in tensors.items()}
 
 
 def _expected_blocks(weight: QuantizedWeight, block_k: int) -> list:
@@ -94,7 +110,7 @@ def test_hand_checked_bytes():
 def test_symmetric_layers_store_zero_point_8():
     weight = _codes_weight(32, 64, 64, lambda n, k: (n * k) % 16, None)
     blocked = block_int4(weight)
-    assert blocked.zeros.dtype == torch.int8 and bool((blocked.zeros == 8).all())
+    assert blocked.zeros.dtype == np.int8 and bool((blocked.zeros == 8).all())
     assert blocked.qweight.tolist() == _expected_blocks(weight, 64)
 
 
@@ -113,9 +129,9 @@ def _random_layer(hidden, intermediate, experts, group_size=-1, symmetric=True, 
     weights = [ExpertWeights(linear(intermediate, hidden), linear(intermediate, hidden), linear(hidden, intermediate))
                for _ in range(experts)]
     slices = [backend.encode_expert(expert, shape) for expert in weights]
-    tensors = {suffix: torch.stack([s[suffix] for s in slices]) for suffix in slices[0]}
-    w13 = torch.stack([torch.cat([w.gate.dequantize(torch.float64), w.up.dequantize(torch.float64)]) for w in weights])
-    w2 = torch.stack([w.down.dequantize(torch.float64) for w in weights])
+    tensors = {suffix: torch.from_numpy(np.stack([s[suffix] for s in slices])) for suffix in slices[0]}
+    w13 = torch.stack([torch.cat([_dense(w.gate), _dense(w.up)]) for w in weights])
+    w2 = torch.stack([_dense(w.down) for w in weights])
     return shape, weights, tensors, w13, w2
 
 
@@ -125,12 +141,12 @@ def test_w4a8_gemm_error_is_the_activation_rounding_error():
     _, weights, _, _, _ = _random_layer(512, 256, 1, 128, symmetric=False)
     weight = weights[0].gate
     x = torch.randn(64, 512, generator=torch.Generator().manual_seed(1)).to(torch.float16)
-    dense = weight.dequantize(torch.float64)
+    dense = _dense(weight)
     reference = x.double() @ dense.T
     _, steps = quantize_rows(x)
     predicted = math.sqrt(float((steps.double() ** 2).sum()) / 12) * float(dense.norm()) / float(reference.norm())
-    w4a8 = relative_error(blocked_linear(x, block_int4(weight)), reference)
-    w4a16 = relative_error(blocked_linear(x, block_int4(weight), quantize_activations=False), reference)
+    w4a8 = relative_error(blocked_linear(x, _blocked(weight)), reference)
+    w4a16 = relative_error(blocked_linear(x, _blocked(weight), quantize_activations=False), reference)
     assert 0.9 < w4a8 / predicted < 1.1, (w4a8, predicted)
     assert w4a16 < predicted / 1000
 
@@ -170,11 +186,11 @@ def test_blocked_reference_against_the_float_reference(hidden, intermediate, gro
     ("w13_blocked_qweight", (0, 0, 5), lambda b: b ^ 0x10, "w13_blocked_qweight: 1 compensation sum(s) disagree"),
     ("w2_blocked_qweight", (1, 0, -1), lambda b: b ^ 0x01, "w2_blocked_qweight: 1 compensation sum(s) disagree"),
     ("w13_blocked_zeros", (0, 0, 3), lambda z: z + 1, "w13_blocked_qweight: 1 compensation sum(s) disagree"),
-    ("w2_blocked_scales", (0, 0, 0), lambda s: torch.nextafter(s, s + 1), "w2_blocked_scales: scales that are not"),
+    ("w2_blocked_scales", (0, 0, 0), lambda s: np.nextafter(s, s + 1), "w2_blocked_scales: scales that are not"),
 ])
 def test_decode_refuses_bytes_no_canonical_weight_encodes_to(suffix, index, change, message):
     shape, _, tensors, _, _ = _random_layer(64, 32, 1, 32, symmetric=False)
-    slices = {name: tensor[0].clone() for name, tensor in tensors.items()}
+    slices = _slices(tensors, 0)
     slices[suffix][index] = change(slices[suffix][index])
     with pytest.raises(ValueError, match=re.escape(message)):
         backend.decode_expert(slices, shape)
@@ -182,7 +198,7 @@ def test_decode_refuses_bytes_no_canonical_weight_encodes_to(suffix, index, chan
 
 def test_decode_refuses_symmetric_zeros_other_than_8():
     shape, _, tensors, _, _ = _random_layer(64, 32, 1, 32, symmetric=True)
-    slices = {name: tensor[0].clone() for name, tensor in tensors.items()}
+    slices = _slices(tensors, 0)
     slices["w2_blocked_zeros"][0, 0, 0] = 7
     with pytest.raises(ValueError, match="w2_blocked_zeros: a symmetric layer stores zero point 8"):
         backend.decode_expert(slices, shape)
@@ -224,10 +240,9 @@ def _w8a8_shape(experts=1, hidden=32, intermediate=32, scale_dtype="BF16", **cha
 
 def _int8_weight(out_features, in_features, signed, scale_dtype=torch.bfloat16) -> QuantizedWeight:
     """Canonical codes (w + 128) from a formula w(n, k) of the signed weight."""
-    codes = torch.tensor([[signed(n, k) + 128 for k in range(in_features)] for n in range(out_features)],
-                         dtype=torch.uint8)
+    codes = np.array([[signed(n, k) + 128 for k in range(in_features)] for n in range(out_features)], dtype=np.uint8)
     scales = (torch.arange(1, out_features + 1, dtype=torch.float32)[:, None] / 64).to(scale_dtype)
-    return QuantizedWeight(codes, None, scales, 8, in_features)
+    return QuantizedWeight(codes, None, stored_array(scales), 8, in_features)
 
 
 def _expected_vnni_rows(weights: list[QuantizedWeight]) -> list[list[int]]:
@@ -258,17 +273,17 @@ def test_int8_hand_checked_bytes():
     shape = _w8a8_shape()
     slices = backend.encode_expert(ExpertWeights(gate, up, down), shape)
     w13 = slices["w13_vnni_weight"]
-    assert w13.dtype == torch.int8 and w13.tolist() == _expected_vnni_rows([gate, up])
+    assert w13.dtype == np.int8 and w13.tolist() == _expected_vnni_rows([gate, up])
     assert slices["w2_vnni_weight"].tolist() == _expected_vnni_rows([down])
-    block = w13.view(-1).view(torch.uint8)
+    block = w13.reshape(-1).view(np.uint8)
     # channel 0 at k = 0..3, then channel 1 at k = 0..3: [K/4][32][4]
-    assert block[:8].view(torch.int8).tolist() == [-128, -125, -122, -119, -121, -118, -115, -112]
-    assert block[128:132].view(torch.int8).tolist() == [-116, -113, -110, -107]  # q = 1: channel 0, k = 4..7
+    assert block[:8].view(np.int8).tolist() == [-128, -125, -122, -119, -121, -118, -115, -112]
+    assert block[128:132].view(np.int8).tolist() == [-116, -113, -110, -107]  # q = 1: channel 0, k = 4..7
     # after 32·32 weight bytes: 128·Σ_k (3k − 128) = 128·(1488 − 4096) = −333824 = 0xFFFAE800
     assert block[1024:1028].tolist() == [0x00, 0xE8, 0xFA, 0xFF]
     up_compensation = block[36 * 32 + 1024:][:12].tolist()  # up is block 1, at 32·(K + 4) bytes
     assert up_compensation == [0x00, 0x00, 0xF8, 0xFF, 0x00, 0xF0, 0x07, 0x00, 0, 0, 0, 0]  # −524288, 520192, 0
-    assert slices["w13_weight_scale"].dtype == torch.float32
+    assert slices["w13_weight_scale"].dtype == np.float32
     assert slices["w13_weight_scale"].flatten().tolist() == [n / 64 for n in range(1, 33)] * 2
     specs = {spec.name: (spec.shape, spec.dtype) for spec in backend.layer_tensors(shape)}
     assert specs == {"w13_vnni_weight": ((1, 64, 36), "I8"), "w13_weight_scale": ((1, 64, 1), "F32"),
@@ -290,7 +305,7 @@ def test_int8_round_trip_through_the_source_format(data):
         for row, code in enumerate(edge_rows):
             codes[row] = code
         scales = (torch.rand(out_features, 1, generator=generator) * 0.1 + 1e-4).to(scale_dtype)
-        return W8A8.decode(W8A8.encode(QuantizedWeight(codes, None, scales, 8, in_features)))
+        return W8A8.decode(W8A8.encode(QuantizedWeight(codes.numpy(), None, stored_array(scales), 8, in_features)))
 
     expert = ExpertWeights(linear(intermediate, hidden), linear(intermediate, hidden), linear(hidden, intermediate))
     shape = _w8a8_shape(hidden=hidden, intermediate=intermediate,
@@ -310,7 +325,7 @@ def test_vnni_linear_is_the_exact_w8a8_product():
     _, weights, tensors, _, _ = _random_layer(256, 64, 1, w8a8=True)
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(1)).to(torch.float16)
     codes, row_scales = quantize_rows(x)
-    exact = ((codes - 128).double() * row_scales.double()[:, None]) @ weights[0].gate.dequantize(torch.float64).T
+    exact = ((codes - 128).double() * row_scales.double()[:, None]) @ _dense(weights[0].gate).T
     got = vnni_linear(x, type(vnni_suffixes("w13"))(*(tensors[n][0, :64] for n in vnni_suffixes("w13"))))
     assert relative_error(got, exact) < 1e-6
 
@@ -345,9 +360,9 @@ def test_w8a8_reference_against_the_float_reference(hidden, intermediate):
 ])
 def test_int8_decode_refuses_bytes_no_canonical_weight_encodes_to(suffix, index, message):
     shape, _, tensors, _, _ = _random_layer(64, 32, 1, w8a8=True)
-    slices = {name: tensor[0].clone() for name, tensor in tensors.items()}
+    slices = _slices(tensors, 0)
     if suffix.endswith("scale"):
-        slices[suffix][index] = torch.nextafter(slices[suffix][index], slices[suffix][index] + 1)
+        slices[suffix][index] = np.nextafter(slices[suffix][index], slices[suffix][index] + 1)
     else:
         slices[suffix][index] ^= 0x10
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -408,9 +423,9 @@ def test_converted_experts_decode_to_the_source(converted):
                 with safe_open(str(entry.file), framework="pt") as handle:
                     stacked[spec.name] = handle.get_tensor(entry.name)
             for e, expert in enumerate(layer.experts):
-                decoded = backend.decode_expert({suffix: tensor[e] for suffix, tensor in stacked.items()}, layer.shape)
+                decoded = backend.decode_expert(_slices(stacked, e), layer.shape)
                 for projection, linear in expert.items():
-                    expected = plan.source_format.decode({s: reader.read(entry) for s, entry in linear.items()})
+                    expected = plan.source_format.decode({s: reader.read_raw(entry) for s, entry in linear.items()})
                     assert getattr(decoded, projection).mismatch(expected) is None
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["backend"] == "cpu" and config["has_zp"] == (not plan.source_format.symmetric)
@@ -441,13 +456,13 @@ def _copy(folder, destination):
     return destination
 
 
-def _write_slice(folder, tensor: str, expert: int, data: torch.Tensor) -> None:
+def _write_slice(folder, tensor: str, expert: int, data: np.ndarray) -> None:
     """Overwrite one expert's slice of a stacked tensor and re-sign the manifest, so that only the
     lossless and numerics levels can notice (a converter that is consistent but wrong)."""
     entry = open_checkpoint(folder).tensors[tensor]
     with open(entry.file, "r+b") as handle:
         handle.seek(entry.begin + expert * (entry.nbytes // entry.shape[0]))
-        handle.write(data.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        handle.write(np.ascontiguousarray(data).tobytes())
     reseal(folder, entry.file)
 
 
@@ -464,7 +479,7 @@ def test_one_flipped_weight_byte_fails_verify(converted, tmp_path):
         expert = handle.get_tensor(name)[2]
     flat = expert.view(-1).view(torch.uint8)  # byte 5 of the first block: a weight byte in both layouts
     flat[5] ^= 0x10
-    _write_slice(out, name, 2, expert)
+    _write_slice(out, name, 2, expert.numpy())
     failures = _verify_failures(out)
     assert any(f"{suffix}: 1 compensation" in failure and "disagree" in failure for failure in failures), failures
 
@@ -476,10 +491,10 @@ def test_consistently_wrong_code_fails_verify(converted, tmp_path):
     plan = make_plan(source, backend="cpu")
     layer = next(layer for layer in plan.layers if layer.module == LAYER)
     with TensorReader() as reader:
-        decoded = {projection: plan.source_format.decode({s: reader.read(e) for s, e in linear.items()})
+        decoded = {projection: plan.source_format.decode({s: reader.read_raw(e) for s, e in linear.items()})
                    for projection, linear in layer.experts[3].items()}
     down = decoded["down"]
-    codes = down.codes.clone()
+    codes = down.codes.copy()
     codes[7, 9] ^= 1
     decoded["down"] = QuantizedWeight(codes, down.zeros, down.scales, down.bits, down.group_size)
     slices = backend.encode_expert(ExpertWeights(**decoded), layer.shape)
@@ -495,7 +510,7 @@ def _per_gemm_encoding(weights: list[ExpertWeights]) -> dict[str, torch.Tensor]:
     """What layout version 1 wrote: each GEMM blocked with its own group size (channel-wise: g = K)."""
     experts = []
     for expert in weights:
-        gate, up, down = (block_int4(w) for w in (expert.gate, expert.up, expert.down))
+        gate, up, down = (_blocked(w) for w in (expert.gate, expert.up, expert.down))
         experts.append({"w13_blocked_qweight": torch.cat([gate.qweight, up.qweight]),
                         "w13_blocked_scales": torch.cat([gate.scales, up.scales]),
                         "w13_blocked_zeros": torch.cat([gate.zeros, up.zeros]),
@@ -514,7 +529,7 @@ def test_both_gemms_share_one_group_size(hidden, intermediate, group_size, layer
     config = backend.quantization_config(shape)
     assert (config["group_size"], config["block_k"]) == (layer_group, min(layer_group, 128))
     for e, expert in enumerate(weights):  # lossless: the repeated scales and zeros fold back
-        decoded = backend.decode_expert({name: tensor[e] for name, tensor in tensors.items()}, shape)
+        decoded = backend.decode_expert(_slices(tensors, e), shape)
         for projection in ("gate", "up", "down"):
             assert getattr(decoded, projection).mismatch(getattr(expert, projection)) is None
     generator = torch.Generator().manual_seed(3)

@@ -52,8 +52,8 @@ def read_linears(folder: Path, prefixes: list[str], source_format) -> dict[str, 
     checkpoint = open_checkpoint(folder)
     suffixes = source_format.suffixes()
     with TensorReader() as reader:
-        return {prefix: source_format.decode_stored({suffix: reader.read_raw(checkpoint.tensors[f"{prefix}.{suffix}"])
-                                                     for suffix in suffixes})[0] for prefix in prefixes}
+        return {prefix: source_format.decode({suffix: reader.read_raw(checkpoint.tensors[f"{prefix}.{suffix}"])
+                                              for suffix in suffixes}) for prefix in prefixes}
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -97,21 +97,21 @@ def test_the_quantized_attention_linears_read_as_the_format_s_dense_linears(name
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())
 def test_each_format_writes_and_reads_back_every_byte(cls, scheme, data):
-    """encode_stored then decode_stored: the same codes and scale bytes (the edges forced in) and the same global
+    """encode then decode: the same codes and scale bytes (the edges forced in) and the same global
     scales; a weight in the other convention is written exactly where its reciprocal is a float32, else refused."""
     assert cls.float_scheme == scheme
     weight = data.draw(float_weights(scheme))
     try:
-        stored = cls.encode_stored(weight)
+        stored = cls.encode(weight)
     except ValueError as error:
         assert "no exact float32 reciprocal" in str(error)
         return
-    decoded, _ = cls.decode_stored(stored)
+    decoded = cls.decode(stored)
     assert decoded.mismatch(weight) is None and decoded.scheme == scheme
     other = weight.in_convention(MULTIPLY if scheme.global_convention == DIVIDE else DIVIDE) \
         if scheme.global_convention and np.frexp(float(weight.global_scale))[0] == 0.5 and (
             weight.input_scale is None or np.frexp(float(weight.input_scale))[0] == 0.5) else weight
-    assert cls.decode_stored(cls.encode_stored(other))[0].mismatch(weight) is None
+    assert cls.decode(cls.encode(other)).mismatch(weight) is None
 
 
 def stored_linear(name: str, prefix: str) -> dict[str, np.ndarray]:
@@ -132,7 +132,7 @@ def test_a_reserved_scale_byte_is_refused_naming_the_tensor(name, fmt, suffix, b
     stored = stored_linear(name, "model.layers.1.mlp.experts.2.down_proj")
     stored[suffix][3, 0] = byte
     with pytest.raises(MoeconvError, match=f"^{suffix} holds 1 scale byte.*{said} for NaN .0x{byte:02X} at .3, 0.."):
-        fmt.decode_stored(stored)
+        fmt.decode(stored)
 
 
 @pytest.mark.parametrize("name, fmt, suffix", [("ct-nvfp4", CompressedTensorsFloat(input_scale=True),
@@ -146,7 +146,7 @@ def test_a_zero_or_non_finite_global_scale_is_refused_naming_the_tensor(name, fm
     stored = stored_linear(name, "model.layers.0.mlp.experts.1.gate_proj")
     stored[suffix] = np.full_like(stored[suffix], value)
     with pytest.raises(MoeconvError, match=f"^{suffix} is (0|-?inf|nan)"):
-        fmt.decode_stored(stored)
+        fmt.decode(stored)
 
 
 CT_CONFIG_REFUSALS = [

@@ -1,7 +1,7 @@
 """Source formats: decode ∘ encode is the identity, and decoding matches hand-computed layouts."""
 
+import numpy as np
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -31,9 +31,9 @@ def test_decode_encode_round_trip(source, data):
 def test_awq_interleave_hand_checked():
     # Column c of one k row has code c: slot s of the word holds column (0,2,4,6,1,3,5,7)[s],
     # so the word reads, from slot 7 down to slot 0: 7 5 3 1 6 4 2 0.
-    qweight = torch.tensor([[0x75316420]], dtype=torch.int32).repeat(32, 1)
-    qzeros = torch.tensor([[0x75316420]], dtype=torch.int32)
-    scales = torch.ones(1, 8, dtype=torch.float16)
+    qweight = np.full((32, 1), 0x75316420, dtype=np.int32)
+    qzeros = np.array([[0x75316420]], dtype=np.int32)
+    scales = np.ones((1, 8), dtype=np.float16)
     weight = AWQ(4, 32, True).decode({"qweight": qweight, "qzeros": qzeros, "scales": scales})
     assert weight.codes[:, 0].tolist() == list(range(8))
     assert weight.zeros[:, 0].tolist() == list(range(8))
@@ -41,9 +41,9 @@ def test_awq_interleave_hand_checked():
 
 def test_gptq_v1_decodes_gptqmodel_borrows_exactly():
     # True zeros 0..7 in one word are 0x76543210; GPTQModel's v1 is that minus 0x11111111 = 0x654320FF.
-    qzeros = torch.tensor([[0x654320FF]], dtype=torch.int32)
-    qweight = torch.zeros(4, 8, dtype=torch.int32)
-    scales = torch.ones(1, 8, dtype=torch.float16)
+    qzeros = np.array([[0x654320FF]], dtype=np.int32)
+    qweight = np.zeros((4, 8), dtype=np.int32)
+    scales = np.ones((1, 8), dtype=np.float16)
     weight = GPTQ(4, 32, sym=False).decode({"qweight": qweight, "qzeros": qzeros, "scales": scales})
     assert weight.zeros[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
     # The same word read as v2 is taken literally.
@@ -54,23 +54,23 @@ def test_gptq_v1_decodes_gptqmodel_borrows_exactly():
 
 def test_gptq_counts_all_ones_v1_slots():
     v1 = GPTQ(4, 32, sym=False)
-    assert v1.suspicious_zero_slots(torch.tensor([[0x654320FF]], dtype=torch.int32)) == 2
+    assert v1.suspicious_zero_slots(np.array([[0x654320FF]], dtype=np.int32)) == 2
     assert GPTQ(4, 32, sym=False, checkpoint_format="gptq_v2").suspicious_zero_slots(
-        torch.tensor([[-1]], dtype=torch.int32)) == 0
+        np.array([[-1]], dtype=np.int32)) == 0
 
 
 def test_gptq_qweight_packs_along_k_hand_checked():
     # Column n = 0 holds k = 0..7 with codes 1..8: word 0x87654321 (value j at bits 4j).
-    qweight = torch.tensor([[0x87654321 - (1 << 32)]], dtype=torch.int32)
-    weight = GPTQ(4, -1, sym=True).decode({"qweight": qweight, "scales": torch.ones(1, 1, dtype=torch.float16)})
+    qweight = np.array([[0x87654321 - (1 << 32)]], dtype=np.int32)
+    weight = GPTQ(4, -1, sym=True).decode({"qweight": qweight, "scales": np.ones((1, 1), dtype=np.float16)})
     assert weight.codes.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
     assert weight.group_size == 8 and weight.zeros is None
 
 
 def test_gptq_refuses_act_order():
-    weight = QuantizedWeight(torch.zeros(8, 64, dtype=torch.uint8), None, torch.ones(8, 2, dtype=torch.float16), 4, 32)
+    weight = QuantizedWeight(np.zeros((8, 64), dtype=np.uint8), None, np.ones((8, 2), dtype=np.float16), 4, 32)
     tensors = GPTQ(4, 32, sym=True).encode(weight)
-    tensors["g_idx"] = torch.arange(64, dtype=torch.int32) % 2  # both groups 32 wide, interleaved
+    tensors["g_idx"] = np.arange(64, dtype=np.int32) % 2  # both groups 32 wide, interleaved
     with pytest.raises(MoeconvError, match="act-order"):
         GPTQ(4, 32, sym=True).decode(tensors)
 

@@ -55,9 +55,9 @@ def zeros_converted_with(plan) -> dict[str, torch.Tensor]:
         for layer in plan.layers:
             for expert in layer.experts:
                 for tensors in expert.values():
-                    values = {suffix: reader.read(entry) for suffix, entry in tensors.items()}
+                    values = {suffix: reader.read_raw(entry) for suffix, entry in tensors.items()}
                     prefix = tensors["qweight"].name.removesuffix(".qweight")
-                    found[prefix] = plan.source_format.decode(values).zeros
+                    found[prefix] = torch.from_numpy(plan.source_format.decode(values).zeros)
     return found
 
 

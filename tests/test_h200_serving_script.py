@@ -8,12 +8,13 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from moeconv.formats import GPTQ
-from moeconv.synth import SynthSpec, make_checkpoint
+from moeconv.synth import SynthSpec, make_checkpoint, stored_array
 
 ROOT = Path(__file__).resolve().parent.parent
 ACT_ORDER = ROOT / "tests" / "data" / "gptqmodel_act_order" / "down_only"
@@ -33,10 +34,11 @@ def _decoded(source: Path, fmt: GPTQ, prefix: str) -> torch.Tensor:
     for shard in source.glob("*.safetensors"):
         tensors.update({name.removeprefix(prefix + "."): t for name, t in load_file(str(shard)).items()
                         if name.startswith(prefix + ".")})
-    weight, inputs = fmt.decode_ordered(tensors)
-    dense = weight.dequantize(torch.float64)
+    weight, inputs = fmt.decode_ordered({name: stored_array(tensor) for name, tensor in tensors.items()})
+    dense = torch.from_numpy(weight.dequantize(np.float64))
     if inputs is None:
         return dense
+    inputs = torch.from_numpy(inputs)
     source_order = torch.empty_like(dense)
     source_order[:, inputs] = dense  # the decoder's weight is W[:, P]
     return source_order

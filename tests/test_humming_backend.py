@@ -7,17 +7,18 @@ import inspect
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 
 from moeconv.backends import humming
 from moeconv.backends.humming import HummingBackend
 from moeconv.canonical import LinearShape, QuantizedWeight
-from moeconv.checkpoint.reader import TensorReader
+from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.formats import GPTQ, CompressedTensors
 from moeconv.formats.compressed_tensors import INT_QUANTIZED
 from moeconv.plan import make_plan
+from moeconv.spec import FLOAT_DTYPES
 from moeconv.worklist import LinearJob
 from moeconv.synth import SynthSpec, make_checkpoint, quantize, random_weight
 from moeconv.verification import verify
@@ -34,10 +35,10 @@ def _signed(word: int) -> int:
 
 
 def _linear(codes, zeros, group_size, bits=4) -> tuple[QuantizedWeight, LinearShape]:
-    codes = torch.tensor(codes, dtype=torch.uint8)
+    codes = np.array(codes, dtype=np.uint8)
     n, k = codes.shape
-    zeros = None if zeros is None else torch.tensor(zeros, dtype=torch.uint8)
-    weight = QuantizedWeight(codes, zeros, torch.ones(n, k // group_size, dtype=torch.float16), bits, group_size)
+    zeros = None if zeros is None else np.array(zeros, dtype=np.uint8)
+    weight = QuantizedWeight(codes, zeros, np.ones((n, k // group_size), dtype=np.float16), bits, group_size)
     return weight, LinearShape(n, k, bits, group_size, zeros is None, "F16")
 
 
@@ -47,7 +48,7 @@ def test_hand_checked_words():
     rows = [[1, 2, 3, 4, 5, 6, 7, 8], [15] * 8, [0] * 8, [0, 15, 0, 15, 0, 15, 0, 15]] + [[9] * 8] * 4
     weight, shape = _linear(rows, [[z] for z in (3, 12, 0, 15, 1, 2, 4, 8)], 8)
     tensors = backend.encode_linear(weight, shape)
-    assert tensors["weight"].dtype == torch.int32 and tensors["weight"].shape == (8, 1)
+    assert tensors["weight"].dtype == np.int32 and tensors["weight"].shape == (8, 1)
     assert tensors["weight"][:4, 0].tolist() == [_signed(0x87654321), _signed(0xFFFFFFFF), 0, _signed(0xF0F0F0F0)]
     assert tensors["zero_point"].tolist() == [[_signed(0x8421F0C3)]]
     assert tensors["weight_scale"].shape == (8, 1)
@@ -58,9 +59,9 @@ def test_hand_checked_words():
 
 def test_eight_bit_words_are_the_int8_bytes_xor_0x80():
     """8-bit: little-endian bytes of the codes; for an int8 (W8A8) source the codes are w ^ 0x80 (§4.3)."""
-    int8 = torch.tensor([[1, -128, -1, 127]], dtype=torch.int8).repeat(4, 1)
+    int8 = np.tile(np.array([[1, -128, -1, 127]], dtype=np.int8), (4, 1))
     source = CompressedTensors(format=INT_QUANTIZED, bits=8, group_size=-1, activation_bits=8)
-    weight = source.decode({"weight": int8, "weight_scale": torch.ones(4, 1)})
+    weight = source.decode({"weight": int8, "weight_scale": np.ones((4, 1), dtype=np.float32)})
     tensors = backend.encode_linear(weight, LinearShape(4, 4, 8, -1, True, "F32", 8))
     assert tensors["weight"][0].tolist() == [_signed(0xFF7F0081)]  # bytes 0x81, 0x00, 0x7F, 0xFF
 
@@ -71,12 +72,12 @@ def test_packing_uses_explicit_shifts():
     assert "explicit shifts" in source and ".view(" not in source
 
 
-def _humming_0119_gptq_zero_point(qzeros: torch.Tensor) -> torch.Tensor:
+def _humming_0119_gptq_zero_point(qzeros: np.ndarray) -> np.ndarray:
     """What Humming 0.1.19's GPTQWeightSchema writes (§4.3): qzeros.T, raw, without GPTQ v1's +1.
     Unpacked here with independent integer arithmetic: nibble j of word [r, g] is row 8r + j."""
     words = qzeros.T.tolist()  # (N/8, G)
-    return torch.tensor([[(words[n // 8][g] >> (4 * (n % 8))) & 0xF for g in range(len(words[0]))]
-                         for n in range(8 * len(words))], dtype=torch.uint8)
+    return np.array([[(words[n // 8][g] >> (4 * (n % 8))) & 0xF for g in range(len(words[0]))]
+                     for n in range(8 * len(words))], dtype=np.uint8)
 
 
 def test_gptq_v1_zero_point_0_converts_to_true_zero_and_copying_v1_zeros_does_not():
@@ -95,16 +96,16 @@ def test_gptq_v1_zero_point_0_converts_to_true_zero_and_copying_v1_zeros_does_no
     shape = LinearShape(64, 256, 4, 32, False, "F16")
     tensors = backend.encode_linear(decoded, shape)
     zero_point = [[(word >> (4 * (n % 8))) & 0xF for word in row] for n, row in
-                  enumerate(tensors["zero_point"].repeat_interleave(8, dim=0).tolist())]
+                  enumerate(np.repeat(tensors["zero_point"], 8, axis=0).tolist())]
     assert zero_point == canonical.zeros.tolist()  # TRUE zeros, 0 included
 
-    ours = backend.decode_linear(tensors, shape).dequantize(torch.float64)
+    ours = torch.from_numpy(backend.decode_linear(tensors, shape).dequantize(np.float64))
     raw = QuantizedWeight(decoded.codes, _humming_0119_gptq_zero_point(stored["qzeros"]), decoded.scales, 4, 32)
-    theirs = raw.dequantize(torch.float64)
+    theirs = torch.from_numpy(raw.dequantize(np.float64))
     reference = floats.double()
     relative = {name: float((w - reference).norm() / reference.norm()) for name, w in (("moeconv", ours),
                                                                                       ("humming_raw_v1", theirs))}
-    dequantized = canonical.dequantize(torch.float64)
+    dequantized = torch.from_numpy(canonical.dequantize(np.float64))
     assert torch.equal(ours, dequantized)  # exactly the source's dequantization
     assert relative["moeconv"] < 0.1 < 0.3 < relative["humming_raw_v1"], relative
     print(f"relative error vs float reference: {relative}; raw-v1 vs the source's own dequantization: "
@@ -130,13 +131,10 @@ def converted(request, tmp_path_factory):
     return source, root / "out"
 
 
-def _load_all(folder: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    tensors = {}
-    for file_name in sorted(set(index["weight_map"].values())):
-        with safe_open(str(folder / file_name), framework="pt") as handle:
-            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
-    return tensors
+def _load_all(folder: Path) -> dict[str, np.ndarray]:
+    """Every tensor of an output folder as its stored array (BF16 as its uint16 bit patterns)."""
+    with TensorReader() as reader:
+        return {name: reader.read_raw(entry) for name, entry in open_checkpoint(folder).tensors.items()}
 
 
 def test_every_linear_decodes_to_the_source_and_the_rest_is_byte_identical(converted):
@@ -153,20 +151,20 @@ def test_every_linear_decodes_to_the_source_and_the_rest_is_byte_identical(conve
                 written |= {f"{layer.module}.{e}.{suffix}" for suffix in slices}
                 decoded = backend.decode_expert(slices, shape)
                 for projection, linear in expert.items():
-                    expected = plan.source_format.decode({s: reader.read(entry) for s, entry in linear.items()})
+                    expected = plan.source_format.decode({s: reader.read_raw(entry) for s, entry in linear.items()})
                     assert getattr(decoded, projection).mismatch(expected) is None
         linears = [job for job in plan.jobs if isinstance(job, LinearJob)]
         assert linears
         for linear in linears:
             own = {spec.name: tensors[f"{linear.prefix}.{spec.name}"] for spec in backend.linear_tensors(linear.shape)}
             written |= {f"{linear.prefix}.{suffix}" for suffix in own}
-            expected = plan.source_format.decode({s: reader.read(piece.entry) for s, piece in linear.sources.items()})
+            expected = plan.source_format.decode({s: reader.read_raw(piece.entry) for s, piece in linear.sources.items()})
             assert backend.decode_linear(own, linear.shape).mismatch(expected) is None
         passthrough = set(tensors) - written
         for name in passthrough:
-            original = reader.read(plan.checkpoint.tensors[name])
-            assert original.dtype == tensors[name].dtype and original.dtype.is_floating_point
-            assert torch.equal(original.reshape(-1).view(torch.uint8), tensors[name].reshape(-1).view(torch.uint8))
+            original = reader.read_raw(plan.checkpoint.tensors[name])
+            assert original.dtype == tensors[name].dtype and plan.checkpoint.tensors[name].dtype in FLOAT_DTYPES
+            assert original.tobytes() == tensors[name].tobytes()
     names = set(tensors)
     if plan.architecture.model_type == "mixtral":
         assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in names

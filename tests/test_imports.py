@@ -1,8 +1,7 @@
 """Planning needs no torch (issue 27): the survey, the data detection and the act-order scan run in
-numpy on the bytes read, so `inspect`, `convert --dry-run` and the help screens never import it.
-`convert`'s workers that need torch are forked from a fork server that imports it, so that
-they share its pages (each importing its own cost 5.4 GB and 5 s on 16 cores: docs/BENCHMARKS.md) and
-the parent never imports it; with `--workers 1` it transforms in the parent.
+numpy on the bytes read, so `inspect`, `convert --dry-run` and the help screens never import it; and no
+codec needs it (issue 39): every format's decode and every layout's encode and decode are numpy, so neither
+`convert` nor a lossless `verify` imports it, in the parent or in a worker.
 """
 
 from __future__ import annotations
@@ -110,10 +109,9 @@ print("pydantic loaded:", "pydantic" in sys.modules)
 @pytest.mark.parametrize("args, parent_imports_torch", [
     (["inspect", str(ACT_ORDER)], False),
     (["convert", str(ACT_ORDER), "-o", "{out}", "--dry-run"], False),
-    # The workers' fork server imports it (they share its pages, docs/BENCHMARKS.md); with one worker
-    # the parent transforms in-process.
+    # The codecs are numpy, the act-order fold too: with one worker the parent transforms in-process.
     (["convert", str(ACT_ORDER), "-o", "{out}", "--workers", "2", "-q"], False),
-    (["convert", str(ACT_ORDER), "-o", "{out}", "--workers", "1", "-q"], True),
+    (["convert", str(ACT_ORDER), "-o", "{out}", "--workers", "1", "-q"], False),
 ], ids=["inspect", "dry-run", "workers-2", "workers-1"])
 def test_planning_never_imports_torch_and_convert_only_in_its_workers(tmp_path, args, parent_imports_torch):
     """An asymmetric act-order GPTQ checkpoint, so the parent reads data: the v1/v2 statistic, the sampled
@@ -129,29 +127,35 @@ def test_planning_never_imports_torch_and_convert_only_in_its_workers(tmp_path, 
 TORCH_FREE_POOL = """
 import sys
 from moeconv.executor import Executor
-with Executor(2, needs_torch=False) as pool:
+with Executor(2) as pool:
     seen = list(pool.map(eval, [("'torch' in __import__('sys').modules",)] * 4))
 print("workers with torch:", sum(seen), "parent with torch:", "torch" in sys.modules)
 """
 
 
 def test_workers_of_a_plan_without_torch_jobs_never_import_it():
-    """Plan.workers_need_torch false (every job goes through the packed form, in numpy): the workers are forked from the
-    parent, which has no torch, and import none."""
+    """The workers are forked from the parent, which has no torch, and import none."""
     done = subprocess.run([sys.executable, "-c", TORCH_FREE_POOL], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "workers with torch: 0 parent with torch: False", done.stdout + done.stderr
 
 
+@pytest.mark.parametrize("source", ["packed", "act-order", "w8a8"])
 @pytest.mark.parametrize("workers", ["1", "2"])
-def test_a_conversion_whose_jobs_all_take_the_packed_route_imports_no_torch_at_all(tmp_path, workers):
-    """Synthetic asymmetric GPTQ -> triton: experts and the dense linears (written in compressed-tensors)
-    all through the packed form, in numpy, so neither the process nor, with one worker, its in-process transform
-    imports torch."""
+def test_a_conversion_imports_torch_nowhere(tmp_path, source, workers):
+    """Synthetic asymmetric GPTQ -> triton (experts and the dense linears, written in compressed-tensors, all
+    through the packed form), the real act-order GPTQModel checkpoint (the canonical route, down folded into
+    gate and up) and compressed-tensors W8A8 (the int8 layout, canonical): no process of the tree can import
+    torch (the import fails here, in the parent, its workers and, with one worker, its in-process transform)
+    and the conversion still ends."""
+    from moeconv.formats import CompressedTensors
     from moeconv.synth import SynthSpec, make_checkpoint
 
-    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=128, intermediate=64, experts=4, layers=1))
-    args = ["convert", str(source), "-o", str(tmp_path / "out"), "--workers", workers, "-q"]
-    done = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=300)
+    spec = SynthSpec(hidden=128, intermediate=64, experts=4, layers=1, source_format=CompressedTensors(
+        format="int-quantized", bits=8, group_size=-1, activation_bits=8)) if source == "w8a8" else \
+        SynthSpec(hidden=128, intermediate=64, experts=4, layers=1)
+    folder = ACT_ORDER if source == "act-order" else make_checkpoint(tmp_path / "src", spec)
+    args = ["convert", str(folder), "-o", str(tmp_path / "out"), "--workers", workers, "-q"]
+    done = subprocess.run([sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True, timeout=300)
     assert "exit: 0" in done.stdout and "torch loaded: False" in done.stdout, done.stdout + done.stderr
     assert (tmp_path / "out" / "moeconv.json").is_file()
 
@@ -165,10 +169,9 @@ print("route:", report.plan["route"], "processes left:", len(descendants()))
 """
 
 
-def test_a_conversion_that_needs_no_torch_starts_no_fork_server(tmp_path):
-    """Every job through the packed form, in numpy: no process of the tree imports torch. The fork server (which
-    imports it, and lives until the command ends) is not started speculatively: on 2 cores its import
-    cost a torch-free conversion 1 to 2 s and 210 MB (docs/BENCHMARKS.md)."""
+def test_a_conversion_leaves_no_process_behind(tmp_path):
+    """The workers end with the pool, and no fork server is started (one that imported torch lived until the
+    command ended: on 2 cores its import cost a torch-free conversion 1 to 2 s and 210 MB, docs/BENCHMARKS.md)."""
     from moeconv.formats import GPTQ
     from moeconv.synth import SynthSpec, make_checkpoint
 
@@ -177,20 +180,6 @@ def test_a_conversion_that_needs_no_torch_starts_no_fork_server(tmp_path):
     done = subprocess.run([sys.executable, "-c", NO_SERVER, str(source), str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "route: packed processes left: 0", done.stdout + done.stderr
-
-
-def test_a_lossless_verify_imports_torch_only_in_its_workers(tmp_path):
-    """verify --level lossless: its checks decode through the canonical torch codecs in the workers (the
-    fork server imports torch once for them), while this process takes the digests; the process itself
-    imported torch and Triton (2 to 3 s on the 16-core host) before it did anything, until 2026-12-03."""
-    import moeconv
-
-    moeconv.convert(ACT_ORDER, tmp_path / "out", workers=2)
-    done = subprocess.run([sys.executable, "-c", RUN + "print('triton loaded:', 'triton' in sys.modules)\n",
-                           "verify", str(tmp_path / "out"), "--level", "lossless", "--workers", "2", "-q"],
-                          capture_output=True, text=True, timeout=300)
-    assert "exit: 0" in done.stdout, done.stdout + done.stderr
-    assert "torch loaded: False" in done.stdout and "triton loaded: False" in done.stdout, done.stdout + done.stderr
 
 
 NO_TORCH = """
@@ -205,13 +194,15 @@ sys.meta_path.insert(0, NoTorch())
 """ + RUN
 
 
-@pytest.mark.parametrize("backend", ["triton", "humming", "compressed-tensors", "cpu", "triton-w8a8", "cpu-w8a8"])
+@pytest.mark.parametrize("backend", ["triton", "humming", "compressed-tensors", "cpu", "triton-w8a8", "cpu-w8a8",
+                                     "triton-act-order", "cpu-act-order"])
 @pytest.mark.parametrize("workers", ["1", "2"])
-def test_a_lossless_verify_of_a_numpy_decoded_output_imports_torch_nowhere(tmp_path, backend, workers):
-    """Asymmetric GPTQ (or compressed-tensors W8A8 into the int8 layouts of triton and the x86 cpu kernel), its
-    dense linears converted where the backend converts them: every job's layout and format decode the stored
-    arrays in numpy (Plan.checks_need_torch false), so verify's workers are forked from its process and no
-    process of the tree can import torch (the import fails here) and the verdict is still reached."""
+def test_a_lossless_verify_imports_torch_nowhere(tmp_path, backend, workers):
+    """Asymmetric GPTQ (or compressed-tensors W8A8 into the int8 layouts of triton and the x86 cpu kernel, or the
+    real GPTQModel act-order checkpoint, whose down projections fold into gate and up), its dense linears
+    converted where the backend converts them: every codec decodes the stored arrays in numpy, so no process of
+    the tree can import torch (the import fails here) and the verdict is still reached; the process itself
+    imported torch and Triton (2 to 3 s on the 16-core host) before it did anything, until 2026-12-03."""
     import moeconv
     from moeconv.formats import CompressedTensors
     from moeconv.synth import SynthSpec, make_checkpoint
@@ -220,22 +211,9 @@ def test_a_lossless_verify_of_a_numpy_decoded_output_imports_torch_nowhere(tmp_p
     if backend.endswith("-w8a8"):
         backend, spec = backend.removesuffix("-w8a8"), SynthSpec(hidden=128, intermediate=64, experts=4, layers=2, source_format=(
             CompressedTensors(format="int-quantized", bits=8, group_size=-1, activation_bits=8)))
-    source = make_checkpoint(tmp_path / "src", spec)
+    source = ACT_ORDER if backend.endswith("-act-order") else make_checkpoint(tmp_path / "src", spec)
+    backend = backend.removesuffix("-act-order")
     moeconv.convert(source, tmp_path / "out", backend=backend, workers=1)
     done = subprocess.run([sys.executable, "-c", NO_TORCH, "verify", str(tmp_path / "out"), "--level", "lossless",
                            "--workers", workers, "-q"], capture_output=True, text=True, timeout=300)
     assert "exit: 0" in done.stdout and "torch loaded: False" in done.stdout, done.stdout + done.stderr
-
-
-def test_only_an_act_order_fold_needs_torch_in_the_checks(tmp_path):
-    """What still decodes in torch: an act-order down projection's fold into its gate and up rows. Every
-    backend's layout, the x86 cpu one's compensation sums included, decodes in numpy."""
-    from moeconv.checkpoint.reader import open_checkpoint
-    from moeconv.plan import make_plan
-    from moeconv.synth import SynthSpec, make_checkpoint
-
-    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=128, intermediate=64, experts=4, layers=1))
-    needs = {backend: make_plan(open_checkpoint(source), backend=backend).checks_need_torch
-             for backend in ("triton", "humming", "compressed-tensors", "cpu")}
-    assert needs == {"triton": False, "humming": False, "compressed-tensors": False, "cpu": False}
-    assert make_plan(open_checkpoint(ACT_ORDER), backend="triton").checks_need_torch

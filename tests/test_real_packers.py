@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -27,6 +28,7 @@ from safetensors.torch import load_file
 
 from moeconv import packing
 from moeconv.canonical import QuantizedWeight
+from moeconv.synth import stored_array
 from moeconv.errors import MoeconvError
 from moeconv.formats import AWQ, GPTQ
 
@@ -61,9 +63,10 @@ class Packed:
     tensors: dict[str, torch.Tensor]
     versions: dict[str, str]
 
-    def of(self, name: str) -> dict[str, torch.Tensor]:
+    def of(self, name: str) -> dict[str, np.ndarray]:
+        """One case's tensors as the stored arrays the codecs read (BF16 as its uint16 bit patterns)."""
         prefix = name + "."
-        found = {key[len(prefix):]: value for key, value in self.tensors.items() if key.startswith(prefix)}
+        found = {key[len(prefix):]: stored_array(value) for key, value in self.tensors.items() if key.startswith(prefix)}
         assert found, f"no tensors for case {name}"
         return found
 
@@ -95,14 +98,15 @@ def packed(tmp_path_factory) -> Packed:
 # ------------------------------------------------------------------------------------- helpers
 
 
-def _same_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+def _same_bytes(got: np.ndarray | torch.Tensor, want: np.ndarray | torch.Tensor, what: str) -> None:
+    got, want = (stored_array(x) if isinstance(x, torch.Tensor) else x for x in (got, want))
     assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
     assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    # flatten() first: a transposed (N, 1) tensor counts as contiguous but cannot be viewed as bytes.
-    got_bytes = got.flatten().view(torch.uint8)
-    want_bytes = want.flatten().view(torch.uint8)
+    # reshape(-1) first: a transposed (N, 1) array counts as contiguous in both orders.
+    got_bytes = np.ascontiguousarray(got.reshape(-1)).view(np.uint8)
+    want_bytes = np.ascontiguousarray(want.reshape(-1)).view(np.uint8)
     differ = got_bytes != want_bytes
-    assert not bool(differ.any()), f"{what}: {int(differ.sum())} of {differ.numel()} bytes differ"
+    assert not bool(differ.any()), f"{what}: {int(differ.sum())} of {differ.size} bytes differ"
 
 
 def _assert_canonical(got: QuantizedWeight, want: QuantizedWeight, what: str) -> None:
@@ -125,14 +129,14 @@ def _fmt(case, checkpoint_format: str = "gptq", sym: bool | None = None):
     )
 
 
-def _source(case, t: dict[str, torch.Tensor], qzeros: str = "qzeros") -> dict[str, torch.Tensor]:
+def _source(case, t: dict[str, np.ndarray], qzeros: str = "qzeros") -> dict[str, np.ndarray]:
     tensors = {"qweight": t["qweight"], "qzeros": t[qzeros], "scales": t["pscales"]}
     if case.packer != C.AUTOAWQ:
         tensors["g_idx"] = t["g_idx"]
     return tensors
 
 
-def _intended(case, t: dict[str, torch.Tensor]) -> QuantizedWeight:
+def _intended(case, t: dict[str, np.ndarray]) -> QuantizedWeight:
     return QuantizedWeight(
         codes=t["codes"],
         zeros=None if case.sym else t["zeros"],
@@ -156,7 +160,7 @@ def test_decode_gives_back_what_was_packed(packed, case):
     t = packed.of(case.name)
     fmt = _fmt(case)
     src = _source(case, t)
-    assert src["scales"].dtype == torch.float16
+    assert src["scales"].dtype == np.float16
     _assert_canonical(fmt.decode(src), _intended(case, t), case.name)
     if case.packer != C.AUTOAWQ:
         # v1 stores zero − 1; only a true zero of 0 can show up as an all-ones slot in what AutoGPTQ writes.
@@ -166,8 +170,8 @@ def test_decode_gives_back_what_was_packed(packed, case):
         # Symmetric v1 filler words: 0x77777777 (4-bit) / 0x7F7F7F7F (8-bit); read as asymmetric they
         # are the implicit zero 2^(b-1) everywhere.
         half = 1 << (case.bits - 1)
-        filler = packing.add_to_words(torch.zeros(1, dtype=torch.int32), packing.repeated_word(half - 1, case.bits))
-        assert bool((t["qzeros"] == filler).all()), f"{case.name}: qzeros are not all {int(filler) & 0xFFFFFFFF:#x}"
+        filler = packing.add_to_word_array(np.zeros(1, dtype=np.int32), packing.repeated_word(half - 1, case.bits))
+        assert bool((t["qzeros"] == filler).all()), f"{case.name}: qzeros are not all {int(filler[0]) & 0xFFFFFFFF:#x}"
         as_asym = _fmt(case, sym=False).decode(src)
         assert bool((as_asym.zeros == half).all())
 
@@ -191,7 +195,7 @@ def test_gptqmodel_v2_in_memory_form(packed, case):
     _same_bytes(fmt.encode(_intended(case, t))["qzeros"], t["qzeros_v2"], f"{case.name}: v2 qzeros")
     # and v1 is v2 minus the repeated-ones word, borrows included
     ones = packing.repeated_word(1, case.bits)
-    _same_bytes(packing.add_to_words(t["qzeros_v2"], -ones), t["qzeros"], f"{case.name}: v1 = v2 - {ones:#x}")
+    _same_bytes(packing.add_to_word_array(t["qzeros_v2"], -ones), t["qzeros"], f"{case.name}: v1 = v2 - {ones:#x}")
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -220,7 +224,7 @@ def test_autogptq_zero_point_0_is_unrecoverable_and_flagged(packed, bits):
     case = C.CASES_BY_NAME[f"autogptq-{bits}bit-g64-zero0"]
     t = packed.of(case.name)
     fmt = _fmt(case)
-    true_zeros = t["zeros"].to(torch.int64)  # (N, G)
+    true_zeros = torch.from_numpy(t["zeros"]).to(torch.int64)  # (N, G)
     per_word = 32 // bits
     n_out, groups = true_zeros.shape
 
@@ -229,7 +233,7 @@ def test_autogptq_zero_point_0_is_unrecoverable_and_flagged(packed, bits):
     stored = torch.zeros(groups, n_out // per_word, dtype=torch.int64)
     for slot in range(per_word):
         stored |= (((words[..., slot] - 1) & 0xFFFFFFFF) << (bits * slot)) & 0xFFFFFFFF
-    _same_bytes(t["qzeros"].to(torch.int64) & 0xFFFFFFFF, stored, f"{case.name}: AutoGPTQ's OR model")
+    _same_bytes(torch.from_numpy(t["qzeros"]).to(torch.int64) & 0xFFFFFFFF, stored, f"{case.name}: AutoGPTQ's OR model")
 
     # 2. what moeconv decodes from it
     expected = words.clone()
@@ -246,13 +250,13 @@ def test_autogptq_zero_point_0_is_unrecoverable_and_flagged(packed, bits):
     _same_bytes(decoded.zeros, expected.contiguous(), f"{case.name}: documented decode")
     _same_bytes(decoded.codes, t["codes"], f"{case.name}: codes")
     _same_bytes(decoded.scales, t["scales"], f"{case.name}: scales")
-    assert not torch.equal(decoded.zeros, t["zeros"]), "expected some true zeros to be unrecoverable"
+    assert not np.array_equal(decoded.zeros, t["zeros"]), "expected some true zeros to be unrecoverable"
 
     # 3. groups without a zero of 0 decode exactly; at least one such group is in the case
     clean = [g for g in range(groups) if bool((true_zeros[:, g] != 0).all())]
     assert clean, "the case must have a group with no zero of 0"
     for group in clean:
-        _same_bytes(decoded.zeros[:, group].contiguous(), t["zeros"][:, group].contiguous(), f"group {group}")
+        _same_bytes(decoded.zeros[:, group], t["zeros"][:, group], f"group {group}")
 
     # 4. flagged: the zero-0 slots and every slot above them in their words read as all ones
     assert fmt.suspicious_zero_slots(t["qzeros"]) == corrupted_slots >= len(C.ZERO0_SLOTS[bits])
@@ -263,14 +267,14 @@ def test_act_order_g_idx_reads_as_permuted_inputs(packed):
     ordered one gives the packed codes with the inputs permuted to static groups, and the zeros and scales
     group by group as the packer was given them."""
     t = packed.of(C.ACT_ORDER_NAME)
-    assert not torch.equal(t["g_idx"], torch.arange(t["g_idx"].numel(), dtype=torch.int32) // 64)
+    assert not np.array_equal(t["g_idx"], np.arange(t["g_idx"].size, dtype=np.int32) // 64)
     fmt = GPTQ(bits=4, group_size=64, sym=False, checkpoint_format="gptq")
     stored = {"qweight": t["qweight"], "qzeros": t["qzeros"], "scales": t["pscales"], "g_idx": t["g_idx"]}
     with pytest.raises(MoeconvError, match="act-order"):
         fmt.decode(stored)
     weight, inputs = fmt.decode_ordered(stored)
-    assert torch.equal(t["g_idx"][inputs].long(), torch.arange(t["g_idx"].numel()) // 64)
-    _same_bytes(weight.codes, t["codes"][:, inputs].contiguous(), "codes")
+    assert np.array_equal(t["g_idx"][inputs].astype(np.int64), np.arange(t["g_idx"].size) // 64)
+    _same_bytes(weight.codes, t["codes"][:, inputs], "codes")
     _same_bytes(weight.zeros, t["zeros"], "zeros")
     _same_bytes(weight.scales, t["scales"], "scales")
 

@@ -30,13 +30,13 @@ from moeconv.synth import SynthSpec, make_checkpoint
 from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.backends.triton_config import PluginRefusal, check_files
 
-from strategies import random_canonical, weight_columns, weight_rows
+from strategies import as_tensors, random_canonical, weight_columns, weight_rows
 
 
 
 
 def _stacked(experts: list[ExpertWeights], shape: MoELayerShape) -> dict[str, torch.Tensor]:
-    encoded = [TritonBackend().encode_expert(expert, shape) for expert in experts]
+    encoded = [as_tensors(TritonBackend().encode_expert(expert, shape)) for expert in experts]
     return {name: torch.stack([one[name] for one in encoded]) for name in encoded[0]}
 
 

@@ -1,5 +1,6 @@
 """The Triton (moe_wna16) layout: bytes as docs/FORMAT.md describes them, and round trips."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,10 +15,10 @@ backend = TritonBackend()
 
 
 def _weight(codes, zeros, group_size):
-    codes = torch.tensor(codes, dtype=torch.uint8)
+    codes = np.array(codes, dtype=np.uint8)
     groups = codes.shape[1] // group_size
-    zeros = None if zeros is None else torch.tensor(zeros, dtype=torch.uint8)
-    return QuantizedWeight(codes, zeros, torch.ones(codes.shape[0], groups, dtype=torch.float16), 4, group_size)
+    zeros = None if zeros is None else np.array(zeros, dtype=np.uint8)
+    return QuantizedWeight(codes, zeros, np.ones((codes.shape[0], groups), dtype=np.float16), 4, group_size)
 
 
 def test_hand_checked_bytes():
@@ -37,10 +38,10 @@ def test_hand_checked_bytes():
 
 
 def test_eight_bit_is_one_code_per_byte():
-    codes = torch.tensor([[0, 255, 128, 7]], dtype=torch.uint8)
-    weight = QuantizedWeight(codes, torch.tensor([[200]], dtype=torch.uint8), torch.ones(1, 1), 8, 4)
-    down = QuantizedWeight(torch.zeros(4, 1, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8),
-                           torch.ones(4, 1), 8, 1)
+    codes = np.array([[0, 255, 128, 7]], dtype=np.uint8)
+    weight = QuantizedWeight(codes, np.array([[200]], dtype=np.uint8), np.ones((1, 1), dtype=np.float32), 8, 4)
+    down = QuantizedWeight(np.zeros((4, 1), dtype=np.uint8), np.zeros((4, 1), dtype=np.uint8),
+                           np.ones((4, 1), dtype=np.float32), 8, 1)
     shape = MoELayerShape(experts=1, hidden=4, intermediate=1, bits=8, group_size=-1, symmetric=False, scale_dtype="F32")
     slices = backend.encode_expert(ExpertWeights(weight, weight, down), shape)
     assert slices["w13_qweight"].tolist() == [[0, 255, 128, 7], [0, 255, 128, 7]]
@@ -51,14 +52,14 @@ def test_gptq_qweight_transpose_equals_the_layout_on_little_endian():
     """vLLM's GPTQ loader takes qweight.T.contiguous().view(uint8) (vLLM moe_wna16.py `get_weight_loader`); moeconv
     computes the same bytes with explicit shifts."""
     generator = torch.Generator().manual_seed(0)
-    weight = QuantizedWeight(torch.randint(0, 16, (16, 64), dtype=torch.uint8, generator=generator), None,
-                             torch.ones(16, 2, dtype=torch.float16), 4, 32)
-    qweight = GPTQ(4, 32, sym=True).encode(weight)["qweight"]
-    down = QuantizedWeight(torch.randint(0, 16, (64, 16), dtype=torch.uint8, generator=generator), None,
-                           torch.ones(64, 1, dtype=torch.float16), 4, 16)
+    weight = QuantizedWeight(torch.randint(0, 16, (16, 64), dtype=torch.uint8, generator=generator).numpy(), None,
+                             np.ones((16, 2), dtype=np.float16), 4, 32)
+    qweight = torch.from_numpy(GPTQ(4, 32, sym=True).encode(weight)["qweight"])
+    down = QuantizedWeight(torch.randint(0, 16, (64, 16), dtype=torch.uint8, generator=generator).numpy(), None,
+                           np.ones((64, 1), dtype=np.float16), 4, 16)
     shape = MoELayerShape(experts=1, hidden=64, intermediate=16, bits=4, group_size=32, symmetric=True, scale_dtype="F16")
     slices = backend.encode_expert(ExpertWeights(weight, weight, down), shape)
-    assert torch.equal(slices["w13_qweight"][:16], qweight.T.contiguous().view(torch.uint8))
+    assert torch.equal(torch.from_numpy(slices["w13_qweight"][:16]), qweight.T.contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize("shape, reason", [

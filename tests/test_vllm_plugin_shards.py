@@ -8,6 +8,7 @@ shows the same against vLLM's own loader."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,7 +20,7 @@ from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.formats import CompressedTensors
 from moeconv.engines.vllm_plugin.shards import PARAMETERS, fill
 
-from strategies import random_canonical, weight_columns, weight_rows
+from strategies import as_tensors, random_canonical, weight_columns, weight_rows
 
 
 
@@ -29,7 +30,7 @@ def _ct_parameters(expert: ExpertWeights, bits: int, sym: bool, group_size: int)
     compressed-tensors checkpoint: each projection encoded by moeconv's compressed-tensors format
     (pack-quantized, N-first), gate rows then up rows in w13."""
     fmt = CompressedTensors(bits=bits, group_size=group_size, symmetric=sym)
-    gate, up, down = (fmt.encode(w) for w in expert)
+    gate, up, down = (as_tensors(fmt.encode(w)) for w in expert)
     parameters = {"w13_weight_packed": torch.cat([gate["weight_packed"], up["weight_packed"]]),
                   "w13_weight_scale": torch.cat([gate["weight_scale"], up["weight_scale"]]),
                   "w2_weight_packed": down["weight_packed"], "w2_weight_scale": down["weight_scale"]}
@@ -55,7 +56,7 @@ def test_each_rank_fills_the_compressed_tensors_parameters_of_its_slice(bits, sy
                            random_canonical(gen, bits, sym, hidden, intermediate, groups(intermediate)))
     shape = MoELayerShape(1, hidden, intermediate, bits, group_size, sym, "F16", tp=tp)
     assert TritonBackend().refusal(shape) is None
-    full = {name: tensor.unsqueeze(0) for name, tensor in TritonBackend().encode_expert(expert, shape).items()}
+    full = {name: tensor.unsqueeze(0) for name, tensor in as_tensors(TritonBackend().encode_expert(expert, shape)).items()}
     per = intermediate // tp
     for rank in range(tp):
         span = (rank * per, (rank + 1) * per)
@@ -125,13 +126,14 @@ def test_each_rank_holds_its_slice_of_a_w8a8_expert(tp, seed):
                            random_canonical(gen, 8, True, hidden, intermediate, 1))
     shape = MoELayerShape(1, hidden, intermediate, 8, -1, True, "F16", activation_bits=8, tp=tp)
     assert TritonBackend().refusal(shape) is None
-    full = {name: tensor.unsqueeze(0) for name, tensor in TritonBackend().encode_expert(expert, shape).items()}
+    full = {name: tensor.unsqueeze(0) for name, tensor in as_tensors(TritonBackend().encode_expert(expert, shape)).items()}
     per = intermediate // tp
     for rank in range(tp):
         span = slice(rank * per, (rank + 1) * per)
-        down = QuantizedWeight(expert.down.codes[:, span].contiguous(), None, expert.down.scales, 8, per)
+        down = QuantizedWeight(np.ascontiguousarray(expert.down.codes[:, span]), None, expert.down.scales, 8, per)
         own = ExpertWeights(weight_rows(expert.gate, span.start, span.stop), weight_rows(expert.up, span.start, span.stop), down)
-        expected = TritonBackend().encode_expert(own, MoELayerShape(1, hidden, per, 8, -1, True, "F16", activation_bits=8))
+        expected = as_tensors(TritonBackend().encode_expert(own, MoELayerShape(1, hidden, per, 8, -1, True, "F16",
+                                                                               activation_bits=8)))
         for name, tensor in full.items():
             assert PARAMETERS[name] == name  # the W8A8 method's parameters carry the stacked names
             parameter = torch.full((1, *expected[name].shape), -1, dtype=expected[name].dtype)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, as_tensors
+from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight
 from moeconv.spec import TensorSpec
 
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+if TYPE_CHECKING:
     import numpy as np
-    import torch
 
     from moeconv.float_codes import FloatWeight
     from moeconv.packed import PackedWeight
@@ -50,10 +49,6 @@ class ExpertWeights(NamedTuple):
     up: QuantizedWeight
     down: QuantizedWeight
 
-    def as_tensors(self) -> ExpertWeights:
-        """Weights decoded in the stored form (numpy) as torch tensors (canonical.as_tensors)."""
-        return ExpertWeights(*(as_tensors(weight) for weight in self))
-
 
 class Numerics(NamedTuple):
     """How `verify` checks a backend's numerics: the reference kernel that computes the fused MoE (a key
@@ -91,29 +86,23 @@ class Backend(Protocol):
         """The stacked tensors of one MoE layer. Dim 0 is the expert, and expert e's slice of every
         tensor is the contiguous e-th block of its bytes, so experts can be written one at a time."""
 
-    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
-        """One expert's slice (without the expert dim) of every tensor of `layer_tensors`. `layer`
-        carries what the canonical weights cannot (activation_bits: W8A8 and W8A16 weights are alike)."""
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, np.ndarray]:
+        """One expert's slice (without the expert dim) of every tensor of `layer_tensors`, as stored arrays
+        (BF16 as its uint16 bit patterns), in numpy. `layer` carries what the canonical weights cannot
+        (activation_bits: W8A8 and W8A16 weights are alike)."""
 
-    def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
-        """Inverse of `encode_expert`."""
-
-    def decodes_stored(self, layer: MoELayerShape | LinearShape) -> bool:
-        """Whether `decode_expert_stored` (or `decode_linear_stored`, given a dense linear's shape) decodes
-        this layer's layout in numpy, so that verify's workers need no torch for it. Default: False."""
-
-    def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
-        """As `decode_expert`, on the stored arrays (BF16 as uint16 bit patterns), the weights in that
-        stored form (numpy). Only where `decodes_stored`."""
+    def decode_expert(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
+        """Inverse of `encode_expert`, on the stored arrays; raises ValueError naming the tensor where the
+        layout's own redundancy disagrees (weight_shape, compensation sums)."""
 
     def takes_packed(self, layer: MoELayerShape | LinearShape) -> bool:
         """Whether `from_packed` (or `from_packed_linear`, given a dense linear's shape) writes this layer's
         layout from the packed form (packed.py), the fast path of every format that `packs`. Default: False."""
 
-    def from_packed(self, expert: dict[str, PackedWeight], layer: MoELayerShape) -> dict[str, np.ndarray] | None:
-        """`encode_expert`'s slices from the expert's projections (gate, up, down) in the packed form, as
-        stored arrays, byte for byte what `encode_expert` of their decoding gives (tests/test_packed.py);
-        None for an expert the canonical route must take. Only where `takes_packed`."""
+    def from_packed(self, expert: dict[str, PackedWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
+        """`encode_expert`'s slices from the expert's projections (gate, up, down) in the packed form, byte
+        for byte what `encode_expert` of their decoding gives (tests/test_packed.py). Only where
+        `takes_packed`."""
 
     # The convention the layout writes an NVFP4 global scale in (float_codes.DIVIDE or MULTIPLY); the plan reads
     # every global scale of a source in the other one and refuses one whose reciprocal is not exact. Default:
@@ -123,10 +112,10 @@ class Backend(Protocol):
     def from_float(self, expert: dict[str, FloatWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
         """`encode_expert`'s slices from the expert's projections in the canonical float form (float_codes.py),
         as stored arrays. Only for a layer the backend takes whose `float_scheme` is set; its
-        `decode_expert_stored` gives FloatWeights back."""
+        `decode_expert` gives FloatWeights back."""
 
     def from_float_linear(self, weight: FloatWeight, linear: LinearShape) -> dict[str, np.ndarray]:
-        """`from_float` of one dense float-coded linear (`decode_linear_stored` gives it back)."""
+        """`from_float` of one dense float-coded linear (`decode_linear` gives it back)."""
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         """Backend fields of the output's quantization config."""
@@ -137,12 +126,11 @@ class Backend(Protocol):
     def linear_tensors(self, linear: LinearShape) -> list[TensorSpec]:
         """The tensors of one dense linear; suffixes are appended to the linear's module path."""
 
-    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, torch.Tensor]: ...
+    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        """One dense linear's tensors, as `encode_expert` gives an expert's."""
 
-    def decode_linear(self, tensors: dict[str, torch.Tensor], linear: LinearShape) -> QuantizedWeight: ...
-
-    def decode_linear_stored(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
-        """As `decode_linear`, on the stored arrays, as `decode_expert_stored` (where `decodes_stored`)."""
+    def decode_linear(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
+        """Inverse of `encode_linear`, as `decode_expert`."""
 
     def from_packed_linear(self, weight: PackedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
         """`encode_linear` from the packed form, as `from_packed` (where `takes_packed` of the linear)."""
@@ -176,23 +164,14 @@ class BackendDefaults:
     def dense_linear_backend(self, source_format: Any) -> str | None:
         return None
 
-    def decodes_stored(self, layer: MoELayerShape | LinearShape) -> bool:
-        return False
-
-    def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
-        raise NotImplementedError(f"backend {self.name!r} decodes torch tensors only")
-
     def takes_packed(self, layer: MoELayerShape | LinearShape) -> bool:
         return False
 
-    def from_packed(self, expert: dict[str, PackedWeight], layer: MoELayerShape) -> dict[str, np.ndarray] | None:
+    def from_packed(self, expert: dict[str, PackedWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
         raise NotImplementedError(f"backend {self.name!r} has no packed route")
 
     def from_packed_linear(self, weight: PackedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
         raise NotImplementedError(f"backend {self.name!r} has no packed route")
-
-    def decode_linear_stored(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
-        raise NotImplementedError(f"backend {self.name!r} decodes torch tensors only")
 
     def linear_refusal(self, linear: LinearShape) -> str | None:
         return f"backend {self.name!r} copies dense linears as they are"
@@ -200,10 +179,10 @@ class BackendDefaults:
     def linear_tensors(self, linear: LinearShape) -> list[TensorSpec]:
         raise NotImplementedError(f"backend {self.name!r} copies dense linears as they are")
 
-    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, torch.Tensor]:
+    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
         raise NotImplementedError(f"backend {self.name!r} copies dense linears as they are")
 
-    def decode_linear(self, tensors: dict[str, torch.Tensor], linear: LinearShape) -> QuantizedWeight:
+    def decode_linear(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
         raise NotImplementedError(f"backend {self.name!r} copies dense linears as they are")
 
     def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,

@@ -40,9 +40,7 @@ from moeconv.backends.per_linear import (PerLinearBackend, from_packed_words, pa
                                          projection_shapes)
 from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
-
+if TYPE_CHECKING:
     from moeconv.packed import PackedWeight
 
 # The compressed-tensors release vLLM pins (engines/: its targets); the config below is what its
@@ -114,14 +112,12 @@ class CompressedTensorsBackend(PerLinearBackend):
             specs.append(TensorSpec("weight_zero_point", (n * bits // 32, groups), "I32"))
         return specs
 
-    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, torch.Tensor]:
-        import torch
-
+    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
         if linear.activation_bits == 8:
-            return {"weight": packing.offset_codes_to_int8(weight.codes), "weight_scale": weight.scales.contiguous()}
+            return {"weight": packing.offset_codes_to_int8(weight.codes), "weight_scale": weight.scales}
         codes, zeros = packed_words(weight)
-        tensors = {"weight_packed": codes, "weight_scale": weight.scales.contiguous(),
-                   "weight_shape": torch.tensor(weight.codes.shape, dtype=torch.int64)}
+        tensors = {"weight_packed": codes, "weight_scale": weight.scales,
+                   "weight_shape": np.array(weight.codes.shape, dtype=np.int64)}
         if zeros is not None:
             tensors["weight_zero_point"] = zeros
         return tensors
@@ -136,8 +132,7 @@ class CompressedTensorsBackend(PerLinearBackend):
         byte was written): the compressed-tensors format's own arrays."""
         return float_arrays(weight)
 
-    def decode_linear_stored(self, tensors: dict[str, np.ndarray], linear: LinearShape
-                             ) -> QuantizedWeight | FloatWeight:
+    def decode_linear(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight | FloatWeight:
         """Inverse of `encode_linear` (and of `from_float_linear` for float codes); raises ValueError when
         weight_shape is not [N, K]."""
         scheme = linear.float_scheme

@@ -43,11 +43,9 @@ import numpy as np
 from moeconv import packing
 from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics
 from moeconv.spec import TORCH_NAMES, TensorSpec
-from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, coarsen, is_channelwise, regroup, stored_arrays
+from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, coarsen, is_channelwise, regroup
 
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
-
+if TYPE_CHECKING:
     from moeconv.packed import PackedWeight
 
 BLOCK_N = 32  # output channels per block: two 16-channel halves of one AVX-512 register each
@@ -62,16 +60,16 @@ SYMMETRIC_ZERO = 8
 class BlockedInt4(NamedTuple):
     """One projection (or the stacked w13) in the blocked layout, without the expert dim."""
 
-    qweight: torch.Tensor  # uint8 (N/32, K/block_k, block_k·16 + 128)
-    scales: torch.Tensor  # float32 (N/32, G, 32)
-    zeros: torch.Tensor  # int8 (N/32, G, 32)
+    qweight: np.ndarray  # uint8 (N/32, K/block_k, block_k·16 + 128)
+    scales: np.ndarray  # float32 (N/32, G, 32)
+    zeros: np.ndarray  # int8 (N/32, G, 32)
 
 
 class VnniInt8(NamedTuple):
     """The INT8 W8A8 tensors of one GEMM, without the expert dim."""
 
-    weight: torch.Tensor  # int8 (N, K + 4)
-    scale: torch.Tensor  # float32 (N, 1)
+    weight: np.ndarray  # int8 (N, K + 4)
+    scale: np.ndarray  # float32 (N, 1)
 
 
 def vnni_suffixes(prefix: str) -> VnniInt8:
@@ -123,14 +121,8 @@ class CpuBackend(BackendDefaults):
     def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:
         return _layout(layer).layer_tensors(layer)
 
-    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, np.ndarray]:
         return _layout(layer).encode_expert(expert, layer)
-
-    def decodes_stored(self, layer: MoELayerShape | LinearShape) -> bool:
-        return isinstance(layer, MoELayerShape)  # dense linears pass through
-
-    def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
-        return self.decode_expert_stored(stored_arrays(slices), layer).as_tensors()
 
     def takes_packed(self, layer: MoELayerShape | LinearShape) -> bool:
         """The INT4 blocked layout, where a K block is whole words (the W8A8 layout's bytes are not packed)."""
@@ -139,11 +131,7 @@ class CpuBackend(BackendDefaults):
         group_size = layer_group_size(layer)
         return group_size is not None and block_k_for(group_size) % 8 == 0
 
-    def from_packed(self, expert: dict[str, PackedWeight], layer: MoELayerShape) -> dict[str, np.ndarray] | None:
-        """None where an fp16 scale is a NaN: torch's fp16 -> fp32 (`encode_expert`) quiets signalling NaNs,
-        numpy's does not."""
-        if any(weight.scales.dtype == np.float16 and np.isnan(weight.scales).any() for weight in expert.values()):
-            return None
+    def from_packed(self, expert: dict[str, PackedWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
         group_size, slices = layer_group_size(layer), {}
         blocked = {projection: _packed_blocked(weight, group_size) for projection, weight in expert.items()}
         for prefix, projections in FUSED_GEMMS.items():
@@ -151,10 +139,10 @@ class CpuBackend(BackendDefaults):
                 slices[name] = np.concatenate(parts)
         return slices
 
-    def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
+    def decode_expert(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
         """Raises ValueError naming the tensor when the bytes hold something no canonical weight
         encodes to: wrong compensation sums, inexact fp32 scales, symmetric zeros other than 8."""
-        return _layout(layer).decode_expert_stored(slices, layer)
+        return _layout(layer).decode_expert(slices, layer)
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         return _layout(layer).quantization_config(layer)
@@ -198,17 +186,15 @@ class Int4BlockedLayout:
             ]
         return specs
 
-    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
-        import torch
-
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, np.ndarray]:
         slices, g = {}, layer_group_size(layer)
         for prefix, projections in _projections(expert):
             blocked = [block_int4(regroup(weight, weight.group_size // g)) for weight in projections]
             for name, parts in zip(blocked_suffixes(prefix), zip(*blocked)):
-                slices[name] = torch.cat(parts)
+                slices[name] = np.concatenate(parts)
         return slices
 
-    def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
+    def decode_expert(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
         decoded = []
         for prefix, _, in_features in _gemms(layer):
             names = blocked_suffixes(prefix)
@@ -256,18 +242,16 @@ class Int8VnniLayout:
                       TensorSpec(names.scale, (layer.experts, out_features, 1), "F32", derives_from=FUSED_GEMMS[prefix])]
         return specs
 
-    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
-        import torch
-
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, np.ndarray]:
         slices = {}
         for prefix, projections in _projections(expert):
             names = vnni_suffixes(prefix)
-            signed = torch.cat([packing.offset_codes_to_int8(w.codes) for w in projections])
+            signed = np.concatenate([packing.offset_codes_to_int8(w.codes) for w in projections])
             slices[names.weight] = pack_int8_vnni(signed)
-            slices[names.scale] = packing.float32_tensor(torch.cat([w.scales for w in projections]))
+            slices[names.scale] = packing.as_float32(np.concatenate([w.scales for w in projections]))
         return slices
 
-    def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
+    def decode_expert(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
         decoded = []
         for prefix, _, in_features in _gemms(layer):
             names = vnni_suffixes(prefix)
@@ -346,30 +330,27 @@ def _projections(expert: ExpertWeights) -> tuple[tuple[str, tuple[QuantizedWeigh
 
 def block_int4(weight: QuantizedWeight) -> BlockedInt4:
     """Canonical (N, K) 4-bit weight -> blocked tensors, with explicit shifts only."""
-    import torch
-
     n, k = weight.codes.shape
     block_k = block_k_for(weight.group_size)
     nc, kc = n // BLOCK_N, k // block_k
     zeros = weight.effective_zeros()
     # n = 32·nc + 16·h + 8·high + ni, k = block_k·kc + 4·q + ki; bytes go in (nc, kc, q, h, ni, ki) order
     # with `high` selecting the nibble.
-    codes = weight.codes.view(nc, 2, 2, 8, kc, block_k // VNNI, VNNI).permute(0, 4, 5, 1, 3, 6, 2)
-    nibbles = packing.pack(codes, 4, dim=-1, container=torch.uint8).reshape(nc, kc, -1)
-    compensation = torch.from_numpy(  # (N/32, K/block_k, 32)
-        _compensation(weight.codes.numpy(), zeros.numpy(), weight.group_size, block_k))
-    compensation_bytes = packing.unpack(compensation, 8, dim=-1)  # int32 -> 4 bytes each, little-endian
+    codes = weight.codes.reshape(nc, 2, 2, 8, kc, block_k // VNNI, VNNI).transpose(0, 4, 5, 1, 3, 6, 2)
+    nibbles = packing.pack_array(codes, 4, axis=-1, container=np.uint8).reshape(nc, kc, -1)
+    compensation = _compensation(weight.codes, zeros, weight.group_size, block_k)  # (N/32, K/block_k, 32)
+    compensation_bytes = packing.unpack_array(compensation, 8, axis=-1)  # int32 -> 4 bytes each, little-endian
     return BlockedInt4(
-        qweight=torch.cat([nibbles, compensation_bytes], dim=-1),
-        scales=_channel_blocks(packing.float32_tensor(weight.scales)),
-        zeros=_channel_blocks(zeros.to(torch.int8)),
+        qweight=np.concatenate([nibbles, compensation_bytes], axis=-1),
+        scales=_channel_blocks(packing.as_float32(weight.scales)),
+        zeros=_channel_blocks(zeros.astype(np.int8)),
     )
 
 
 def unblock_int4(blocked: BlockedInt4, names: BlockedInt4, group_size: int, scale_dtype: str,
                  symmetric: bool) -> QuantizedWeight:
-    """Inverse of `block_int4`, on the stored arrays (the weight in the stored form); checks every byte that
-    the canonical form does not carry. `scale_dtype`: the source's, as torch names it."""
+    """Inverse of `block_int4`; checks every byte that the canonical form does not carry. `scale_dtype`: the
+    source's, as torch names it."""
     nc, kc, block_bytes = blocked.qweight.shape
     block_k = (block_bytes - COMPENSATION_BYTES) * 2 // BLOCK_N
     # A block's bytes go (q, h, ni, ki): the 4 bytes of k = 4q..4q+3 move together, as one 32-bit word, to
@@ -396,21 +377,18 @@ def unblock_int4(blocked: BlockedInt4, names: BlockedInt4, group_size: int, scal
                            group_size=group_size)
 
 
-def pack_int8_vnni(weight: torch.Tensor) -> torch.Tensor:
+def pack_int8_vnni(weight: np.ndarray) -> np.ndarray:
     """Signed int8 (N, K) -> int8 (N, K + 4): per 32-channel block, byte q·128 + n·4 + ki = w[n, 4q + ki],
     then the block's 32 compensation values as little-endian int32 (explicit shifts)."""
-    import torch
-
     n, k = weight.shape
-    quads = weight.view(torch.uint8).view(n // BLOCK_N, BLOCK_N, k // VNNI, VNNI).transpose(1, 2)  # (nb, q, n, ki)
-    compensation = packing.unpack(torch.from_numpy(int8_compensation(weight.numpy())).view(n // BLOCK_N, BLOCK_N),
-                                  8, dim=-1)
-    blocks = torch.cat([quads.reshape(n // BLOCK_N, -1), compensation], dim=-1)
-    return blocks.view(torch.int8).reshape(n, k + COMPENSATION_BYTES_PER_ROW)
+    quads = weight.view(np.uint8).reshape(n // BLOCK_N, BLOCK_N, k // VNNI, VNNI).transpose(0, 2, 1, 3)  # (nb, q, n, ki)
+    compensation = packing.unpack_array(int8_compensation(weight).reshape(n // BLOCK_N, BLOCK_N), 8, axis=-1)
+    blocks = np.concatenate([quads.reshape(n // BLOCK_N, -1), compensation], axis=-1)
+    return blocks.view(np.int8).reshape(n, k + COMPENSATION_BYTES_PER_ROW)
 
 
 def unpack_int8_vnni(packed: np.ndarray, name: str) -> np.ndarray:
-    """Inverse of `pack_int8_vnni`, on the stored array; raises ValueError naming the tensor when a
+    """Inverse of `pack_int8_vnni`; raises ValueError naming the tensor when a
     compensation value is not 128·Σ_k w of its channel."""
     n, row_bytes = packed.shape
     k = row_bytes - COMPENSATION_BYTES_PER_ROW
@@ -459,10 +437,10 @@ def _compensation(codes: np.ndarray, zeros: np.ndarray, group_size: int, block_k
     return np.ascontiguousarray(sums.reshape(n // BLOCK_N, BLOCK_N, -1).transpose(0, 2, 1))
 
 
-def _channel_blocks(per_channel: torch.Tensor) -> torch.Tensor:
+def _channel_blocks(per_channel: np.ndarray) -> np.ndarray:
     """(N, G) -> (N/32, G, 32)."""
     n, groups = per_channel.shape
-    return per_channel.view(n // BLOCK_N, BLOCK_N, groups).transpose(1, 2).contiguous()
+    return np.ascontiguousarray(per_channel.reshape(n // BLOCK_N, BLOCK_N, groups).transpose(0, 2, 1))
 
 
 def _unblock_channels(blocked: np.ndarray) -> np.ndarray:

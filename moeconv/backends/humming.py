@@ -24,9 +24,8 @@ from moeconv.backends.base import with_fused_names
 from moeconv.backends.per_linear import PerLinearBackend, from_packed_words, packed_words, per_rank_refusal
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+if TYPE_CHECKING:
     import numpy as np
-    import torch
 
     from moeconv.packed import PackedWeight
 
@@ -60,14 +59,14 @@ class HummingBackend(PerLinearBackend):
             specs.append(TensorSpec("zero_point", (n * bits // 32, groups), "I32"))
         return specs
 
-    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, torch.Tensor]:
+    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
         codes, zeros = packed_words(weight)
-        tensors = {"weight": codes, "weight_scale": weight.scales.contiguous()}
+        tensors = {"weight": codes, "weight_scale": weight.scales}
         if zeros is not None:
             tensors["zero_point"] = zeros
         return tensors
 
-    def decode_linear_stored(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
+    def decode_linear(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
         return from_packed_words(tensors["weight"], tensors.get("zero_point"), tensors["weight_scale"], linear)
 
     def from_packed_linear(self, weight: PackedWeight, linear: LinearShape) -> dict[str, np.ndarray]:

@@ -12,11 +12,9 @@ import numpy as np
 from moeconv import packing
 from moeconv.backends.base import BackendDefaults, ExpertWeights, Numerics
 from moeconv.spec import TensorSpec
-from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight, as_tensors, stored_arrays
+from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight
 
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
-
+if TYPE_CHECKING:
     from moeconv.packed import PackedWeight
 
 
@@ -31,13 +29,10 @@ class PerLinearBackend(BackendDefaults):
                 for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer))
                 for spec in self.linear_tensors(linear)]
 
-    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, np.ndarray]:
         return {f"{name}.{suffix}": tensor
                 for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer))
                 for suffix, tensor in self.encode_linear(getattr(expert, projection), linear).items()}
-
-    def decodes_stored(self, layer: MoELayerShape | LinearShape) -> bool:
-        return True
 
     def takes_packed(self, layer: MoELayerShape | LinearShape) -> bool:
         return layer.activation_bits == 16  # W8A8's int8 codes are not packed
@@ -47,18 +42,12 @@ class PerLinearBackend(BackendDefaults):
                 for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer))
                 for suffix, array in self.from_packed_linear(expert[projection], linear).items()}
 
-    def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
-        return self.decode_expert_stored(stored_arrays(slices), layer).as_tensors()
-
-    def decode_linear(self, tensors: dict[str, torch.Tensor], linear: LinearShape) -> QuantizedWeight:
-        return as_tensors(self.decode_linear_stored(stored_arrays(tensors), linear))
-
-    def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
+    def decode_expert(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
         decoded = {}
         for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer)):
             prefix = f"{name}."
             own = {key[len(prefix):]: tensor for key, tensor in slices.items() if key.startswith(prefix)}
-            decoded[projection] = self.decode_linear_stored(own, linear)
+            decoded[projection] = self.decode_linear(own, linear)
         return ExpertWeights(**decoded)
 
 
@@ -84,19 +73,17 @@ def projection_shapes(layer: MoELayerShape) -> tuple[LinearShape, LinearShape, L
     return gate_up, gate_up, linear(layer.hidden, layer.intermediate)
 
 
-def packed_words(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+def packed_words(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray | None]:
     """The word layout both schemas use: codes packed along K into int32 (N, K·b/32), value j of each
     word at bits [j·b, j·b + b); TRUE zero points packed along N the same way (N·b/32, G), or None."""
-    import torch
-
-    codes = packing.pack(weight.codes, weight.bits, dim=1, container=torch.int32)
-    zeros = None if weight.zeros is None else packing.pack(weight.zeros, weight.bits, dim=0, container=torch.int32)
+    codes = packing.pack_array(weight.codes, weight.bits, axis=1, container=np.int32)
+    zeros = None if weight.zeros is None else packing.pack_array(weight.zeros, weight.bits, axis=0, container=np.int32)
     return codes, zeros
 
 
 def from_packed_words(codes: np.ndarray, zeros: np.ndarray | None, scales: np.ndarray,
                       linear: LinearShape) -> QuantizedWeight:
-    """Inverse of `packed_words`, on the stored arrays."""
+    """Inverse of `packed_words`."""
     return QuantizedWeight(codes=packing.unpack_array(codes, linear.bits, axis=1),
                            zeros=None if zeros is None else packing.unpack_array(zeros, linear.bits, axis=0),
                            scales=scales, bits=linear.bits, group_size=linear.effective_group_size)

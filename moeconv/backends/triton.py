@@ -22,11 +22,9 @@ import numpy as np
 from moeconv import packing
 from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics
 from moeconv.spec import TORCH_NAMES, TensorSpec
-from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise, stored_arrays
+from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
 
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
-
+if TYPE_CHECKING:
     from moeconv.packed import PackedWeight
 
 
@@ -115,9 +113,7 @@ class TritonBackend(BackendDefaults):
                                         derives_from=made_of))
         return specs
 
-    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
-        import torch
-
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, np.ndarray]:
         slices = {}
         for prefix, rows in (("w13", (expert.gate, expert.up)), ("w2", (expert.down,))):
             if layer.activation_bits == 8:
@@ -125,16 +121,13 @@ class TritonBackend(BackendDefaults):
                 continue
             # Pack each projection, then stack the packed rows (gate first): smaller than stacking codes.
             names = WNA16[prefix]
-            slices[names.qweight] = torch.cat(
-                [packing.pack(w.codes, w.bits, dim=1, container=torch.uint8) for w in rows])
-            slices[names.scales] = torch.cat([w.scales for w in rows])
+            slices[names.qweight] = np.concatenate(
+                [packing.pack_array(w.codes, w.bits, axis=1, container=np.uint8) for w in rows])
+            slices[names.scales] = np.concatenate([w.scales for w in rows])
             if rows[0].zeros is not None:
-                zeros = torch.cat([w.zeros for w in rows])
-                slices[names.qzeros] = packing.pack(zeros, rows[0].bits, dim=0, container=torch.uint8)
+                zeros = np.concatenate([w.zeros for w in rows])
+                slices[names.qzeros] = packing.pack_array(zeros, rows[0].bits, axis=0, container=np.uint8)
         return slices
-
-    def decodes_stored(self, layer: MoELayerShape | LinearShape) -> bool:
-        return True
 
     def takes_packed(self, layer: MoELayerShape | LinearShape) -> bool:
         return layer.activation_bits == 16  # the int8 layout's codes are not packed
@@ -151,10 +144,7 @@ class TritonBackend(BackendDefaults):
                 slices[names.qzeros] = np.concatenate([weight.zero_bytes() for weight in rows])
         return slices
 
-    def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
-        return self.decode_expert_stored(stored_arrays(slices), layer).as_tensors()
-
-    def decode_expert_stored(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
+    def decode_expert(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
         decoded = {}
         for prefix in ("w13", "w2"):
             if layer.activation_bits == 8:
@@ -189,7 +179,7 @@ class TritonBackend(BackendDefaults):
 
 
 def _split_rows(weight: QuantizedWeight, rows: int) -> tuple[QuantizedWeight, QuantizedWeight]:
-    """The first `rows` output rows and the rest (gate and up of w13), of a weight in the stored form."""
+    """The first `rows` output rows and the rest (gate and up of w13)."""
     def part(index: slice) -> QuantizedWeight:
         return QuantizedWeight(codes=np.ascontiguousarray(weight.codes[index]),
                                zeros=None if weight.zeros is None else np.ascontiguousarray(weight.zeros[index]),
@@ -217,13 +207,12 @@ def _int8_layer_tensors(layer: MoELayerShape) -> list[TensorSpec]:
     ]
 
 
-def _int8_encode(prefix: str, rows: tuple[QuantizedWeight, ...]) -> dict[str, torch.Tensor]:
-    """Rows stacked gate first, as in the moe_wna16 path."""
-    import torch
-
+def _int8_encode(prefix: str, rows: tuple[QuantizedWeight, ...]) -> dict[str, np.ndarray]:
+    """Rows stacked gate first, as in the moe_wna16 path; the scales widened to float32 exactly
+    (packing.as_float32: torch's own cast would quiet a float16 signalling NaN)."""
     names = INT8[prefix]
-    return {names.weight: torch.cat([packing.offset_codes_to_int8(w.codes) for w in rows]),
-            names.weight_scale: packing.float32_tensor(torch.cat([w.scales for w in rows]))}
+    return {names.weight: np.concatenate([packing.offset_codes_to_int8(w.codes) for w in rows]),
+            names.weight_scale: packing.as_float32(np.concatenate([w.scales for w in rows]))}
 
 
 def _int8_decode(prefix: str, slices: dict[str, np.ndarray], layer: MoELayerShape) -> QuantizedWeight:

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -29,9 +29,6 @@ from moeconv.checkpoint.schema import (MAX_HEADER_BYTES, MAX_TENSORS, check_tens
 from moeconv.errors import MoeconvError
 from moeconv.packing import bf16_as_float32
 from moeconv.spec import DTYPE_SIZES
-
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not by reading headers
-    import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 # safetensors code -> numpy dtype, for the values the parent reads to detect the format (read_array);
@@ -239,19 +236,8 @@ def same_bytes(a: Path, a_begin: int, b: Path, b_begin: int, length: int, chunk:
     return True
 
 
-def fingerprint(tensor: torch.Tensor) -> bytes:
-    """A content check of a tensor's bytes, for noticing at resume that a source tensor changed in
-    place (same size and time): CRC-32, not a secure hash, because this runs over every source byte
-    a conversion reads. CRC-32 is 2.4 GB/s on the dev machine against 1.1 GB/s for SHA-256 (it was a
-    third of each expert's time), catches every change of up to 32 bits and any other with
-    probability 1 - 2^-32; zlib releases the GIL, so threads and workers check in parallel."""
-    import torch
-
-    return zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy()).to_bytes(4, "little")
-
-
 class TensorReader:
-    """Reads whole tensors, or a block of one (`read_slice`), with `pread`, keeping one descriptor per file."""
+    """Reads whole tensors, or a block of one (`read_raw_slice`), with `pread`, keeping one descriptor per file."""
 
     def __init__(self, fingerprints: dict[str, bytes] | None = None) -> None:
         self._files: dict[Path, int] = {}
@@ -276,31 +262,21 @@ class TensorReader:
             view, position = view[count:], position + count
         return data
 
-    def _read(self, entry: TensorEntry, begin: int, length: int, shape: tuple[int, ...]) -> torch.Tensor:
-        import torch
-
-        from moeconv.spec import TORCH_DTYPES
-
-        data = self._bytes(entry, begin, length)
-        if not length:
-            return torch.empty(shape, dtype=TORCH_DTYPES[entry.dtype], device="cpu")
-        return torch.frombuffer(data, dtype=TORCH_DTYPES[entry.dtype]).reshape(shape)
-
-    def read(self, entry: TensorEntry) -> torch.Tensor:
-        tensor = self._read(entry, entry.begin, entry.nbytes, entry.shape)
-        if self.fingerprints is not None:
-            self.fingerprints[entry.name] = fingerprint(tensor)
-        return tensor
-
     def read_array(self, entry: TensorEntry) -> np.ndarray:
-        """A whole tensor as a numpy array, without torch: what the parent reads to detect the format
-        (BF16 comes back as the float32 values it holds, exactly)."""
+        """A whole tensor's values as a numpy array: what the parent reads to detect the format (BF16 comes
+        back as the float32 values it holds, exactly)."""
         values = self.read_raw(entry)
         return bf16_as_float32(values) if entry.dtype == "BF16" else values
 
     def read_raw(self, entry: TensorEntry) -> np.ndarray:
-        """A whole tensor's stored bytes as a numpy array of its dtype, without torch (BF16 as its uint16 bit
-        patterns, which numpy has no type for): what the packed route moves."""
+        """A whole tensor's stored bytes as a numpy array of its dtype (BF16 as its uint16 bit patterns, which
+        numpy has no type for): what the codecs read.
+
+        Each one's fingerprint is taken as it is read, for noticing at resume that a source tensor changed in
+        place (same size and time): CRC-32, not a secure hash, because this runs over every source byte a
+        conversion reads. CRC-32 is 2.4 GB/s on the dev machine against 1.1 GB/s for SHA-256 (it was a third
+        of each expert's time), catches every change of up to 32 bits and any other with probability
+        1 - 2^-32; zlib releases the GIL, so threads and workers check in parallel."""
         array = self._read_raw(entry, entry.begin, entry.nbytes, entry.shape)
         if self.fingerprints is not None:
             self.fingerprints[entry.name] = zlib.crc32(array.data).to_bytes(4, "little")
@@ -311,12 +287,9 @@ class TensorReader:
             raise MoeconvError(f"{entry.file}: tensor {entry.name} is {entry.dtype}, which numpy does not read")
         return np.frombuffer(self._bytes(entry, begin, length), dtype=NUMPY_DTYPES[entry.dtype]).reshape(shape)
 
-    def read_slice(self, entry: TensorEntry, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """The `shape`-shaped block of `entry`'s dtype that starts `offset` bytes into its data."""
-        return self._read(entry, entry.begin + offset, self._block_length(entry, offset, shape), shape)
-
     def read_raw_slice(self, entry: TensorEntry, offset: int, shape: tuple[int, ...]) -> np.ndarray:
-        """`read_slice`'s block as `read_raw` gives a tensor: numpy, BF16 as its uint16 bit patterns."""
+        """The `shape`-shaped block of `entry`'s dtype that starts `offset` bytes into its data, as `read_raw`
+        gives a tensor."""
         return self._read_raw(entry, entry.begin + offset, self._block_length(entry, offset, shape), shape)
 
     @staticmethod

@@ -28,10 +28,8 @@ import numpy as np
 from moeconv.errors import MoeconvError
 from moeconv.spec import DTYPE_SIZES, TensorSpec
 
-if TYPE_CHECKING:  # torch is imported where tensors are written (the workers), not by the writer's phases
+if TYPE_CHECKING:
     from concurrent.futures import Future
-
-    import torch
 
 _ALIGNMENT = 8
 _COPY_CHUNK = 64 * 1024 * 1024
@@ -90,9 +88,10 @@ class ShardWriter:
             self._written[name] += length
         return self._data_start + start + offset
 
-    def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> None:
-        """Write `tensor`'s bytes at byte `offset` inside tensor `name`."""
-        write_at(self._fd, tensor, self.claim(name, offset, tensor.numel() * tensor.element_size()))
+    def write(self, name: str, data: np.ndarray, offset: int = 0) -> None:
+        """Write the bytes of `data` (a stored array: BF16 as its uint16 bit patterns) at byte `offset` inside
+        tensor `name`."""
+        write_at(self._fd, data, self.claim(name, offset, data.nbytes))
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -118,20 +117,9 @@ class ShardWriter:
             os.close(self._fd)
 
 
-def byte_size(data: torch.Tensor | np.ndarray) -> int:
-    """How many bytes a torch tensor or a numpy array holds."""
-    return data.nbytes if isinstance(data, np.ndarray) else data.numel() * data.element_size()
-
-
-def write_at(fd: int, data: torch.Tensor | np.ndarray, position: int) -> None:
-    """All of the bytes of `data` (a torch tensor, or a numpy array from the packed route) at file
-    `position` of `fd`."""
-    if isinstance(data, np.ndarray):
-        view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-    else:
-        import torch
-
-        view = memoryview(data.reshape(-1).view(torch.uint8).cpu().numpy())
+def write_at(fd: int, data: np.ndarray, position: int) -> None:
+    """All of the bytes of `data` (a stored array) at file `position` of `fd`."""
+    view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
     while view:
         written = os.pwrite(fd, view, position)
         view, position = view[written:], position + written

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from moeconv.packed import PackedWeight, transposed
 from moeconv.spec import TensorSpec
 from moeconv.formats.base import (
     Detection,
-    StoredDecoding,
+    FormatDefaults,
     Linear,
     Read,
     SourceFormat,
@@ -36,9 +36,6 @@ from moeconv.formats.base import (
     groups_of,
 )
 
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
-
 SYMMETRIC_WORD = packing.repeated_word(8, 4) - (1 << 32)  # 0x88888888 as the int32 it is stored as
 SAMPLE_LINEARS = 96  # linears whose qzeros detection reads at most (a few KB each)
 
@@ -47,7 +44,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 NATURAL_FROM_SLOTS = tuple(AWQ_ORDER.index(column) for column in range(8))  # (0, 4, 1, 5, 2, 6, 3, 7)
 
 
-def _interleave(columns: torch.Tensor) -> torch.Tensor:
+def _interleave(columns: np.ndarray) -> np.ndarray:
     """(..., N) natural order -> slot order."""
     grouped = columns.reshape(*columns.shape[:-1], -1, 8)
     return grouped[..., list(AWQ_ORDER)].reshape(columns.shape)
@@ -99,7 +96,7 @@ def _natural_words(words: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class AWQ(StoredDecoding):
+class AWQ(FormatDefaults):
     bits: int = 4
     group_size: int = 128
     zero_point: bool = True
@@ -167,7 +164,7 @@ class AWQ(StoredDecoding):
         }
         return shapes
 
-    def decode_stored(self, stored: Mapping[str, np.ndarray]) -> tuple[QuantizedWeight, None]:
+    def decode(self, stored: Mapping[str, np.ndarray]) -> QuantizedWeight:
         codes = _natural_columns(stored["qweight"])
         zeros = None
         if self.zero_point:
@@ -175,9 +172,8 @@ class AWQ(StoredDecoding):
         elif "qzeros" in stored:
             self.check_symmetric_zeros(stored["qzeros"])
         in_features = codes.shape[1]
-        weight = QuantizedWeight(codes=codes, zeros=zeros, scales=np.ascontiguousarray(stored["scales"].T),
-                                 bits=self.bits, group_size=effective_group_size(in_features, self.group_size))
-        return weight, None
+        return QuantizedWeight(codes=codes, zeros=zeros, scales=transposed(stored["scales"]),
+                               bits=self.bits, group_size=effective_group_size(in_features, self.group_size))
 
     packs = True
 
@@ -193,16 +189,14 @@ class AWQ(StoredDecoding):
         return PackedWeight(words=words, zero_words=zero_words, scales=transposed(stored["scales"]), bits=self.bits,
                             group_size=effective_group_size(words.shape[1] * 8, self.group_size))
 
-    def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
-        import torch
-
+    def encode(self, weight: QuantizedWeight) -> dict[str, np.ndarray]:
         tensors = {
-            "qweight": packing.pack(_interleave(weight.codes.T), self.bits, dim=1, container=torch.int32),
-            "scales": weight.scales.T.contiguous(),
+            "qweight": packing.pack_array(_interleave(transposed(weight.codes)), self.bits, axis=1, container=np.int32),
+            "scales": transposed(weight.scales),
         }
         if self.zero_point:
             zeros = weight.effective_zeros()
-            tensors["qzeros"] = packing.pack(_interleave(zeros.T), self.bits, dim=1, container=torch.int32)
+            tensors["qzeros"] = packing.pack_array(_interleave(transposed(zeros)), self.bits, axis=1, container=np.int32)
         return tensors
 
     def describe(self) -> dict[str, Any]:

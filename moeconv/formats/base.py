@@ -9,15 +9,14 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from moeconv import act_order
 from moeconv.canonical import (  # noqa: F401
-    CHANNELWISE, QuantizedWeight, as_tensors, effective_group_size, groups_of, is_channelwise, stored_arrays)
+    CHANNELWISE, QuantizedWeight, effective_group_size, groups_of, is_channelwise)
 from moeconv.errors import MoeconvError
 from moeconv.spec import FLOAT_DTYPES, TensorSpec
 
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
+if TYPE_CHECKING:
     import numpy as np
-    import torch
 
-    from moeconv.float_codes import FloatScheme
+    from moeconv.float_codes import FloatScheme, FloatWeight
     from moeconv.packed import PackedWeight
 
 
@@ -107,26 +106,19 @@ class SourceFormat(Protocol):
     def expected(self, out_features: int, in_features: int) -> dict[str, TensorSpec]:
         """Every tensor's spec (named by suffix) for a linear of this size, to validate headers."""
 
-    def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
-        """One linear's tensors (keyed by suffix) -> the canonical form."""
+    def decode(self, stored: Mapping[str, np.ndarray]) -> QuantizedWeight | FloatWeight:
+        """One linear's stored arrays (keyed by suffix; `TensorReader.read_raw`: BF16 as its uint16 bit
+        patterns) -> the canonical form (a float-coded format's: `FloatWeight`), in numpy, moving bits only."""
 
-    def decode_ordered(self, tensors: Mapping[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None]:
+    def decode_ordered(self, stored: Mapping[str, np.ndarray]) -> tuple[QuantizedWeight, np.ndarray | None]:
         """As `decode`, and for an act-order linear the input permutation P under which its groups are
         static (the stored linear is W[:, P]; act_order.py). Default: `decode`, and no permutation."""
-
-    # The format decodes the stored arrays in numpy (`decode_stored`), so verify's workers need no torch for
-    # it. Default: False (it decodes torch tensors only).
-    decodes_stored: bool
-
-    def decode_stored(self, stored: Mapping[str, np.ndarray]) -> tuple[QuantizedWeight, np.ndarray | None]:
-        """As `decode_ordered`, on the stored arrays (`TensorReader.read_raw`: BF16 as uint16 bit patterns),
-        the weight in that stored form (numpy). Only where `decodes_stored`."""
 
     # The format's stored words go into the packed form (`to_packed`), the fast path into every layout that
     # takes it (packed.py). Default: False (every linear takes the canonical route).
     packs: bool
 
-    # The float scheme of a float-coded format (MXFP4, NVFP4: float_codes.py): its `decode_stored` gives the
+    # The float scheme of a float-coded format (MXFP4, NVFP4: float_codes.py): its `decode` gives the
     # canonical float form (`FloatWeight`), which only a layout that takes float codes writes. Default: None
     # (integer codes: the canonical form).
     float_scheme: FloatScheme | None
@@ -136,12 +128,12 @@ class SourceFormat(Protocol):
         the canonical route must take (an act-order g_idx). Only where `packs`; byte-identical to `decode`
         then packing (tests/test_packed.py)."""
 
-    def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
-        """The canonical form -> this format's tensors (keyed by suffix)."""
+    def encode(self, weight: QuantizedWeight | FloatWeight) -> dict[str, np.ndarray]:
+        """The canonical form -> this format's stored arrays (keyed by suffix; synthetic checkpoints)."""
 
-    def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-        """Counts of values worth a word in the reports (kind -> count), from one linear's tensors.
-        Default: nothing to count."""
+    def audit(self, tensors: Mapping[str, np.ndarray]) -> dict[str, int]:
+        """Counts of values worth a word in the reports (kind -> count), from one linear's stored arrays
+        (BF16 widened to float32). Default: nothing to count."""
 
     def written_suffixes(self) -> tuple[str, ...]:
         """What a producer of this format writes for every linear (synthetic checkpoints). Default:
@@ -162,48 +154,33 @@ class FormatDefaults:
     vector_suffixes: tuple[str, ...] = ()
     audited_suffixes: tuple[str, ...] = ()
     group_index_suffix: str | None = None
-    decodes_stored: bool = False
     packs: bool = False
     float_scheme: FloatScheme | None = None
 
     def to_packed(self, stored: Mapping[str, np.ndarray]) -> PackedWeight | None:
         raise NotImplementedError(f"{type(self).__name__} has no packed form")
 
-    def decode_stored(self, stored: Mapping[str, np.ndarray]) -> tuple[QuantizedWeight, np.ndarray | None]:
-        raise NotImplementedError(f"{type(self).__name__} decodes torch tensors only")
-
     @staticmethod
     def configures_act_order(config: Mapping[str, Any]) -> bool:
         return False
 
-    def decode_ordered(self, tensors: Mapping[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None]:
-        return self.decode(tensors), None
+    def decode_ordered(self, stored: Mapping[str, np.ndarray]) -> tuple[QuantizedWeight, np.ndarray | None]:
+        return self.decode(stored), None
 
-    def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    def audit(self, tensors: Mapping[str, np.ndarray]) -> dict[str, int]:
         return {}
 
     def written_suffixes(self) -> tuple[str, ...]:
         return self.suffixes()
 
 
-class StoredDecoding(FormatDefaults):
-    """The defaults of a format whose decoding only moves bits (`decode_stored`, in numpy): `decode` and
-    `decode_ordered` are that decoding of the tensors' arrays, as tensors again (no copies)."""
-
-    decodes_stored: bool = True
-
-    def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
-        """Static groups only: no group index, or one that relabels whole groups (act_order.py)."""
-        weight, inputs = self.decode_ordered(tensors)
-        if inputs is not None:
-            raise MoeconvError(act_order.describe(act_order.PERMUTED, "linear"))
-        return weight
-
-    def decode_ordered(self, tensors: Mapping[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None]:
-        import torch
-
-        weight, inputs = self.decode_stored(stored_arrays(tensors))
-        return as_tensors(weight), None if inputs is None else torch.from_numpy(inputs)
+def static_groups_only(decoded: tuple[QuantizedWeight, np.ndarray | None]) -> QuantizedWeight:
+    """`decode` of a format whose `decode_ordered` may find an act-order permutation: refused, since only a
+    down projection folds one away (act_order.fold) and `decode` reads every other linear."""
+    weight, inputs = decoded
+    if inputs is not None:
+        raise MoeconvError(act_order.describe(act_order.PERMUTED, "linear"))
+    return weight
 
 
 def config_int(config: Mapping[str, Any], key: str, default: int, where: str, *fallbacks: str) -> int:

@@ -26,7 +26,7 @@ several groups with the same scheme).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -36,12 +36,10 @@ from moeconv.errors import MoeconvError
 from moeconv.packed import PackedWeight
 from moeconv.spec import TensorSpec
 from moeconv.checkpoint.schema import section
-from moeconv.formats.base import (Detection, StoredDecoding, Linear, Read, SourceFormat, checked_group_size, config_bool, config_int,
-                                  config_pattern, effective_group_size, group_size_from_shapes, groups_of)
+from moeconv.formats.base import (Detection, FormatDefaults, Linear, Read, SourceFormat, checked_group_size, config_bool,
+                                  config_int, config_pattern, effective_group_size, group_size_from_shapes, groups_of,
+                                  static_groups_only)
 from moeconv.models import ARCHITECTURES
-
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
 
 PACK_QUANTIZED = "pack-quantized"
 INT_QUANTIZED = "int-quantized"
@@ -64,7 +62,7 @@ _EXPERT_LINEAR_NAMES = tuple(
 
 
 @dataclass(frozen=True)
-class CompressedTensors(StoredDecoding):
+class CompressedTensors(FormatDefaults):
     format: str = PACK_QUANTIZED
     bits: int = 4
     group_size: int = 128  # -1: channel strategy
@@ -157,7 +155,11 @@ class CompressedTensors(StoredDecoding):
             "weight_g_idx": TensorSpec("weight_g_idx", (in_features,), "I32"),
         }
 
-    def decode_stored(self, stored: Mapping[str, np.ndarray]) -> tuple[QuantizedWeight, np.ndarray | None]:
+    def decode(self, stored: Mapping[str, np.ndarray]) -> QuantizedWeight:
+        """Static (or relabelled) groups only: an act-order weight_g_idx is refused (act_order.py)."""
+        return static_groups_only(self.decode_ordered(stored))
+
+    def decode_ordered(self, stored: Mapping[str, np.ndarray]) -> tuple[QuantizedWeight, np.ndarray | None]:
         """The canonical form, and for actorder "group" the input permutation P under which it holds
         (the stored linear is W[:, P]); None for static groups."""
         if self.packed:
@@ -181,7 +183,7 @@ class CompressedTensors(StoredDecoding):
         return self.packed
 
     def to_packed(self, stored: Mapping[str, np.ndarray]) -> PackedWeight | None:
-        """The words as they are, checked as `decode_stored` checks them; None for a weight_g_idx that is not
+        """The words as they are, checked as `decode` checks them; None for a weight_g_idx that is not
         k // g (the canonical route folds act-order or refuses it)."""
         words = stored["weight_packed"]
         shape = (words.shape[0], words.shape[1] * 32 // self.bits)
@@ -195,19 +197,17 @@ class CompressedTensors(StoredDecoding):
         return PackedWeight(words=words, zero_words=None if self.symmetric else stored["weight_zero_point"],
                             scales=stored["weight_scale"], bits=self.bits, group_size=group_size)
 
-    def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
-        import torch
-
+    def encode(self, weight: QuantizedWeight) -> dict[str, np.ndarray]:
         if not self.packed:
-            return {"weight": packing.offset_codes_to_int8(weight.codes), "weight_scale": weight.scales.contiguous()}
+            return {"weight": packing.offset_codes_to_int8(weight.codes), "weight_scale": weight.scales}
         tensors = {
-            "weight_packed": packing.pack(weight.codes, self.bits, dim=1, container=torch.int32),
-            "weight_scale": weight.scales.contiguous(),
-            "weight_shape": torch.tensor(weight.codes.shape, dtype=torch.int64),
+            "weight_packed": packing.pack_array(weight.codes, self.bits, axis=1, container=np.int32),
+            "weight_scale": weight.scales,
+            "weight_shape": np.array(weight.codes.shape, dtype=np.int64),
         }
         if not self.symmetric:
-            tensors["weight_zero_point"] = packing.pack(weight.effective_zeros(), self.bits, dim=0,
-                                                        container=torch.int32)
+            tensors["weight_zero_point"] = packing.pack_array(weight.effective_zeros(), self.bits, axis=0,
+                                                              container=np.int32)
         return tensors
 
     def describe(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ the plan describes them (survey.fp8_block_linears).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -25,11 +25,8 @@ from moeconv.errors import MoeconvError
 from moeconv.float_codes import DIVIDE, MXFP4, FloatScheme, FloatWeight, nvfp4
 from moeconv.formats.base import Detection, FormatDefaults, Linear, Read, SourceFormat
 from moeconv.formats.compressed_tensors import expert_groups, ignored_modules, one_scheme
-from moeconv.formats.float_linear import float_weight, stored_float
+from moeconv.formats.float_linear import float_weight
 from moeconv.spec import TensorSpec
-
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
 
 NVFP4_FORMAT, MXFP4_FORMAT = "nvfp4-pack-quantized", "mxfp4-pack-quantized"
 COMPRESSED_TENSORS_VERSION = "0.19.0"  # what the fixtures' llm-compressor 0.14.0.1 writes (tests/data/float)
@@ -50,7 +47,6 @@ class CompressedTensorsFloat(FormatDefaults):
     ignore: tuple[str, ...] = ("lm_head", "re:.*mlp.gate$")
     method: str = "compressed-tensors"
     bits = 4
-    decodes_stored = True
 
     @property
     def float_scheme(self) -> FloatScheme:
@@ -135,21 +131,13 @@ class CompressedTensorsFloat(FormatDefaults):
             specs[INPUT] = TensorSpec(INPUT, (1,), "F32")
         return specs
 
-    def decode_stored(self, stored: Mapping[str, np.ndarray]) -> tuple[FloatWeight, None]:
+    def decode(self, stored: Mapping[str, np.ndarray]) -> FloatWeight:
         return float_weight(self.float_scheme, stored["weight_packed"], stored["weight_scale"],
                             {"global_scale": (GLOBAL, stored.get(GLOBAL)),
-                             "input_scale": (INPUT, stored.get(INPUT) if self.input_scale else None)}), None
+                             "input_scale": (INPUT, stored.get(INPUT) if self.input_scale else None)})
 
-    def decode(self, tensors: Mapping[str, torch.Tensor]) -> FloatWeight:
-        return stored_float(self, tensors)
-
-    def encode_stored(self, weight: FloatWeight) -> dict[str, np.ndarray]:
+    def encode(self, weight: FloatWeight) -> dict[str, np.ndarray]:
         return float_arrays(weight)
-
-    def encode(self, weight: FloatWeight) -> dict[str, torch.Tensor]:
-        import torch
-
-        return {suffix: torch.from_numpy(array.copy()) for suffix, array in self.encode_stored(weight).items()}
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.method, "format": self.format,

@@ -4,15 +4,12 @@ codec's caller adds the file and the linear)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
 from moeconv.errors import MoeconvError
 from moeconv.float_codes import FloatScheme, FloatWeight, global_refusal, scale_refusal, unpack_codes
-
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
 
 
 def float_weight(scheme: FloatScheme, packed: np.ndarray, scales: np.ndarray,
@@ -40,13 +37,3 @@ def float_weight(scheme: FloatScheme, packed: np.ndarray, scales: np.ndarray,
         found[field] = value
     return FloatWeight(codes, scales, scheme, **found)
 
-
-def stored_float(source_format: Any, tensors: Mapping[str, torch.Tensor]) -> FloatWeight:
-    """A float format's `decode` of torch tensors: its `decode_stored` of their bytes (float8 as bytes)."""
-    import torch
-
-    from moeconv.canonical import stored_arrays
-
-    as_bytes = {suffix: tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
-                for suffix, tensor in tensors.items()}
-    return source_format.decode_stored(stored_arrays(as_bytes))[0]

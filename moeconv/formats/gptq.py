@@ -14,7 +14,7 @@ ones to look at, and `suspicious_zero_slots` counts them for the reports.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from moeconv.packed import PackedWeight, transposed
 from moeconv.spec import TensorSpec
 from moeconv.formats.base import (
     Detection,
-    StoredDecoding,
+    FormatDefaults,
     Linear,
     Read,
     SourceFormat,
@@ -37,16 +37,14 @@ from moeconv.formats.base import (
     effective_group_size,
     group_size_from_shapes,
     groups_of,
+    static_groups_only,
 )
-
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
 
 V1, V2 = "gptq", "gptq_v2"
 
 
 @dataclass(frozen=True)
-class GPTQ(StoredDecoding):
+class GPTQ(FormatDefaults):
     bits: int = 4
     group_size: int = 128
     sym: bool = True
@@ -102,7 +100,11 @@ class GPTQ(StoredDecoding):
     def zero_offset_word(self) -> int:
         return packing.repeated_word(1, self.bits) if self.checkpoint_format == V1 else 0
 
-    def decode_stored(self, stored: Mapping[str, np.ndarray]) -> tuple[QuantizedWeight, np.ndarray | None]:
+    def decode(self, stored: Mapping[str, np.ndarray]) -> QuantizedWeight:
+        """Static (or relabelled) groups only: an act-order g_idx is refused (act_order.py)."""
+        return static_groups_only(self.decode_ordered(stored))
+
+    def decode_ordered(self, stored: Mapping[str, np.ndarray]) -> tuple[QuantizedWeight, np.ndarray | None]:
         """The canonical form, and for an act-order g_idx (every group g channels wide, in any order)
         the input permutation P under which it holds: the source linear is `W[:, P]` = the returned
         weight. P is None for static (or relabelled) groups."""
@@ -138,21 +140,19 @@ class GPTQ(StoredDecoding):
     def configures_act_order(config: Mapping[str, Any]) -> bool:
         return config.get("desc_act") is True
 
-    def static_groups(self, g_idx: torch.Tensor | None, in_features: int) -> bool:
+    def static_groups(self, g_idx: np.ndarray | None, in_features: int) -> bool:
         """The stored g_idx (if any) is the trivial k // g: the stored words mean what they say."""
         group_size = effective_group_size(in_features, self.group_size)
         return act_order.group_order(g_idx, group_size).kind == act_order.STATIC
 
-    def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
+    def encode(self, weight: QuantizedWeight) -> dict[str, np.ndarray]:
         """Writes what GPTQModel writes: v1 zeros as true-zero words minus the repeated-ones word."""
-        import torch
-
-        true_words = packing.pack(weight.effective_zeros().T, self.bits, dim=1, container=torch.int32)
+        true_words = packing.pack_array(transposed(weight.effective_zeros()), self.bits, axis=1, container=np.int32)
         return {
-            "qweight": packing.pack(weight.codes.T, self.bits, dim=0, container=torch.int32),
-            "qzeros": packing.add_to_words(true_words, -self.zero_offset_word()),
-            "scales": weight.scales.T.contiguous(),
-            "g_idx": torch.arange(weight.in_features, dtype=torch.int32) // weight.group_size,
+            "qweight": transposed(packing.pack_array(weight.codes, self.bits, axis=1, container=np.int32)),
+            "qzeros": packing.add_to_word_array(true_words, -self.zero_offset_word()),
+            "scales": transposed(weight.scales),
+            "g_idx": np.arange(weight.in_features, dtype=np.int32) // np.int32(weight.group_size),
         }
 
     @property
@@ -160,17 +160,17 @@ class GPTQ(StoredDecoding):
         """v1 asymmetric: a true zero of 0 has no clean v1 encoding (see module doc)."""
         return not self.sym and self.checkpoint_format == V1
 
-    def suspicious_zero_slots(self, qzeros: np.ndarray | torch.Tensor) -> int:
+    def suspicious_zero_slots(self, qzeros: np.ndarray) -> int:
         """v1 asymmetric only: stored zero slots that are all ones, i.e. true zero 0 (see module doc)."""
         if not self.has_ambiguous_zeros:
             return 0
-        return int((packing.unpack_array(np.asarray(qzeros), self.bits, axis=1) == (1 << self.bits) - 1).sum())
+        return int((packing.unpack_array(qzeros, self.bits, axis=1) == (1 << self.bits) - 1).sum())
 
     vector_suffixes = ("g_idx",)
     group_index_suffix = "g_idx"  # act-order's group of each input channel (act_order.py)
     audited_suffixes = ("qzeros",)
 
-    def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    def audit(self, tensors: Mapping[str, np.ndarray]) -> dict[str, int]:
         return {"suspicious_zero_slots": self.suspicious_zero_slots(tensors["qzeros"])} if "qzeros" in tensors else {}
 
     def written_suffixes(self) -> tuple[str, ...]:

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
 
 from moeconv import packing
 from moeconv.canonical import QuantizedWeight
@@ -47,9 +49,6 @@ from moeconv.formats.base import (
     groups_of,
 )
 from moeconv.spec import TensorSpec
-
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
 
 QUANT_ALGO = "W4A16_AWQ"
 PRE_QUANT_SCALE = "pre_quant_scale"
@@ -133,21 +132,19 @@ class ModelOpt(FormatDefaults):
             PRE_QUANT_SCALE: TensorSpec(PRE_QUANT_SCALE, (in_features,), None),  # AWQ only
         }
 
-    def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
-        scale = tensors.get(PRE_QUANT_SCALE)
-        if scale is not None and not bool((scale == 1).all()):
+    def decode(self, stored: Mapping[str, np.ndarray]) -> QuantizedWeight:
+        scale = stored.get(PRE_QUANT_SCALE)
+        if scale is not None and not bool((packing.as_float32(scale) == 1).all()):
             raise MoeconvError(_scale_refusal(["this linear"], 1))
-        codes = packing.unpack(tensors["weight"], self.bits, dim=0) ^ SIGN_FLIP
-        return QuantizedWeight(codes=codes, zeros=None, scales=tensors["weight_scale"], bits=self.bits,
+        codes = packing.unpack_array(stored["weight"], self.bits, axis=0) ^ np.uint8(SIGN_FLIP)
+        return QuantizedWeight(codes=codes, zeros=None, scales=stored["weight_scale"], bits=self.bits,
                                group_size=effective_group_size(codes.shape[1], self.group_size))
 
-    def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
-        import torch
-
+    def encode(self, weight: QuantizedWeight) -> dict[str, np.ndarray]:
         if not weight.symmetric:
             raise ValueError("ModelOpt's int4 export is symmetric: it has no zero points to write")
-        return {"weight": packing.pack(weight.codes ^ SIGN_FLIP, self.bits, dim=0, container=torch.uint8),
-                "weight_scale": weight.scales.contiguous()}
+        return {"weight": packing.pack_array(weight.codes ^ np.uint8(SIGN_FLIP), self.bits, axis=0, container=np.uint8),
+                "weight_scale": weight.scales}
 
     def describe(self) -> dict[str, Any]:
         return {"method": "modelopt", "quant_algo": QUANT_ALGO, "bits": self.bits, "group_size": self.group_size,

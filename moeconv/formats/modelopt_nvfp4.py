@@ -16,18 +16,15 @@ compressed-tensors reads -0.0: equal as reals, and the code byte is kept.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
 from moeconv.errors import MoeconvError
 from moeconv.float_codes import MULTIPLY, FloatScheme, FloatWeight, nvfp4, pack_codes
 from moeconv.formats.base import Detection, FormatDefaults, Linear, Read, SourceFormat, config_int
-from moeconv.formats.float_linear import float_weight, stored_float
+from moeconv.formats.float_linear import float_weight
 from moeconv.spec import TensorSpec
-
-if TYPE_CHECKING:  # torch is imported where tensors are made (the workers), not to plan
-    import torch
 
 QUANT_ALGO = "NVFP4"
 BLOCK = 16
@@ -41,7 +38,6 @@ class ModelOptNvfp4(FormatDefaults):
     bits = 4
     group_size = BLOCK
     activation_bits = 4  # W4A4: each linear stores its static input scale
-    decodes_stored = True
     float_scheme: FloatScheme = nvfp4(MULTIPLY, True)
     vector_suffixes = (GLOBAL, INPUT)  # scalars
 
@@ -96,23 +92,15 @@ class ModelOptNvfp4(FormatDefaults):
                 "weight_scale": TensorSpec("weight_scale", (out_features, in_features // BLOCK), "F8_E4M3"),
                 GLOBAL: TensorSpec(GLOBAL, (), "F32"), INPUT: TensorSpec(INPUT, (), "F32")}
 
-    def decode_stored(self, stored: Mapping[str, np.ndarray]) -> tuple[FloatWeight, None]:
+    def decode(self, stored: Mapping[str, np.ndarray]) -> FloatWeight:
         return float_weight(self.float_scheme, stored["weight"], stored["weight_scale"],
-                            {"global_scale": (GLOBAL, stored[GLOBAL]), "input_scale": (INPUT, stored[INPUT])}), None
+                            {"global_scale": (GLOBAL, stored[GLOBAL]), "input_scale": (INPUT, stored[INPUT])})
 
-    def decode(self, tensors: Mapping[str, torch.Tensor]) -> FloatWeight:
-        return stored_float(self, tensors)
-
-    def encode_stored(self, weight: FloatWeight) -> dict[str, np.ndarray]:
+    def encode(self, weight: FloatWeight) -> dict[str, np.ndarray]:
         """The canonical float form -> ModelOpt's arrays, the global scales multiplied by (exactly, or refused)."""
         weight = weight.in_convention(MULTIPLY)
         return {"weight": pack_codes(weight.codes), "weight_scale": weight.scales, GLOBAL: weight.global_scale,
                 INPUT: weight.input_scale}
-
-    def encode(self, weight: FloatWeight) -> dict[str, torch.Tensor]:
-        import torch
-
-        return {suffix: torch.from_numpy(np.array(array)) for suffix, array in self.encode_stored(weight).items()}
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.method, "quant_algo": QUANT_ALGO, "bits": 4, "group_size": BLOCK, "symmetric": True,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -63,7 +64,7 @@ def signed_block_weights(blocked: BlockedInt4) -> torch.Tensor:
 
 def stored_compensation(blocked: BlockedInt4) -> torch.Tensor:
     """int32 (N/32, K/block_k, 32): the little-endian sums at the end of each block, as stored."""
-    return packing.pack(blocked.qweight[..., -COMPENSATION_BYTES:], 8, dim=-1, container=torch.int32)
+    return _little_endian_words(blocked.qweight[..., -COMPENSATION_BYTES:])
 
 
 def _group_of_block(blocked: BlockedInt4) -> torch.Tensor:
@@ -101,7 +102,12 @@ def stored_vnni_compensation(packed: torch.Tensor) -> torch.Tensor:
     """int32 (N/32, 32): the little-endian values after each block's weights, as stored."""
     n, row_bytes = packed.shape
     tails = packed.view(torch.uint8).reshape(n // BLOCK_N, BLOCK_N * row_bytes)[:, -COMPENSATION_BYTES:]
-    return packing.pack(tails, 8, dim=-1, container=torch.int32)
+    return _little_endian_words(tails)
+
+
+def _little_endian_words(stored: torch.Tensor) -> torch.Tensor:
+    """uint8 bytes along the last dim -> the int32 words they store, 4 bytes a word (packing.pack_array)."""
+    return torch.from_numpy(packing.pack_array(stored.numpy(), 8, axis=-1, container=np.int32))
 
 
 def vnni_linear(x: torch.Tensor, tensors: VnniInt8, *, quantize_activations: bool = True) -> torch.Tensor:

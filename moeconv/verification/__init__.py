@@ -9,8 +9,8 @@ threat model in docs/FORMAT.md).
 2. lossless: every source shard hashes to the digest recorded as the conversion read it; every
    conversion job of the plan (each expert, each dense linear a backend converts) decodes from the
    output back to the canonical form, and equals what the SOURCE format's decoder gives for the
-   source tensors, bit for bit (both read in numpy where the layout and the format can be, else in
-   torch; never through the converter's packed route); pass-through tensors are byte-identical to the source.
+   source tensors, bit for bit (both decoded in numpy, never through the converter's packed route);
+   pass-through tensors are byte-identical to the source.
 3. numerics: the reference kernel the backend names (moeconv.kernels.runners) runs on the converted
    tensors for random tokens, routed so that every checked expert gets one; the reference dequantizes
    the source independently and computes in float64.
@@ -29,7 +29,7 @@ from typing import Callable
 from moeconv.audit import Audits
 from moeconv.checkpoint.reader import TensorReader, collection_paused
 from moeconv.errors import MoeconvError
-from moeconv.verification import decoding, lossless, numerics, prepare, structure
+from moeconv.verification import lossless, numerics, prepare, structure
 from moeconv.verification.report import LEVELS, PHASE_UNITS, PROOFS, LayerResult, VerifyReport, finished
 from moeconv.verification.scheduler import Scheduler
 
@@ -66,8 +66,6 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
                 scheduler.background(structure.digests, output, opened.manifest,
                                      list(opened.converted.tensors.values()), opened.checkpoint, opened.anchor)
             plan = prepare.plan_of(opened)
-            if level != "structure" and executor == "local":
-                decoding.start_checkers(plan, workers)  # the checkers' torch import, while the digests run
             report = prepare.report_of(opened, plan, level, scheduler.seconds)
             if opened.converted is not None:
                 report.structure_problems = structure.check_reading(plan) + structure.check_structure(

@@ -5,7 +5,7 @@ module and never `transform`, a codec or the executor directly."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
@@ -14,13 +14,12 @@ from moeconv.audit import Audits
 from moeconv.backends import get_backend
 from moeconv.checkpoint.reader import TensorEntry, TensorReader
 from moeconv.errors import MoeconvError
-from moeconv.executor import Executor, in_batches, start_workers, worker_reader
-from moeconv.packing import as_float32
+from moeconv.executor import Executor, in_batches, worker_reader
 from moeconv.plan import Plan
 from moeconv.transform import Codec
 from moeconv.worklist import ConvertJob, ExpertJob
 
-if TYPE_CHECKING:  # the checks import it in the workers; a lossless verify's own process never does
+if TYPE_CHECKING:  # the kernel check's, in verify's own process; a lossless verify never imports it
     import torch
 
     from moeconv.canonical import QuantizedWeight
@@ -28,17 +27,10 @@ if TYPE_CHECKING:  # the checks import it in the workers; a lossless verify's ow
 Problems = list[tuple[str | None, str]]  # (projection, or None for the whole job; what differs)
 
 
-def start_checkers(plan: Plan, workers: int | None) -> None:
-    """The local checkers' torch import, begun now (beside the digests), where the plan's checks need it."""
-    if plan.checks_need_torch:
-        start_workers(workers)
-
-
-def checkers(plan: Plan, executor: str, workers: int | None, ray_address: str | None) -> Any:
-    """What runs the lossless checks: this machine's worker processes (forked from this process where
-    the checks need no torch), or Ray tasks."""
+def checkers(executor: str, workers: int | None, ray_address: str | None) -> Any:
+    """What runs the lossless checks: this machine's worker processes, or Ray tasks."""
     if executor == "local":
-        return Executor(workers, needs_torch=plan.checks_need_torch)
+        return Executor(workers)
     if executor == "ray":
         from moeconv.distributed import RayMap
 
@@ -61,11 +53,10 @@ def _outputs_of(job: ConvertJob, tensors: dict[str, TensorEntry]) -> dict[str, T
     return {slot.tensor.name: tensors[slot.tensor.name] for slot in job.slots.values()}
 
 
-def _output_blocks(job: ConvertJob, tensors: dict[str, TensorEntry],
-                   read: Callable[[TensorEntry, int, tuple[int, ...]], Any]) -> dict[str, Any]:
-    """The bytes the job wrote, read back from the output (`read`: TensorReader.read_slice for tensors,
-    read_raw_slice for the stored arrays), keyed by backend suffix."""
-    return {suffix: read(tensors[slot.tensor.name], slot.offset, slot.shape) for suffix, slot in job.slots.items()}
+def _output_blocks(job: ConvertJob, tensors: dict[str, TensorEntry], reader: TensorReader) -> transform.Stored:
+    """The bytes the job wrote, read back from the output as stored arrays, keyed by backend suffix."""
+    return {suffix: reader.read_raw_slice(tensors[slot.tensor.name], slot.offset, slot.shape)
+            for suffix, slot in job.slots.items()}
 
 
 def _check_task(codec: Codec, job: ConvertJob, outputs: dict[str, TensorEntry],
@@ -78,40 +69,29 @@ def _check_task(codec: Codec, job: ConvertJob, outputs: dict[str, TensorEntry],
 def _check_job(codec: Codec, job: ConvertJob, tensors: dict[str, TensorEntry], reader: TensorReader,
                audits: Audits, cast: tuple[str, str] | None) -> Problems:
     """(projection, mismatch) for every canonical weight whose output bytes do not decode to exactly
-    what the source format's decoder gives; (None, why) when the layout cannot be decoded at all. In
-    numpy where the job's layout and format decode the stored arrays (`transform.decodes_stored`), else,
-    or for an act-order fold, in torch."""
-    if transform.decodes_stored(job, codec):
-        try:
-            converted = transform.decode_stored(job, codec, _output_blocks(job, tensors, reader.read_raw_slice))
-        except ValueError as error:  # the layout's own redundancy (e.g. weight_shape) disagrees
-            return [(None, str(error))]
-        decoded = transform.source_weights_stored(job, codec, reader)
-        if decoded is not None:
-            return _compared(job, converted, *decoded, audits, cast)
+    what the source format's decoder gives; (None, why) when the layout cannot be decoded at all."""
     try:
-        converted = transform.decode(job, codec, _output_blocks(job, tensors, reader.read_slice))
-    except ValueError as error:  # the layout's own redundancy (e.g. CPU compensation sums) disagrees
+        converted = transform.decode(job, codec, _output_blocks(job, tensors, reader))
+    except ValueError as error:  # the layout's own redundancy (weight_shape, CPU compensation sums) disagrees
         return [(None, str(error))]
     return _compared(job, converted, *transform.source_weights(job, codec, reader), audits, cast)
 
 
 def _compared(job: ConvertJob, converted: dict[str, QuantizedWeight], source: dict[str, QuantizedWeight],
               counts: list[tuple[str, dict[str, int]]], audits: Audits, cast: tuple[str, str] | None) -> Problems:
-    """The mismatches of the output's decoding against the source's (both tensors, or both stored arrays);
-    the source's audit counts and engine cast recorded."""
+    """The mismatches of the output's decoding against the source's; the source's audit counts and engine
+    cast recorded."""
     for name, found in counts:
         audits.record(name, found)
     if cast is not None:
-        for weight in source.values():  # stored BF16 bit patterns as the values they hold
-            scales = weight.scales
-            audits.record_cast(as_float32(scales) if isinstance(scales, np.ndarray) else scales, *cast)
+        for weight in source.values():
+            audits.record_cast(weight.scales, *cast)
     return [(key if isinstance(job, ExpertJob) else None, problem) for key, weight in source.items()
             if (problem := converted[key].mismatch(weight))]
 
 
 def source_weights(plan: Plan, job: ExpertJob, reader: TensorReader) -> dict[str, QuantizedWeight]:
-    """One expert of the source in the canonical form, through the source format's decoder (torch)."""
+    """One expert of the source in the canonical form, through the source format's decoder."""
     return transform.source_weights(job, plan.codec, reader)[0]
 
 
@@ -120,12 +100,18 @@ def kernel_tensors(plan: Plan, jobs: list[ExpertJob], tensors: dict[str, TensorE
     """The layout the backend's reference kernel reads, for the experts of `jobs` stacked along dim 0:
     the output's own bytes, or (Numerics.layout) those re-encoded into another backend's layout
     through the canonical form."""
-    import torch
-
     layout = plan.backend.numerics.layout
-    blocks = [_output_blocks(job, tensors, reader.read_slice) for job in jobs]
+    blocks = [_output_blocks(job, tensors, reader) for job in jobs]
     if layout is not None:
         target = get_backend(layout)
         blocks = [target.encode_expert(plan.backend.decode_expert(own, job.shape), job.shape)
                   for own, job in zip(blocks, jobs)]
-    return {suffix: torch.stack([own[suffix] for own in blocks]) for suffix in blocks[0]}
+    return {suffix: _tensor(np.stack([own[suffix] for own in blocks])) for suffix in blocks[0]}
+
+
+def _tensor(stored: np.ndarray) -> torch.Tensor:
+    """A stored array as the tensor the kernel reads: uint16 is BF16's bit patterns (no layout stores U16)."""
+    import torch
+
+    tensor = torch.from_numpy(stored)
+    return tensor.view(torch.bfloat16) if stored.dtype == np.uint16 else tensor

@@ -63,11 +63,11 @@ def run(report: VerifyReport, plan: Plan, checks: Checks, tensors: dict[str, Ten
     structure level's report alone when the digests found a difference."""
     started = time.perf_counter()
     try:
-        with scheduler.timed("pass-through"):  # no worker: compared here, while the fork server imports torch
+        with scheduler.timed("pass-through"):  # no worker: compared here
             report.passthrough_problems = _passthrough_problems(checks.copies, tensors, scheduler)
             report.passthrough_checked = len(checks.copies)
-        with scheduler.timed("workers-start"):  # the rest of it: the fork server's import of torch, if needed
-            running = decoding.checkers(plan, executor, workers, ray_address)
+        with scheduler.timed("workers-start"):
+            running = decoding.checkers(executor, workers, ray_address)
         started = time.perf_counter()
         with running:
             _check_jobs(report, running, plan, checks, tensors, cast, audits, scheduler)

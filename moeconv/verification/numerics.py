@@ -9,6 +9,8 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
+
 from moeconv.checkpoint.reader import TensorEntry, TensorReader
 from moeconv.kernels.runners import LAYER_KERNELS
 from moeconv.plan import Plan
@@ -97,7 +99,7 @@ def check_numerics(plan: Plan, layer: MoELayer, jobs: list[ExpertJob], experts: 
     def dequantized(index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One routed expert of the source in float64 (never the whole layer at once: 16 times a 4-bit layer)."""
         source = decoding.source_weights(plan, jobs[used[index]], reader)
-        dense = {key: source[key].dequantize(torch.float64) for key in ("gate", "up", "down")}
+        dense = {key: torch.from_numpy(source[key].dequantize(np.float64)) for key in ("gate", "up", "down")}
         nonfinite.extend(f"expert {used[index]} {key}" for key, weight in dense.items()
                          if not bool(weight.isfinite().all()))
         return torch.cat([dense["gate"], dense["up"]]), dense["down"]

@@ -40,6 +40,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
@@ -153,9 +154,9 @@ def _numerics(source: Path, layer, module_name: str) -> dict:
     out = down.float().sum(dim=1)
     with TensorReader() as reader:
         sources = [transform.source_weights(job, plan.codec, reader)[0] for job in plan.layer_jobs[moe.module]]
-    w13 = torch.stack([torch.cat([s["gate"].dequantize(torch.float64), s["up"].dequantize(torch.float64)])
+    w13 = torch.stack([torch.from_numpy(np.concatenate([s["gate"].dequantize(np.float64), s["up"].dequantize(np.float64)]))
                        for s in sources])
-    w2 = torch.stack([s["down"].dequantize(torch.float64) for s in sources])
+    w2 = torch.stack([torch.from_numpy(s["down"].dequantize(np.float64)) for s in sources])
     error = relative_error(out, reference_fused_moe(x, w13, w2, weights, ids))
     tolerance = W8A8_NUMERICS_TOLERANCE if int8 else NUMERICS_TOLERANCE
     return {"numerics_layer": module_name, "relative_error": error, "tolerance": tolerance,

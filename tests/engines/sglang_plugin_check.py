@@ -41,6 +41,7 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
@@ -131,9 +132,9 @@ def _numerics(source: Path, layer, module_name: str) -> dict:
     out = fused_moe(info.w13_zp, info.w2_zp)
     with TensorReader() as reader:
         sources = [transform.source_weights(job, plan.codec, reader)[0] for job in plan.layer_jobs[moe.module]]
-    w13 = torch.stack([torch.cat([s["gate"].dequantize(torch.float64), s["up"].dequantize(torch.float64)])
+    w13 = torch.stack([torch.from_numpy(np.concatenate([s["gate"].dequantize(np.float64), s["up"].dequantize(np.float64)]))
                        for s in sources])
-    w2 = torch.stack([s["down"].dequantize(torch.float64) for s in sources])
+    w2 = torch.stack([torch.from_numpy(s["down"].dequantize(np.float64)) for s in sources])
     reference = reference_fused_moe(x, w13, w2, weights, ids)
     error = relative_error(out, reference)
     result = {"numerics_layer": module_name, "has_zp": quant.has_zp, "relative_error": error,

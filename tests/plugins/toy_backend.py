@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics
 from moeconv.canonical import MoELayerShape, QuantizedWeight
@@ -38,13 +37,13 @@ class ToyBackend(BackendDefaults):
                                  derives_from=made_of)]
         return specs
 
-    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, torch.Tensor]:
+    def encode_expert(self, expert: ExpertWeights, layer: MoELayerShape) -> dict[str, np.ndarray]:
         slices = {}
         for prefix, projections in FUSED_GEMMS.items():
             weights = [getattr(expert, projection) for projection in projections]
-            slices[f"{prefix}.codes"] = torch.cat([w.codes for w in weights])
-            slices[f"{prefix}.zeros"] = torch.cat([w.zeros for w in weights])
-            slices[f"{prefix}.scales"] = torch.cat([w.scales for w in weights])
+            slices[f"{prefix}.codes"] = np.concatenate([w.codes for w in weights])
+            slices[f"{prefix}.zeros"] = np.concatenate([w.zeros for w in weights])
+            slices[f"{prefix}.scales"] = np.concatenate([w.scales for w in weights])
         return slices
 
     def takes_packed(self, layer: MoELayerShape) -> bool:
@@ -60,7 +59,7 @@ class ToyBackend(BackendDefaults):
             slices[f"{prefix}.scales"] = np.concatenate([w.scales for w in weights])
         return slices
 
-    def decode_expert(self, slices: dict[str, torch.Tensor], layer: MoELayerShape) -> ExpertWeights:
+    def decode_expert(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
         decoded = {}
         for prefix, projections in FUSED_GEMMS.items():
             rows = layer.intermediate if prefix == "w13" else layer.hidden

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
-import torch
 
 from moeconv.canonical import QuantizedWeight, effective_group_size, groups_of
 from moeconv.formats.base import Detection, FormatDefaults, Linear, Read, SourceFormat, checked_group_size, config_int
@@ -49,9 +48,9 @@ class ToyFormat(FormatDefaults):
                 "zeros": TensorSpec("zeros", (out_features, groups), "U8"),
                 "scales": TensorSpec("scales", (out_features, groups), None)}
 
-    def decode(self, tensors: Mapping[str, torch.Tensor]) -> QuantizedWeight:
-        codes = tensors["codes"]
-        return QuantizedWeight(codes=codes, zeros=tensors["zeros"], scales=tensors["scales"], bits=self.bits,
+    def decode(self, stored: Mapping[str, np.ndarray]) -> QuantizedWeight:
+        codes = stored["codes"]
+        return QuantizedWeight(codes=codes, zeros=stored["zeros"], scales=stored["scales"], bits=self.bits,
                                group_size=effective_group_size(codes.shape[1], self.group_size))
 
     packs = True
@@ -62,10 +61,10 @@ class ToyFormat(FormatDefaults):
         return from_codes(codes, stored["zeros"], stored["scales"], self.bits,
                           effective_group_size(codes.shape[1], self.group_size))
 
-    def encode(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
+    def encode(self, weight: QuantizedWeight) -> dict[str, np.ndarray]:
         return {"codes": weight.codes, "zeros": weight.effective_zeros(), "scales": weight.scales}
 
-    def audit(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    def audit(self, tensors: Mapping[str, np.ndarray]) -> dict[str, int]:
         """Zero points outside the code range: a damaged toy checkpoint."""
         return {"toy_zeros_out_of_range": int((tensors["zeros"] >= 1 << self.bits).sum())} if "zeros" in tensors else {}
 
