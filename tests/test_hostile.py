@@ -922,7 +922,8 @@ def test_too_many_tensors_across_headers_are_refused(pristine, tmp_path, monkeyp
 
 
 def _tree(folder: Path) -> dict[str, str]:
-    """Every entry under `folder` (links not followed): a file's sha256, a link's target, a folder's kind."""
+    """Every entry under `folder` (links not followed): a file's sha256, a link's target, a folder's kind,
+    another entry's (a FIFO, never opened) mode."""
     found = {}
     for path in sorted(folder.rglob("*")):
         name = str(path.relative_to(folder))
@@ -930,8 +931,10 @@ def _tree(folder: Path) -> dict[str, str]:
             found[name] = f"-> {os.readlink(path)}"
         elif path.is_dir():
             found[name] = "folder"
-        else:
+        elif path.is_file():
             found[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            found[name] = f"mode {path.lstat().st_mode:o}"
     return found
 
 
@@ -952,25 +955,31 @@ def _interrupted(capsys, monkeypatch, source: Path, output: Path) -> Path:
     return staging
 
 
-@pytest.mark.parametrize("planted", ["symlink", "hard link"])
+@pytest.mark.parametrize("planted", ["symlink", "hard link", "folder", "FIFO"])
 def test_a_planted_lock_file_is_refused_and_the_file_it_names_is_unchanged(pristine, tmp_path, capsys, planted):
     """The lock `.OUT.moeconv-lock` planted as a link to someone's file: convert wrote its PID through
-    it (1,700 bytes replaced by 5). Now it refuses in one line naming the lock, before any work."""
+    it (1,700 bytes replaced by 5). Now it refuses in one line naming the lock, before any work; so it
+    does for a folder or a FIFO under the lock's name (a folder was "<parent>: cannot create files there")."""
     victim = tmp_path / "victim.txt"
     victim.write_bytes(bytes(range(256)) * 6 + b"x" * 164)
-    before = victim.read_bytes()
     lock = tmp_path / ".out.moeconv-lock"
     if planted == "symlink":
         lock.symlink_to(victim)
-    else:
+    elif planted == "hard link":
         os.link(victim, lock)
+    elif planted == "folder":
+        lock.mkdir()
+        (lock / "inside.txt").write_text("someone's")
+    else:
+        os.mkfifo(lock)
+    before, source = _tree(tmp_path), _tree(pristine)
     code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")
-    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     expected = ("is a symbolic link; moeconv does not follow links next to its output: remove it"
-                if planted == "symlink" else "not a lock file moeconv made (a hard link to another file")
-    assert f"{lock}: {expected}" in err, err
-    assert victim.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.moeconv-lock", "victim.txt"]
+                if planted == "symlink" else "not a lock file moeconv made (a hard link to another file, or not a "
+                                             "regular file); moeconv does not write into it: remove it")
+    assert err.strip() == f"error: {lock}: {expected}", err
+    assert _tree(tmp_path) == before and _tree(pristine) == source
 
 
 def test_a_staging_folder_planted_as_a_link_is_refused_and_nothing_is_deleted(pristine, tmp_path, capsys, monkeypatch):
