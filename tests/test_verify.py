@@ -15,7 +15,7 @@ from moeconv.synth import SynthSpec, make_checkpoint
 from moeconv.kernels.runners import NUMERICS_TOLERANCE
 from moeconv.verification import verify
 
-from helpers import cli, reseal
+from helpers import cli, reseal, tree
 
 LAYER = "model.layers.1.mlp.experts"
 
@@ -563,7 +563,7 @@ def test_a_file_of_the_output_that_is_a_link_is_refused_without_reading_its_targ
     from helpers import run_main
     from moeconv.checkpoint import manifest as manifests
 
-    _, out = damaged
+    converted_source, out = damaged
     target = tmp_path / "secret"
     target.write_text("not json: the secret")
     (out / name).unlink()
@@ -573,8 +573,10 @@ def test_a_file_of_the_output_that_is_a_link_is_refused_without_reading_its_targ
     monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(Path(path).resolve()) or real_open(path, *a, **k))
     monkeypatch.setattr(builtins, "open",
                         lambda path, *a, **k: opened.append(Path(path).resolve()) or real_builtin_open(path, *a, **k))
+    before, source = tree(tmp_path), tree(converted_source)
     code, stdout, err = run_main(capsys, "verify", out)
     assert code == 1 and target not in opened and "secret" not in stdout + err
+    assert tree(tmp_path) == before and tree(converted_source) == source  # the output, the link's target, the source
     assert [line for line in err.splitlines() if line.startswith("x ")] == [
         f"x {name}: a link, not a file the conversion wrote; verify reads nothing through it"]
     if name == "moeconv.json":  # what the vLLM plugin's on-load check reads too
@@ -618,8 +620,10 @@ def test_a_hub_id_in_the_manifest_is_never_downloaded(damaged, tmp_path, monkeyp
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     _, out = damaged
     reseal(out, edit=lambda manifest: manifest["source"].update(recorded))
+    before = tree(tmp_path)
     code, _, err = run_main(capsys, "verify", out, "--level", "lossless")
     assert code == 2
+    assert tree(tmp_path) == before  # no cache folder made, the output as it was
     assert err.strip() == (f"error: {out / 'moeconv.json'}: the source is the Hub id acme/absent-moe, not in the local "
                            f"Hugging Face cache; verify downloads only when asked: pass --source acme/absent-moe")
 
