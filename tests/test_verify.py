@@ -628,13 +628,38 @@ def test_a_hub_id_in_the_manifest_is_never_downloaded(damaged, tmp_path, monkeyp
                            f"Hugging Face cache; verify downloads only when asked: pass --source acme/absent-moe")
 
 
-def test_structure_alone_says_it_is_self_consistency(damaged, capsys):
-    """A flipped expert byte with every digest recomputed passes --level structure, whose verdict says what
-    that proves; lossless catches it."""
+def _swap_data_offsets(folder: Path) -> None:
+    """Two tensors of one shard with the same dtype and shape but other bytes trade their `data_offsets` (the
+    header keeps its length), and every digest is recomputed: each name now reads the other's bytes."""
+    for shard in sorted(folder.glob("*.safetensors")):
+        data = shard.read_bytes()
+        length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + length])
+        entries = [info for name, info in sorted(header.items()) if name != "__metadata__"]
+        for i, one in enumerate(entries):
+            for other in entries[i + 1:]:
+                a, b = (data[8 + length + x["data_offsets"][0]:8 + length + x["data_offsets"][1]] for x in (one, other))
+                if (one["dtype"], one["shape"]) == (other["dtype"], other["shape"]) and a != b:
+                    one["data_offsets"], other["data_offsets"] = other["data_offsets"], one["data_offsets"]
+                    text = json.dumps(header, separators=(",", ":")).encode()
+                    assert len(text) <= length
+                    shard.write_bytes(data[:8] + text.ljust(length) + data[8 + length:])
+                    reseal(folder, shard)
+                    return
+    raise AssertionError("no two tensors of one shard share a dtype and shape")
+
+
+@pytest.mark.parametrize("tamper", ["a flipped expert byte", "swapped data_offsets"])
+def test_structure_alone_says_it_is_self_consistency(damaged, capsys, tamper):
+    """A flipped expert byte, or two tensors' data_offsets swapped, with every digest recomputed passes
+    --level structure, whose verdict says what that proves (docs/FORMAT.md names both); lossless catches it."""
     from helpers import run_main
 
     _, out = damaged
-    _flip_byte(out, f"{LAYER}.w13_qweight", expert=2)
+    if tamper == "a flipped expert byte":
+        _flip_byte(out, f"{LAYER}.w13_qweight", expert=2)
+    else:
+        _swap_data_offsets(out)
     code, stdout, _ = run_main(capsys, "verify", out, "--level", "structure", "-q")
     assert code == 0
     assert stdout.strip().splitlines()[-1] == (
