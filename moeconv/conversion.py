@@ -164,6 +164,8 @@ def _exclusive(output: Path):
         except OSError as error:
             if error.errno == errno.ELOOP:
                 raise PlantedLink(path) from None
+            if error.errno == errno.EISDIR:  # a folder under the lock's name: the lock's to name, not its parent
+                raise _not_a_lock(path) from None
             raise MoeconvError(f"{output.parent}: cannot create files there ({error.strerror})") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)

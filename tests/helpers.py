@@ -65,6 +65,23 @@ HASHES = {"blake3": lambda data: blake3.blake3(data).digest(),  # manifest versi
           "sha256": lambda data: hashlib.sha256(data).digest()}  # manifest version 3
 
 
+def tree(folder: Path) -> dict[str, str]:
+    """Every entry under `folder` (links not followed): a file's sha256, a link's target, a folder's kind,
+    another entry's (a FIFO, never opened) mode."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        name = str(path.relative_to(folder))
+        if path.is_symlink():
+            found[name] = f"-> {os.readlink(path)}"
+        elif path.is_dir():
+            found[name] = "folder"
+        elif path.is_file():
+            found[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            found[name] = f"mode {path.lstat().st_mode:o}"
+    return found
+
+
 def blocks_digest(data: bytes, block: int, hash_name: str = "blake3") -> str:
     """The manifest's file digest written out from its definition in docs/FORMAT.md, with the hash libraries
     themselves: the hash over the concatenated hashes of each block (one empty block for an empty file)."""

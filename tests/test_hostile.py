@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 
 from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.errors import MoeconvError
-from moeconv.formats import AWQ, GPTQ, CompressedTensors
+from moeconv.formats import AWQ, GPTQ, CompressedTensors, ModelOpt
 from moeconv.plan import make_plan
 from moeconv.synth import SynthSpec, make_checkpoint
 
-from helpers import run_main
+from helpers import run_main, tree
 
 FORMATS = {
     "gptq": GPTQ(4, 32, sym=False),
@@ -39,6 +39,8 @@ FORMATS = {
     "ct-pack": CompressedTensors(bits=4, group_size=32, symmetric=False),
     "ct-w8a8": CompressedTensors(format="int-quantized", bits=8, group_size=-1, activation_bits=8),
 }
+
+MORE_FORMATS = {"modelopt": ModelOpt(group_size=32)}  # for the named catalogues only, not the mutation suite
 
 
 def _pristine(base: Path, source_format) -> Path:
@@ -407,6 +409,14 @@ TENSOR_CATALOGUE = {
                          f"tensor {OTHER}.weight_scale is I16[64, 4], expected a float dtype[64, 4]"),
     "awq qzeros F32": ("awq", lambda r: _edit_tensor(r, f"{FIRST}.qzeros", _same_bytes_as("F32")),
                        f"tensor {FIRST}.qzeros is F32[2, 8], expected I32[2, 8]"),
+    "W8A8 weight U8 (the same bytes)": ("ct-w8a8", lambda r: _edit_tensor(r, f"{FIRST}.weight", _same_bytes_as("U8")),
+                                        f"tensor {FIRST}.weight is U8[64, 128], expected I8[64, 128]"),
+    "W8A8 weight_scale I16": ("ct-w8a8", lambda r: _edit_tensor(r, f"{OTHER}.weight_scale", _same_bytes_as("I16")),
+                              f"tensor {OTHER}.weight_scale is I16[64, 1], expected a float dtype[64, 1]"),
+    "modelopt weight I8": ("modelopt", lambda r: _edit_tensor(r, f"{FIRST}.weight", _same_bytes_as("I8")),
+                           f"tensor {FIRST}.weight is I8[32, 128], expected U8[32, 128]"),
+    "modelopt weight_scale I16": ("modelopt", lambda r: _edit_tensor(r, f"{OTHER}.weight_scale", _same_bytes_as("I16")),
+                                  f"tensor {OTHER}.weight_scale is I16[64, 4], expected a float dtype[64, 4]"),
     "awq qzeros of one group": ("awq", lambda r: _edit_tensor(r, f"{FIRST}.qzeros", lambda e: e.update(
         shape=[1, 8], data_offsets=[e["data_offsets"][0], e["data_offsets"][0] + 32])),
                                 f"tensor {FIRST}.qzeros is I32[1, 8], expected I32[2, 8]"),
@@ -420,7 +430,7 @@ def pristine_of(tmp_path_factory):
 
     def pristine(key: str) -> Path:
         if key not in made:
-            made[key] = _pristine(tmp_path_factory.mktemp(f"pristine-{key}"), FORMATS[key])
+            made[key] = _pristine(tmp_path_factory.mktemp(f"pristine-{key}"), {**FORMATS, **MORE_FORMATS}[key])
         return made[key]
     return pristine
 
@@ -433,14 +443,13 @@ def test_a_tensor_unlike_its_format_is_refused_naming_it(pristine_of, tmp_path, 
     key, break_it, expected = TENSOR_CATALOGUE[name]
     root = _copy(pristine_of(key), tmp_path / "src")
     break_it(root)
-    before = {path.name: path.stat().st_mtime_ns for path in root.iterdir()}
+    before = tree(tmp_path)  # the source, and nothing else: no output, lock or staging folder
     for command in (("inspect", root), ("convert", root, "-o", tmp_path / "out", "-q")):
         code, out, err = run_main(capsys, *command)
         assert code == 2, (command[0], out, err)
         assert expected in err, err
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "Warning" not in err, err
-    assert not (tmp_path / "out").exists()
-    assert {path.name: path.stat().st_mtime_ns for path in root.iterdir()} == before
+        assert tree(tmp_path) == before, command[0]
 
 
 # ------------------------------------------------------------------------------ config patterns
@@ -460,13 +469,14 @@ def test_a_backtracking_target_pattern_is_answered_at_once(pristine_of, tmp_path
 
     root = _copy(pristine_of("ct-pack"), tmp_path / "src")
     _targets(f"re:{pattern}")(root)
+    before = tree(tmp_path)
     for command in (("inspect", root), ("convert", root, "-o", tmp_path / "out", "-q")):
         started = time.perf_counter()
         code, out, err = run_main(capsys, *command)
         assert time.perf_counter() - started < 5, command  # a hang would take hours
         assert code == 2 and "no group's targets cover the routed experts" in err, err
         assert len(err.strip().splitlines()) == 1, err
-    assert not (tmp_path / "out").exists()
+        assert tree(tmp_path) == before, command[0]  # the source untouched, nothing written beside it
     _targets(f"re:{pattern}", r"re:.*mlp\.experts.*")(root)
     code, out, err = run_main(capsys, "inspect", root, "--json")
     assert code == 0 and json.loads(out)["config_format"]["method"] == "compressed-tensors", err
@@ -484,8 +494,10 @@ def test_a_backtracking_target_pattern_is_answered_at_once(pristine_of, tmp_path
 def test_a_target_pattern_moeconv_cannot_match_faithfully_is_one_line(pristine_of, tmp_path, capsys, pattern, message):
     root = _copy(pristine_of("ct-pack"), tmp_path / "src")
     _targets(f"re:{pattern}")(root)
+    before = tree(tmp_path)
     code, out, err = run_main(capsys, "inspect", root)
     assert code == 2 and message in err, err
+    assert tree(tmp_path) == before
     assert "quantization_config.config_groups.group_0.targets: pattern" in err and str(root / "config.json") in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
@@ -921,20 +933,6 @@ def test_too_many_tensors_across_headers_are_refused(pristine, tmp_path, monkeyp
 # ------------------------------------------------------------------------------ the paths around the output
 
 
-def _tree(folder: Path) -> dict[str, str]:
-    """Every entry under `folder` (links not followed): a file's sha256, a link's target, a folder's kind."""
-    found = {}
-    for path in sorted(folder.rglob("*")):
-        name = str(path.relative_to(folder))
-        if path.is_symlink():
-            found[name] = f"-> {os.readlink(path)}"
-        elif path.is_dir():
-            found[name] = "folder"
-        else:
-            found[name] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return found
-
-
 def _interrupted(capsys, monkeypatch, source: Path, output: Path) -> Path:
     """A conversion of `source` into `output` stopped (Ctrl-C) before its metadata: its staging folder,
     journal and finished shards left for a resume."""
@@ -952,25 +950,31 @@ def _interrupted(capsys, monkeypatch, source: Path, output: Path) -> Path:
     return staging
 
 
-@pytest.mark.parametrize("planted", ["symlink", "hard link"])
+@pytest.mark.parametrize("planted", ["symlink", "hard link", "folder", "FIFO"])
 def test_a_planted_lock_file_is_refused_and_the_file_it_names_is_unchanged(pristine, tmp_path, capsys, planted):
     """The lock `.OUT.moeconv-lock` planted as a link to someone's file: convert wrote its PID through
-    it (1,700 bytes replaced by 5). Now it refuses in one line naming the lock, before any work."""
+    it (1,700 bytes replaced by 5). Now it refuses in one line naming the lock, before any work; so it
+    does for a folder or a FIFO under the lock's name (a folder was "<parent>: cannot create files there")."""
     victim = tmp_path / "victim.txt"
     victim.write_bytes(bytes(range(256)) * 6 + b"x" * 164)
-    before = victim.read_bytes()
     lock = tmp_path / ".out.moeconv-lock"
     if planted == "symlink":
         lock.symlink_to(victim)
-    else:
+    elif planted == "hard link":
         os.link(victim, lock)
+    elif planted == "folder":
+        lock.mkdir()
+        (lock / "inside.txt").write_text("someone's")
+    else:
+        os.mkfifo(lock)
+    before, source = tree(tmp_path), tree(pristine)
     code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")
-    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     expected = ("is a symbolic link; moeconv does not follow links next to its output: remove it"
-                if planted == "symlink" else "not a lock file moeconv made (a hard link to another file")
-    assert f"{lock}: {expected}" in err, err
-    assert victim.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.moeconv-lock", "victim.txt"]
+                if planted == "symlink" else "not a lock file moeconv made (a hard link to another file, or not a "
+                                             "regular file); moeconv does not write into it: remove it")
+    assert err.strip() == f"error: {lock}: {expected}", err
+    assert tree(tmp_path) == before and tree(pristine) == source
 
 
 def test_a_staging_folder_planted_as_a_link_is_refused_and_nothing_is_deleted(pristine, tmp_path, capsys, monkeypatch):
@@ -983,12 +987,12 @@ def test_a_staging_folder_planted_as_a_link_is_refused_and_nothing_is_deleted(pr
     (victim / "thesis.tex").write_text("four years")
     (victim / "data").mkdir()
     (victim / "data" / "results.csv").write_text("1,2,3")
-    before = _tree(victim)
+    before = tree(victim)
     staging.symlink_to(victim)
     code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"{staging}: is a symbolic link; moeconv does not follow links next to its output: remove it" in err
-    assert _tree(victim) == before
+    assert tree(victim) == before
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.moeconv-lock").exists()
 
 
@@ -1015,20 +1019,20 @@ def test_a_staging_folder_holding_files_moeconv_did_not_write_keeps_them(pristin
         (entry / "inside.txt").write_text("mine too")
     else:
         entry.symlink_to(tmp_path / "elsewhere.txt")
-    before = _tree(staging)
+    before = tree(staging)
     code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert str(entry) in err, err
     assert ("is a symbolic link; moeconv does not follow links" if stranger == "a link"
             else f"moeconv deletes only its own files in {staging.name}: move it away") in err, err
-    assert _tree(staging) == before
+    assert tree(staging) == before
     assert (tmp_path / "elsewhere.txt").read_text() == "not moeconv's"
     assert not (tmp_path / "out").exists()
     entry.rename(tmp_path / "moved")
     code, out, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q", "--json")
     assert code == 0, err
     assert bool(json.loads(out)["resumed_files"]) == (journal == "of this job")
-    assert _tree(tmp_path / "out") == _tree(tmp_path / "clean")
+    assert tree(tmp_path / "out") == tree(tmp_path / "clean")
     assert not staging.exists()
 
 
@@ -1043,10 +1047,10 @@ def test_a_source_inside_what_convert_writes_or_removes_is_refused(pristine, tmp
              "inside the output": tmp_path / "out" / "src"}[place]
     where.parent.mkdir(exist_ok=True)
     source = _copy(pristine, where)
-    before = _tree(tmp_path)
+    before = tree(tmp_path)
     code, _, err = run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     expected = ("output folder exists and is not empty" if place == "inside the output"
                 else "which convert writes and removes; move the source or choose another -o")
     assert expected in err, err
-    assert _tree(tmp_path) == before
+    assert tree(tmp_path) == before

@@ -28,7 +28,7 @@ import moeconv
 from moeconv.formats import CompressedTensors
 from moeconv.synth import SynthSpec, make_checkpoint
 
-from helpers import reseal, tensor_ranges
+from helpers import reseal, tensor_ranges, tree
 
 # In tensor (and so module) names: every kind of payload, Rich markup with a link included.
 NAME = ("\x1b[8m\x1b[31mRED\x1b[1A\x1b[2K\x1b]8;;https://x\x1b\\L\x1b]8;;\x1b\\\x1b]0;TITLE\x07\x07\rCR\nNL"
@@ -133,33 +133,41 @@ def hostile(tmp_path_factory) -> tuple[Path, Path]:
 
 def test_inspect_shows_names_paths_and_act_order_modules_escaped(hostile):
     source, _ = hostile
+    before = tree(source.parent)
     code, screen = _terminal("inspect", source)
     assert code == 0, screen
+    assert tree(source.parent) == before  # the source and its output untouched, nothing written beside them
     _assert_shown_escaped(screen, f"src{SHOWN_PATH}", f"(model{SHOWN_NAME}.layers.0.mlp.experts ...)",
                           f"act-order model{SHOWN_NAME}.layers.1.mlp.experts")
 
 
 def test_inspect_json_keeps_the_names_exact_and_escapes_them_as_json(hostile):
     source, _ = hostile
+    before = tree(source.parent)
     code, screen = _terminal("inspect", source, "--json")
     assert code == 0, screen
+    assert tree(source.parent) == before
     assert "\x1b" not in screen and "\x07" not in screen and "\u202e" not in screen, repr(screen)
     assert set(json.loads(screen)["act_order"]) == {f"model{NAME}.layers.{i}.mlp.experts" for i in range(2)}
 
 
 def test_a_dry_run_shows_the_source_and_output_paths_escaped(hostile, tmp_path):
     source, _ = hostile
+    before = tree(source.parent)
     code, screen = _terminal("convert", source, "-o", tmp_path / f"out{PATH}", "--dry-run")
     assert code == 0, screen
+    assert tree(source.parent) == before and not any(tmp_path.iterdir())  # a dry run writes nothing
     _assert_shown_escaped(screen, f"src{SHOWN_PATH}", f"then vllm serve '{tmp_path}/out{SHOWN_PATH}'")
 
 
 def test_convert_notes_and_report_show_file_and_folder_names_escaped(hostile, tmp_path):
     source, _ = hostile
     output = tmp_path / f"out{PATH}"
+    before = tree(source.parent)
     code, screen = _terminal("convert", source, "-o", output, "-q")
     assert code == 0, screen
     assert (output / "moeconv.json").is_file()
+    assert tree(source.parent) == before and list(tmp_path.iterdir()) == [output]  # no lock or staging left
     _assert_shown_escaped(screen, f"note: {SHOWN_PATH} not copied: ", f"{tmp_path}/out{SHOWN_PATH}",
                           f"next: moeconv verify '{tmp_path}/out{SHOWN_PATH}'")
 
@@ -175,8 +183,10 @@ def test_verify_tables_and_failure_lines_show_tensor_names_escaped(hostile, tmp_
     data[tensor_ranges(bytes(data))[tensor][0]] ^= 0x40
     shard.write_bytes(bytes(data))
     reseal(output, shard)
+    before, source = tree(tmp_path), tree(hostile[0].parent)
     code, screen = _terminal("verify", output, "--level", "lossless", "-q")
     assert code == 1, screen
+    assert tree(tmp_path) == before and tree(hostile[0].parent) == source  # verify writes nothing
     shown = f"model{SHOWN_NAME}.layers.0.input_layernorm.weight"
     _assert_shown_escaped(screen, f"model{SHOWN_NAME}.layers.1.mlp.experts", f"x {shard.name}: tensor {shown} differs")
     last = _lines(screen)[-1]
@@ -189,8 +199,10 @@ def test_an_extra_file_named_to_conceal_cannot_end_a_failing_verify_with_ok(host
     _, converted = hostile
     output = Path(shutil.copytree(converted, tmp_path / "out"))
     (output / CONCEAL).write_text("")
+    before = tree(tmp_path)
     code, screen = _terminal("verify", output, "--level", "structure", "-q")
     assert code == 1, screen
+    assert tree(tmp_path) == before
     failure = f"{SHOWN_CONCEAL}: in the output folder but not written by the conversion (not in moeconv.json)"
     _assert_shown_escaped(screen, f"x {failure}", "verdict: FAILED, 1 check(s) failed")
     assert _lines(screen)[-1] == f"error: {output}: 1 check(s) failed; first: {failure}", _lines(screen)

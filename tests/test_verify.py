@@ -15,7 +15,7 @@ from moeconv.synth import SynthSpec, make_checkpoint
 from moeconv.kernels.runners import NUMERICS_TOLERANCE
 from moeconv.verification import verify
 
-from helpers import cli, reseal
+from helpers import cli, reseal, tree
 
 LAYER = "model.layers.1.mlp.experts"
 
@@ -562,7 +562,7 @@ def test_a_file_of_the_output_that_is_a_link_is_refused_without_reading_its_targ
     from helpers import run_main
     from moeconv.checkpoint import manifest as manifests
 
-    _, out = damaged
+    converted_source, out = damaged
     target = tmp_path / "secret"
     target.write_text("not json: the secret")
     (out / name).unlink()
@@ -572,8 +572,10 @@ def test_a_file_of_the_output_that_is_a_link_is_refused_without_reading_its_targ
     monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(Path(path).resolve()) or real_open(path, *a, **k))
     monkeypatch.setattr(builtins, "open",
                         lambda path, *a, **k: opened.append(Path(path).resolve()) or real_builtin_open(path, *a, **k))
+    before, source = tree(tmp_path), tree(converted_source)
     code, stdout, err = run_main(capsys, "verify", out)
     assert code == 1 and target not in opened and "secret" not in stdout + err
+    assert tree(tmp_path) == before and tree(converted_source) == source  # the output, the link's target, the source
     assert [line for line in err.splitlines() if line.startswith("x ")] == [
         f"x {name}: a link, not a file the conversion wrote; verify reads nothing through it"]
     if name == "moeconv.json":  # what the vLLM plugin's on-load check reads too
@@ -617,19 +619,46 @@ def test_a_hub_id_in_the_manifest_is_never_downloaded(damaged, tmp_path, monkeyp
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     _, out = damaged
     reseal(out, edit=lambda manifest: manifest["source"].update(recorded))
+    before = tree(tmp_path)
     code, _, err = run_main(capsys, "verify", out, "--level", "lossless")
     assert code == 2
+    assert tree(tmp_path) == before  # no cache folder made, the output as it was
     assert err.strip() == (f"error: {out / 'moeconv.json'}: the source is the Hub id acme/absent-moe, not in the local "
                            f"Hugging Face cache; verify downloads only when asked: pass --source acme/absent-moe")
 
 
-def test_structure_alone_says_it_is_self_consistency(damaged, capsys):
-    """A flipped expert byte with every digest recomputed passes --level structure, whose verdict says what
-    that proves; lossless catches it."""
+def _swap_data_offsets(folder: Path) -> None:
+    """Two tensors of one shard with the same dtype and shape but other bytes trade their `data_offsets` (the
+    header keeps its length), and every digest is recomputed: each name now reads the other's bytes."""
+    for shard in sorted(folder.glob("*.safetensors")):
+        data = shard.read_bytes()
+        length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + length])
+        entries = [info for name, info in sorted(header.items()) if name != "__metadata__"]
+        for i, one in enumerate(entries):
+            for other in entries[i + 1:]:
+                a, b = (data[8 + length + x["data_offsets"][0]:8 + length + x["data_offsets"][1]] for x in (one, other))
+                if (one["dtype"], one["shape"]) == (other["dtype"], other["shape"]) and a != b:
+                    one["data_offsets"], other["data_offsets"] = other["data_offsets"], one["data_offsets"]
+                    text = json.dumps(header, separators=(",", ":")).encode()
+                    assert len(text) <= length
+                    shard.write_bytes(data[:8] + text.ljust(length) + data[8 + length:])
+                    reseal(folder, shard)
+                    return
+    raise AssertionError("no two tensors of one shard share a dtype and shape")
+
+
+@pytest.mark.parametrize("tamper", ["a flipped expert byte", "swapped data_offsets"])
+def test_structure_alone_says_it_is_self_consistency(damaged, capsys, tamper):
+    """A flipped expert byte, or two tensors' data_offsets swapped, with every digest recomputed passes
+    --level structure, whose verdict says what that proves (docs/FORMAT.md names both); lossless catches it."""
     from helpers import run_main
 
     _, out = damaged
-    _flip_byte(out, f"{LAYER}.w13_qweight", expert=2)
+    if tamper == "a flipped expert byte":
+        _flip_byte(out, f"{LAYER}.w13_qweight", expert=2)
+    else:
+        _swap_data_offsets(out)
     code, stdout, _ = run_main(capsys, "verify", out, "--level", "structure", "-q")
     assert code == 0
     assert stdout.strip().splitlines()[-1] == (

@@ -68,6 +68,20 @@ def test_every_tensor_as_written_passes_and_its_digest_is_the_definition(output)
                                  f"(`moeconv verify` compares them)")
 
 
+def test_the_load_log_line_shows_an_output_path_s_controls_escaped(output, tmp_path):
+    """vLLM's log goes to a terminal: a folder named with escape sequences, a newline and a bidi override is
+    shown escaped in the line, as the CLI shows it."""
+    copy = tmp_path / "out\x1b[8m\x1b]0;TITLE\x07\nverdict: ok\u202e"
+    shutil.copytree(output, copy)
+    digests = TensorDigests(copy)
+    for name, tensor, _ in _loaded(copy):
+        digests.check(name, tensor)
+    line = digests.summary()
+    assert line == (f"moeconv: MOECONV_VERIFY_ON_LOAD=1: {len(digests.recorded)} tensors of {tmp_path}/"
+                    r"out\x1b[8m\x1b]0;TITLE\x07\nverdict: ok\u202e match the digests moeconv.json records: "
+                    "self-consistent; not compared with the source (`moeconv verify` compares them)"), line
+
+
 @pytest.mark.parametrize("name", [STACKED, DENSE])
 def test_a_flipped_byte_in_one_tensor_is_refused_naming_the_tensor_and_its_shard(output, tmp_path, name):
     copy = tmp_path / "out"

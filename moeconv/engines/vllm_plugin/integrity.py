@@ -18,7 +18,7 @@ import torch
 
 from moeconv.checkpoint import manifest as manifests
 from moeconv.checkpoint.writer import tensor_digest
-from moeconv.errors import MoeconvError
+from moeconv.errors import MoeconvError, printable
 from moeconv.backends.triton_config import PluginRefusal
 
 ENV = "MOECONV_VERIFY_ON_LOAD"
@@ -71,6 +71,8 @@ class TensorDigests:
         self.checked += 1
 
     def summary(self) -> str:
-        """The load log's line: what the check proved, and what it did not (the digests are the output's own)."""
-        return (f"moeconv: {ENV}=1: {self.checked} tensors of {self.root} match the digests {manifests.MANIFEST_NAME} "
-                f"records: self-consistent; not compared with the source (`moeconv verify` compares them)")
+        """The load log's line: what the check proved, and what it did not (the digests are the output's own).
+        The output's path shown through `printable`, as every name moeconv prints (a log is read on a terminal)."""
+        return printable(f"moeconv: {ENV}=1: {self.checked} tensors of {self.root} match the digests "
+                         f"{manifests.MANIFEST_NAME} records: self-consistent; not compared with the source "
+                         f"(`moeconv verify` compares them)")
