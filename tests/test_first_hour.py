@@ -492,3 +492,19 @@ def test_an_interrupted_verify_does_not_promise_a_resume(tmp_path, capsys, monke
     _stop_at(monkeypatch, "moeconv.verification.structure", "check_tensor_digests", 1)
     code, _, err = run_main(capsys, "verify", tmp_path / "out", "-q")
     assert code == 3 and err == "interrupted (SIGINT): nothing was changed; run the command again to start over\n"
+
+
+def test_a_sampled_verify_says_in_its_table_and_verdict_how_many_experts_it_left_out(tmp_path, capsys):
+    """--sample 2 of 8 experts: the table's bit-exact column says "2/2 of 8" and the verdict's caveat counts the
+    experts decoded against those in the output (it said "4 expert(s) ... bit-exact" and nothing of the other 12)."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(experts=8))
+    assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
+    code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "--sample", "2", "-q")
+    rows = [line for line in out.splitlines() if "model.layers." in line]
+    assert code == 0 and len(rows) == 2 and all("│ 2/2 of 8 " in row for row in rows), out
+    assert out.splitlines()[-1].endswith(
+        "4 expert(s) in 2 MoE layer(s) bit-exact against the source; source not anchored (a local folder); --level "
+        "lossless); caveat: only 4 of the 16 experts decoded, a random sample (--sample); the others were not "
+        "compared with the source"), out
+    code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "-q")
+    assert code == 0 and "caveat" not in out.splitlines()[-1] and " of 8 " not in out, out
