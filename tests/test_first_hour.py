@@ -508,3 +508,17 @@ def test_a_sampled_verify_says_in_its_table_and_verdict_how_many_experts_it_left
         "compared with the source"), out
     code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "-q")
     assert code == 0 and "caveat" not in out.splitlines()[-1] and " of 8 " not in out, out
+
+
+def test_level_numerics_on_a_pipe_gives_the_kernel_check_s_eta_after_its_first_layer(tmp_path, capsys):
+    """--level numerics on a CPU runs seconds a layer: on a pipe (a log, CI) the kernel phase's first line comes
+    as soon as the first layer is done, with the ETA of the rest, not LINE_SECONDS later."""
+    import re
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(layers=3, experts=2, hidden=64, intermediate=64))
+    assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
+    code, _, err = run_main(capsys, "verify", tmp_path / "out", "--level", "numerics")
+    kernel = [line for line in err.splitlines() if line.startswith("verify: kernel check, MoE layers ")]
+    assert code == 0 and kernel, err
+    assert re.fullmatch(r"verify: kernel check, MoE layers 1 / 3 \(33%\), \d+ s so far, ETA \d+ s", kernel[0]), kernel
+    assert kernel[-1].startswith("verify: kernel check, MoE layers 3 / 3 (100%)"), kernel
