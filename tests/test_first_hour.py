@@ -522,3 +522,18 @@ def test_level_numerics_on_a_pipe_gives_the_kernel_check_s_eta_after_its_first_l
     assert code == 0 and kernel, err
     assert re.fullmatch(r"verify: kernel check, MoE layers 1 / 3 \(33%\), \d+ s so far, ETA \d+ s", kernel[0]), kernel
     assert kernel[-1].startswith("verify: kernel check, MoE layers 3 / 3 (100%)"), kernel
+
+
+def test_inspect_s_table_names_both_engines_for_each_backend(tmp_path, capsys):
+    """inspect's own table, not only its --json, says per backend what each engine does with the output."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec())  # asymmetric GPTQ
+    code, out, err = run_main(capsys, "inspect", source)
+    rows = {line.split("│")[1].strip(): " ".join(line.split("│")[2].split()) for line in out.splitlines()
+            if line.startswith("│ backend ")}
+    assert code == 0, err
+    assert rows["backend triton (tp=1)"] == ("eligible; served by vLLM 0.33 through moeconv's plugin; served by SGLang "
+                                             "0.5.23 through moeconv's plugin"), rows
+    assert rows["backend compressed-tensors (tp=1)"] == (
+        "eligible; served by stock vLLM 0.33; not with SGLang: SGLang 0.5.23 refuses the expert zero points of every "
+        "asymmetric compressed-tensors checkpoint (sgl-project/sglang PR #39510); for SGLang use --backend triton "
+        "(moeconv's SGLang plugin)"), rows
