@@ -183,7 +183,8 @@ def print_verify(report) -> None:
         errors = ["-" if layer.experts_routed is None else f"{layer.experts_routed}/{layer.experts}",
                   "-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
                   "-" if layer.max_abs_error is None else f"{layer.max_abs_error:.1e}"]
-        table.add_row(literal(layer.module), f"{layer.experts_exact}/{layer.experts_checked}",
+        sampled = f" of {layer.experts}" if layer.experts_checked < layer.experts else ""
+        table.add_row(literal(layer.module), f"{layer.experts_exact}/{layer.experts_checked}{sampled}",
                       *(errors if numerics else []), f"{layer.seconds:.2f} s",
                       "[green]ok[/]" if layer.ok else "[red]FAIL[/]")
     if numerics:

@@ -492,3 +492,48 @@ def test_an_interrupted_verify_does_not_promise_a_resume(tmp_path, capsys, monke
     _stop_at(monkeypatch, "moeconv.verification.structure", "check_tensor_digests", 1)
     code, _, err = run_main(capsys, "verify", tmp_path / "out", "-q")
     assert code == 3 and err == "interrupted (SIGINT): nothing was changed; run the command again to start over\n"
+
+
+def test_a_sampled_verify_says_in_its_table_and_verdict_how_many_experts_it_left_out(tmp_path, capsys):
+    """--sample 2 of 8 experts: the table's bit-exact column says "2/2 of 8" and the verdict's caveat counts the
+    experts decoded against those in the output (it said "4 expert(s) ... bit-exact" and nothing of the other 12)."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(experts=8))
+    assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
+    code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "--sample", "2", "-q")
+    rows = [line for line in out.splitlines() if "model.layers." in line]
+    assert code == 0 and len(rows) == 2 and all("│ 2/2 of 8 " in row for row in rows), out
+    assert out.splitlines()[-1].endswith(
+        "4 expert(s) in 2 MoE layer(s) bit-exact against the source; source not anchored (a local folder); --level "
+        "lossless); caveat: only 4 of the 16 experts decoded, a random sample (--sample); the others were not "
+        "compared with the source"), out
+    code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "lossless", "-q")
+    assert code == 0 and "caveat" not in out.splitlines()[-1] and " of 8 " not in out, out
+
+
+def test_level_numerics_on_a_pipe_gives_the_kernel_check_s_eta_after_its_first_layer(tmp_path, capsys):
+    """--level numerics on a CPU runs seconds a layer: on a pipe (a log, CI) the kernel phase's first line comes
+    as soon as the first layer is done, with the ETA of the rest, not LINE_SECONDS later."""
+    import re
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(layers=3, experts=2, hidden=64, intermediate=64))
+    assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
+    code, _, err = run_main(capsys, "verify", tmp_path / "out", "--level", "numerics")
+    kernel = [line for line in err.splitlines() if line.startswith("verify: kernel check, MoE layers ")]
+    assert code == 0 and kernel, err
+    assert re.fullmatch(r"verify: kernel check, MoE layers 1 / 3 \(33%\), \d+ s so far, ETA \d+ s", kernel[0]), kernel
+    assert kernel[-1].startswith("verify: kernel check, MoE layers 3 / 3 (100%)"), kernel
+
+
+def test_inspect_s_table_names_both_engines_for_each_backend(tmp_path, capsys):
+    """inspect's own table, not only its --json, says per backend what each engine does with the output."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec())  # asymmetric GPTQ
+    code, out, err = run_main(capsys, "inspect", source)
+    rows = {line.split("│")[1].strip(): " ".join(line.split("│")[2].split()) for line in out.splitlines()
+            if line.startswith("│ backend ")}
+    assert code == 0, err
+    assert rows["backend triton (tp=1)"] == ("eligible; served by vLLM 0.33 through moeconv's plugin; served by SGLang "
+                                             "0.5.23 through moeconv's plugin"), rows
+    assert rows["backend compressed-tensors (tp=1)"] == (
+        "eligible; served by stock vLLM 0.33; not with SGLang: SGLang 0.5.23 refuses the expert zero points of every "
+        "asymmetric compressed-tensors checkpoint (sgl-project/sglang PR #39510); for SGLang use --backend triton "
+        "(moeconv's SGLang plugin)"), rows

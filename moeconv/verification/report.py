@@ -97,6 +97,11 @@ class VerifyReport:
         found = (["the tensors' bytes are self-consistent; not compared with the source (--level lossless compares "
                   "them)"] if self.level == "structure" else [])
         found += [f"decided by the user, not the data: {what}" for what in self.decided_by_user]
+        if self.level != "structure" and any(layer.experts_checked < layer.experts for layer in self.layers):
+            checked = sum(layer.experts_checked for layer in self.layers)
+            total = sum(layer.experts for layer in self.layers)
+            found.append(f"only {checked} of the {total} experts decoded, a random sample (--sample); the others "
+                         f"were not compared with the source")
         if self.numerics_not_run:
             found.append(f"numerics not run: {self.numerics_not_run}")
         if self.engine_scale_cast.get("changed"):
