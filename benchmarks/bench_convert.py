@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -33,14 +34,20 @@ from moeconv.synth import SynthSpec, make_checkpoint
 
 
 def timed(command: list[str]) -> tuple[float, dict]:
-    """(seconds, moeconv's --json report or {}) of one child process. moeconv reports its own peak
-    RSS (VmHWM, counted from exec); a child's wait4 maxrss would include this process's pages."""
+    """(seconds, moeconv's --json report or {}) of one child process, the report with `cpu_seconds`
+    added: the child's and every process below it that it waited for (getrusage; verify reports no tree
+    CPU of its own). moeconv reports its own peak RSS (VmHWM, counted from exec); a child's wait4 maxrss
+    would include this process's pages."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise SystemExit(f"{command} failed")
-    return seconds, json.loads(done.stdout) if "--json" in command else {}
+    report = json.loads(done.stdout) if "--json" in command else {}
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return seconds, {**report, "cpu_seconds": round(cpu, 2)}
 
 
 def folder_bytes(path: Path) -> int:
@@ -81,8 +88,10 @@ def main() -> None:
         make_checkpoint(source, spec)
         print(f"built {source} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     size = folder_bytes(source)
+    args.workdir.mkdir(parents=True, exist_ok=True)  # with --source, nothing else makes it
     moeconv = [sys.executable, "-m", "moeconv"]
-    copy = ["sh", "-c", f'cp -r "{source}" "{args.workdir / "copy"}" && sync "{args.workdir / "copy"}"/*']
+    # -L: a Hub cache snapshot's files are links to its blobs (benchmarks/hub_cache.py); the copy copies the bytes
+    copy = ["sh", "-c", f'cp -rL "{source}" "{args.workdir / "copy"}" && sync "{args.workdir / "copy"}"/*']
     results = []
     for backend in args.backends.split(","):
         for workers in [int(w) for w in args.workers.split(",") if w] or [None]:
@@ -117,6 +126,7 @@ def main() -> None:
                 "tree_peak_pss_mb": max((report["tree_peak_pss_mb"] for _, report in converts
                                          if report["tree_peak_pss_mb"] is not None), default=None),
                 "tree_cpu_seconds": [report["tree_cpu_seconds"] for _, report in converts],
+                "cpu_seconds": [report["cpu_seconds"] for _, report in converts],
                 "runs": {"copy": [t for t, _ in copies], "convert": [t for t, _ in converts],
                          "conversion": [report["seconds"] for _, report in converts]},
             }
@@ -124,6 +134,8 @@ def main() -> None:
                 result["verify_seconds"] = round(verified[0], 3)
                 result["verify_ok"] = verified[1]["ok"]
                 result["verify_phase_seconds"] = verified[1]["phase_seconds"]
+                result["verify_cpu_seconds"] = verified[1]["cpu_seconds"]
+                result["verify_provenance"] = verified[1].get("provenance")
                 result["verify_ratio_to_conversion"] = round(verified[0] / conversion_s, 2)
             results.append(result)
             print(f"| {result['date']} | {args.format} {size / 1e9:.2f} GB, {layers} layers x {experts} experts | "
@@ -132,7 +144,8 @@ def main() -> None:
                   f"{result['ratio_convert_to_copy']}x | conversion {conversion_s:.2f} s "
                   f"({result['conversion_ratio_to_copy']}x) | {result['convert_peak_rss_mb']} MB | "
                   f"tree {result['tree_peak_pss_mb']} MB |"
-                  + (f" verify {verified[0]:.2f} s ({result['verify_ratio_to_conversion']}x conversion) |"
+                  + (f" verify {verified[0]:.2f} s ({result['verify_ratio_to_conversion']}x conversion, "
+                     f"{verified[1]['cpu_seconds']} CPU s) |"
                      if verified else ""), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import stat
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
 from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
 from moeconv.checkpoint.writer import (
-    CURRENT, TENSOR_DIGESTS_KEY, BlockHasher, ShardWriter, copy_into, file_digest, write_at,
+    CURRENT, TENSOR_DIGESTS_KEY, BlockHasher, ShardWriter, copy_into, file_digest, hash_threads, write_at,
 )
 from moeconv.errors import MoeconvError, PlantedLink, Unfinished, human_bytes
 from moeconv.executor import Executor, in_batches, peak_rss_mb, worker_descriptor, worker_reader
@@ -516,17 +517,20 @@ def _run_job(job, codec, path: Path, positions: dict[str, int]) -> tuple[list, d
 class SourceDigests:
     """The block digest (writer.file_digest) of every source shard, taken on a thread while the
     conversion runs, so the manifest records the source's data as this run read it; for a Hub snapshot
-    (`anchor`), every file of it against the digest the Hub published, on a second thread: a cached
-    blob changed since its download is refused, never converted."""
+    (`anchor`), every file of it against the digest the Hub published, from a second thread, several
+    files at once (a published sha256 is one stream a file): a cached blob changed since its download is
+    refused, never converted."""
 
     def __init__(self, files: list[Path], root: Path, anchor: Anchor | None):
         from concurrent.futures import ThreadPoolExecutor
 
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="moeconv-source-hash")
-        self._digests = {path.name: self._pool.submit(_sized_digest, path) for path in files}
-        self._anchor = anchor
+        self._anchor, self._cancelled = anchor, threading.Event()
+        # submitted first, so that it has a thread from the start (it was queued behind every shard's digest)
         self._published = None if anchor is None else self._pool.submit(
-            provenance.mismatches, root, anchor, sorted(anchor.published))
+            provenance.mismatches, root, anchor, sorted(anchor.published), threads=hash_threads(),
+            cancelled=self._cancelled)
+        self._digests = {path.name: self._pool.submit(_sized_digest, path) for path in files}
 
     def result(self) -> dict[str, dict[str, Any]]:
         problems = [] if self._published is None else self._published.result()
@@ -537,6 +541,7 @@ class SourceDigests:
         return {name: future.result() for name, future in self._digests.items()}
 
     def cancel(self) -> None:
+        self._cancelled.set()  # the published digests' files not begun yet are skipped
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 

@@ -15,7 +15,9 @@
 # and GPTQ), `prep8` (cd0a9f0 against the build whose verify prepares with the collector paused and compares JSON
 # files by their serializations: 7.2 GB into the per-linear layouts, then 25 GB into humming), `final10` (main
 # after the packed form: grown 7.2 GB GPTQ and AWQ into every backend, verified), `large10` (the same build, the
-# 25 GB GPTQ source into triton, humming and compressed-tensors, verified).
+# 25 GB GPTQ source into triton, humming and compressed-tensors, verified), `anchor11` and `anchor11-large`
+# (issue 42's provenance cost: the grown 7.2 GB GPTQ source into three backends, then the 25 GB one into
+# triton, each converted and verified as a plain folder and then as a Hub cache snapshot).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -47,6 +49,25 @@ case $phase in
     else
       verified gptq 77 triton,humming,compressed-tensors 1 large.json
     fi ;;
+  anchor11|anchor11-large)
+    # What anchoring costs (issue 42): each source converted and verified first as a plain folder (unanchored),
+    # then moved into a Hub cache layout (benchmarks/hub_cache.py --move: blobs named by their sha256) and
+    # converted and verified from the snapshot, where both also check every file against its published sha256.
+    # The blake3 and google-re2 wheels (cp312) in .whl carried: the image has neither. Disk: the source and one
+    # of the copy or the output (bench_convert.py removes the other first): 50 GB at 25 GB.
+    python3 -m pip install -q --no-deps .whl/*.whl
+    python3 -m compileall -q moeconv
+    if [ $phase = anchor11 ]; then layers=22 backends=triton,humming,compressed-tensors
+    else layers=77 backends=triton; fi
+    grown gptq $layers
+    sync
+    python3 benchmarks/bench_convert.py --source bench-data/gptq-${layers}L --format gptq --backends $backends \
+      --repeats 1 --verify --json "$out/$phase-folder.json"
+    snapshot=$(python3 benchmarks/hub_cache.py bench-data/gptq-${layers}L bench-data/hub --move)
+    sync
+    python3 benchmarks/bench_convert.py --source "$snapshot" --format gptq --backends $backends \
+      --repeats 1 --verify --json "$out/$phase-hub.json"
+    rm -rf bench-data/gptq-${layers}L bench-data/hub ;;
   digest9)
     # A/B: a7f7845 (sha256 block digests, manifest version 3) against 124f8b0 (BLAKE3, version 4), both
     # exported with `benchmarks/bench_builds.py export a7f7845 124f8b0` and .builds carried, the blake3 wheel

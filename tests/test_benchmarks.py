@@ -111,3 +111,31 @@ def test_tree_memory_without_a_runnable_command_is_one_line_exit_2(command):
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 2 and done.stderr.splitlines()[-1].startswith("tree_memory.py: error: "), done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_hub_cache_lays_a_folder_out_as_a_snapshot_that_converts_anchored(tmp_path):
+    """benchmarks/hub_cache.py: a checkpoint as a huggingface_hub cache snapshot (the benchmarks' anchored
+    source): huggingface_hub's own cache scan reads it, moeconv anchors it to the digests hashlib gives."""
+    import hashlib
+
+    from huggingface_hub import scan_cache_dir
+
+    from moeconv.provenance import anchor_of
+    from moeconv.synth import SynthSpec, make_checkpoint
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(layers=1, experts=2, hidden=64, intermediate=32,
+                                                        dense_intermediate=64, vocab=64))
+    expected = {path.name: path.read_bytes() for path in source.iterdir()}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hub_cache.py"), str(source), str(tmp_path / "cache"),
+                           "--repo", "acme/grown", "--move"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    snapshot = Path(done.stdout.strip())
+    assert not any(source.iterdir())  # moved, not copied
+    anchor = anchor_of(snapshot)
+    assert (anchor.repo, anchor.revision) == ("acme/grown", snapshot.name)
+    assert anchor.published == {name: ("sha256", hashlib.sha256(data).hexdigest()) if name.endswith(".safetensors")
+                                else ("git_sha1", hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest())
+                                for name, data in expected.items()}
+    [repository] = scan_cache_dir(tmp_path / "cache").repos
+    assert repository.repo_id == "acme/grown" and {rev.commit_hash for rev in repository.revisions} == {snapshot.name}
+    assert {path.name: path.read_bytes() for path in snapshot.iterdir()} == expected

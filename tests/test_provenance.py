@@ -12,10 +12,13 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
+from moeconv import conversion, provenance
+from moeconv.provenance import Anchor
 from moeconv.source import ALLOW_PATTERNS
 from moeconv.synth import SynthSpec, make_checkpoint
 
@@ -136,3 +139,49 @@ def test_a_source_of_another_revision_is_refused_in_one_line(hub, tmp_path):
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
     assert (f"{REPO}@{newer}: is {REPO}@{newer}, but {out} was converted from {REPO}@{commit}; pass --source "
             f"{REPO}@{commit}") in " ".join(done.stderr.split())
+
+
+def _published_folder(tmp_path: Path) -> tuple[Path, Anchor]:
+    """Five files of different sizes and the anchor that publishes each one's sha256."""
+    folder = tmp_path / "snapshot"
+    folder.mkdir()
+    for index, size in enumerate((3 << 20, 1, 9 << 20, 0, 5 << 20)):
+        (folder / f"file-{index}.safetensors").write_bytes(bytes([index]) * size)
+    published = {path.name: ("sha256", hashlib.sha256(path.read_bytes()).hexdigest()) for path in folder.iterdir()}
+    return folder, Anchor(REPO, "0" * 40, published)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_the_published_digests_name_each_bad_file_in_order_however_many_files_are_hashed_at_once(tmp_path, threads):
+    folder, anchor = _published_folder(tmp_path)
+    (folder / "file-2.safetensors").write_bytes(b"\2" * (9 << 20) + b"!")
+    (folder / "file-0.safetensors").unlink()
+    (folder / "file-4.safetensors").write_bytes(b"\5" * (5 << 20))
+    names = [*sorted(anchor.published), "extra.json"]
+    seen = []
+    problems = provenance.mismatches(folder, anchor, names, seen.append, threads=threads)
+    assert problems == [
+        f"{folder / 'file-0.safetensors'}: missing, but {REPO}@{'0' * 40} published it",
+        f"{folder / 'file-2.safetensors'}: its bytes do not match the sha256 {REPO}@{'0' * 40} published for it",
+        f"{folder / 'file-4.safetensors'}: its bytes do not match the sha256 {REPO}@{'0' * 40} published for it",
+        f"{folder / 'extra.json'}: {REPO}@{'0' * 40} published no such file",
+    ]
+    assert sorted(seen) == sorted([1, 9 << 20 | 1, 0, 5 << 20])
+    cancelled = threading.Event()
+    cancelled.set()  # nothing hashed; what needs no hashing is still said
+    assert provenance.mismatches(folder, anchor, names, seen.append, threads=threads, cancelled=cancelled) == [
+        problems[0], problems[3]]
+
+
+def test_a_conversions_published_digests_do_not_wait_behind_the_source_shards_digests(tmp_path, monkeypatch):
+    """The check against the publisher's digests has a thread from the start: queued behind every shard's
+    block digest, it began only when all but one had (a many-shard source's last seconds, one file at a time)."""
+    folder, anchor = _published_folder(tmp_path)
+    release = threading.Event()
+    monkeypatch.setattr(conversion, "_sized_digest", lambda path: release.wait(30) and {})
+    digests = conversion.SourceDigests(sorted(folder.iterdir()), folder, anchor)
+    try:
+        assert digests._published.result(timeout=20) == []
+    finally:
+        release.set()
+        digests.cancel()
