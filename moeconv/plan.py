@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from moeconv import act_order, engines, transform
 from moeconv._version import __version__
 from moeconv.backends import all_backends, auto_order, backend_name, get_backend
-from moeconv.backends.base import Backend
+from moeconv.backends.base import Backend, LinearLayout
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import Checkpoint, TensorReader, collection_paused, open_checkpoint
 from moeconv.detect import Detection
@@ -58,9 +58,9 @@ class Plan:
     zero_format: str | None = None  # --gptq-zero-format: the user's answer where the data cannot decide
     choice: str | None = None  # --backend auto: what it chose and why, one line
     fp8_block_modules: tuple[str, ...] = ()  # FP8 block-scaled linears a whole-checkpoint config describes
-    # The backend whose layout the dense quantized linears are written in: the backend itself when it
-    # converts them, the one it names for this source (Backend.dense_linear_backend), or None: copied.
-    dense_backend: Backend | None = None
+    # The linear layout the dense quantized linears are written in: the backend's own (Backend.linear_layout),
+    # that of the backend it names for this source (Backend.dense_linear_backend), or None: copied.
+    dense_layout: LinearLayout | None = None
     jobs: tuple[Job, ...] = field(init=False)  # every shard's, in write order
     layer_jobs: dict[str, tuple[ExpertJob, ...]] = field(init=False)  # MoE layer -> its jobs, by expert
     codec: Codec = field(init=False)
@@ -97,7 +97,7 @@ class Plan:
         answer("targets", engines.targets(self.backend.name))
         model_dtype = _model_dtype(self.checkpoint)
         answer("scale_cast", engines.VLLM.scale_cast(self.backend.name, first.scale_dtype, model_dtype))
-        output = engines.output_of(self.backend.name, first, self.source_format, self.dense_backend is not None,
+        output = engines.output_of(self.backend.name, first, self.source_format, self.dense_layout is not None,
                                    self.checkpoint.quantization_config, self.architecture.model_type,
                                    attention_quantized(self.checkpoint, self.source_format), model_dtype)
         answer("serving", engines.VLLM.serving(output))
@@ -109,8 +109,8 @@ class Plan:
 
     def layout_of(self, job: Job) -> str:
         """The backend whose layout a converting job writes: a dense linear's may be another's
-        (`dense_backend`); the manifest records it per tensor."""
-        return job.encoder.name if isinstance(job, LinearJob) else self.backend.name
+        (`dense_layout`); the manifest records it per tensor."""
+        return job.layout.name if isinstance(job, LinearJob) else self.backend.name
 
     @property
     def source_expert_bytes(self) -> int:
@@ -167,18 +167,18 @@ def _quantization_config(plan: Plan) -> dict[str, Any]:
     converts dense linears too writes the whole config in its own scheme; moeconv's fields then go
     under "moeconv"."""
     backend, first = plan.backend, plan.layers[0].shape
-    if backend.converts_dense_linears:
+    if backend.linear_layout is not None:
         return {
-            **backend.checkpoint_quantization_config(first, _model_dtype(plan.checkpoint),
+            **backend.linear_layout.checkpoint_quantization_config(first, _model_dtype(plan.checkpoint),
                                                      _unquantized_modules(plan.jobs), plan.fp8_block_modules),
             "moeconv": {"backend": backend.name, "layout_version": backend.layout_version,
                         "source_quantization_config": plan.checkpoint.quantization_config},
         }
     dense = {}
-    if plan.dense_backend is not None:  # the converted dense linears' own config, in their layout's scheme
-        dense = {"dense_backend": plan.dense_backend.name, "dense_quantization_config":
-                 plan.dense_backend.checkpoint_quantization_config(first, _model_dtype(plan.checkpoint),
-                                                                   _unquantized_modules(plan.jobs))}
+    if plan.dense_layout is not None:  # the converted dense linears' own config, in their layout's scheme
+        dense = {"dense_backend": plan.dense_layout.name, "dense_quantization_config":
+                 plan.dense_layout.checkpoint_quantization_config(first, _model_dtype(plan.checkpoint),
+                                                                  _unquantized_modules(plan.jobs))}
     return {
         "quant_method": "moeconv",
         "backend": backend.name,
@@ -294,10 +294,10 @@ def _choice_line(backend: Backend, factor: int, layer: MoELayerShape, why: str,
 
 
 def converts_dense(backend: Backend, source_format: SourceFormat, factor: int) -> bool:
-    """Whether the plan writes the dense quantized linears in a layout of its own (Plan.dense_backend) at
+    """Whether the plan writes the dense quantized linears in a layout of its own (Plan.dense_layout) at
     regroup `factor`, before planning: a backend that names another one for them converts them unregrouped
-    only (_dense_backend)."""
-    return backend.converts_dense_linears or (backend.dense_linear_backend(source_format) is not None and factor == 1)
+    only (_dense_layout)."""
+    return backend.linear_layout is not None or (backend.dense_linear_backend(source_format) is not None and factor == 1)
 
 
 def attention_quantized(checkpoint: Checkpoint, source_format: SourceFormat) -> bool:
@@ -341,7 +341,7 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     named = source.architecture.engine_name  # outputs carry the names the engine's model class maps (models.py)
     units: list[tuple[str, Unit]] = [(layer.module, layer_unit(target, layer, named(layer.module))) for layer in layers]
     others = [name for name in checkpoint.tensors if name not in expert_names]
-    dense, linears = _dense_backend(checkpoint, target, source_format, others, factor)
+    dense, linears = _dense_layout(checkpoint, target, source_format, others, factor)
     if source_format.group_index_suffix:
         with TensorReader() as reader:
             check_dense_g_idx(checkpoint, others, source_format, reader, dense is not None)
@@ -356,8 +356,8 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
         units += [(linear.prefix, single(linear_job(dense, linear, named(linear.prefix)))) for linear in linears]
         converted = {entry.name for linear in linears for entry in linear.tensors.values()}
         others = [name for name in others if name not in converted]
-        if dense is target:
-            fp8 = fp8_block_linears(checkpoint, target, others)
+        if dense is target.linear_layout:
+            fp8 = fp8_block_linears(checkpoint, dense, others)
     units += [(name, single(copy_job(checkpoint.tensors[name], named(fp8.get(name, name))))) for name in others]
     units.sort(key=lambda item: natural_key(item[0]))
     shards = assign_shards([unit for _, unit in units], max_shard_size)
@@ -367,19 +367,20 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
                 dense)
 
 
-def _dense_backend(checkpoint: Checkpoint, target: Backend, source_format: SourceFormat, names: list[str],
-                   factor: int) -> tuple[Backend | None, list]:
-    """What writes the dense quantized linears (Plan.dense_backend), and those linears (survey.DenseLinear).
+def _dense_layout(checkpoint: Checkpoint, target: Backend, source_format: SourceFormat, names: list[str],
+                  factor: int) -> tuple[LinearLayout | None, list]:
+    """What writes the dense quantized linears (Plan.dense_layout), and those linears (survey.DenseLinear).
     A backend that names another one for them (Backend.dense_linear_backend) copies them as before where
     that one cannot take one of them, the layers are regrouped (their groups stay the source's) or FP8
     linears sit beside them (the dense config would have to describe those too): the output then says
     that no engine serves it (Plan.serving)."""
-    if target.converts_dense_linears:
-        return target, find_dense_linears(checkpoint, source_format, target, names, factor)
+    if target.linear_layout is not None:
+        return target.linear_layout, find_dense_linears(checkpoint, source_format, target.linear_layout, names,
+                                                        factor)
     name = target.dense_linear_backend(source_format)
     if name is None or factor > 1 or any(checkpoint.tensors[other].dtype.startswith("F8_") for other in names):
         return None, []
-    dense = get_backend(name)
+    dense = get_backend(name).linear_layout
     try:
         return dense, find_dense_linears(checkpoint, source_format, dense, names, factor)
     except MoeconvError:

@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any
 
 from moeconv import act_order, engines
-from moeconv.backends.base import Backend
+from moeconv.backends.base import Backend, LinearLayout
 from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, effective_group_size
 from moeconv.checkpoint import manifest as manifests
 from moeconv.checkpoint.reader import Checkpoint, TensorEntry, TensorReader
@@ -283,7 +283,7 @@ def check_dense_g_idx(checkpoint: Checkpoint, names: list[str], source_format: S
         raise MoeconvError(f"{entry.file}: {name}: {what}")
 
 
-def find_dense_linears(checkpoint: Checkpoint, source_format: SourceFormat, backend: Backend, names: list[str],
+def find_dense_linears(checkpoint: Checkpoint, source_format: SourceFormat, layout: LinearLayout, names: list[str],
                        regroup_factor: int) -> list[DenseLinear]:
     """The quantized linears among `names` (the non-expert tensors): every module that has all of the
     format's required suffixes. Tensors with other suffixes (bias) stay pass-through."""
@@ -306,9 +306,9 @@ def find_dense_linears(checkpoint: Checkpoint, source_format: SourceFormat, back
         shape = LinearShape(out_features, in_features, source_format.bits,
                             group_size // regroup_factor if group_size > 0 else group_size,
                             source_format.symmetric, scale_dtype, source_format.activation_bits, scheme)
-        reason = backend.linear_refusal(shape)
+        reason = layout.linear_refusal(shape)
         if reason:
-            raise MoeconvError(f"{checkpoint.root}: {prefix}: backend {backend.name!r} cannot convert this "
+            raise MoeconvError(f"{checkpoint.root}: {prefix}: backend {layout.name!r} cannot convert this "
                                f"{out_features}x{in_features} linear: {reason}")
         linears.append(DenseLinear(prefix, own, shape))
     return linears
@@ -392,7 +392,7 @@ def _ranges(values: list[int]) -> str:
 FP8_BLOCK = 128  # DeepSeek-V3's and MiniMax-M2's weight_block_size: one weight_scale_inv per 128x128 block
 
 
-def fp8_block_linears(checkpoint: Checkpoint, backend: Backend, others: list[str]) -> dict[str, str]:
+def fp8_block_linears(checkpoint: Checkpoint, layout: LinearLayout, others: list[str]) -> dict[str, str]:
     """A whole-checkpoint scheme's config describes every linear, so FP8 block-scaled linears beside the
     quantized experts (MiniMax, DeepSeek: `weight` F8_E4M3 and `weight_scale_inv` F32, one scale a 128x128
     block; compressed-tensors' FP8_BLOCK: `weight_scale` in the weight's float dtype, docs/FLOAT_SOURCES.md
@@ -403,9 +403,9 @@ def fp8_block_linears(checkpoint: Checkpoint, backend: Backend, others: list[str
     fp8 = [checkpoint.tensors[name] for name in others if checkpoint.tensors[name].dtype.startswith("F8_")]
     if not fp8:
         return {}
-    suffixes = backend.fp8_block_suffixes
+    suffixes = layout.fp8_block_suffixes
     if suffixes is None:
-        raise MoeconvError(f"{fp8[0].file}: tensor {fp8[0].name} is {fp8[0].dtype}: backend {backend.name!r} writes "
+        raise MoeconvError(f"{fp8[0].file}: tensor {fp8[0].name} is {fp8[0].dtype}: backend {layout.name!r} writes "
                            f"one quantization scheme for the whole checkpoint and cannot describe FP8 linears beside "
                            f"the integer experts; --backend compressed-tensors writes them as a config group of their "
                            f"own, --backend triton converts the experts and copies the rest")
@@ -421,7 +421,7 @@ def fp8_block_linears(checkpoint: Checkpoint, backend: Backend, others: list[str
             found = "none" if scale is None else f"{scale.dtype}{list(scale.shape)}"
             raise MoeconvError(
                 f"{weight.file}: tensor {weight.name} is {weight.dtype}{list(weight.shape)} with {prefix}.weight_scale_inv "
-                f"{found}: backend {backend.name!r} describes FP8 linears as a `weight` F8_E4M3 with a F32 "
+                f"{found}: backend {layout.name!r} describes FP8 linears as a `weight` F8_E4M3 with a F32 "
                 f"`weight_scale_inv` of one scale per {FP8_BLOCK}x{FP8_BLOCK} block (F32{list(grid)} here); "
                 f"--backend triton converts the experts and copies the rest")
         renames[weight.name] = f"{prefix}.{suffixes['weight']}"

@@ -54,7 +54,7 @@ class Codec:
 def takes_packed(job: ConvertJob, codec: Codec) -> bool:
     """Whether the job's format and layout meet in the packed form (packed.py): the fast path, moving the
     stored words as they are. The format may still decline one linear (an act-order g_idx)."""
-    layout = codec.backend if isinstance(job, ExpertJob) else job.encoder
+    layout = codec.backend if isinstance(job, ExpertJob) else job.layout
     return codec.source_format.packs and layout.takes_packed(job.shape)
 
 
@@ -80,7 +80,7 @@ def _from_float(job: ConvertJob, codec: Codec, stored: dict[str, Stored]) -> Sto
                for projection, tensors in stored.items()}
     if isinstance(job, ExpertJob):
         return codec.backend.from_float(weights, job.shape)
-    return job.encoder.from_float_linear(weights["linear"], job.shape)
+    return job.layout.from_float_linear(weights["linear"], job.shape)
 
 
 def _through_packed(job: ConvertJob, codec: Codec, stored: dict[str, Stored]) -> Stored | None:
@@ -94,7 +94,7 @@ def _through_packed(job: ConvertJob, codec: Codec, stored: dict[str, Stored]) ->
         packed[projection] = weight.regrouped(codec.regroup_factor)
     if isinstance(job, ExpertJob):
         return codec.backend.from_packed(packed, job.shape)
-    return job.encoder.from_packed_linear(packed["linear"], job.shape)
+    return job.layout.from_packed_linear(packed["linear"], job.shape)
 
 
 def source_weights(job: ConvertJob, codec: Codec, reader: TensorReader) -> tuple[dict[str, QuantizedWeight], list[Audit]]:
@@ -110,14 +110,14 @@ def encode(job: ConvertJob, codec: Codec, weights: dict[str, QuantizedWeight]) -
     """Canonical weights (as `source_weights` keys them) -> the job's output blocks."""
     if isinstance(job, ExpertJob):
         return codec.backend.encode_expert(ExpertWeights(**weights), job.shape)
-    return job.encoder.encode_linear(weights["linear"], job.shape)
+    return job.layout.encode_linear(weights["linear"], job.shape)
 
 
 def decode(job: ConvertJob, codec: Codec, blocks: Stored) -> dict[str, QuantizedWeight]:
     """Inverse of `encode`: the job's output blocks back to canonical weights."""
     if isinstance(job, ExpertJob):
         return codec.backend.decode_expert(blocks, job.shape)._asdict()
-    return {"linear": job.encoder.decode_linear(blocks, job.shape)}
+    return {"linear": job.layout.decode_linear(blocks, job.shape)}
 
 
 def _sources(job: ConvertJob) -> dict[str, dict[str, SourceSlice]]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, TypeVar, Union
 from moeconv.spec import DTYPE_SIZES, TensorSpec
 
 if TYPE_CHECKING:
-    from moeconv.backends.base import Backend
+    from moeconv.backends.base import Backend, LinearLayout
     from moeconv.canonical import LinearShape, MoELayerShape
     from moeconv.checkpoint.reader import TensorEntry
     from moeconv.survey import DenseLinear, MoELayer
@@ -72,13 +72,13 @@ class CopyJob:
 
 @dataclass(frozen=True)
 class LinearJob:
-    """One dense quantized linear, re-encoded by a backend that converts dense linears."""
+    """One dense quantized linear, re-encoded in a backend's linear layout."""
 
     prefix: str
     shape: LinearShape
     sources: dict[str, SourceSlice]  # by source suffix
     slots: dict[str, OutputSlot]  # by backend suffix
-    encoder: Backend  # the backend whose linear layout it is written in (Plan.dense_backend)
+    layout: LinearLayout  # the linear layout it is written in (Plan.dense_layout)
     copies = False
 
     @property
@@ -174,13 +174,13 @@ def copy_job(entry: TensorEntry, name: str) -> CopyJob:
     return CopyJob(SourceSlice(entry), OutputSlot(tensor, 0, entry.shape, (entry.name,)))
 
 
-def linear_job(backend: Backend, linear: DenseLinear, prefix: str) -> LinearJob:
+def linear_job(layout: LinearLayout, linear: DenseLinear, prefix: str) -> LinearJob:
     """`prefix`: the linear's name in the output."""
     names = tuple(entry.name for entry in linear.tensors.values())
     slots = {spec.name: OutputSlot(spec.renamed(f"{prefix}.{spec.name}"), 0, spec.shape, names)
-             for spec in backend.linear_tensors(linear.shape)}
+             for spec in layout.linear_tensors(linear.shape)}
     return LinearJob(linear.prefix, linear.shape, {suffix: SourceSlice(entry) for suffix, entry in linear.tensors.items()},
-                     slots, backend)
+                     slots, layout)
 
 
 def layer_unit(backend: Backend, layer: MoELayer, module: str) -> Unit:

@@ -267,7 +267,7 @@ def test_outputs_that_keep_autoround_dense_layers_are_served_where_vllm_reads_th
     assert make_plan(DATA / name, backend="compressed-tensors").serving.engine == "stock vLLM 0.33"
     alias = _relabel(DATA / name, tmp_path / "alias", {**_config(name), "quant_method": "intel/auto-round"})
     plan = make_plan(alias, backend="triton")
-    if plan.dense_backend is None:  # copied: under a name vLLM does not read
+    if plan.dense_layout is None:  # copied: under a name vLLM does not read
         assert plan.serving.engine is None and "'intel/auto-round'" in plan.serving.how, plan.serving
         assert "--backend compressed-tensors" in plan.serving.how
     else:

@@ -38,7 +38,7 @@ def test_inspect_says_what_a_regrouped_triton_output_of_an_asymmetric_source_is_
     source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(4, 128, sym=False), hidden=256,
                                                          intermediate=128))
     plan = make_plan(source, backend="triton", tp=2, regroup=True)
-    assert plan.regroup_factor == 2 and plan.dense_backend is None
+    assert plan.regroup_factor == 2 and plan.dense_layout is None
     copied = "the dense layers keep the source's asymmetric GPTQ, which vLLM 0.33 does not load"
     assert plan.serving.engine is None and plan.serving.how.startswith(copied)
     assert plan.sglang_serving == (None, f"{copied}, not shown to load in SGLang 0.5.23")

@@ -1,6 +1,6 @@
-"""Every member of the SourceFormat and Backend interfaces is declared in the protocol and present on
-every format and backend (its own, or the default from FormatDefaults / BackendDefaults), so no code
-has to probe for one: a format or backend that leaves out a member it must define fails here."""
+"""Every member of the SourceFormat, Backend and LinearLayout interfaces is declared in the protocol and
+present on every format, backend and backend's linear layout (its own, or the default from FormatDefaults /
+BackendDefaults), so no code has to probe for one: one that leaves out a member it must define fails here."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from moeconv.backends import REGISTRY as BACKENDS
-from moeconv.backends.base import Backend, BackendDefaults
+from moeconv.backends.base import Backend, BackendDefaults, LinearLayout
 from moeconv.formats import AWQ, GPTQ, CompressedTensors, CompressedTensorsFloat, ModelOptNvfp4
 from moeconv.formats.modelopt import ModelOpt
 from moeconv.formats.base import FormatDefaults, SourceFormat
@@ -37,7 +37,9 @@ def _plugin(module: str, name: str) -> type:
 
 def test_the_protocols_declare_the_hooks_the_plan_reads():
     assert {"decode_ordered", "configures_act_order", "group_index_suffix", "from_config"} <= _members(SourceFormat)
-    assert {"converts_dense_linears", "dense_linear_backend", "linear_tensors", "refusal"} <= _members(Backend)
+    assert {"linear_layout", "dense_linear_backend", "refusal"} <= _members(Backend)
+    assert {"linear_tensors", "linear_refusal", "checkpoint_quantization_config"} <= _members(LinearLayout)
+    assert not _members(Backend) & {"linear_tensors", "encode_linear", "decode_linear", "checkpoint_quantization_config"}
 
 
 @pytest.mark.parametrize("cls", [AWQ, GPTQ, CompressedTensors, CompressedTensorsFloat, ModelOpt, ModelOptNvfp4, "toy"], ids=lambda c: getattr(c, "__name__", c))
@@ -54,3 +56,6 @@ def test_every_backend_has_every_member(name):
     assert isinstance(backend, BackendDefaults)
     missing = sorted(member for member in _members(Backend) if not hasattr(backend, member))
     assert missing == []
+    layout = backend.linear_layout
+    if layout is not None:  # a whole-checkpoint scheme: every member of its per-linear layout too
+        assert sorted(member for member in _members(LinearLayout) if not hasattr(layout, member)) == []

@@ -107,11 +107,11 @@ def test_an_expert_through_the_packed_form_equals_the_canonical_route(cls, param
     _same_bytes(layout.from_packed(packed, layer), expected)
 
 
-@pytest.mark.parametrize("cls, params, backend", [route for route in ROUTES if BACKENDS[route[2]].converts_dense_linears],
+@pytest.mark.parametrize("cls, params, backend", [route for route in ROUTES if BACKENDS[route[2]].linear_layout is not None],
                          ids=_id)
 @given(data=st.data(), scale_dtype=st.sampled_from([torch.float16, torch.bfloat16]))
 def test_a_dense_linear_through_the_packed_form_equals_the_canonical_route(cls, params, backend, data, scale_dtype):
-    source, layout = _source(cls, params, data), BACKENDS[backend]
+    source, layout = _source(cls, params, data), BACKENDS[backend].linear_layout
     unit = 32 if source.group_size == -1 else source.group_size
     n, k = 32 * data.draw(st.integers(1, 4)), unit * data.draw(st.integers(1, 3))
     factor = _factor(source, data)

@@ -90,7 +90,7 @@ def test_auto_prefers_a_served_layout_over_an_unserved_one(tmp_path, capsys):
     is not served yet, so auto skips it for compressed-tensors; a cpu output is said to be unserved."""
     source = make_checkpoint(tmp_path / "asym", SynthSpec(source_format=GPTQ(4, 32, sym=False)))
     plan = make_plan(source, backend="auto")
-    assert plan.backend.name == "triton" and plan.dense_backend.name == "compressed-tensors"
+    assert plan.backend.name == "triton" and plan.dense_layout.name == "compressed-tensors"
     assert plan.choice == "--backend auto takes triton: served by vLLM 0.33 through moeconv's plugin"
     channelwise = make_checkpoint(tmp_path / "channel", SynthSpec(source_format=GPTQ(4, -1, sym=True)))
     plan = make_plan(channelwise, backend="auto")

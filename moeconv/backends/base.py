@@ -59,25 +59,63 @@ class Numerics(NamedTuple):
     layout: str | None = None
 
 
-class Backend(Protocol):
-    """One target layout. Implementations inherit `BackendDefaults`, which holds the default of every
-    member a backend may leave out (marked "default:" below); nothing else in moeconv probes a backend
-    for a member.
+class LinearLayout(Protocol):
+    """How a whole-checkpoint scheme (compressed-tensors, humming) lays out ONE quantized linear, dense or an
+    expert's projection, and the checkpoint's own quantization_config that describes it. A backend that has
+    one (`Backend.linear_layout`) converts the dense quantized linears too (attention, shared experts, dense
+    MLPs); a backend that copies them may name another backend's for the source's (`dense_linear_backend`)."""
 
-    A backend whose scheme covers the whole checkpoint (`converts_dense_linears`) converts the dense
-    quantized linears too (attention, shared experts, dense MLPs: the `linear_*` members), and its
-    config is the checkpoint's own quantization_config (`checkpoint_quantization_config`) rather than
-    a section of moeconv's."""
+    name: str  # the registered backend's, recorded per tensor in the manifest
+    # How the output holds FP8 block-scaled linears beside the integer ones (DeepSeek's and MiniMax's `weight`
+    # F8_E4M3 with `weight_scale_inv` F32, one scale a 128x128 block): source suffix -> output suffix, the
+    # bytes copied as they are and the linears described by `checkpoint_quantization_config`; None: a scheme
+    # that cannot describe them.
+    fp8_block_suffixes: dict[str, str] | None
+
+    def linear_refusal(self, linear: LinearShape) -> str | None:
+        """Why this layout cannot take the dense linear, or None if it can."""
+
+    def linear_tensors(self, linear: LinearShape) -> list[TensorSpec]:
+        """The tensors of one linear; suffixes are appended to the linear's module path."""
+
+    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        """One linear's tensors, as stored arrays (BF16 as its uint16 bit patterns), in numpy."""
+
+    def decode_linear(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight | FloatWeight:
+        """Inverse of `encode_linear` (and of `from_float_linear` for float codes); raises ValueError naming
+        the tensor where the layout's own redundancy (weight_shape) disagrees."""
+
+    def takes_packed(self, layer: MoELayerShape | LinearShape) -> bool:
+        """Whether `from_packed_linear` writes this linear from the packed form (packed.py)."""
+
+    def from_packed_linear(self, weight: PackedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        """`encode_linear` from the packed form, byte for byte (where `takes_packed` of the linear)."""
+
+    def from_float_linear(self, weight: FloatWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        """One float-coded linear (float_codes.py) as stored arrays; `decode_linear` gives it back."""
+
+    def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,
+                                       unquantized_modules: list[str],
+                                       fp8_block_modules: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The whole `quantization_config`; `unquantized_modules` are the linears left in float,
+        `fp8_block_modules` the FP8 block-scaled ones (only with `fp8_block_suffixes`)."""
+
+
+class Backend(Protocol):
+    """One target layout of the MoE layers' experts. Implementations inherit `BackendDefaults`, which holds
+    the default of every member a backend may leave out (marked "default:" below); nothing else in moeconv
+    probes a backend for a member.
+
+    A backend whose scheme covers the whole checkpoint has a `linear_layout`: it converts the dense quantized
+    linears too, and its config is the checkpoint's own quantization_config (`checkpoint_quantization_config`
+    of that layout) rather than a section of moeconv's."""
 
     name: str
     layout_version: int
     numerics: Numerics
-    converts_dense_linears: bool  # default: False (dense linears pass through byte for byte)
-    # How the output holds FP8 block-scaled linears beside the integer ones (DeepSeek's and MiniMax's `weight`
-    # F8_E4M3 with `weight_scale_inv` F32, one scale a 128x128 block): source suffix -> output suffix, the
-    # bytes copied as they are and the linears described by `checkpoint_quantization_config`. Default: None,
-    # a whole-checkpoint scheme that cannot describe them (a backend that copies dense linears never asks).
-    fp8_block_suffixes: dict[str, str] | None
+    # The per-linear layout of a whole-checkpoint scheme. Default: None (dense linears pass through byte for
+    # byte, or in the layout `dense_linear_backend` names).
+    linear_layout: LinearLayout | None
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         """Why this backend cannot take the layer, or None if it can."""
@@ -96,8 +134,8 @@ class Backend(Protocol):
         layout's own redundancy disagrees (weight_shape, compensation sums)."""
 
     def takes_packed(self, layer: MoELayerShape | LinearShape) -> bool:
-        """Whether `from_packed` (or `from_packed_linear`, given a dense linear's shape) writes this layer's
-        layout from the packed form (packed.py), the fast path of every format that `packs`. Default: False."""
+        """Whether `from_packed` writes this layer's layout from the packed form (packed.py), the fast path
+        of every format that `packs`. Default: False."""
 
     def from_packed(self, expert: dict[str, PackedWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
         """`encode_expert`'s slices from the expert's projections (gate, up, down) in the packed form, byte
@@ -114,51 +152,23 @@ class Backend(Protocol):
         as stored arrays. Only for a layer the backend takes whose `float_scheme` is set; its
         `decode_expert` gives FloatWeights back."""
 
-    def from_float_linear(self, weight: FloatWeight, linear: LinearShape) -> dict[str, np.ndarray]:
-        """`from_float` of one dense float-coded linear (`decode_linear` gives it back)."""
-
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         """Backend fields of the output's quantization config."""
 
-    def linear_refusal(self, linear: LinearShape) -> str | None:
-        """Why this backend cannot take the dense linear, or None if it can (converts_dense_linears only)."""
-
-    def linear_tensors(self, linear: LinearShape) -> list[TensorSpec]:
-        """The tensors of one dense linear; suffixes are appended to the linear's module path."""
-
-    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
-        """One dense linear's tensors, as `encode_expert` gives an expert's."""
-
-    def decode_linear(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
-        """Inverse of `encode_linear`, as `decode_expert`."""
-
-    def from_packed_linear(self, weight: PackedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
-        """`encode_linear` from the packed form, as `from_packed` (where `takes_packed` of the linear)."""
-
-    def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,
-                                       unquantized_modules: list[str],
-                                       fp8_block_modules: tuple[str, ...] = ()) -> dict[str, Any]:
-        """The whole `quantization_config`; `unquantized_modules` are the linears left in float,
-        `fp8_block_modules` the FP8 block-scaled ones (only for a backend with `fp8_block_suffixes`)."""
-
     def dense_linear_backend(self, source_format: Any) -> str | None:
-        """For a backend that copies dense linears: the registered backend (one that converts dense
-        linears) whose layout its output writes the source's dense quantized linears in instead, when
-        the engine it targets cannot load them as the source stores them. Default: None (copied)."""
+        """For a backend without a `linear_layout`: the registered backend whose linear layout its output
+        writes the source's dense quantized linears in instead, when the engine it targets cannot load them
+        as the source stores them. Default: None (copied)."""
 
 
 class BackendDefaults:
     """The default of every member of `Backend` a backend may leave out, declared once: dense linears
-    pass through (the plan never asks for the `linear_*` members then)."""
+    pass through, no packed route, no float codes."""
 
-    converts_dense_linears: bool = False
-    fp8_block_suffixes: dict[str, str] | None = None
+    linear_layout: LinearLayout | None = None
     float_global_convention: str | None = None
 
     def from_float(self, expert: dict[str, FloatWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
-        raise NotImplementedError(f"backend {self.name!r} takes no float codes")
-
-    def from_float_linear(self, weight: FloatWeight, linear: LinearShape) -> dict[str, np.ndarray]:
         raise NotImplementedError(f"backend {self.name!r} takes no float codes")
 
     def dense_linear_backend(self, source_format: Any) -> str | None:
@@ -169,23 +179,3 @@ class BackendDefaults:
 
     def from_packed(self, expert: dict[str, PackedWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
         raise NotImplementedError(f"backend {self.name!r} has no packed route")
-
-    def from_packed_linear(self, weight: PackedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
-        raise NotImplementedError(f"backend {self.name!r} has no packed route")
-
-    def linear_refusal(self, linear: LinearShape) -> str | None:
-        return f"backend {self.name!r} copies dense linears as they are"
-
-    def linear_tensors(self, linear: LinearShape) -> list[TensorSpec]:
-        raise NotImplementedError(f"backend {self.name!r} copies dense linears as they are")
-
-    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
-        raise NotImplementedError(f"backend {self.name!r} copies dense linears as they are")
-
-    def decode_linear(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> QuantizedWeight:
-        raise NotImplementedError(f"backend {self.name!r} copies dense linears as they are")
-
-    def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,
-                                       unquantized_modules: list[str],
-                                       fp8_block_modules: tuple[str, ...] = ()) -> dict[str, Any]:
-        raise NotImplementedError(f"backend {self.name!r} writes a section of moeconv's quantization_config")

@@ -10,19 +10,30 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moeconv import packing
-from moeconv.backends.base import BackendDefaults, ExpertWeights, Numerics
+from moeconv.backends.base import BackendDefaults, ExpertWeights, LinearLayout, Numerics
 from moeconv.spec import TensorSpec
 from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight
 
 if TYPE_CHECKING:
+    from moeconv.float_codes import FloatWeight
     from moeconv.packed import PackedWeight
 
 
 class PerLinearBackend(BackendDefaults):
-    converts_dense_linears = True
+    """A backend and its own linear layout in one: an expert is its three projections, each laid out as a
+    dense linear is (`LinearLayout`)."""
+
+    fp8_block_suffixes: dict[str, str] | None = None
     # The engines' kernels for these schemas compute the same GEMMs as the Triton kernel on the stacked
     # layout, so verify re-encodes the output into that layout through the canonical form.
     numerics = Numerics("triton", layout="triton")
+
+    @property
+    def linear_layout(self) -> LinearLayout:
+        return self
+
+    def from_float_linear(self, weight: FloatWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        raise NotImplementedError(f"backend {self.name!r} takes no float codes")
 
     def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:
         return [spec._replace(name=f"{name}.{spec.name}", per_expert=True, derives_from=(projection,))

@@ -29,7 +29,7 @@ class Output:
     layer: MoELayerShape  # the first MoE layer as written (group size after regrouping), served at `layer.tp`
     source_format: SourceFormat
     # The dense quantized linears are written in a layout moeconv chose (the backend's own, or the one it
-    # names: Plan.dense_backend); False: copied as the source stores them.
+    # names: Plan.dense_layout); False: copied as the source stores them.
     dense_converted: bool
     source_config: Mapping[str, Any] | None = None  # the source's quantization_config, which copied layers keep
     model_type: str = ""  # config.json's
