@@ -145,6 +145,7 @@ class MoELayerShape:
     tp: int = 1  # tensor-parallel ranks the layer will be split over (eligibility only: tensors stay whole)
     projection_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate/up/down as the output names them
     float_scheme: FloatScheme | None = None  # float-coded experts (float_codes.py); None: integer codes
+    expert_biases: bool = False  # each expert linear stores a bias beside its codes (gpt-oss)
 
     def group_size_for(self, in_features: int) -> int:
         return effective_group_size(in_features, self.group_size)

@@ -11,6 +11,11 @@ A new family is one `Architecture` entry in ARCHITECTURES: its model_type, the m
 `experts`, its projection names, and the config keys of the expert count and size; where checkpoints
 name the MoE block otherwise than the engine's model class does (Mixtral under transformers 5), the
 engine's names too, which every output carries (`engine_name`, `engine_projection_names`).
+
+A family that stacks its experts on disk (gpt-oss: `<module>.gate_up_proj_blocks [E, 2I, ...]`, dim 0 the
+expert) declares it in `stacked` (`StackedExperts`): which stacked tensors hold which projections, and in what
+row order a fused gate/up tensor holds them. The survey reads each expert's linears as slices of those
+tensors by that declaration (survey.ExpertSlice), never by guessing from the data.
 """
 
 from __future__ import annotations
@@ -24,6 +29,40 @@ from moeconv.errors import MoeconvError
 
 
 _HF_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+# How a fused gate/up tensor holds its rows: gate row i at 2i and up row i at 2i + 1.
+INTERLEAVED = "interleaved"
+_ROW_ORDERS = {INTERLEAVED: {"gate": (0, 2), "up": (1, 2)}}  # projection -> (first row, step)
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """Experts stacked on disk, one tensor per projection group and suffix, dim 0 the expert:
+    `<module>.<tensor>_<suffix>` (gpt-oss: `mlp.experts.gate_up_proj_blocks`, `..._scales`, `..._bias`).
+
+    `tensors`: stacked tensor -> the projections it holds; `gate_up_rows`: the row order of a tensor that holds
+    gate and up (INTERLEAVED), with `row_order_source` saying where that order is established."""
+
+    tensors: Mapping[str, tuple[str, ...]]
+    gate_up_rows: str
+    row_order_source: str
+
+    def rows(self, tensor: str, projection: str) -> tuple[int, int]:
+        """(first row, step) of `projection`'s rows in stacked `tensor`: (0, 1) where it holds one projection."""
+        held = self.tensors[tensor]
+        return (0, 1) if len(held) == 1 else _ROW_ORDERS[self.gate_up_rows][projection]
+
+    def describe(self) -> dict[str, Any]:
+        return {"tensors": {tensor: list(held) for tensor, held in self.tensors.items()},
+                "gate_up_rows": f"{self.gate_up_rows}: gate row i is row 2i, up row i is row 2i + 1 "
+                                f"({self.row_order_source})" if self.gate_up_rows == INTERLEAVED else self.gate_up_rows}
+
+
+@dataclass(frozen=True)
+class StackedName:
+    module: str  # e.g. "model.layers.3.mlp.experts"
+    tensor: str  # the stacked tensor's own name: "gate_up_proj", "down_proj"
+    suffix: str  # "blocks", "scales", "bias"
 _MIXTRAL_PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down", **_HF_PROJECTIONS}
 
 
@@ -40,13 +79,27 @@ class ExpertName:
 class Architecture:
     model_type: str
     parents: tuple[str, ...]  # module names that hold `experts`
-    projections: Mapping[str, str]  # checkpoint projection name -> canonical projection
+    projections: Mapping[str, str]  # checkpoint projection name -> canonical projection (per-expert tensors)
     experts_key: str  # config key: number of routed experts
     intermediate_key: str  # config key: per-expert intermediate size
     # The names the engine's model class maps (vLLM's, engines/), which an output carries whatever names the source
     # used: the module that holds the router and `experts`, and gate, up, down. None: the source's own.
     engine_parent: str | None = None
     engine_projections: tuple[str, str, str] | None = None
+    stacked: StackedExperts | None = None  # experts stacked on disk (gpt-oss); None: one tensor per expert
+
+    def parse_stacked(self, tensor_name: str) -> StackedName | None:
+        """`<module>.<tensor>_<suffix>` for a stacked tensor this family declares, else None (a bare
+        `gate_up_proj`, held in float, is no stacked quantized tensor)."""
+        module = self.experts_module(tensor_name) if self.stacked else None
+        if module is None:
+            return None
+        rest = tensor_name[len(module) + 1:]
+        for tensor in self.stacked.tensors:
+            suffix = rest.removeprefix(f"{tensor}_")
+            if suffix != rest and _is_word(suffix) and "." not in suffix:
+                return StackedName(module, tensor, suffix)
+        return None
 
     def parse(self, tensor_name: str) -> ExpertName | None:
         """Remembered: planning asks about each name several times, and Qwen3-Next has 220k names."""
@@ -148,15 +201,19 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("glm4_moe", **_DEEPSEEK_LIKE),
         Architecture("minimax_m2", ("block_sparse_moe",), _MIXTRAL_PROJECTIONS, "num_local_experts",
                      "intermediate_size"),
+        # gpt-oss: experts stacked per layer, gate and up fused and interleaved (transformers
+        # models/gpt_oss/modeling_gpt_oss.py GptOssExperts: gate_up[..., ::2], gate_up[..., 1::2]; its MXFP4
+        # reader integrations/mxfp4.py keeps the stored row order); the router `mlp.router` passes through.
+        Architecture("gpt_oss", ("mlp",), {}, "num_local_experts",
+                     "intermediate_size",
+                     stacked=StackedExperts({"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}, INTERLEAVED,
+                                            "transformers GptOssExperts: gate_up[..., ::2], gate_up[..., 1::2]")),
     )
 }
 
 
-# Families whose experts are not integer-affine codes: refused with the reason, not as "unknown".
-REFUSED = {
-    "gpt_oss": "gpt-oss experts are MXFP4 (4-bit floats sharing power-of-two block scales), not an "
-               "integer-affine code; moeconv converts integer codes (AWQ, GPTQ, compressed-tensors int)",
-}
+# Families refused with the reason, not as "unknown" (none at present).
+REFUSED: dict[str, str] = {}
 
 
 def _is_index(text: str) -> bool:

@@ -333,6 +333,10 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     source_format, layers = source.source_format, list(source.layers)
     target, factor, skipped, choice = choose_backend(backend, layers, regroup, source_format,
                                                      checkpoint.quantization_config)
+    if source.architecture.stacked is not None:  # every backend refuses them today (expert biases, float codes)
+        raise MoeconvError(f"{checkpoint.root}: {source.architecture.model_type}'s stacked experts are read (inspect "
+                           f"describes them) but no job writes slices of a stacked tensor yet; backend "
+                           f"{target.name!r} took them, which this version does not convert")
     if factor > 1:
         layers = [replace(layer, shape=replace(layer.shape, group_size=layer.shape.group_size // factor))
                   for layer in layers]

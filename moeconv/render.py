@@ -61,6 +61,15 @@ def print_inspect(report: dict[str, Any], title: str) -> None:
         ("total / expert bytes", f"{human_bytes(report['total_bytes'])} / {human_bytes(report['expert_bytes'])}"),
         ("tensors / shards", f"{report['tensors']} / {len(report['shards'])}"),
     ]
+    stacked = report.get("stacked_experts")
+    if stacked:
+        rows.append(("experts stacked on disk", "; ".join(f"{tensor}: {' + '.join(held)}"
+                                                          for tensor, held in stacked["tensors"].items())))
+        rows.append(("gate/up rows", stacked["gate_up_rows"]))
+        rows.append(("expert 0 reads", "; ".join(f"{projection}: {', '.join(names)}"
+                                                 for projection, names in stacked["expert_0_of_first_layer"].items())))
+        rows.append(("expert biases", stacked["expert_biases"]))
+        rows.append(("router (passed through)", ", ".join(stacked["router"]) or "none"))
     detection = report["detection"]
     rows.append(("format evidence", "; ".join(detection["evidence"]) or "-"))
     for disagreement in detection["disagreements"]:

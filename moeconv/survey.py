@@ -14,7 +14,10 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from math import prod
 from typing import Any
+
+import numpy as np
 
 from moeconv import act_order, engines
 from moeconv.backends.base import Backend, LinearLayout
@@ -26,7 +29,56 @@ from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat, format_from_config
 from moeconv.formats.base import check_header
 from moeconv.models import Architecture, architecture_from_config
-from moeconv.spec import FLOAT_DTYPES, TensorSpec
+from moeconv.packing import bf16_as_float32
+from moeconv.spec import DTYPE_SIZES, FLOAT_DTYPES, TensorSpec
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """One expert's linear inside a tensor that stacks the experts on disk (gpt-oss): rows `first::step` of the
+    `expert`-th block of `stored` along dim 0 (a contiguous 1/E of its bytes), as the architecture's naming scheme
+    declares them (models.StackedExperts), never inferred from the data. Its `name` says which rows it is
+    (`model.layers.0.mlp.experts.gate_up_proj_blocks[2, 0::2]`), so every report that lists sources shows the row
+    order read. Its `shape` is the linear's: the rows, and the trailing dimensions as one (blocks [E, 2I, H/32, 16]
+    give (I, H/2) bytes, compressed-tensors' weight_packed layout)."""
+
+    stored: TensorEntry
+    expert: int
+    first: int
+    step: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.stored.name}[{self.expert}, {self.first}::{self.step}]"
+
+    @property
+    def dtype(self) -> str:
+        return self.stored.dtype
+
+    @property
+    def file(self) -> Any:
+        return self.stored.file
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        rows, tail = self.stored.shape[1] // self.step, self.stored.shape[2:]
+        return (rows, prod(tail)) if tail else (rows,)
+
+    @property
+    def nbytes(self) -> int:
+        return DTYPE_SIZES[self.dtype] * prod(self.shape)
+
+    def read_raw(self, reader: TensorReader) -> np.ndarray:
+        """The linear's stored values (BF16 as its uint16 bit patterns), as `TensorReader.read_raw` gives a tensor."""
+        rows, tail = self.stored.shape[1], self.stored.shape[2:]
+        block = (rows, prod(tail)) if tail else (rows,)
+        expert_bytes = self.stored.nbytes // self.stored.shape[0]
+        values = reader.read_raw_slice(self.stored, self.expert * expert_bytes, block)
+        return np.ascontiguousarray(values[self.first::self.step])
+
+    def read_array(self, reader: TensorReader) -> np.ndarray:
+        values = self.read_raw(reader)
+        return bf16_as_float32(values) if self.dtype == "BF16" else values
 
 
 @dataclass(frozen=True)
@@ -80,16 +132,43 @@ def expert_tensors(checkpoint: Checkpoint, architecture: Architecture) -> Expert
         module = parsed.module if parsed is not None else architecture.experts_module(name)
         if module is None:
             continue
-        if parsed is None and entry.dtype not in FLOAT_DTYPES:
+        stacked = architecture.parse_stacked(name) if parsed is None else None
+        if stacked is not None:
+            _stacked_slices(checkpoint, architecture, entry, stacked, grouped[module])
+        elif parsed is None and entry.dtype not in FLOAT_DTYPES:
             raise MoeconvError(
                 f"{entry.file}: tensor {name} ({entry.dtype}{list(entry.shape)}) is under {module} but matches no "
-                f"{architecture.model_type} expert naming (experts.E.<projection>.<suffix>); fused 3-D quantized "
+                f"{architecture.model_type} expert naming ({_naming(architecture)}); fused 3-D quantized "
                 f"experts (as llm-compressor 0.12 writes `gate_up_proj_packed`) are not read yet; refusing rather "
                 f"than copying them unconverted (namings live in moeconv/models.py)")
         floats[module] = floats.get(module, True) and entry.dtype in FLOAT_DTYPES
         if parsed is not None:
             grouped[parsed.module][parsed.expert][parsed.projection][parsed.suffix] = entry
     return ExpertTensors(grouped, sorted((module for module, held in floats.items() if held), key=natural_key))
+
+
+def _naming(architecture: Architecture) -> str:
+    if architecture.stacked is not None:
+        return ", ".join(f"experts.{tensor}_<suffix>" for tensor in architecture.stacked.tensors) + ", stacked"
+    return "experts.E.<projection>.<suffix>"
+
+
+def _stacked_slices(checkpoint: Checkpoint, architecture: Architecture, entry: TensorEntry, name: Any,
+                    experts: dict[int, dict[str, dict[str, Any]]]) -> None:
+    """Each expert's linears in a stacked tensor (`name`: models.StackedName), by the rows the naming scheme
+    declares; a stacked tensor whose first dimension is not the config's expert count, or whose rows do not
+    split into its projections, is refused naming it (before any per-expert list is built)."""
+    where = str(checkpoint.root / "config.json")
+    count, _, _ = architecture.expected_sizes(checkpoint.config, where)
+    held = architecture.stacked.tensors[name.tensor]
+    if len(entry.shape) < 2 or entry.shape[0] != count or entry.shape[1] % len(held):
+        raise MoeconvError(f"{entry.file}: tensor {entry.name} is {entry.dtype}{list(entry.shape)}: {architecture.model_type} "
+                           f"stacks the {count} experts config.json names along dim 0, then the rows of "
+                           f"{' and '.join(held)}")
+    for expert in range(count):
+        for projection in held:
+            first, step = architecture.stacked.rows(name.tensor, projection)
+            experts[expert][projection][name.suffix] = ExpertSlice(entry, expert, first, step)
 
 
 def detect_format(checkpoint: Checkpoint, architecture: Architecture, experts: ExpertTensors | None = None,
@@ -211,19 +290,36 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
             symmetric=source_format.symmetric,
             scale_dtype=scheme.scale_dtype if scheme else next(iter(scale_dtypes)),
             activation_bits=source_format.activation_bits,
-            projection_names=architecture.engine_projection_names(tuple(
-                architecture.parse(next(iter(ordered[0][projection].values())).name).projection_name
-                for projection in PROJECTIONS)),
+            projection_names=_projection_names(architecture, ordered[0]),
             float_scheme=scheme,
+            expert_biases=any(suffix == "bias" for expert in ordered for linear in expert.values() for suffix in linear),
         )
         layers.append(MoELayer(module, shape, ordered))
+    if not layers and unquantized:
+        held = next(entry for name, entry in checkpoint.tensors.items()
+                    if architecture.experts_module(name) == unquantized[0])
+        raise MoeconvError(
+            f"{held.file}: tensor {held.name} is {held.dtype}{list(held.shape)}: the routed experts are held in float "
+            f"while config.json says quant_method {checkpoint.quantization_config.get('quant_method')!r}, so there is "
+            f"nothing quantized to convert (transformers saves gpt-oss this way after dequantizing MXFP4 on CPU; "
+            f"docs/FLOAT_SOURCES.md section 5)")
     if not layers:
         raise MoeconvError(
             f"{checkpoint.root}: no routed-expert tensors found with {architecture.model_type} naming "
-            f"(expected names like model.layers.0.{architecture.parents[0]}.experts.0."
-            f"{next(iter(architecture.projections))}.qweight)"
+            f"(expected names like model.layers.0.{architecture.parents[0]}.experts."
+            f"{f'{next(iter(architecture.stacked.tensors))}_blocks' if architecture.stacked else f'0.{next(iter(architecture.projections))}.qweight'})"
         )
     return layers, unquantized
+
+
+def _projection_names(architecture: Architecture, expert: dict[str, dict[str, Any]]) -> tuple[str, str, str]:
+    """gate, up, down as the source names them (per expert, or the stacked tensors that hold them), then as the
+    engine does (models.py)."""
+    if architecture.stacked is not None:
+        return tuple(next(tensor for tensor, held in architecture.stacked.tensors.items() if projection in held)
+                     for projection in PROJECTIONS)
+    return architecture.engine_projection_names(tuple(
+        architecture.parse(next(iter(expert[projection].values())).name).projection_name for projection in PROJECTIONS))
 
 
 def act_order_suspected(checkpoint: Checkpoint, source_format: SourceFormat, detection: Detection) -> bool:

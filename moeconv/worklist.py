@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class SourceSlice:
     """Where a job's input bytes are: a stored tensor. (The slice of a tensor that stacks experts on
-    disk would be one expert's block; no producer writes quantized experts that way today: llm-compressor
-    unfuses them before quantizing, tests/packers/make_llmc_fused.py.)"""
+    disk would be one expert's block: gpt-oss's MXFP4 experts are stacked, and survey.ExpertSlice reads them,
+    but no job takes a slice yet (the plan refuses them); llm-compressor unfuses fused experts before
+    quantizing, tests/packers/make_llmc_fused.py.)"""
 
     entry: TensorEntry
 

@@ -1,6 +1,6 @@
 """The checkpoint families of late 2026 beyond the classic per-expert names: ModelOpt's
 projection-before-index order, Qwen3.5's unquantized MTP experts, and the silent-failure classes
-made loud (a quantized tensor under an experts module that no naming claims; gpt-oss's MXFP4)."""
+made loud (a quantized tensor under an experts module that no naming claims; gpt-oss's per-expert names)."""
 
 from __future__ import annotations
 
@@ -125,13 +125,16 @@ def test_an_unclaimed_quantized_tensor_under_experts_is_refused(tmp_path, capsys
     assert not (tmp_path / "out").exists()
 
 
-def test_gpt_oss_is_refused_as_mxfp4(tmp_path, capsys):
+def test_gpt_oss_names_per_expert_tensors_are_refused_as_not_its_stacked_naming(tmp_path, capsys):
+    """gpt-oss stacks its experts (experts.gate_up_proj_blocks, tests/test_gpt_oss.py); per-expert integer tensors
+    under a gpt_oss config match no naming of it and are refused, never copied."""
     source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=64, intermediate=64))
     config = json.loads((source / "config.json").read_text())
     config["model_type"] = "gpt_oss"
     (source / "config.json").write_text(json.dumps(config))
     code, _, err = run_main(capsys, "inspect", source)
-    assert code == 2 and "MXFP4" in err and "not an integer-affine code" in err
+    assert code == 2 and "\n" not in err.strip() and "matches no gpt_oss expert naming (experts.gate_up_proj_<suffix>, " \
+        "experts.down_proj_<suffix>, stacked)" in err
 
 
 def _with_fp8(source, tensors):

@@ -34,7 +34,7 @@ ALL = (*CT, "modelopt-nvfp4")
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 # ModelOpt's table (qtensor/nvfp4_tensor.py e2m1_values) reads code 8 as +0.0; compressed-tensors' as -0.0
 E2M1_MODELOPT = np.where(np.arange(16) == 8, 0.0, E2M1)
-NUMPY_DTYPES = {"U8": np.uint8, "F8_E4M3": np.uint8, "BF16": np.uint16, "F32": np.float32}
+NUMPY_DTYPES = {"U8": np.uint8, "F8_E4M3": np.uint8, "BF16": np.uint16, "F32": np.float32, "F64": np.float64}
 
 
 def read_safetensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:

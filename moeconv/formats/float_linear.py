@@ -13,17 +13,18 @@ from moeconv.float_codes import FloatScheme, FloatWeight, global_refusal, scale_
 
 
 def float_weight(scheme: FloatScheme, packed: np.ndarray, scales: np.ndarray,
-                 scalars: Mapping[str, tuple[str, np.ndarray | None]]) -> FloatWeight:
-    """`packed` (N, K/2) code bytes and `scales` (N, K/block) scale bytes; `scalars`: FloatWeight field ->
-    (suffix, its stored array or None), the global scales of one element each."""
+                 scalars: Mapping[str, tuple[str, np.ndarray | None]], scale_suffix: str = "weight_scale") -> FloatWeight:
+    """`packed` (N, K/2) code bytes and `scales` (N, K/block) scale bytes (stored under `scale_suffix`, for
+    messages); `scalars`: FloatWeight field -> (suffix, its stored array or None), the global scales of one
+    element each."""
     codes = unpack_codes(packed)
     scales = np.ascontiguousarray(scales).view(np.uint8)
     if codes.shape[1] % scheme.block or scales.shape != (codes.shape[0], codes.shape[1] // scheme.block):
-        raise MoeconvError(f"weight_scale {list(scales.shape)} is not one scale per {scheme.block} of the "
+        raise MoeconvError(f"{scale_suffix} {list(scales.shape)} is not one scale per {scheme.block} of the "
                            f"{list(codes.shape)} codes")
     reason = scale_refusal(scales, scheme.scale_encoding)
     if reason:
-        raise MoeconvError(f"weight_scale {reason}")
+        raise MoeconvError(f"{scale_suffix} {reason}")
     found = {}
     for field, (suffix, stored) in scalars.items():
         if stored is None:
