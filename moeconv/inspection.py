@@ -52,7 +52,8 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
         "shards": [{"file": path.name, "bytes": path.stat().st_size} for path in checkpoint.files],
         "tp": tp,
         "backends": {name: _verdict(backend, layers, source_format, checkpoint.quantization_config,
-                                    found.architecture.model_type, attention_quantized(checkpoint, source_format))
+                                    found.architecture.model_type, attention_quantized(checkpoint, source_format),
+                                    checkpoint.config)
                      for name, backend in all_backends().items()},
         "auto": _auto(layers, source_format, checkpoint.quantization_config),
     }
@@ -81,7 +82,8 @@ def _stacked(checkpoint: Checkpoint, architecture, layers) -> dict[str, Any]:
             "router": [name for name in checkpoint.tensors if ".router." in name][:2]}
 
 
-def _verdict(backend, layers, source_format, source_config, model_type, attention_is_quantized) -> dict[str, Any]:
+def _verdict(backend, layers, source_format, source_config, model_type, attention_is_quantized,
+             model_config) -> dict[str, Any]:
     """Whether the backend takes the checkpoint (as it is, or after --regroup), with each layer's reason,
     and how each engine (vLLM, SGLang) would serve its output."""
     factor, reason = eligibility(backend, layers, allow_regroup=True)
@@ -90,7 +92,7 @@ def _verdict(backend, layers, source_format, source_config, model_type, attentio
     first = layers[0].shape
     shape = replace(first, group_size=first.group_size // factor)
     output = engines.output_of(backend.name, shape, source_format, converts_dense(backend, source_format, factor),
-                               source_config, model_type, attention_is_quantized)
+                               source_config, model_type, attention_is_quantized, model_config=model_config)
     return {
         "eligible": reason is None and factor == 1,
         "eligible_with_regroup": reason is None,

@@ -128,8 +128,8 @@ class LoadLedger:
         if not parts:
             return None
         return (f"{'; '.join(parts)}: the engine's loader dropped them without a word (a layer the source's "
-                f"quantization method does not know, or names this model does not have); convert with "
-                f"--backend compressed-tensors, or reconvert")
+                f"quantization method does not know, or names this model does not have); this output does not load "
+                f"in this engine as it is: `moeconv inspect` on the source says which output each engine serves")
 
 
 def _listed(names: list[str]) -> str:

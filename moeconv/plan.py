@@ -99,7 +99,8 @@ class Plan:
         answer("scale_cast", engines.VLLM.scale_cast(self.backend.name, first.scale_dtype, model_dtype))
         output = engines.output_of(self.backend.name, first, self.source_format, self.dense_layout is not None,
                                    self.checkpoint.quantization_config, self.architecture.model_type,
-                                   attention_quantized(self.checkpoint, self.source_format), model_dtype)
+                                   attention_quantized(self.checkpoint, self.source_format), model_dtype,
+                                   self.checkpoint.config)
         answer("serving", engines.VLLM.serving(output))
         answer("sglang_serving", engines.SGLANG.serving(output))
 

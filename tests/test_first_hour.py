@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 import threading
 
+import pytest
+
 from moeconv.formats import CompressedTensors
 from moeconv.synth import SynthSpec, make_checkpoint
 
@@ -537,3 +539,30 @@ def test_inspect_s_table_names_both_engines_for_each_backend(tmp_path, capsys):
         "eligible; served by stock vLLM 0.33; not with SGLang: SGLang 0.5.23 refuses the expert zero points of every "
         "asymmetric compressed-tensors checkpoint (sgl-project/sglang PR #39510); for SGLang use --backend triton "
         "(moeconv's SGLang plugin)"), rows
+
+
+@pytest.mark.parametrize("config_key", ["mlp_only_layers", "decoder_sparse_step"])
+def test_a_qwen_moe_with_dense_mlp_layers_is_not_said_to_be_served_by_sglang(tmp_path, capsys, config_key):
+    """SGLang 0.5.23 builds every layer of Qwen2/3-MoE as MoE, ignoring `mlp_only_layers` and `decoder_sparse_step`
+    (the fresh-clone run, docs/BENCHMARKS.md: the demo's triton output refused by the plugin with layer 0's dense
+    tensors taken by no parameter, its compressed-tensors output "loaded" with them unread): every backend's SGLang
+    line says so, in convert and in inspect; vLLM, which honours both keys, still serves it."""
+    from moeconv.formats import GPTQ
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(source_format=GPTQ(4, 32, sym=True), dense_layers=1))
+    if config_key == "decoder_sparse_step":  # the same model said the other way: every second layer dense
+        config = json.loads((source / "config.json").read_text())
+        config.update(mlp_only_layers=[], decoder_sparse_step=2)
+        (source / "config.json").write_text(json.dumps(config))
+    said = "mlp_only_layers [0]" if config_key == "mlp_only_layers" else "decoder_sparse_step 2"
+    refusal = (f"serve: not with SGLang as it is: SGLang 0.5.23 builds every layer of qwen3_moe as MoE, ignoring its "
+               f"dense MLP layers ({said}): their tensors would load into nothing, from the source as from any "
+               f"output; serve it with vLLM")
+    for backend in ("triton", "compressed-tensors", "humming"):
+        code, out, _ = run_main(capsys, "convert", source, "--backend", backend, "--dry-run")
+        assert code == 0 and out.splitlines()[-1] == refusal, (backend, out.splitlines()[-2:])
+        assert out.splitlines()[-2].startswith("serve: ") and "vLLM" in out.splitlines()[-2]
+    code, out, _ = run_main(capsys, "inspect", source, "--json")
+    backends = json.loads(out)["backends"]
+    assert all(verdict["sglang_serving"]["engine"] is None for verdict in backends.values())
+    assert backends["compressed-tensors"]["serving"]["engine"] == "stock vLLM 0.33"

@@ -113,8 +113,8 @@ def test_parameters_no_tensor_wrote_are_named_and_the_tensors_left_over_too():
     assert refusal == ("1 (layers.0.attn.q_a_proj.weight) of the output's tensors were taken by no parameter; "
                        "1 (layers.0.attn.fused_qa_kva) of the model's parameters were written by no tensor: the "
                        "engine's loader dropped them without a word (a layer the source's quantization method does "
-                       "not know, or names this model does not have); convert with --backend compressed-tensors, "
-                       "or reconvert")
+                       "not know, or names this model does not have); this output does not load in this engine as it "
+                       "is: `moeconv inspect` on the source says which output each engine serves")
 
 
 def test_a_concatenation_of_other_bytes_consumes_nothing():

@@ -61,14 +61,14 @@ FP8_BLOCK = 128
 EMBEDDING = "embed_tokens"
 
 
-# gpt-oss's experts carry a bias per linear. vLLM 0.33 loads a compressed-tensors MoE layer through methods that
+# gpt-oss's experts carry a bias per linear. vLLM (the release engines/ names) loads a compressed-tensors MoE layer through methods that
 # register no expert bias: CompressedTensorsW4A4Mxfp4MoEMethod.create_weights (compressed_tensors_moe/
 # compressed_tensors_moe_w4a4_mxfp4.py, what mxfp4-pack-quantized experts get) registers w13/w2 weight_packed and
 # weight_scale only, and GptOssModel._load_weights_other (models/gpt_oss.py) then has no `w13_bias` parameter to put
 # a bias into. vLLM serves the gpt-oss source itself through its own `mxfp4` method (quantization/mxfp4.py:
 # GptOssMxfp4Config, GptOssMxfp4MoEMethod registers w13_bias and w2_bias). docs/FLOAT_SOURCES.md section 5.
 EXPERT_BIASES_REFUSAL = (
-    "its experts carry biases (gpt-oss's gate_up_proj_bias, down_proj_bias) and vLLM 0.33's compressed-tensors "
+    "its experts carry biases (gpt-oss's gate_up_proj_bias, down_proj_bias) and vLLM's compressed-tensors "
     "MXFP4 MoE method registers none (CompressedTensorsW4A4Mxfp4MoEMethod.create_weights), so its GptOssForCausalLM "
     "would have no parameter to load them into; vLLM serves the gpt-oss checkpoint as it is with its own mxfp4 method "
     "(GptOssMxfp4MoEMethod, which takes w13_bias and w2_bias)")

@@ -26,10 +26,10 @@ _dense_refusal = vllm_0_33.dense_refusal
 
 def output_of(backend: str, layer: MoELayerShape, source_format: SourceFormat, dense_converted: bool,
               source_config: Mapping[str, Any] | None = None, model_type: str = "", attention_quantized: bool = False,
-              model_dtype: str | None = None) -> Output:
+              model_dtype: str | None = None, model_config: Mapping[str, Any] | None = None) -> Output:
     """The question every release is asked (Output's fields), with why its copied dense layers load nowhere."""
     output = Output(backend, layer, source_format, dense_converted, source_config, model_type, attention_quantized,
-                    model_dtype)
+                    model_dtype, model_config)
     return replace(output, dense_refusal=_dense_refusal(output))
 
 

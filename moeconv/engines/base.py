@@ -35,6 +35,7 @@ class Output:
     model_type: str = ""  # config.json's
     attention_quantized: bool = False  # some attention linear holds a scale of the source format
     model_dtype: str | None = None  # config.json's torch_dtype: what an engine may create scale parameters in
+    model_config: Mapping[str, Any] | None = None  # config.json: the model class's own keys a release may ignore
     # Why the dense layers the output copies load in no engine (engines.output_of fills it); None: they load.
     dense_refusal: str | None = None
 

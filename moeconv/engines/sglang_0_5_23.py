@@ -11,6 +11,7 @@ VERSION = "0.5.23"  # the one release whose MoeWNA16Method and loaders the plugi
 NAME = f"SGLang {VERSION}"
 SHOWN_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")  # loaded by SGLang's own classes here
 DEEPSEEK = ("deepseek_v2", "deepseek_v3", "kimi_k2")  # SGLang's DeepSeek loader (MLA attention)
+QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 PLUGIN = "triton (moeconv's SGLang plugin)"
 
 # The backends whose serve line keeps the stored scale dtype: vLLM's (measured there, not apart here). Its
@@ -24,10 +25,31 @@ def launch(layer: MoELayerShape, flags: str = "") -> str:
             + (f" --tp-size {layer.tp}" if layer.tp > 1 else ""))
 
 
+def dense_mlp_layers(output: Output) -> str | None:
+    """The dense MLP layers a Qwen2/3-MoE config declares among its MoE layers (`mlp_only_layers`, or a
+    `decoder_sparse_step` above 1), which this release's Qwen2MoeForCausalLM and Qwen3MoeForCausalLM ignore:
+    they build every layer as MoE, so a dense layer's tensors are taken by no parameter (the fresh-clone run,
+    docs/BENCHMARKS.md; vLLM 0.33 honours both keys). None where the config declares none."""
+    config = output.model_config or {}
+    if output.model_type not in QWEN_MOE:
+        return None
+    only, step = config.get("mlp_only_layers"), config.get("decoder_sparse_step")
+    if isinstance(only, list) and only:
+        return f"mlp_only_layers {only[:4]}{' ...' if len(only) > 4 else ''}"
+    if isinstance(step, int) and not isinstance(step, bool) and step > 1:
+        return f"decoder_sparse_step {step}"
+    return None
+
+
 def answer(output: Output) -> Serving:
     """Which path serves the backend's output of this source, and how; engine None: why not, and the backend
     that SGLang does serve for it. Families its loader was not run on here get the command with that said."""
     layer, backend = output.layer, output.backend
+    dense = dense_mlp_layers(output)
+    if dense:
+        return Serving(None, f"{NAME} builds every layer of {output.model_type} as MoE, ignoring its dense MLP layers "
+                             f"({dense}): their tensors would load into nothing, from the source as from any output; "
+                             f"serve it with vLLM")
     mixtral, deepseek = output.model_type == "mixtral", output.model_type in DEEPSEEK
     int8 = layer.activation_bits == 8
     if backend == "cpu":
