@@ -59,10 +59,10 @@ class Fp4Experts(NamedTuple):
 def choose_fp4_config(n: int, block: int, block_m: int, device: torch.device) -> GemmConfig:
     """Tiles: ``block_k`` is the scale block (16 or 32: one scale a column a tile); ``block_n`` 64 on a GPU (a
     reference kernel: not tuned, unlike fused_moe.choose_config), and under the interpreter one column block
-    of up to 256 with one warp (fewest programs: tests take seconds)."""
+    of up to 256 (a power of two, as `tl.arange` needs) with one warp (fewest programs: tests take seconds)."""
     if device.type != "cuda":
-        return GemmConfig(block_m=block_m, block_n=min(256, -(-n // 16) * 16), block_k=block, num_warps=1,
-                          num_stages=1)
+        return GemmConfig(block_m=block_m, block_n=min(256, max(16, triton.next_power_of_2(n))), block_k=block,
+                          num_warps=1, num_stages=1)
     return GemmConfig(block_m=block_m, block_n=64, block_k=block, num_warps=4, num_stages=3)
 
 
