@@ -95,6 +95,19 @@ def test_numerics_runs_the_fp4_kernel_on_every_layer_counting_experts_and_blocks
         in " ".join(stdout.split())
 
 
+def test_numerics_reads_gate_and_up_with_their_own_global_scales(tmp_path):
+    """llm-compressor gives gate and up one global scale (so do the fixtures); another model, with every up_proj's
+    doubled, still passes: the kernel divides each half of w13 by its own linear's weight_global_scale."""
+    folder = tmp_path / "split"
+    shutil.copytree(DATA / "ct-nvfp4a16", folder)
+    ups = [name for name in open_checkpoint(folder).tensors if name.endswith("up_proj.weight_global_scale")]
+    for name in ups:
+        overwrite(folder, name, stored(folder, name, np.float32) * 2)
+    report = verify(convert(folder, tmp_path / "out", backend="auto", workers=1).output, level="numerics")
+    assert len(ups) == 8 and report.ok, report.failures()
+    assert all(layer.relative_error < 1e-3 for layer in report.layers)
+
+
 def overwrite(folder: Path, name: str, values: np.ndarray) -> Path:
     """The stored bytes of tensor `name` replaced (same size); the file changed."""
     entry = open_checkpoint(folder).tensors[name]
