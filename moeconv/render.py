@@ -189,7 +189,8 @@ def print_verify(report) -> None:
         table.add_column(header, no_wrap=True)
     shown = shown_layers(report.layers)
     for layer in shown:
-        errors = ["-" if layer.experts_routed is None else f"{layer.experts_routed}/{layer.experts}",
+        errors = ["-" if layer.experts_routed is None else f"{layer.experts_routed}/{layer.experts}"
+                  + ("" if layer.blocks_checked is None else f", {layer.blocks_checked} blocks"),
                   "-" if layer.relative_error is None else f"{layer.relative_error:.1e}",
                   "-" if layer.max_abs_error is None else f"{layer.max_abs_error:.1e}"]
         sampled = f" of {layer.experts}" if layer.experts_checked < layer.experts else ""
@@ -202,7 +203,9 @@ def print_verify(report) -> None:
         table.caption = escape(f"rel err = ||out - ref|| / ||ref||, against a float64 reference of the source, is what "
                                f"is checked (<= {report.tolerance:g}); max abs is the largest single difference, for "
                                f"scale: the reference's outputs reach |ref| = {scale:.2g}; routed: the experts the "
-                               f"random tokens reached (each checked expert gets one at least)")
+                               f"random tokens reached (each checked expert gets one at least)"
+                               + ("; blocks: the FP4 scale blocks of theirs the kernel decoded"
+                                  if any(layer.blocks_checked for layer in report.layers) else ""))
     if len(shown) < len(report.layers):
         table.add_row(f"... {len(report.layers) - len(shown)} more MoE layers, every one ok (--json lists each)",
                       *[""] * len(headers))
@@ -242,11 +245,14 @@ def verdict(report) -> str:
         experts = sum(layer.experts_checked for layer in report.layers)
         checked.append(f"{experts} expert(s) in {len(report.layers)} MoE layer(s) bit-exact against the source")
     kernels = sum(layer.relative_error is not None for layer in report.layers)
+    blocks = sum(layer.blocks_checked or 0 for layer in report.layers if layer.relative_error is not None)
+    decoded = (f" ({sum(layer.experts_routed or 0 for layer in report.layers if layer.relative_error is not None)} "
+               f"expert(s), {blocks} FP4 block(s) decoded in the kernel)" if blocks else "")
     if kernels and report.kernel_sample:
         checked.append(f"kernel within {report.tolerance:g} on a sample of {kernels} of {len(report.layers)} layers "
-                       f"({', '.join(report.kernel_sample)}; --level numerics for all)")
+                       f"({', '.join(report.kernel_sample)}; --level numerics for all){decoded}")
     elif kernels:
-        checked.append(f"kernel within {report.tolerance:g} on {kernels} layer(s)")
+        checked.append(f"kernel within {report.tolerance:g} on {kernels} layer(s){decoded}")
     anchor = report.source_anchor
     where = (f"source anchored to {anchor['repo']}@{anchor['revision']}" if anchor and report.published_files_checked
              else f"source recorded as {anchor['repo']}@{anchor['revision']}, not checked at this level" if anchor

@@ -78,9 +78,34 @@ def test_a_compressed_tensors_float_source_comes_out_byte_for_byte_and_verifies(
     assert report.dense_linears_checked == (0 if name == "ct-mxfp4-fp8block" else 8)  # FP8 attention is copied
 
 
-def test_numerics_says_it_ran_no_kernel_on_float_codes(outputs):
-    report = verify(outputs["ct-mxfp4a16"])
-    assert report.ok and "numerics not run: no reference kernel reads mxfp4 codes yet" in " ".join(report.caveats())
+@pytest.mark.parametrize("name", CT)
+def test_numerics_runs_the_fp4_kernel_on_every_layer_counting_experts_and_blocks(outputs, name, capsys):
+    """The FP4 kernel (kernels/fp4_moe.py) on the output's codes and scale bytes against the float64 decoding of
+    the source's: every expert routed, every scale block of theirs decoded (3 · H · I / block each)."""
+    report = verify(outputs[name], level="numerics")
+    assert report.ok, report.failures()
+    assert report.numerics_not_run is None and "numerics" in report.proven
+    block = 32 if "mxfp4" in name else 16
+    for layer in report.layers:
+        assert layer.experts_routed == 4 and layer.blocks_checked == 4 * 3 * 64 * 32 // block
+        assert layer.relative_error < 1e-3 < layer.tolerance  # fp16 activations: measured 3.7e-4 to 4.3e-4
+    code, stdout, _ = run_main(capsys, "verify", outputs[name], "--level", "numerics")
+    assert code == 0 and f"4/4, {4 * 3 * 64 * 32 // block} blocks" in stdout
+    assert f"kernel within 0.01 on 2 layer(s) (8 expert(s), {2 * 4 * 3 * 64 * 32 // block} FP4 block(s) decoded" \
+        in " ".join(stdout.split())
+
+
+def test_numerics_reads_gate_and_up_with_their_own_global_scales(tmp_path):
+    """llm-compressor gives gate and up one global scale (so do the fixtures); another model, with every up_proj's
+    doubled, still passes: the kernel divides each half of w13 by its own linear's weight_global_scale."""
+    folder = tmp_path / "split"
+    shutil.copytree(DATA / "ct-nvfp4a16", folder)
+    ups = [name for name in open_checkpoint(folder).tensors if name.endswith("up_proj.weight_global_scale")]
+    for name in ups:
+        overwrite(folder, name, stored(folder, name, np.float32) * 2)
+    report = verify(convert(folder, tmp_path / "out", backend="auto", workers=1).output, level="numerics")
+    assert len(ups) == 8 and report.ok, report.failures()
+    assert all(layer.relative_error < 1e-3 for layer in report.layers)
 
 
 def overwrite(folder: Path, name: str, values: np.ndarray) -> Path:
@@ -150,9 +175,11 @@ def test_a_modelopt_source_with_exact_reciprocals_converts_and_decodes_to_the_sa
         scales = np.repeat(e4m3fn(np.frombuffer(source[f"{prefix}.weight_scale"][2], np.uint8).reshape(
             source[f"{prefix}.weight_scale"][1])), 16, axis=1)
         assert np.array_equal(E2M1[codes] * scales / float(g), E2M1_MODELOPT[codes] * scales * float(s2)), prefix
-    report = verify(output, level="lossless")
+    # numerics: the kernel divides by the output's g, the reference multiplies by the source's s2
+    report = verify(output, level="numerics")
     assert report.ok, report.failures()
     assert report.dense_linears_checked == 8 and sum(layer.experts_exact for layer in report.layers) == 8
+    assert all(layer.relative_error < 1e-3 and layer.blocks_checked == 4 * 3 * 64 * 32 // 16 for layer in report.layers)
 
 
 @pytest.fixture
@@ -184,6 +211,29 @@ def test_verify_fails_a_flipped_code_scale_or_global_scale_byte(damaged, suffix,
     layer = next(layer for layer in report.layers if layer.module == "model.layers.1.mlp.experts")
     assert layer.experts_exact == 3 and any(failure.startswith(f"expert 2 {said}") for failure in
                                             layer.lossless_failures), layer.lossless_failures
+
+
+@pytest.mark.parametrize("suffix", ["weight_packed", "weight_global_scale"])
+def test_numerics_fails_codes_read_in_the_wrong_nibble_order_or_a_global_scale_in_the_other_convention(damaged,
+                                                                                                       suffix):
+    """The kernel reads the output, the reference the source: every up_proj of layer 1 with its nibbles swapped
+    (what a writer with the wrong order writes), or with 1 / g stored for g (a ModelOpt weight_scale_2 copied
+    without its reciprocal), fails numerics too, beside the lossless failure."""
+    changed = set()
+    for expert in range(4):
+        name = EXPERT.format(expert, suffix)
+        values = stored(damaged, name, np.uint8 if suffix == "weight_packed" else np.float32)
+        changed.add(overwrite(damaged, name, (values >> 4) | (values << 4) if suffix == "weight_packed"
+                              else (1 / values).astype(np.float32)))
+    reseal(damaged, *changed)
+    report = verify(damaged, level="numerics")
+    layer = next(layer for layer in report.layers if layer.module == "model.layers.1.mlp.experts")
+    assert not report.ok and layer.experts_exact == 0 and report.layers[0].ok
+    if suffix == "weight_packed":
+        assert layer.relative_error > 100 * layer.tolerance  # measured 1.4: the output says nothing of the source's
+    else:  # up's outputs 1 / g² ≈ 4e9 times too large: past fp16, the activations' dtype
+        assert "model.layers.1.mlp.experts: numerics: the kernel's output is NaN or infinite (the reference's is " \
+               "finite)" in report.failures()
 
 
 def test_verify_fails_swapped_experts(damaged):

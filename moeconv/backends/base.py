@@ -53,10 +53,17 @@ class ExpertWeights(NamedTuple):
 class Numerics(NamedTuple):
     """How `verify` checks a backend's numerics: the reference kernel that computes the fused MoE (a key
     of moeconv.kernels.runners.LAYER_KERNELS), reading the backend's own tensors, or (`layout`) those of
-    the named backend the output is re-encoded into through the canonical form."""
+    the named backend the output is re-encoded into through the canonical form; for float-coded layers
+    (`MoELayerShape.float_scheme`), `float_kernel`, which always reads the backend's own tensors (None: no
+    reference kernel reads this layout's float codes)."""
 
     kernel: str
     layout: str | None = None
+    float_kernel: str | None = None
+
+    def kernel_for(self, layer: MoELayerShape) -> str | None:
+        """The kernel that checks `layer`: `float_kernel` for float codes, else `kernel`."""
+        return self.float_kernel if layer.float_scheme is not None else self.kernel
 
 
 class LinearLayout(Protocol):

@@ -35,7 +35,7 @@ from moeconv import packing
 from moeconv.float_codes import DIVIDE, MXFP4, FloatScheme, FloatWeight, unpack_codes
 from moeconv.formats.compressed_tensors_float import float_arrays
 from moeconv.spec import TensorSpec
-from moeconv.backends.base import with_fused_names
+from moeconv.backends.base import Numerics, with_fused_names
 from moeconv.backends.per_linear import (PerLinearBackend, from_packed_words, packed_words, per_rank_refusal,
                                          projection_shapes)
 from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
@@ -84,6 +84,9 @@ class CompressedTensorsBackend(PerLinearBackend):
     name = "compressed-tensors"
     layout_version = 1
     float_global_convention = DIVIDE
+    # integer codes: the triton layout's kernel on the output re-encoded (per_linear); float codes: the FP4
+    # kernel on the output's own bytes (kernels/fp4_moe.py)
+    numerics = Numerics("triton", layout="triton", float_kernel="triton-fp4")
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.expert_biases:

@@ -1,6 +1,6 @@
 """The reference kernels `verify` runs on a converted layer, by name: each reads one layout's tensors
 (keyed by suffix, restricted to the experts the routing uses, dim 0 renumbered from 0) and computes
-the fused MoE. A backend names the one that reads its layout (`Backend.numerics`).
+the fused MoE. A backend names the one that reads its layout (`Backend.numerics`; `kernel_of` for a layer).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from moeconv.canonical import MoELayerShape
 
 if TYPE_CHECKING:  # the kernels import torch when they run; verify's lossless level reads only the tolerances
     import torch
+
+    from moeconv.backends.base import Numerics
 
 # Relative error ‖out − ref‖ / ‖ref‖ allowed for the kernel with fp16 activations against the
 # float64 reference of the source. The kernel rounds activations, the fused gate/up output and
@@ -61,6 +63,33 @@ def _run_triton(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch
     ).cpu()
 
 
+def _run_triton_fp4(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The FP4 kernel (kernels/fp4_moe.py) on the compressed-tensors float layout: each projection's
+    `weight_packed` and `weight_scale` bytes, gate and up stacked into w13 as vLLM stacks them, each linear's
+    `weight_global_scale` one segment of its GEMM's global scale (NVFP4), divided by."""
+    import torch
+
+    from moeconv.kernels.fp4_moe import Fp4Experts, fp4_fused_moe
+
+    from moeconv.backends.compressed_tensors import GLOBAL_SCALE, CompressedTensorsBackend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    scheme = shape.float_scheme.in_convention(CompressedTensorsBackend.float_global_convention)
+
+    def experts(*names: str) -> Fp4Experts:
+        def cat(suffix: str) -> torch.Tensor:
+            return torch.cat([tensors[f"{name}.{suffix}"].to(device) for name in names], dim=1)
+
+        globals_ = (None if scheme.global_convention is None else
+                    torch.cat([tensors[f"{name}.{GLOBAL_SCALE}"].reshape(-1, 1).to(device) for name in names], dim=1))
+        return Fp4Experts(cat("weight_packed"), cat("weight_scale"), globals_)
+
+    gate, up, down = shape.projection_names
+    return fp4_fused_moe(x.to(device), experts(gate, up), experts(down), topk_weights.to(device),
+                         topk_ids.to(device), scheme=scheme).cpu()
+
+
 def _run_cpu(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch.Tensor,
              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """The x86 kernels' semantics (W4A8 or W8A8: activations rounded to uint8 per row), read from the
@@ -80,8 +109,24 @@ def _triton_tolerance(shape: MoELayerShape) -> float:
     return W8A8_NUMERICS_TOLERANCE if shape.activation_bits == 8 else NUMERICS_TOLERANCE
 
 
+def kernel_of(numerics: Numerics, layer: MoELayerShape) -> LayerKernel | None:
+    """The kernel that checks `layer` of a backend with these `numerics`; None where none reads its codes."""
+    name = numerics.kernel_for(layer)
+    return None if name is None else LAYER_KERNELS[name]
+
+
+def layer_tolerance(numerics: Numerics, layer: MoELayerShape) -> float:
+    """The relative error the kernel checking `layer` allows (NUMERICS_TOLERANCE where none runs)."""
+    kernel = kernel_of(numerics, layer)
+    return NUMERICS_TOLERANCE if kernel is None else kernel.tolerance(layer)
+
+
 LAYER_KERNELS: dict[str, LayerKernel] = {
     "triton": LayerKernel(_run_triton, _triton_device, _triton_tolerance),
+    # W4A16 arithmetic (the activations of an NVFP4 W4A4 checkpoint are not quantized: the check is of the
+    # weights' bytes), so the W4A16 bound holds: measured 2.3e-4 to 5e-4 with fp16 activations on random layers
+    # (tests/test_fp4_kernel.py), 3.7e-4 to 4.3e-4 on the producers' fixtures (tests/test_float_conversion.py)
+    "triton-fp4": LayerKernel(_run_triton_fp4, _triton_device, lambda shape: NUMERICS_TOLERANCE),
     "cpu": LayerKernel(_run_cpu, lambda: "cpu (torch model of the x86 W4A8 / W8A8 kernels)",
                        lambda shape: W8A8_NUMERICS_TOLERANCE),
 }

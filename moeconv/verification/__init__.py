@@ -13,7 +13,9 @@ threat model in docs/FORMAT.md).
    pass-through tensors are byte-identical to the source.
 3. numerics: the reference kernel the backend names (moeconv.kernels.runners) runs on the converted
    tensors for random tokens, routed so that every checked expert gets one; the reference dequantizes
-   the source independently and computes in float64.
+   the source independently and computes in float64 (float codes: the FP4 kernel decodes the output's
+   codes and scale bytes in-kernel, the reference the source's through a table; the layer counts the
+   scale blocks decoded).
 
 The package, one question a module: `prepare` (the manifest, both checkpoints, the plan), `structure`,
 `lossless` and `numerics` (each level's checks, in order), `decoding` (every call into the codecs and

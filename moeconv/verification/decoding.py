@@ -98,9 +98,9 @@ def source_weights(plan: Plan, job: ExpertJob, reader: TensorReader) -> dict[str
 def kernel_tensors(plan: Plan, jobs: list[ExpertJob], tensors: dict[str, TensorEntry],
                    reader: TensorReader) -> dict[str, torch.Tensor]:
     """The layout the backend's reference kernel reads, for the experts of `jobs` stacked along dim 0:
-    the output's own bytes, or (Numerics.layout) those re-encoded into another backend's layout
-    through the canonical form."""
-    layout = plan.backend.numerics.layout
+    the output's own bytes, or (Numerics.layout, integer codes only) those re-encoded into another backend's
+    layout through the canonical form."""
+    layout = plan.backend.numerics.layout if jobs[0].shape.float_scheme is None else None
     blocks = [_output_blocks(job, tensors, reader) for job in jobs]
     if layout is not None:
         target = get_backend(layout)

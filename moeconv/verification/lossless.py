@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from moeconv import provenance
 from moeconv.audit import Audits
 from moeconv.checkpoint.reader import TensorEntry, TensorReader, same_bytes
-from moeconv.kernels.runners import LAYER_KERNELS
+from moeconv.kernels.runners import layer_tolerance
 from moeconv.plan import Plan
 from moeconv.verification import decoding
 from moeconv.verification.report import LayerResult, VerifyReport
@@ -110,9 +110,8 @@ def _check_jobs(report: VerifyReport, running: Any, plan: Plan, checks: Checks, 
     # Every layer's experts in one stream of tasks, so the workers never wait for a layer's last expert
     # before the next layer starts; a layer's seconds run from its first task's hand-over (the previous
     # layer's last result) to its last result.
-    kernel = LAYER_KERNELS[plan.backend.numerics.kernel]
-    report.layers = [LayerResult(layer.module, experts=layer.shape.experts, tolerance=kernel.tolerance(layer.shape))
-                     for layer in plan.layers]
+    report.layers = [LayerResult(layer.module, experts=layer.shape.experts,
+                                 tolerance=layer_tolerance(plan.backend.numerics, layer.shape)) for layer in plan.layers]
     indices = [(index, e) for index, experts in enumerate(checks.experts) for e in experts]
     jobs = [checks.layer_jobs[index][e] for index, e in indices]
     started = time.perf_counter()

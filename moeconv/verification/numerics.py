@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from moeconv.checkpoint.reader import TensorEntry, TensorReader
-from moeconv.kernels.runners import LAYER_KERNELS
+from moeconv.float_codes import FloatWeight
+from moeconv.kernels.runners import LayerKernel, kernel_of
 from moeconv.plan import Plan
 from moeconv.survey import MoELayer
 from moeconv.verification import decoding
@@ -23,6 +24,8 @@ from moeconv.worklist import ExpertJob
 
 if TYPE_CHECKING:  # imported by the checks that run the kernel; a lossless verify never does
     import torch
+
+    from moeconv.canonical import QuantizedWeight
 
 
 # verify's default on a CPU, where the Triton interpreter takes seconds a layer: the kernel on this many MoE
@@ -46,14 +49,17 @@ def kernel_layers(count: int, level: str | None, numerics_layers: int | None,
 def run(report: VerifyReport, plan: Plan, checks: Checks, tensors: dict[str, TensorEntry], reader: TensorReader,
         scheduler: Scheduler, asked: str | None, numerics_layers: int | None, tokens: int,
         generator: torch.Generator | None) -> None:
-    """The kernel check of the layers `kernel_layers` picks, in its own phase, into `report.layers`; none for
-    float codes, which no reference kernel reads yet (said in the report)."""
-    if plan.source_format.float_scheme is not None:
-        if asked in (None, "numerics"):
-            report.numerics_not_run = (f"no reference kernel reads {plan.source_format.float_scheme.name} codes yet "
-                                       f"(the lossless level compared every code and scale byte)")
+    """The kernel check of the layers `kernel_layers` picks, in its own phase, into `report.layers`; none where
+    no reference kernel reads the layout's codes (float codes in a layout without a `Numerics.float_kernel`:
+    said in the report)."""
+    kernel = kernel_of(plan.backend.numerics, plan.layers[0].shape) if plan.layers else None
+    if kernel is None:
+        scheme = plan.source_format.float_scheme
+        if plan.layers and asked in (None, "numerics"):
+            report.numerics_not_run = (f"no reference kernel reads {scheme.name if scheme else 'the'} codes in the "
+                                       f"{plan.backend.name} layout (the lossless level compared every code and "
+                                       f"scale byte)")
         return
-    kernel = LAYER_KERNELS[plan.backend.numerics.kernel]
     indices, sampled = kernel_layers(len(report.layers), asked, numerics_layers,
                                      lambda: kernel.device().startswith("cpu"))
     report.kernel_sample = [report.layers[index].module for index in indices] if sampled else []
@@ -63,22 +69,24 @@ def run(report: VerifyReport, plan: Plan, checks: Checks, tensors: dict[str, Ten
     for index in indices:
         result, started = report.layers[index], time.perf_counter()
         try:
-            check_numerics(plan, plan.layers[index], checks.layer_jobs[index], checks.experts[index], tensors, reader,
-                           tokens, generator, result)
+            check_numerics(plan, kernel, plan.layers[index], checks.layer_jobs[index], checks.experts[index], tensors,
+                           reader, tokens, generator, result)
         except ValueError as error:  # the serving kernel's own reading of the bytes fails
             result.numerics_failure = str(error)
         result.seconds += time.perf_counter() - started
         scheduler.advance(1)
 
 
-def check_numerics(plan: Plan, layer: MoELayer, jobs: list[ExpertJob], experts: list[int],
-                    tensors: dict[str, TensorEntry], reader: TensorReader, tokens: int, generator: torch.Generator,
-                    result: LayerResult) -> None:
-    """The backend's kernel on the converted tensors against a float64 reference that dequantizes
-    the SOURCE through the source format's decoder, for random tokens routed so that each of `experts`
-    (the layer's checked ones) gets one at least: into `result`, how many experts the tokens reached and
-    the errors (relative, max abs, max abs of the reference), or why they say nothing (the source's
-    weights or the kernel's output not finite). Only the experts the routing picks are read."""
+def check_numerics(plan: Plan, kernel: LayerKernel, layer: MoELayer, jobs: list[ExpertJob], experts: list[int],
+                   tensors: dict[str, TensorEntry], reader: TensorReader, tokens: int, generator: torch.Generator,
+                   result: LayerResult) -> None:
+    """The backend's `kernel` on the converted tensors against a float64 reference that dequantizes
+    the SOURCE through the source format's decoder (float codes: float_codes.FloatWeight.dequantize, a lookup
+    table of the E2M1 values times the exact scale values, never the kernel's bit decoding), for random tokens
+    routed so that each of `experts` (the layer's checked ones) gets one at least: into `result`, how many
+    experts the tokens reached (and, for float codes, how many scale blocks of theirs the kernel read) and the
+    errors (relative, max abs, max abs of the reference), or why they say nothing (the source's weights or the
+    kernel's output not finite). Only the experts the routing picks are read."""
     import torch
 
     from moeconv.kernels.reference import covering_routing, reference_fused_moe, relative_error
@@ -91,6 +99,8 @@ def check_numerics(plan: Plan, layer: MoELayer, jobs: list[ExpertJob], experts: 
     weights, ids = covering_routing(tokens, shape.experts, topk, generator, experts)
     used = sorted(set(ids.flatten().tolist()))
     result.experts_routed = len(used)
+    if shape.float_scheme is not None:  # gate and up (I x H) and down (H x I), one scale a block
+        result.blocks_checked = len(used) * 3 * shape.hidden * shape.intermediate // shape.float_scheme.block
     local_ids = torch.tensor([used.index(e) for e in ids.flatten().tolist()]).reshape(ids.shape)
     x = torch.randn(len(ids), shape.hidden, generator=generator).to(torch.float16)
     nonfinite: list[str] = []
@@ -99,7 +109,7 @@ def check_numerics(plan: Plan, layer: MoELayer, jobs: list[ExpertJob], experts: 
     def dequantized(index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One routed expert of the source in float64 (never the whole layer at once: 16 times a 4-bit layer)."""
         source = decoding.source_weights(plan, jobs[used[index]], reader)
-        dense = {key: torch.from_numpy(source[key].dequantize(np.float64)) for key in ("gate", "up", "down")}
+        dense = {key: torch.from_numpy(_float64(source[key])) for key in ("gate", "up", "down")}
         nonfinite.extend(f"expert {used[index]} {key}" for key, weight in dense.items()
                          if not bool(weight.isfinite().all()))
         return torch.cat([dense["gate"], dense["up"]]), dense["down"]
@@ -113,12 +123,17 @@ def check_numerics(plan: Plan, layer: MoELayer, jobs: list[ExpertJob], experts: 
     slices = decoding.kernel_tensors(plan, [jobs[e] for e in used], tensors, reader)
     with warnings.catch_warnings():  # the Triton interpreter's numpy warns of NaN or overflow: the check below says it
         warnings.simplefilter("ignore", RuntimeWarning)
-        out = LAYER_KERNELS[plan.backend.numerics.kernel].run(slices, shape, x, weights, local_ids).double()
+        out = kernel.run(slices, shape, x, weights, local_ids).double()
     if not bool(out.isfinite().all()):
         result.numerics_failure = "the kernel's output is NaN or infinite (the reference's is finite)"
         return
     result.relative_error = float(relative_error(out, ref))
     result.max_abs_error, result.max_abs_reference = float((out - ref).abs().max()), float(ref.abs().max())
+
+
+def _float64(weight: QuantizedWeight | FloatWeight) -> np.ndarray:
+    """One source weight, dense, in float64."""
+    return weight.dequantize() if isinstance(weight, FloatWeight) else weight.dequantize(np.float64)
 
 
 class _Indexed:

@@ -14,7 +14,7 @@ from moeconv.checkpoint import manifest as manifests
 from moeconv.checkpoint.manifest import MANIFEST_NAME, Manifest
 from moeconv.checkpoint.reader import Checkpoint, open_checkpoint, read_json
 from moeconv.errors import MoeconvError
-from moeconv.kernels.runners import LAYER_KERNELS
+from moeconv.kernels.runners import layer_tolerance
 from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
 from moeconv.source import ResolvedSource, is_hub_id, resolve_source
 from moeconv.verification.report import VerifyReport
@@ -81,9 +81,9 @@ def plan_of(opened: Opened) -> Plan:
 
 def report_of(opened: Opened, plan: Plan, level: str, phase_seconds: dict[str, float]) -> VerifyReport:
     """The report before any check: what the output is for, the tolerance, where the source came from."""
-    kernel, anchor = LAYER_KERNELS[plan.backend.numerics.kernel], opened.anchor
+    anchor = opened.anchor
     return VerifyReport(str(opened.output), str(opened.checkpoint.root), targets=opened.manifest.targets, level=level,
-                        tolerance=max(kernel.tolerance(layer.shape) for layer in plan.layers),
+                        tolerance=max(layer_tolerance(plan.backend.numerics, layer.shape) for layer in plan.layers),
                         source_anchor={} if anchor is None else {"repo": anchor.repo, "revision": anchor.revision},
                         provenance=provenance.describe(anchor, 0, []),
                         decided_by_user=list(plan.detection.decided_by_user) if plan.detection else [],

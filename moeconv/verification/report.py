@@ -20,6 +20,7 @@ class LayerResult:
     experts_checked: int = 0
     experts_exact: int = 0
     experts_routed: int | None = None  # the experts the kernel check's tokens reached (numerics)
+    blocks_checked: int | None = None  # float codes: the scale blocks of those experts the kernel decoded (numerics)
     lossless_failures: list[str] = field(default_factory=list)
     numerics_failure: str | None = None  # the kernel cannot read the tensors (it would misread them)
     relative_error: float | None = None
