@@ -10,8 +10,11 @@ loader where a parameter has none) and the weights iterator the model is handed.
 counts as consumed when a weight loader is handed it, or a view of it (same storage), or a concatenation
 of it with other tensors of the same module (SGLang's DeepSeek loader hands its fused_qkv_a_proj_with_mqa
 parameter `torch.cat` of q_a_proj and kv_a_proj_with_mqa); a parameter counts as written when its weight
-loader ran. `refusal` names what is left, first few and count, in one line. Only the tensors not consumed
-yet are held (so their storage keeps naming them); each is released when a loader takes it.
+loader ran, and, for a fused linear's parameter (q/k/v in one, gate/up in one, DeepSeek's q_a/kv_a), when its
+loader was handed every shard (`fused_shards`): a checkpoint missing one shard's tensor otherwise leaves that
+part of the parameter as allocated while the others write it. `refusal` names what is left, first few and
+count, in one line. Only the tensors not consumed yet are held (so their storage keeps naming them); each is
+released when a loader takes it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,23 @@ SHOWN = 3  # names a refusal lists before its count
 # names (`self_attn.attn.k_scale`; MLA's `mla_attn`, `attn_mqa`), linears' are weight_scale / input_scale.
 KV_CACHE_SCALES = (*(f".{which}_{kind}" for which in "qkv" for kind in ("scale", "zero_point")), ".prob_scale")
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def fused_shards(module: torch.nn.Module) -> frozenset | None:
+    """The shard ids a fused linear's weight loader must be handed for each of its parameters to be whole, as
+    both engines name them (SGLang's linear layers are vLLM's, by class and argument): a QKVParallelLinear's
+    "q", "k", "v"; a MergedColumnParallelLinear's 0 .. n - 1, one per output size. None for any other module,
+    or a variant whose shards this does not know (its parameters are then held to being written at all).
+    Duck-typed on the class names and `output_sizes`: no engine is imported here."""
+    sizes = getattr(module, "output_sizes", None)
+    if not isinstance(sizes, (list, tuple)):
+        return None
+    classes = {cls.__name__ for cls in type(module).__mro__}
+    if "QKVParallelLinear" in classes:
+        return frozenset("qkv") if len(sizes) == 3 else None
+    if "MergedColumnParallelLinear" in classes:
+        return frozenset(range(len(sizes)))
+    return None
 
 
 def skipped_by_design(hidden_layers: int, tied_embeddings: bool) -> Callable[[str], bool]:
@@ -53,12 +73,14 @@ class LoadLedger:
                  set_loader: Callable[[torch.nn.Parameter, Callable], None], *,
                  optional_parameters: tuple[str, ...] = (),
                  skipped: Callable[[str], bool] = lambda name: False,
-                 also_writes: dict[int, list[torch.nn.Parameter]] | None = None):
+                 also_writes: dict[int, list[torch.nn.Parameter]] | None = None,
+                 shards_of: Callable[[torch.nn.Module], frozenset | None] = fused_shards):
         """`loader_of` / `set_loader`: the engine's way to read and replace a parameter's weight loader.
         `optional_parameters`: name endings of parameters the engine defaults when a checkpoint has none (the
         KV-cache scales). `skipped`: whether the engine's loader skips a tensor by design (skipped_by_design,
         and what its own name mapper drops). `also_writes`: parameters (by id) a plugin's loader writes
-        beside its own."""
+        beside its own. `shards_of`: the shard ids a module's loader must be handed for its parameters to be
+        whole (None: not a fused module)."""
         self.model, self.loader_of, self.set_loader = model, loader_of, set_loader
         self.optional, self.skipped = optional_parameters, skipped
         self.also_writes = also_writes or {}
@@ -68,6 +90,12 @@ class LoadLedger:
         # every tensor of a file into one buffer)
         self.storages: dict[int, set[str]] = {}
         self.written: set[int] = set()
+        self.shards: dict[int, frozenset] = {}  # a fused module's parameter (by id) -> the shard ids it needs
+        for module in model.modules():
+            needed = shards_of(module)
+            if needed:
+                self.shards.update((id(parameter), needed) for parameter in module.parameters(recurse=False))
+        self.shards_seen: dict[int, set] = {}
         self.originals: list[tuple[torch.nn.Parameter, Callable]] = []
 
     def __enter__(self) -> LoadLedger:
@@ -96,10 +124,22 @@ class LoadLedger:
                 if isinstance(value, torch.Tensor):
                     self._consume(value, module)
             self.written.add(id(parameter))
+            if id(parameter) in self.shards:
+                shard = args[2] if len(args) > 2 else kwargs.get("loaded_shard_id", kwargs.get("shard_id"))
+                self._shard(parameter, shard)
             self.written.update(id(other) for other in self.also_writes.get(id(parameter), ()))
             return original(*args, **kwargs)
 
         return load
+
+    def _shard(self, parameter: torch.nn.Parameter, shard: object) -> None:
+        seen = self.shards_seen.setdefault(id(parameter), set())
+        if shard is None:  # the fused tensor itself (a checkpoint that stores it fused, or a loader's concatenation)
+            seen.update(self.shards[id(parameter)])
+        elif isinstance(shard, (tuple, list)):
+            seen.update(shard)
+        else:
+            seen.add(shard)
 
     def _consume(self, value: torch.Tensor, module: str) -> None:
         address = value.data_ptr()
@@ -120,11 +160,19 @@ class LoadLedger:
         """None when every tensor was consumed and every parameter written; else why not, in one line."""
         unwritten = [name for name, parameter in self.model.named_parameters()
                      if id(parameter) not in self.written and parameter.numel() and not name.endswith(self.optional)]
+        partial = []  # fused parameters some shards wrote, with the shards none did
+        for name, parameter in self.model.named_parameters():
+            missing = self.shards.get(id(parameter), frozenset()) - self.shards_seen.get(id(parameter), set())
+            if id(parameter) in self.shards_seen and missing:
+                partial.append(f"{name} (no shard {'/'.join(sorted(map(str, missing)))})")
         parts = []
         if self.pending:
             parts.append(f"{_listed(sorted(self.pending))} of the output's tensors were taken by no parameter")
         if unwritten:
             parts.append(f"{_listed(unwritten)} of the model's parameters were written by no tensor")
+        if partial:
+            parts.append(f"{_listed(partial)} of the model's fused parameters were written in part, a shard's "
+                         f"tensor missing")
         if not parts:
             return None
         return (f"{'; '.join(parts)}: the engine's loader dropped them without a word (a layer the source's "

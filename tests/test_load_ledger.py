@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeconv.load_ledger import KV_CACHE_SCALES, LoadLedger, skipped_by_design
+from moeconv.load_ledger import KV_CACHE_SCALES, LoadLedger, fused_shards, skipped_by_design
 
 
 def default_loader(parameter: torch.nn.Parameter, loaded: torch.Tensor) -> None:
@@ -194,3 +194,38 @@ def test_the_kv_cache_scales_are_optional_and_no_linear_scale_is():
     for name in ("model.layers.0.self_attn.o_proj.weight_scale", "model.layers.0.self_attn.qkv_proj.input_scale",
                  "model.layers.0.mlp.experts.w13_weight_scale", "model.layers.0.self_attn.k_proj.weight_zero_point"):
         assert not name.endswith(KV_CACHE_SCALES), name
+
+
+def test_a_fused_parameter_one_shard_of_which_no_tensor_wrote_is_refused():
+    """The q shard's tensor missing: k and v write the fused qkv parameter, whose q rows stay as allocated
+    (found through vLLM 0.33's loader: an output without `q_proj.weight_packed` loaded without a word)."""
+    weights = [(name, tensor) for name, tensor in checkpoint() if name != "layers.0.attn.q_proj.weight"]
+    shards_of = lambda module: frozenset("qkv") if isinstance(module, Toy) else None  # noqa: E731
+    refusal, _ = run(weights, shards_of=shards_of)
+    assert refusal is not None and "\n" not in refusal
+    assert refusal.startswith("1 (layers.0.attn.qkv (no shard q)) of the model's fused parameters were written in "
+                              "part, a shard's tensor missing: the engine's loader dropped them"), refusal
+    # every shard there, or the fused tensor handed whole (no shard id), or a parameter loaded without shards: passes
+    assert run(checkpoint(), shards_of=shards_of)[0] is None
+
+
+def test_which_modules_are_fused_and_their_shards_as_both_engines_name_them():
+    class ColumnParallelLinear(torch.nn.Module):
+        def __init__(self, sizes):
+            super().__init__()
+            self.output_sizes = sizes
+
+    class MergedColumnParallelLinear(ColumnParallelLinear):
+        pass
+
+    class QKVParallelLinear(ColumnParallelLinear):
+        pass
+
+    class DeepSeekV2FusedQkvAProjLinear(MergedColumnParallelLinear):  # vLLM's q_a / kv_a, shard ids 0 and 1
+        pass
+
+    assert fused_shards(QKVParallelLinear([8, 2, 2])) == {"q", "k", "v"}
+    assert fused_shards(MergedColumnParallelLinear([4, 4])) == {0, 1}
+    assert fused_shards(DeepSeekV2FusedQkvAProjLinear([4, 3])) == {0, 1}
+    assert fused_shards(QKVParallelLinear([8, 2, 2, 1])) is None  # a variant with another shard: not guessed
+    assert fused_shards(ColumnParallelLinear([8])) is None and fused_shards(torch.nn.Linear(2, 2)) is None

@@ -176,7 +176,8 @@ def _refused_outputs(base: Path) -> list[str]:
     layers' method does not know (FP8 block attention beside integer experts: SGLang's unquantized linears
     would take the FP8 bytes and drop every weight_scale_inv), configs the files contradict (zero points
     stored, `has_zp` false or null; a group size the scales' shapes do not have), and files whose dense
-    tensors the model's loader skips (one removed, one the model has no parameter for): the load's ledger."""
+    tensors the model's loader skips (one removed, one shard of a fused linear removed, one the model has no
+    parameter for): the load's ledger."""
     sym, asym = SOURCES["gptq-sym"], SOURCES["gptq-asym"]
     cases = {}
     for architecture in ("minimax_m2", "deepseek_v3"):
@@ -201,6 +202,12 @@ def _refused_outputs(base: Path) -> list[str]:
     cases[f"qwen3_moe gptq-asym -> triton, {stray} added"] = (
         _edited_files(asymmetric, base / "qwen3_moe" / "stray", add=stray),
         f"1 ({stray}) of the output's tensors were taken by no parameter")
+    # one shard of a fused linear: k and v still write qkv_proj, whose q rows would stay as allocated
+    shard = "model.layers.0.self_attn.q_proj.weight_packed"
+    cases[f"qwen3_moe gptq-asym -> triton, {shard} removed"] = (
+        _edited_files(asymmetric, base / "qwen3_moe" / "shard", remove=shard),
+        "1 (model.layers.0.self_attn.qkv_proj.weight_packed (no shard q)) of the model's fused parameters were "
+        "written in part")
     done = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "sglang_load.py"),
                            *[str(path) for path, _ in cases.values()]], capture_output=True, text=True, timeout=1200)
     results = {json.loads(line)["checkpoint"]: json.loads(line) for line in done.stdout.splitlines()

@@ -17,9 +17,18 @@ vLLM's for every oracle choice). Then:
     output whose config was edited (a string has_zp; a group size its files do not hold, refused from
     the headers before any parameter is allocated); and, with MOECONV_VERIFY_ON_LOAD=1, a
     triton output as written (loads) and copies with one byte of one tensor flipped, a stacked expert
-    tensor and a dense attention weight (each refused, naming that tensor and its shard).
+    tensor and a dense attention weight (each refused, naming that tensor and its shard);
+  * hostile outputs (issue 45), each through vLLM's own loader: either one `moeconv:` refusal line naming
+    what is wrong, or a load with every tensor consumed and every parameter written, never a silent drop:
+    an asymmetric triton output (zero points in its files) whose config says `has_zp: false` or
+    `has_zp: null`; MiniMax-M2 and DeepSeek-V3 outputs with FP8 block attention (`weight_scale_inv`)
+    beside GPTQ experts; a DeepSeek-V3 output whose MLA attention is quantized like its experts (loads);
+    and the asymmetric output with one tensor removed from its files (q_norm; or q_proj's, one shard of the
+    fused qkv_proj, which k and v still write in part), or one tensor the model has no parameter for added
+    (the load's ledger, moeconv/load_ledger.py).
 
-MOECONV_PLUGIN_ONLY=verify-on-load runs only that last part (one conversion, three loads).
+MOECONV_PLUGIN_ONLY=verify-on-load runs only the on-load digest part (one conversion, three loads);
+MOECONV_PLUGIN_ONLY=hostile only the hostile outputs (five conversions, one vLLM process).
 
 Prints markdown tables; exits 1 when a check fails.
 
@@ -43,6 +52,8 @@ from moeconv.engines.vllm_plugin.integrity import ENV as VERIFY_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_matrix import ENGINE_PYTHON, NOT_IN_CHECKPOINTS, command_line, not_consumed  # noqa: E402
+from run_matrix_sglang import _edited_config, _edited_files, _fp8_block_attention  # noqa: E402
+from moeconv.synth import ROUTED_EXPERTS  # noqa: E402
 
 # Parameters moeconv's synthetic sources do not have (Qwen3's q_norm / k_norm, Qwen2's attention
 # biases): stock vLLM leaves them unloaded for the sources too (run_matrix.py's table shows it).
@@ -147,6 +158,78 @@ def _verify_on_load(base: Path, triton: Path, failures: list[str]) -> None:
                             f"got {error or 'a load'}")
 
 
+# What the hostile outputs must end in through vLLM's loader with the plugin: None, a load with every tensor
+# consumed and every parameter written; else the text its one `moeconv:` line must hold.
+STRAY, REMOVED = "model.layers.0.self_attn.o_proj.bias", "model.layers.0.self_attn.q_norm.weight"
+SHARD = "model.layers.0.self_attn.q_proj.weight_packed"  # one shard of the fused qkv_proj: k and v still write it
+HOSTILE = {
+    "qwen3_moe gptq-asym -> triton, config edited: has_zp false":
+        "model.layers.0.mlp.experts.w13_qzeros: the config says has_zp false, so the model would be served without "
+        "these zero points",
+    "qwen3_moe gptq-asym -> triton, config edited: has_zp null": "has_zp is null; it must be true or false",
+    "minimax_m2 (routed experts GPTQ, attention FP8 block) -> triton":
+        "model.layers.0.self_attn.k_proj.weight_scale_inv (one of 8 FP8 block scales)",
+    "deepseek_v3 (routed experts GPTQ, attention FP8 block) -> triton":
+        "model.layers.0.self_attn.kv_b_proj.weight_scale_inv (one of 8 FP8 block scales)",
+    "deepseek_v3 gptq-sym (MLA attention quantized) -> triton": None,
+    f"qwen3_moe gptq-asym -> triton, {REMOVED} removed":
+        f"1 ({REMOVED}) of the model's parameters were written by no tensor",
+    f"qwen3_moe gptq-asym -> triton, {STRAY} added": f"1 ({STRAY}) of the output's tensors were taken by no parameter",
+    f"qwen3_moe gptq-asym -> triton, {SHARD} removed":
+        "1 (model.layers.0.self_attn.qkv_proj.weight_packed (no shard q)) of the model's fused parameters were "
+        "written in part",
+}
+
+
+def _hostile_outputs(base: Path) -> dict[str, Path]:
+    """The outputs of HOSTILE, built: converted from synthetic sources, then edited as an attacker (or a
+    careless hand) would edit them."""
+    sym, asym = SOURCES["gptq-sym"], SOURCES["gptq-asym"]
+    labels = iter(HOSTILE)
+    asymmetric = moeconv.convert(make_checkpoint(base / "qwen3_moe-asym" / "src", SynthSpec(source_format=asym)),
+                                 base / "qwen3_moe-asym" / "triton", backend="triton").output
+    outputs = {next(labels): _edited_config(asymmetric, base / "qwen3_moe-asym" / "has_zp-false", has_zp=False),
+               next(labels): _edited_config(asymmetric, base / "qwen3_moe-asym" / "has_zp-null", has_zp=None)}
+    for architecture in ("minimax_m2", "deepseek_v3"):  # FP8 block attention beside integer experts, as both ship
+        spec = SynthSpec(architecture=architecture, source_format=sym, quantized_modules=ROUTED_EXPERTS,
+                         hidden=256, intermediate=128)
+        source = _fp8_block_attention(make_checkpoint(base / f"{architecture}-fp8" / "src", spec))
+        outputs[next(labels)] = moeconv.convert(source, base / f"{architecture}-fp8" / "triton", backend="triton").output
+    source = make_checkpoint(base / "deepseek_v3" / "src", SynthSpec(architecture="deepseek_v3", source_format=sym))
+    outputs[next(labels)] = moeconv.convert(source, base / "deepseek_v3" / "triton", backend="triton").output
+    outputs[next(labels)] = _edited_files(asymmetric, base / "qwen3_moe-asym" / "removed", remove=REMOVED)
+    outputs[next(labels)] = _edited_files(asymmetric, base / "qwen3_moe-asym" / "stray", add=STRAY)
+    outputs[next(labels)] = _edited_files(asymmetric, base / "qwen3_moe-asym" / "shard", remove=SHARD)
+    return outputs
+
+
+def _hostile(base: Path, failures: list[str]) -> None:
+    """HOSTILE through vLLM's own loader with the plugin (vllm_load.py, one process): each either refused in
+    one `moeconv:` line holding the expected text (no traceback, no other error), or loaded with every tensor
+    consumed and every parameter written (the harness's own sentinels and loader records, not the plugin's)."""
+    outputs = _hostile_outputs(base)
+    print("\n| hostile output (issue 45) | vLLM 0.33 with the plugin | s |\n|---|---|---|")
+    for label, result in zip(outputs, _engine("vllm_load.py", *map(str, outputs.values()))):
+        expected = HOSTILE[label]
+        if result["loaded"]:
+            unloaded = [name for name in result["unloaded_parameters"]
+                        if not name.endswith(NOT_IN_CHECKPOINTS + SYNTH_GAPS)]
+            answer = (f"loaded: {result['tensors']} tensors, {len(not_consumed(result))} not consumed, "
+                      f"{len(unloaded)} parameters unwritten")
+            if expected is not None:
+                failures.append(f"{label}: expected one moeconv line naming {expected!r}, got a load ({answer})")
+            elif not_consumed(result) or unloaded:
+                failures.append(f"{label}: a silent drop: not consumed {not_consumed(result)[:3]}, "
+                                f"unwritten {unloaded[:3]}")
+        else:
+            answer = result.get("moeconv_line") or f"(no moeconv line) {result['error'][:300]}"
+            if expected is None:
+                failures.append(f"{label}: expected a load, got {answer}")
+            elif result.get("moeconv_line") is None or expected not in result["moeconv_line"]:
+                failures.append(f"{label}: expected one moeconv line naming {expected!r}, got {result['error'][:400]}")
+        print(f"| {label} | {answer.replace(str(base), '<base>')} | {result.get('seconds', 0):.1f} |")
+
+
 def main() -> None:
     args = command_line(__doc__)
     failures = []
@@ -157,6 +240,11 @@ def main() -> None:
             source = make_checkpoint(base / "src", spec)
             print("| output | plugin at start-up |\n|---|---|")
             _verify_on_load(base, moeconv.convert(source, base / "triton", backend="triton").output, failures)
+            for failure in failures:
+                print(f"FAIL {failure}", file=sys.stderr)
+            sys.exit(1 if failures else 0)
+        if os.environ.get("MOECONV_PLUGIN_ONLY") == "hostile":
+            _hostile(base, failures)
             for failure in failures:
                 print(f"FAIL {failure}", file=sys.stderr)
             sys.exit(1 if failures else 0)
@@ -209,6 +297,7 @@ def main() -> None:
                 failures.append(f"{label}: expected a refusal naming {EXPECTED_REFUSALS[label]!r}, got {error or 'a load'}")
 
         _verify_on_load(base, triton, failures)
+        _hostile(base / "hostile", failures)
     for failure in failures:
         print(f"FAIL {failure}", file=sys.stderr)
     sys.exit(1 if failures else 0)

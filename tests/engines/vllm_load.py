@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -201,19 +202,45 @@ def one_line(error: Exception) -> str:
     return f"{type(error).__name__}: {' / '.join(lines)}"[:600]
 
 
+# what pydantic's ValidationError appends to a validator's message on its line
+PYDANTIC_SUFFIX = re.compile(r" \[type=value_error, .*$")
+
+
+def moeconv_line(error: BaseException) -> str | None:
+    """The plugin's refusal in `error` (itself, its cause or context, or the message vLLM's config
+    validation wrapped it in): its one line, from `moeconv: `; None when there is none, or when what
+    follows `moeconv: ` spans more than one line (a refusal must be one)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error)
+        if "moeconv: " in text:
+            refusal = text[text.index("moeconv: "):]
+            lines = refusal.splitlines()
+            # pydantic's ValidationError appends its own lines (the input value, a docs link) after the message
+            ours = [line for line in lines[1:] if line.strip() and not line.lstrip().startswith(("[type=", "For further"))]
+            return PYDANTIC_SUFFIX.sub("", lines[0]) if not ours else None
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def main() -> None:
+    import time
+
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # as vLLM's engine does at start-up: moeconv's entry point registers "moeconv"
     _patch_platform()
     for path in sys.argv[1:]:
+        started = time.perf_counter()
         try:
             result = load(Path(path))
         except Exception as error:  # noqa: BLE001 (vLLM's refusal is the result being measured)
             if os.environ.get("MOECONV_ENGINE_TRACE"):
                 traceback.print_exc()
-            result = {"loaded": False, "error": one_line(error),
+            result = {"loaded": False, "error": one_line(error), "moeconv_line": moeconv_line(error),
                       "where": traceback.format_exc().splitlines()[-3][:200]}
+        result["seconds"] = round(time.perf_counter() - started, 2)  # this checkpoint's, vLLM's import excluded
         print(json.dumps({"checkpoint": path, **result}), flush=True)
 
 

@@ -105,6 +105,11 @@ class MoeconvConfig(QuantizationConfig):
         return self.dense.get_cache_scale_mapper()
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        # The files against the config before the first layer's method is built, dense or MoE (read once): a
+        # model's attention comes before its first MoE layer, and a dense method may refuse what the files
+        # hold in its own words first (vLLM's GPTQ, DeepSeek-V3's FP8 block attention: "some but not all
+        # shards of ...fused_qkv_a_proj are quantized"), where check_files says what is wrong in one line.
+        self.stored_tensors()
         if isinstance(layer, RoutedExperts):
             return _experts_method(self, layer, prefix)
         # The dense config is rebuilt from the raw dict: it needs the model's fused-module names.
