@@ -353,7 +353,7 @@ def verify(
 
     refuse_object_url(output, "OUT", "verifying an output in")
     refuse_object_url(source or "", "--source", "verifying against")
-    output = Path(output)
+    output, source = Path(output), None if source is None else Path(source)  # as before: Path-normalised
     _quiet_hub(quiet)
     if level is None and not quiet and not as_json:
         err.print(VERIFY_DEFAULT, highlight=False, soft_wrap=True, markup=False)
