@@ -16,13 +16,15 @@ from moeconv.conversion import convert as _execute
 from moeconv.inspection import inspect_checkpoint
 from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
 from moeconv.source import resolve_source
+from moeconv.storage import refuse_object_url
 
 if TYPE_CHECKING:  # verify's module imports Triton (its reference kernels), which convert does not need
     from moeconv.verification import VerifyReport
 
 
 def open_source(source: str | Path, revision: str | None = None, local_files_only: bool = False) -> Checkpoint:
-    """A local folder or a Hub id (`org/model`, optionally at `revision`), read as headers."""
+    """A local folder, a Hub id (`org/model`, optionally at `revision`) or an object store URL
+    (`s3://bucket/prefix`: read by ranges, nothing downloaded whole), read as headers."""
     resolved = resolve_source(source, revision=revision, local_files_only=local_files_only)
     return open_checkpoint(resolved.path, origin=resolved.origin)
 
@@ -31,7 +33,9 @@ def inspect(source: str | Path, *, revision: str | None = None, local_files_only
             tp: int = 1) -> dict[str, Any]:
     """What a checkpoint is, as `moeconv inspect --json` prints it: architecture, the format the config
     declares and the one the tensors show (with the evidence and any disagreement), experts, sizes,
-    and per-backend eligibility at tensor-parallel size `tp`. Reads headers and a sample of tensors."""
+    and per-backend eligibility at tensor-parallel size `tp`. Reads headers and a sample of tensors;
+    `source` may be an object store URL (`s3://bucket/prefix`), whose files are read by range requests
+    with the credentials of the store's standard environment (AWS_ACCESS_KEY_ID, ..., AWS_ENDPOINT_URL)."""
     return inspect_checkpoint(open_source(source, revision, local_files_only), tp=tp)
 
 
@@ -42,6 +46,7 @@ def plan(source: str | Path, *, backend: str = "triton", revision: str | None = 
     the data cannot decide), "config" or "data". tp: tensor-parallel size to check eligibility for.
     regroup: allow a lossless halving of the group size when that makes the backend fit. zero_format:
     "gptq" (v1) or "gptq_v2" for an asymmetric GPTQ source whose data cannot tell them apart."""
+    refuse_object_url(source, "SRC")
     return make_plan(open_source(source, revision, local_files_only), backend=backend,
                      max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup, zero_format=zero_format)
 
@@ -57,6 +62,7 @@ def convert(source: str | Path, output: str | Path, *, backend: str = "triton", 
     path measured slower and was removed, docs/BENCHMARKS.md). executor: "local", or "ray" (one Ray task per output shard, on the cluster at `ray_address`, the
     one Ray finds, or a local Ray; the same bytes). skip_unsafe_files: leave out source files that
     link outside the source folder (listed in the report) instead of refusing."""
+    refuse_object_url(output, "OUT")
     conversion = plan(source, backend=backend, revision=revision, local_files_only=local_files_only,
                       max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup, zero_format=zero_format)
     return _execute(conversion, Path(output), progress=progress, workers=workers, executor=executor,
@@ -74,5 +80,8 @@ def verify(output: str | Path, *, source: str | Path | None = None, sample: int 
     workers / executor / ray_address: where the bit-exact checks run, as for `convert`."""
     from moeconv.verification import verify as _verify
 
+    refuse_object_url(output, "OUT", "verifying an output in")
+    if source is not None:
+        refuse_object_url(source, "--source", "verifying against")
     return _verify(Path(output), source=source, sample=sample, level=level, tokens=tokens,
                    numerics_layers=numerics_layers, workers=workers, executor=executor, ray_address=ray_address)

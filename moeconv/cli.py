@@ -103,6 +103,9 @@ def parse_size(text: str) -> int:
 
 
 SOURCE = typer.Argument(..., metavar="SRC", help="Checkpoint folder, or a Hugging Face id (org/model).")
+# inspect also reads a checkpoint where it lies in an object store; convert and verify do not yet (issue 43)
+INSPECT_SOURCE = typer.Argument(..., metavar="SRC", help="Checkpoint folder, a Hugging Face id (org/model), or an "
+                                                         "object store URL (s3://bucket/prefix, gs://, az://).")
 REVISION = typer.Option(None, "--revision", metavar="REV", help="Hub branch, tag or commit (Hub ids only).")
 LOCAL_ONLY = typer.Option(False, "--local-files-only", help="Use the Hugging Face cache only, never download.")
 EXECUTOR = typer.Option("local", "--executor", metavar="local|ray",
@@ -116,7 +119,7 @@ TP = typer.Option(1, "--tp", min=1, metavar="N",
 
 @app.command(cls=_Command, short_help="Say what a checkpoint is and which backends can take it.")
 def inspect(
-    source: str = SOURCE,
+    source: str = INSPECT_SOURCE,
     revision: Optional[str] = REVISION,
     local_files_only: bool = LOCAL_ONLY,
     tp: int = TP,
@@ -136,8 +139,8 @@ def inspect(
 @app.command(cls=_Command, short_help="Convert a checkpoint into a backend's layout.")
 def convert(
     source: str = SOURCE,
-    output: Optional[Path] = typer.Option(None, "-o", "--output", metavar="OUT",
-                                          help="Output folder (must not exist, or be empty)."),
+    output: Optional[str] = typer.Option(None, "-o", "--output", metavar="OUT",
+                                         help="Output folder (must not exist, or be empty)."),
     backend: str = typer.Option("triton", "--backend", "-b", metavar="NAME", help=backend_help()),
     max_shard_size: int = typer.Option("5GB", "--max-shard-size", parser=parse_size, metavar="SIZE",
                                        help="Most tensor bytes per output shard (as transformers counts), e.g. 5GB, 500MB."),
@@ -166,7 +169,11 @@ def convert(
     copied byte for byte. An interrupted conversion resumes when the same command is run again."""
     from moeconv.api import plan as make_plan
     from moeconv.conversion import check_output_folder, convert as run_conversion
+    from moeconv.storage import refuse_object_url
 
+    refuse_object_url(source, "SRC")  # as the user wrote them, before anything is read or made
+    refuse_object_url(output or "", "OUT")
+    output = None if output is None else Path(output)
     _removed_device(device)
     _quiet_hub(quiet)
     if output is None and not dry_run:
@@ -318,9 +325,9 @@ def _zero_format(value: str | None) -> str | None:
 
 @app.command(cls=_Command, short_help="Check a converted checkpoint against its source.")
 def verify(
-    output: Path = typer.Argument(..., metavar="OUT", help="A folder written by `moeconv convert`."),
-    source: Optional[Path] = typer.Option(None, "--source", metavar="SRC",
-                                          help="Source checkpoint (default: the one in moeconv.json)."),
+    output: str = typer.Argument(..., metavar="OUT", help="A folder written by `moeconv convert`."),
+    source: Optional[str] = typer.Option(None, "--source", metavar="SRC",
+                                         help="Source checkpoint (default: the one in moeconv.json)."),
     sample: Optional[int] = typer.Option(None, "--sample", min=1, metavar="N",
                                          help="Check N random experts per layer, not all."),
     level: Optional[str] = typer.Option(None, "--level", metavar="structure|lossless|numerics",
@@ -341,8 +348,12 @@ def verify(
     """Check a converted checkpoint: structure and checksums, bit-exact decode against the source, and
     the Triton kernel against a float64 reference. Exit code 0 only if every check passes."""
     from moeconv.errors import VerificationFailed
+    from moeconv.storage import refuse_object_url
     from moeconv.verification import verify as run_verification
 
+    refuse_object_url(output, "OUT", "verifying an output in")
+    refuse_object_url(source or "", "--source", "verifying against")
+    output, source = Path(output), None if source is None else Path(source)  # as before: Path-normalised
     _quiet_hub(quiet)
     if level is None and not quiet and not as_json:
         err.print(VERIFY_DEFAULT, highlight=False, soft_wrap=True, markup=False)

@@ -10,7 +10,7 @@ from moeconv import engines
 from moeconv.audit import Audits
 from moeconv.audit import count as audit_counts
 from moeconv.backends import all_backends
-from moeconv.checkpoint.reader import Checkpoint, TensorReader, open_checkpoint
+from moeconv.checkpoint.reader import Checkpoint, TensorReader, file_size, open_checkpoint
 from moeconv.errors import MoeconvError
 from moeconv.plan import attention_quantized, choose_backend, converts_dense, eligibility
 from moeconv.spec import FLOAT_DTYPES
@@ -49,7 +49,7 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
         "total_bytes": checkpoint.total_bytes,
         "expert_bytes": expert_bytes,
         "tensors": len(checkpoint.tensors),
-        "shards": [{"file": path.name, "bytes": path.stat().st_size} for path in checkpoint.files],
+        "shards": [{"file": path.name, "bytes": file_size(path)} for path in checkpoint.files],
         "tp": tp,
         "backends": {name: _verdict(backend, layers, source_format, checkpoint.quantization_config,
                                     found.architecture.model_type, attention_quantized(checkpoint, source_format),

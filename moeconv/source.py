@@ -15,6 +15,7 @@ from typing import Any
 
 from moeconv.errors import MoeconvError
 from moeconv.provenance import anchor_of
+from moeconv.storage import StoredPath, is_object_url, open_root
 
 # safetensors shards and index, configs, tokenizer and generation files.
 ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.py"]
@@ -25,14 +26,20 @@ _AT_REVISION = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)@(?P<revision>[
 
 @dataclass(frozen=True)
 class ResolvedSource:
-    path: Path
+    path: Path | StoredPath  # StoredPath: a prefix in an object store (s3://bucket/prefix), read by ranges
     # Hub snapshots: {"repo", "revision" (a commit), "published": provenance.Anchor.to_json()}
     origin: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_source(source: str | Path, revision: str | None = None, local_files_only: bool = False) -> ResolvedSource:
     """A folder that exists wins; otherwise `org/name` (or `org/name@revision`) is fetched (or found in
-    the cache)."""
+    the cache). An object store URL (`s3://bucket/prefix`, storage.OBJECT_SCHEMES) is read where it is,
+    by ranges, with the credentials of the store's standard environment."""
+    if is_object_url(str(source)):
+        if revision or local_files_only:
+            flag = "--revision" if revision else "--local-files-only"
+            raise MoeconvError(f"{source}: {flag} applies to Hub ids, not to an object store URL")
+        return ResolvedSource(open_root(str(source)))
     path = Path(source).expanduser()
     if path.is_dir():
         if revision:

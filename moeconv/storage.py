@@ -12,7 +12,9 @@ library's text (which carries request URLs and headers).
 
 from __future__ import annotations
 
+import fnmatch
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,6 +42,67 @@ class Storage(Protocol):
 
 def is_object_url(location: str) -> bool:
     return str(location).startswith(OBJECT_SCHEMES)
+
+
+def refuse_object_url(location: object, what: str, doing: str = "converting from or to") -> None:
+    """What does not read object stores yet (convert, verify) refuses a URL in one line. A URL that went
+    through `Path` has lost a slash (`s3:/bucket`): that spelling is caught too."""
+    text = str(location)
+    if text.startswith(OBJECT_SCHEMES) or text.startswith(tuple(scheme[:-1] for scheme in OBJECT_SCHEMES)):
+        raise MoeconvError(f"{what} {text}: {doing} an object store is not built yet (issue 43; `moeconv inspect` "
+                           f"reads one); copy the files to a folder first")
+
+
+@dataclass(frozen=True, order=True)
+class StoredPath:
+    """A file of a `Storage` by name, or its root (name ""): what a checkpoint's `root` and its tensors'
+    `file` are when the checkpoint lives in an object store. It prints as the URL (`s3://bucket/prefix/name`),
+    so every message that names a local path names the object the same way; it reads through the storage."""
+
+    storage: Storage = field(compare=False, repr=False)
+    location: str  # the storage's, for equality and hashing
+    name: str = ""
+
+    @classmethod
+    def root_of(cls, storage: Storage) -> StoredPath:
+        return cls(storage, storage.location)
+
+    def __str__(self) -> str:
+        return f"{self.location}/{self.name}" if self.name else self.location
+
+    def __truediv__(self, name: str) -> StoredPath:
+        if self.name:
+            raise MoeconvError(f"{self}: a file, not a folder")
+        return StoredPath(self.storage, self.location, name)
+
+    def absolute(self) -> StoredPath:
+        return self
+
+    def is_dir(self) -> bool:
+        """The root: a prefix with objects under it (the storage refuses an empty or missing one, naming it)."""
+        return not self.name and bool(self.storage.names())
+
+    def exists(self) -> bool:
+        return self.is_dir() if not self.name else self.name in self.storage.names()
+
+    is_file = exists
+
+    def is_symlink(self) -> bool:
+        return False  # an object store has no links
+
+    def glob(self, pattern: str) -> list[StoredPath]:
+        return [self / name for name in self.storage.names() if fnmatch.fnmatchcase(name, pattern)]
+
+    def size(self) -> int:
+        return self.storage.size(self.name)
+
+    def read_range(self, begin: int, end: int) -> bytes:
+        return self.storage.read_range(self.name, begin, end)
+
+
+def open_root(url: str) -> StoredPath:
+    """An object store URL as the root a checkpoint is read from (nothing is requested yet)."""
+    return StoredPath.root_of(ObjectStore(url))
 
 
 def open_storage(location: str | Path) -> Storage:
@@ -99,9 +162,10 @@ class ObjectStore:
                 listed = self._store.list_with_delimiter()
             except Exception as error:  # noqa: BLE001
                 raise self._refusal(error, None) from None
-            self._sizes = {entry["path"]: entry["size"] for entry in listed["objects"]}
-            if not self._sizes:
+            sizes = {entry["path"]: entry["size"] for entry in listed["objects"]}
+            if not sizes:
                 raise MoeconvError(f"{self.location}: no objects there (an empty prefix, or a missing bucket)")
+            self._sizes = sizes
         return self._sizes
 
     def names(self) -> list[str]:

@@ -24,11 +24,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from moeconv.checkpoint.schema import (MAX_HEADER_BYTES, MAX_TENSORS, check_tensor_count, header_entries, open_regular,
-                                       parse_header, read_json_object, section, weight_map)
+from moeconv.checkpoint.schema import (MAX_HEADER_BYTES, MAX_JSON_BYTES, MAX_TENSORS, check_tensor_count, header_entries,
+                                       open_regular, parse_header, read_bytes, read_json_object, section, weight_map)
 from moeconv.errors import MoeconvError
 from moeconv.packing import bf16_as_float32
 from moeconv.spec import DTYPE_SIZES
+from moeconv.storage import StoredPath
 
 INDEX_NAME = "model.safetensors.index.json"
 # safetensors code -> numpy dtype, for the values the parent reads to detect the format (read_array);
@@ -41,7 +42,7 @@ NUMPY_DTYPES = {"U8": np.uint8, "F8_E4M3": np.uint8, "I8": np.int8, "I16": np.in
 @dataclass(frozen=True, slots=True)  # one per tensor: a 600 GB checkpoint has hundreds of thousands
 class TensorEntry:
     name: str
-    file: Path
+    file: Path | StoredPath  # StoredPath: an object in a store, read by ranges
     dtype: str
     shape: tuple[int, ...]
     begin: int  # absolute byte offset in `file`
@@ -54,10 +55,10 @@ class TensorEntry:
 
 @dataclass
 class Checkpoint:
-    root: Path
+    root: Path | StoredPath  # StoredPath: a prefix in an object store (prints as its URL)
     config: dict[str, Any]
     quantization_config: dict[str, Any]
-    files: list[Path]
+    files: list[Path | StoredPath]
     tensors: dict[str, TensorEntry] = field(repr=False)
     headers_sha256: str = ""  # over every shard's header and the config files: what the plan depends on
     origin: dict[str, Any] = field(default_factory=dict)  # Hub sources: {"repo": ..., "revision": commit}
@@ -71,35 +72,57 @@ class Checkpoint:
         return {"path": str(self.root.absolute()), **self.origin, "headers_sha256": self.headers_sha256}
 
 
-def read_header(path: Path, digest: Any = None) -> tuple[Any, int, int]:
-    """The parsed JSON header of a safetensors file, the absolute offset where its data starts, and
-    the file's size (the raw header bytes are fed to `digest` when one is given)."""
-    try:
-        fd = open_regular(path)
-    except MoeconvError as error:
-        if not path.exists() and not path.is_symlink():
-            raise MoeconvError(f"{path}: shard is missing") from None
-        raise error
-    try:
-        file_size = os.fstat(fd).st_size
-        prefix = os.pread(fd, 8, 0)
-        if len(prefix) != 8:
-            raise MoeconvError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > min(MAX_HEADER_BYTES, file_size - 8):
-            raise MoeconvError(f"{path}: not a safetensors file (header length {length} for a {file_size}-byte file)")
-        raw = os.pread(fd, length, 8)
-    finally:
-        os.close(fd)
+# An object's header is read with one range request of this many bytes when it fits (a small model's
+# header, a few KB), else with a second request for exactly the rest (a large MoE shard's, up to a few MB):
+# at most two round trips per shard, and never more than this beyond the header.
+FIRST_READ_BYTES = 64 * 1024
+
+
+def read_header(path: Path | StoredPath, digest: Any = None) -> tuple[Any, int, int]:
+    """The parsed JSON header of a safetensors file (or stored object, read by ranges), the absolute
+    offset where its data starts, and the file's size (the raw header bytes are fed to `digest` when
+    one is given)."""
+    if isinstance(path, StoredPath):
+        file_size = path.size()
+        first = path.read_range(0, min(file_size, FIRST_READ_BYTES))
+        length = _header_length(path, first[:8], file_size)
+        raw = first[8:8 + length]
+        if len(raw) < length:
+            raw += path.read_range(8 + len(raw), 8 + length)
+        if len(raw) != length:
+            raise MoeconvError(f"{path}: ended early: {len(raw)} of its {length} header bytes read")
+    else:
+        try:
+            fd = open_regular(path)
+        except MoeconvError as error:
+            if not path.exists() and not path.is_symlink():
+                raise MoeconvError(f"{path}: shard is missing") from None
+            raise error
+        try:
+            file_size = os.fstat(fd).st_size
+            length = _header_length(path, os.pread(fd, 8, 0), file_size)
+            raw = os.pread(fd, length, 8)
+        finally:
+            os.close(fd)
     if digest is not None:
         digest.update(raw)
     return parse_header(raw, f"{path}: safetensors header"), 8 + length, file_size
 
 
+def _header_length(path: object, prefix: bytes, file_size: int) -> int:
+    """A safetensors file's header length, from its first 8 bytes, checked against the file's size."""
+    if len(prefix) != 8:
+        raise MoeconvError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > min(MAX_HEADER_BYTES, file_size - 8):
+        raise MoeconvError(f"{path}: not a safetensors file (header length {length} for a {file_size}-byte file)")
+    return length
+
+
 read_json = read_json_object  # the name the rest of the package reads JSON objects by
 
 
-def _entries(path: Path, digest: Any, room: int = MAX_TENSORS) -> dict[str, TensorEntry]:
+def _entries(path: Path | StoredPath, digest: Any, room: int = MAX_TENSORS) -> dict[str, TensorEntry]:
     header, data_start, file_size = read_header(path, digest)
     if isinstance(header, dict) and len(header) - ("__metadata__" in header) > room:
         check_tensor_count(MAX_TENSORS - room + len(header) - ("__metadata__" in header), f"{path}: with the shards before it")
@@ -113,7 +136,7 @@ MODELOPT_CONFIG_NAME = "hf_quant_config.json"
 QUANTIZATION_CONFIG_NAMES = ("quant_config.json", "quantize_config.json", MODELOPT_CONFIG_NAME)
 
 
-def _quantization_config(root: Path, config: dict[str, Any]) -> dict[str, Any]:
+def _quantization_config(root: Path | StoredPath, config: dict[str, Any]) -> dict[str, Any]:
     """config.json's quantization_config, completed by quantize_config.json / quant_config.json and
     ModelOpt's hf_quant_config.json (its `quantization` section, as a "modelopt" config)."""
     merged: dict[str, Any] = {}
@@ -133,7 +156,7 @@ def _quantization_config(root: Path, config: dict[str, Any]) -> dict[str, Any]:
 _SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d+)-of-(?P<total>\d+)\.safetensors$")
 
 
-def _check_shard_set(root: Path, files: list[Path], index_path: Path) -> None:
+def _check_shard_set(root: Path | StoredPath, files: list[Path | StoredPath], index_path: Path | StoredPath) -> None:
     """Sharded names (`model-00002-of-00005.safetensors`) promise a set: every member on disk must be
     in the index, or its tensors would be dropped without a word."""
     sets = {(m["stem"], m["total"]) for m in (_SHARD_NAME.match(path.name) for path in files) if m}
@@ -172,19 +195,21 @@ def collection_paused() -> Iterator[None]:
             gc.enable()
 
 
-def open_checkpoint(root: Path, origin: dict[str, Any] | None = None) -> Checkpoint:
+def open_checkpoint(root: Path | StoredPath, origin: dict[str, Any] | None = None) -> Checkpoint:
     """Reads config, index and every shard's header. Touches no tensor data. Every shard must resolve
     inside the checkpoint folder (for a Hub snapshot: inside its repository's cache folder, where
-    the snapshot's links point)."""
+    the snapshot's links point). `root` a StoredPath (storage.open_root): the same reads and checks, each
+    file's bytes by range requests to the object store."""
     with collection_paused():
         return _open_checkpoint(root, origin)
 
 
-def _open_checkpoint(root: Path, origin: dict[str, Any] | None) -> Checkpoint:
-    root = Path(root)
+def _open_checkpoint(root: Path | StoredPath, origin: dict[str, Any] | None) -> Checkpoint:
+    stored = isinstance(root, StoredPath)  # in an object store: no links there, every read a range request
+    root = root if stored else Path(root)
     if not root.is_dir():
         raise MoeconvError(f"{root}: not a folder")
-    allowed = boundary(root)
+    allowed = None if stored else boundary(root)
     config = read_json(root / "config.json")
     index_path = root / INDEX_NAME
     if index_path.exists():
@@ -197,13 +222,13 @@ def _open_checkpoint(root: Path, origin: dict[str, Any] | None) -> Checkpoint:
     if not files:
         raise MoeconvError(f"{root}: no *.safetensors files and no {INDEX_NAME}")
     for path in files:
-        if path.exists() and not inside(path, allowed):
+        if allowed is not None and path.exists() and not inside(path, allowed):
             raise MoeconvError(f"{path}: a link that leaves the checkpoint folder (to {path.resolve()})")
     tensors: dict[str, TensorEntry] = {}
     digest = hashlib.sha256()
     for name in ("config.json", *QUANTIZATION_CONFIG_NAMES):
         if (root / name).is_file():
-            digest.update((root / name).read_bytes())
+            digest.update(read_bytes(root / name, MAX_JSON_BYTES))
     for path in files:
         digest.update(path.name.encode())
         for name, entry in _entries(path, digest, MAX_TENSORS - len(tensors)).items():
@@ -226,6 +251,11 @@ def _open_checkpoint(root: Path, origin: dict[str, Any] | None) -> Checkpoint:
                       dict(origin or {}))
 
 
+def file_size(path: Path | StoredPath) -> int:
+    """A checkpoint file's size in bytes, local or stored."""
+    return path.size() if isinstance(path, StoredPath) else Path(path).stat().st_size
+
+
 def same_bytes(a: Path, a_begin: int, b: Path, b_begin: int, length: int, chunk: int = 16 * 1024**2) -> bool:
     """Whether `length` bytes of file `a` from `a_begin` equal those of `b` from `b_begin` (chunked preads)."""
     with open(a, "rb") as fa, open(b, "rb") as fb:
@@ -240,7 +270,7 @@ class TensorReader:
     """Reads whole tensors, or a block of one (`read_raw_slice`), with `pread`, keeping one descriptor per file."""
 
     def __init__(self, fingerprints: dict[str, bytes] | None = None) -> None:
-        self._files: dict[Path, int] = {}
+        self._files: dict[Path, int] = {}  # local files; a StoredPath's tensors are read by range requests
         self._opening = threading.Lock()  # readers share descriptors across threads; pread is thread-safe
         # tensor name -> a content hash of its bytes, taken as each whole tensor is read (for resume)
         self.fingerprints = fingerprints
@@ -252,6 +282,11 @@ class TensorReader:
             return self._files[path]
 
     def _bytes(self, entry: TensorEntry, begin: int, length: int) -> bytearray:
+        if isinstance(entry.file, StoredPath):  # one range request
+            data = entry.file.read_range(begin, begin + length)
+            if len(data) != length:
+                raise MoeconvError(f"{entry.file}: ended early while reading tensor {entry.name}")
+            return bytearray(data)
         fd = self._descriptor(entry.file)
         data = bytearray(length)
         view, position = memoryview(data), begin

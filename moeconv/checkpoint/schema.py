@@ -18,6 +18,7 @@ from typing import Any
 
 from moeconv.errors import MoeconvError
 from moeconv.spec import DTYPE_SIZES
+from moeconv.storage import StoredPath
 
 MAX_JSON_BYTES = 64 * 1024**2  # configs and indexes; Kimi-K2's index is about 20 MB
 MAX_HEADER_BYTES = 100 * 1024**2
@@ -54,16 +55,25 @@ def open_regular(path: Path) -> int:
     return fd
 
 
-def read_bytes(path: Path, limit: int) -> bytes:
-    """A whole regular file of at most `limit` bytes."""
+def read_bytes(path: Path | StoredPath, limit: int) -> bytes:
+    """A whole regular file (or stored object) of at most `limit` bytes."""
+    if isinstance(path, StoredPath):
+        size = _within(path, path.size(), limit)
+        data = path.read_range(0, size)
+        if len(data) != size:
+            raise MoeconvError(f"{path}: ended early: {len(data)} of its {size} bytes read")
+        return data
     fd = open_regular(path)
     try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise MoeconvError(f"{path}: {size} bytes is more than the {limit} a JSON file here may have")
-        return os.pread(fd, size, 0)
+        return os.pread(fd, _within(path, os.fstat(fd).st_size, limit), 0)
     finally:
         os.close(fd)
+
+
+def _within(path: object, size: int, limit: int) -> int:
+    if size > limit:
+        raise MoeconvError(f"{path}: {size} bytes is more than the {limit} a JSON file here may have")
+    return size
 
 
 def parse_json(raw: bytes, where: str) -> Any:
@@ -116,7 +126,7 @@ def _parse(raw: bytes, where: str, strict_keys: bool) -> Any:
         raise MoeconvError(f"{where}: not valid JSON ({str(error).splitlines()[0][:120]})") from None
 
 
-def read_json_object(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path | StoredPath) -> dict[str, Any]:
     """A JSON file whose top level must be an object."""
     data = parse_json(read_bytes(path, MAX_JSON_BYTES), str(path))
     if not isinstance(data, dict):
