@@ -96,8 +96,36 @@ def print_inspect(report: dict[str, Any], title: str) -> None:
             text = f"NOT eligible: {verdict['reason']}"
         rows.append((f"backend {name} (tp={report['tp']})", text))
     rows.append((f"backend auto (tp={report['tp']})", f"{report['auto']}{once}"))
+    rows += cast_rows(report.get("casts", {}))
     rows += audit_rows(report)
     out.print(key_values(title, rows))
+
+
+def cast_rows(found: dict[str, Any]) -> list[tuple[str, str]]:
+    """The census of each cast of float codes (inspection.cast_census): all blocks exact, or the exceptions."""
+    rows = []
+    for entry in found.values():
+        blocks, exact = entry["blocks"], entry["exact"]
+        share = f"{100 * exact / blocks:.4g}%" if blocks else "-"
+        if exact == blocks and not entry["refused"]:
+            rows.append((f"cast {entry['label']}", f"{share} of {blocks:,} blocks exact"))
+            continue
+        text = f"{share} of {blocks:,} blocks exact ({exact:,})"
+        if entry["inexact"]:
+            first = entry["inexact"][0]
+            text += (f"; {len(entry['inexact'])} of {entry['linears']} linears with inexact blocks (first: "
+                     f"{first['tensor']}, {first['blocks'] - first['exact']} blocks); worst relative error "
+                     f"{_error(entry['worst_relative_error'])}")
+        if entry["reserved"]:
+            text += f"; {entry['reserved']} blocks hold a scale byte reserved for NaN"
+        if entry["refused"]:
+            text += f"; {len(entry['refused'])} linears unreadable (first: {entry['refused'][0]['tensor']})"
+        rows.append((f"[yellow]cast {literal(entry['label'])}[/]", text))
+    return rows
+
+
+def _error(value: float | str) -> str:
+    return value if isinstance(value, str) else f"{value:.2g}"
 
 
 def audit_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
