@@ -168,14 +168,14 @@ def _scale_dyadic(scales: np.ndarray, encoding: str) -> tuple[np.ndarray, np.nda
     return odd, exponent, (b & 0x7F) == E4M3_NAN_MAGNITUDE
 
 
-def _element_dyadic(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each weight value's |W| = odd · 2^e ((N, K) int64 each; odd -1: not dyadic) and its reserved flag."""
+def _pair_dyadic(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """|E2M1(code) · scale(byte) (· global)| as odd · 2^e for every scale byte and code magnitude ((256, 8)
+    int64 each, indexed [byte, code & 7]; odd -1: not dyadic), and whether the byte is reserved. Every
+    property of a value is a lookup in a table of these 2048 pairs (`_pair_index`)."""
     scheme = weight.scheme
-    magnitude = weight.codes & 7
-    scale_odd, scale_exp, reserved = (np.repeat(a, scheme.block, axis=1)
-                                      for a in _scale_dyadic(weight.scales, scheme.scale_encoding))
-    odd = _E2M1_ODD[magnitude] * scale_odd
-    exponent = _E2M1_EXP[magnitude] + scale_exp
+    scale_odd, scale_exp, reserved = _scale_dyadic(np.arange(256, dtype=np.uint8), scheme.scale_encoding)
+    odd = scale_odd[:, None] * _E2M1_ODD[None, :]
+    exponent = scale_exp[:, None] + _E2M1_EXP[None, :]
     if weight.global_scale is not None:
         global_odd, global_exp = _dyadic_scalar(float(weight.global_scale))
         if scheme.global_convention == DIVIDE:
@@ -184,13 +184,26 @@ def _element_dyadic(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.nda
             exponent = exponent - global_exp
         else:
             odd, exponent = odd * global_odd, exponent + global_exp
-    return odd, exponent, reserved
+    return odd, exponent, np.broadcast_to(reserved[:, None], odd.shape)
+
+
+def _pair_index(weight: FloatWeight) -> np.ndarray:
+    """(N, K) uint16: each element's row in the pair tables, scale byte · 8 + code magnitude."""
+    scales = np.repeat(weight.scales.astype(np.uint16) << 3, weight.scheme.block, axis=1)
+    return scales | (weight.codes & 7)
+
+
+def _per_block(array: np.ndarray, block: int, reduce) -> np.ndarray:
+    """(N, K) -> (N, K / block), reduced along each source block."""
+    n, k = array.shape
+    return reduce(array.reshape(n, k // block, block), axis=2)
 
 
 # ---- per target ---------------------------------------------------------------------------------------
 
 def _blocks(weight: FloatWeight, target: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int | None]:
-    """(exact, reserved, worst relative error) per target block, and the global scale's exponent (nvfp4)."""
+    """(exact, reserved, worst relative error: 0 for exact blocks) per target block, and the global scale's
+    exponent (nvfp4)."""
     if target not in targets_of(weight):
         raise ValueError(f"no {target} cast of {weight.scheme.name} codes is decided here (from "
                          f"{weight.scheme.name}: {', '.join(targets_of(weight))})")
@@ -202,7 +215,7 @@ def _blocks(weight: FloatWeight, target: str) -> tuple[np.ndarray, np.ndarray, n
 
 
 def _tiles(array: np.ndarray, shape: tuple[int, int], fill: Any) -> np.ndarray:
-    """(N, K) -> (ceil(N/a), ceil(K/b), a · b), the last tiles padded with `fill`."""
+    """(N, M) -> (ceil(N/a), ceil(M/b), a · b), the last tiles padded with `fill`."""
     (n, k), (a, b) = array.shape, shape
     rows, cols = -(-n // a), -(-k // b)
     padded = np.full((rows * a, cols * b), fill, dtype=array.dtype)
@@ -210,59 +223,86 @@ def _tiles(array: np.ndarray, shape: tuple[int, int], fill: Any) -> np.ndarray:
     return padded.reshape(rows, a, cols, b).transpose(0, 2, 1, 3).reshape(rows, cols, a * b)
 
 
+def _spread(tiles: np.ndarray, shape: tuple[int, int], like: np.ndarray) -> np.ndarray:
+    """A per-tile array back to `like`'s (N, K) elements."""
+    return np.repeat(np.repeat(tiles, shape[0], axis=0), shape[1], axis=1)[:like.shape[0], :like.shape[1]]
+
+
+_LOWEST, _HIGHEST = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+
+
 def _fp8_block(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    odd, exponent, reserved = _element_dyadic(weight)
-    nonzero = odd > 0
+    odd, exponent, reserved = _pair_dyadic(weight)
+    nonzero = (odd > 0) & ~reserved
     bits = np.frexp(np.where(nonzero, odd, 1).astype(np.float64))[1].astype(np.int64)
     high = exponent + bits - 1
     leading = np.ldexp(np.where(nonzero, odd, 1).astype(np.float64), 1 - bits)  # odd as 1.xxx
-    # the smallest t with odd · 2^(e - t) <= 448: the largest value's exponent minus 8, one more past 1.75
-    floor = np.where(nonzero & ~reserved, high - 8 + (leading > 1.75), np.iinfo(np.int64).min)
-    shift = _tiles(floor, FP8_BLOCK_SHAPE, np.iinfo(np.int64).min).max(axis=2)
-    shift = np.where(shift == np.iinfo(np.int64).min, 0, shift)  # an all-zero block: scale 1
-    rows, cols = FP8_BLOCK_SHAPE
-    element_shift = np.repeat(np.repeat(shift, rows, axis=0), cols, axis=1)[:odd.shape[0], :odd.shape[1]]
-    ok = representable(odd, exponent - element_shift, E4M3_FORMAT) & ~reserved
-    exact = _tiles(ok, FP8_BLOCK_SHAPE, True).all(axis=2)
-    blocked = _tiles(reserved, FP8_BLOCK_SHAPE, False).any(axis=2)
-    with np.errstate(invalid="ignore"):
-        values = weight.dequantize()
-        rounded = np.ldexp(round_to(np.ldexp(values, -element_shift), E4M3_FORMAT, saturate=True), element_shift)
-        errors = np.where(reserved, 0.0, relative_errors(values, rounded))
-    return exact, blocked, _tiles(errors, FP8_BLOCK_SHAPE, 0.0).max(axis=2)
+    fmt = E4M3_FORMAT
+    # the smallest t with odd · 2^(e - t) <= 448 (the largest value's exponent minus 8, one more past 1.75),
+    # the lowest set bit's exponent (E4M3's grid reaches 2^(t - 9)), and whether the bits fit E4M3's mantissa
+    floor_table = np.where(nonzero, high - 8 + (leading > 1.75), _LOWEST).astype(np.int32).ravel()
+    low_table = np.where(nonzero, exponent, _HIGHEST).astype(np.int32).ravel()
+    fits_table = (~nonzero | (exponent >= high - fmt.mantissa)).ravel()
+    index, block = _pair_index(weight), weight.scheme.block
+    per_row = (FP8_BLOCK_SHAPE[0], FP8_BLOCK_SHAPE[1] // block)  # a tile in source blocks
+    shift = _tiles(_per_block(floor_table[index], block, np.max), per_row, _LOWEST).max(axis=2)
+    shift = np.where(shift == _LOWEST, 0, shift)  # an all-zero block: scale 1
+    low = _tiles(_per_block(low_table[index], block, np.min), per_row, _HIGHEST).min(axis=2)
+    fits = _tiles(_per_block(fits_table[index], block, np.all), per_row, True).all(axis=2)
+    blocked = _tiles(weight.scales == UE8M0_NAN, per_row, False).any(axis=2)
+    exact = ~blocked & fits & ((low == _HIGHEST) | (low.astype(np.int64) - shift >= fmt.emin - fmt.mantissa))
+    errors = np.zeros(exact.shape)
+    inexact = ~exact & ~blocked
+    if inexact.any():  # the cast's rounding, on the elements of the inexact blocks only
+        where = _spread(inexact, FP8_BLOCK_SHAPE, weight.codes)
+        element_shift = _spread(shift, FP8_BLOCK_SHAPE, weight.codes)[where]
+        values = weight.dequantize()[where]
+        rounded = np.ldexp(round_to(np.ldexp(values, -element_shift), fmt, saturate=True), element_shift)
+        element_errors = np.zeros(weight.codes.shape)
+        element_errors[where] = relative_errors(values, rounded)
+        errors = _tiles(element_errors, FP8_BLOCK_SHAPE, 0.0).max(axis=2)
+    return exact, blocked, errors
 
 
 def _bf16(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    odd, exponent, reserved = _element_dyadic(weight)
-    ok = representable(odd, exponent, BF16_FORMAT) & ~reserved
-    n, k = ok.shape
-    per_block = (n, k // weight.scheme.block, weight.scheme.block)
-    with np.errstate(invalid="ignore", over="ignore"):
-        values = weight.dequantize()
-        errors = np.where(reserved, 0.0, relative_errors(values, round_to(values, BF16_FORMAT, saturate=False)))
+    odd, exponent, reserved = _pair_dyadic(weight)
+    table = (representable(odd, exponent, BF16_FORMAT) & ~reserved).ravel()
+    block = weight.scheme.block
+    exact = _per_block(table[_pair_index(weight)], block, np.all)
     blocked = _scale_dyadic(weight.scales, weight.scheme.scale_encoding)[2]
-    return ok.reshape(per_block).all(axis=2), blocked, errors.reshape(per_block).max(axis=2)
+    errors = np.zeros(exact.shape)
+    inexact = ~exact & ~blocked
+    if inexact.any():
+        where = np.repeat(inexact, block, axis=1)
+        with np.errstate(over="ignore"):
+            values = weight.dequantize()[where]
+            element_errors = np.zeros(weight.codes.shape)
+            element_errors[where] = relative_errors(values, round_to(values, BF16_FORMAT, saturate=False))
+        errors = _per_block(element_errors, block, np.max)
+    return exact, blocked, errors
 
 
 def _nvfp4(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     assert weight.scheme.scale_encoding == UE8M0 and weight.scheme.block % NVFP4_GROUP == 0, weight.scheme
     halves = weight.scheme.block // NVFP4_GROUP
-    b = np.repeat(weight.scales.astype(np.int64), halves, axis=1)  # (N, K/16): each group's UE8M0 byte
-    n, k = weight.codes.shape
-    codes = weight.codes.reshape(n, k // NVFP4_GROUP, NVFP4_GROUP)
-    zero = (codes & 7 == 0).all(axis=2)
+    b = np.repeat(weight.scales, halves, axis=1)  # (N, K/16): each group's UE8M0 byte
+    zero = _per_block(weight.codes & 7 == 0, NVFP4_GROUP, np.all)
     reserved = b == UE8M0_NAN
     exponent = choose_global_exponent(b[~zero & ~reserved])
     low, high = NVFP4_SCALE_RANGE
-    exact = ~reserved & (zero | ((b - 127 - exponent >= low) & (b - 127 - exponent <= high)))
-    # the cast's rounding: the nearest E4M3 scale (clamped), then each value to the nearest E2M1 code of it
-    with np.errstate(invalid="ignore", over="ignore"):
-        wanted = np.ldexp(1.0, np.where(reserved, 127, b) - 127 - exponent)
-        scale = np.clip(round_to(wanted, E4M3_FORMAT, saturate=True), 2.0 ** low, E4M3_FORMAT.top)
-        values = weight.dequantize().reshape(n, k // NVFP4_GROUP, NVFP4_GROUP)
-        step = scale[..., None] * 2.0 ** exponent
-        rounded = round_to(values / step, E2M1_FORMAT, saturate=True) * step
-        errors = np.where(reserved, 0.0, relative_errors(values, rounded).max(axis=2))
+    relative = b.astype(np.int64) - 127 - exponent
+    exact = ~reserved & (zero | ((relative >= low) & (relative <= high)))
+    errors = np.zeros(exact.shape)
+    inexact = ~exact & ~reserved
+    if inexact.any():  # the cast's rounding: the nearest E4M3 scale (clamped), each value to the nearest code of it
+        with np.errstate(over="ignore"):
+            scale = np.clip(round_to(np.ldexp(1.0, relative[inexact]), E4M3_FORMAT, saturate=True), 2.0 ** low,
+                            E4M3_FORMAT.top)
+            n, k = weight.codes.shape
+            values = weight.dequantize().reshape(n, k // NVFP4_GROUP, NVFP4_GROUP)[inexact]
+            step = scale[:, None] * 2.0 ** exponent
+            rounded = round_to(values / step, E2M1_FORMAT, saturate=True) * step
+            errors[inexact] = relative_errors(values, rounded).max(axis=1)
     return exact, reserved, errors, exponent
 
 

@@ -7,6 +7,7 @@ its brackets literal; JSON escapes them itself."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import sys
@@ -106,7 +107,7 @@ def cast_rows(found: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     for entry in found.values():
         blocks, exact = entry["blocks"], entry["exact"]
-        share = f"{100 * exact / blocks:.4g}%" if blocks else "-"
+        share = f"{math.floor(10000 * exact / blocks) / 100:g}%" if blocks else "-"  # 99.99%, never a rounded 100%
         if exact == blocks and not entry["refused"]:
             rows.append((f"cast {entry['label']}", f"{share} of {blocks:,} blocks exact"))
             continue
@@ -114,7 +115,7 @@ def cast_rows(found: dict[str, Any]) -> list[tuple[str, str]]:
         if entry["inexact"]:
             first = entry["inexact"][0]
             text += (f"; {len(entry['inexact'])} of {entry['linears']} linears with inexact blocks (first: "
-                     f"{first['tensor']}, {first['blocks'] - first['exact']} blocks); worst relative error "
+                     f"{first['tensor']}, {first['blocks'] - first['exact']} inexact block(s)); worst relative error "
                      f"{_error(entry['worst_relative_error'])}")
         if entry["reserved"]:
             text += f"; {entry['reserved']} blocks hold a scale byte reserved for NaN"
@@ -125,7 +126,10 @@ def cast_rows(found: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _error(value: float | str) -> str:
-    return value if isinstance(value, str) else f"{value:.2g}"
+    """A relative error for a reader: inf (an overflow) and 1 (a value flushed to 0) said in words."""
+    if isinstance(value, str):
+        return f"{value} (a value overflows the target)"
+    return f"{value:.2g}" + (" (a value flushed to 0)" if value == 1.0 else "")
 
 
 def audit_rows(report: dict[str, Any]) -> list[tuple[str, str]]:

@@ -2,6 +2,7 @@
 here independently: every value of a block decoded in Python floats, rounded to the target by torch's own
 float8_e4m3fn / bfloat16 conversions (or the nearest E2M1 value), and compared as reals."""
 
+import json
 import math
 from pathlib import Path
 
@@ -150,13 +151,12 @@ def test_mxfp4_to_nvfp4_predicate_agrees_with_brute_force(weight):
                        for i in range(2) for j in range(4)) <= found.exact
 
 
-@settings(max_examples=200, deadline=None)
-@given(nvfp4_weights())
-def test_nvfp4_to_bf16_predicate_agrees_with_brute_force(weight):
+def nvfp4_bf16_exact_brute(weight: FloatWeight) -> np.ndarray:
     g = float(weight.global_scale)
-    exact = np.zeros((2, 2), dtype=bool)
-    for i in range(2):
-        for j in range(2):
+    rows, groups = weight.scales.shape
+    exact = np.zeros((rows, groups), dtype=bool)
+    for i in range(rows):
+        for j in range(groups):
             s = e4m3(int(weight.scales[i, j]))
             products = [value(int(c), s) for c in weight.codes[i, 16 * j:16 * (j + 1)]]  # exact in float64
             if weight.scheme.global_convention == MULTIPLY:
@@ -164,7 +164,24 @@ def test_nvfp4_to_bf16_predicate_agrees_with_brute_force(weight):
             else:  # a bfloat16 x is c · s / g as a real iff x · g == c · s (exact products in float64)
                 rounded = torch.tensor(products, dtype=torch.float64).div(g).to(torch.bfloat16).double().numpy()
                 exact[i, j] = bool(np.all(rounded * g == np.array(products))) and not math.isnan(s)
-    assert np.array_equal(casts.exact_blocks(weight, casts.BF16), exact)
+    return exact
+
+
+@settings(max_examples=200, deadline=None)
+@given(nvfp4_weights())
+def test_nvfp4_to_bf16_predicate_agrees_with_brute_force(weight):
+    assert np.array_equal(casts.exact_blocks(weight, casts.BF16), nvfp4_bf16_exact_brute(weight))
+
+
+@pytest.mark.parametrize("convention", [DIVIDE, MULTIPLY])
+@pytest.mark.parametrize("global_scale", [2.0**-126, 2.0**-120, 2.0**-117, 3.0, 2.0**117, 2.0**120, 2.0**126])
+def test_nvfp4_edge_scale_bytes_and_globals_to_bf16_against_the_brute_force(convention, global_scale):
+    # every E4M3 edge byte (a column each) under every code (a row each), a global scale that pushes the values
+    # to bfloat16's subnormals (2^-133 = 0.5 · 2^-6 · 2^-126) or past its largest
+    codes = np.repeat(np.arange(16, dtype=np.uint8)[:, None], 16 * len(E4M3_EDGES), axis=1)
+    scales = np.tile(np.array(E4M3_EDGES, np.uint8), (16, 1))
+    weight = FloatWeight(codes, scales, nvfp4(convention, False), global_scale=np.array(global_scale, np.float32))
+    assert np.array_equal(casts.exact_blocks(weight, casts.BF16), nvfp4_bf16_exact_brute(weight))
 
 
 @pytest.mark.parametrize("byte", E8M0_EDGES)
@@ -226,8 +243,9 @@ def test_inspect_counts_the_casts_of_llm_compressor_mxfp4():
     assert len(inexact) == 16 and inexact[0]["tensor"] == "model.layers.0.mlp.experts.0.down_proj"
     assert found["fp8-block"]["worst_relative_error"] == 1.0
     assert [row[1] for row in cast_rows(found)][1:] == ["100% of 3,072 blocks exact", "100% of 1,536 blocks exact"]
-    assert cast_rows(found)[0][1].startswith("33.33% of 24 blocks exact (8); 16 of 24 linears with inexact blocks "
-                                             "(first: model.layers.0.mlp.experts.0.down_proj, 1 blocks)")
+    assert cast_rows(found)[0][1] == ("33.33% of 24 blocks exact (8); 16 of 24 linears with inexact blocks (first: "
+                                      "model.layers.0.mlp.experts.0.down_proj, 1 inexact block(s)); worst relative "
+                                      "error 1 (a value flushed to 0)")
 
 
 def test_inspect_census_agrees_with_the_brute_force_on_the_fixture():
@@ -244,3 +262,17 @@ def test_inspect_census_agrees_with_the_brute_force_on_the_fixture():
                     weight = found.source_format.decode({s: reader.read_raw(e) for s, e in linear.items()})
                     exact += fp8_block_exact_brute(mx_values(weight))  # each linear is one (partial) block
     assert exact == inspect(FLOAT_DATA / "ct-mxfp4a16")["casts"]["fp8-block"]["exact"] == 8
+
+
+def test_the_census_of_hostile_scale_bytes_is_strict_json():
+    # gpt-oss's stacked experts with scale bytes up to 254: a BF16 cast overflows (an infinite error, "inf")
+    found = inspect(FLOAT_DATA / "gptoss-mxfp4-bytes")["casts"]
+    json.loads(json.dumps(found, allow_nan=False))
+    bf16 = found["bf16"]
+    assert (bf16["blocks"], bf16["exact"], bf16["worst_relative_error"]) == (2304, 2300, "inf")
+    assert bf16["inexact"][0]["tensor"] == "model.layers.0.mlp.experts.gate_up_proj_blocks[1, 1::2]"
+    assert cast_rows({"bf16": {**bf16, "exact": 2303}})[0][1] == (
+        "99.95% of 2,304 blocks exact (2,303); 4 of 24 linears with inexact blocks (first: "
+        "model.layers.0.mlp.experts.gate_up_proj_blocks[1, 1::2], 1 inexact block(s)); worst relative error inf "
+        "(a value overflows the target)")
+    assert cast_rows({"bf16": {**bf16, "blocks": 10**6, "exact": 10**6 - 1}})[0][1].startswith("99.99% of")
