@@ -4,6 +4,8 @@ float8_e4m3fn / bfloat16 conversions (or the nearest E2M1 value), and compared a
 
 import json
 import math
+import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -276,3 +278,36 @@ def test_the_census_of_hostile_scale_bytes_is_strict_json():
         "model.layers.0.mlp.experts.gate_up_proj_blocks[1, 1::2], 1 inexact block(s)); worst relative error inf "
         "(a value overflows the target)")
     assert cast_rows({"bf16": {**bf16, "blocks": 10**6, "exact": 10**6 - 1}})[0][1].startswith("99.99% of")
+
+
+def set_scale_byte(folder: Path, tensor: str, byte: int) -> None:
+    """Overwrite the first byte of `tensor`'s data in its shard (safetensors: 8-byte header length, JSON)."""
+    shard = folder / json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][tensor]
+    with open(shard, "r+b") as handle:
+        length = struct.unpack("<Q", handle.read(8))[0]
+        begin = json.loads(handle.read(length))[tensor]["data_offsets"][0]
+        handle.seek(8 + length + begin)
+        handle.write(bytes([byte]))
+
+
+def test_the_census_counts_a_changed_scale_byte_and_names_an_unreadable_linear(tmp_path):
+    # llm-compressor's MXFP4 output with one exact FP8 block made inexact (a scale byte of 254 beside bytes
+    # near 120: 2^127 among 2^-7) and one linear made unreadable (0xFF: the format refuses to read it, so it is
+    # listed apart and its blocks are not counted; the census never shows 100% while one is)
+    source = shutil.copytree(FLOAT_DATA / "ct-mxfp4a16", tmp_path / "src")
+    before = inspect(source)["casts"]["fp8-block"]
+    exact_linear = next(f"model.layers.{layer}.mlp.experts.{expert}.{projection}"
+                        for layer in range(2) for expert in range(4) for projection in ("gate_proj", "up_proj", "down_proj")
+                        if f"model.layers.{layer}.mlp.experts.{expert}.{projection}" not in
+                        {entry["tensor"] for entry in before["inexact"]})
+    set_scale_byte(source, f"{exact_linear}.weight_scale", 254)
+    set_scale_byte(source, "model.layers.1.mlp.experts.3.down_proj.weight_scale", 0xFF)
+    after = inspect(source)["casts"]
+    fp8 = after["fp8-block"]
+    unreadable_was_exact = "model.layers.1.mlp.experts.3.down_proj" not in {e["tensor"] for e in before["inexact"]}
+    assert (fp8["blocks"], fp8["exact"], fp8["linears"]) == (23, 7 - unreadable_was_exact, 23)
+    assert exact_linear in {entry["tensor"] for entry in fp8["inexact"]}
+    for entry in after.values():
+        assert [refused["tensor"] for refused in entry["refused"]] == ["model.layers.1.mlp.experts.3.down_proj"]
+        assert "reserves for NaN (0xFF at [0, 0])" in entry["refused"][0]["reason"]
+    assert cast_rows(after)[2][1].endswith("; 1 linears unreadable (first: model.layers.1.mlp.experts.3.down_proj)")
