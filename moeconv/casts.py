@@ -146,6 +146,8 @@ def relative_errors(values: np.ndarray, rounded: np.ndarray) -> np.ndarray:
 
 def _dyadic_scalar(value: float) -> tuple[int, int]:
     """A finite non-zero float as (odd, e) with |value| = odd · 2^e."""
+    if value == 0 or not np.isfinite(value):
+        raise ValueError(f"a global scale of {value!r} has no value set to decide (float_codes.global_refusal)")
     mantissa, exponent = np.frexp(abs(value))
     odd, e = int(np.ldexp(mantissa, 53)), int(exponent) - 53
     while odd % 2 == 0:

@@ -207,6 +207,14 @@ def test_fp8_block_spreads_around_eighteen_binades_against_the_brute_force(high)
             large, small, spread)
 
 
+@pytest.mark.parametrize("global_scale", [0.0, math.inf, math.nan])
+def test_a_global_scale_that_reads_as_no_number_is_refused(global_scale):
+    weight = FloatWeight(np.zeros((1, 16), np.uint8), np.full((1, 1), 0x38, np.uint8), nvfp4(MULTIPLY, False),
+                         global_scale=np.array(global_scale, np.float32))
+    with pytest.raises(ValueError, match=f"a global scale of {global_scale!r} has no value set to decide"):
+        casts.census(weight, casts.BF16)
+
+
 def test_a_target_the_source_has_not_is_refused():
     weight = FloatWeight(np.zeros((1, 16), np.uint8), np.full((1, 1), 0x38, np.uint8), nvfp4(DIVIDE, False),
                          global_scale=np.array(1.0, np.float32))
