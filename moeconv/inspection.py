@@ -1,4 +1,5 @@
-"""What a checkpoint is, from its configs and headers (plus the small tensors its format audits)."""
+"""What a checkpoint is, from its configs and headers (plus the small tensors its format audits, and for float
+codes every expert linear's bytes: the census of its casts, casts.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from moeconv import engines
+from moeconv import casts, engines
 from moeconv.audit import Audits
 from moeconv.audit import count as audit_counts
 from moeconv.backends import all_backends
@@ -61,6 +62,8 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
         report["stacked_experts"] = _stacked(checkpoint, found.architecture, layers)
     if detection.undecided:  # every verdict above holds once the user decides; convert refuses until then
         report["convert_refuses"] = "; ".join(detection.undecided[:1] + detection.advice[:1])
+    if source_format.float_scheme is not None:
+        report["casts"] = cast_census(source_format, layers)
     audits = _audit(source_format, layers)
     for kind in audits.totals:
         report[kind] = audits.report(kind)
@@ -143,3 +146,46 @@ def _audit(source_format, layers) -> Audits:
                     name = next(iter(linear.values())).name.rsplit(".", 1)[0]
                     audits.record(name, audit_counts(source_format, small, None))
     return audits
+
+
+def cast_census(source_format, layers) -> dict[str, Any]:
+    """Each cast of the float codes (casts.py: block-FP8, NVFP4, BF16), decided per target block from every
+    expert linear's bytes, before any write: blocks, exact blocks, the linears with an inexact block (with the
+    worst relative error the cast would give) and those whose bytes the format refuses to read."""
+    scheme = source_format.float_scheme
+    found = {target: {"source": scheme.name, "label": f"{scheme.name.upper()} -> {casts.LABELS[target]}",
+                      "blocks": 0, "exact": 0, "reserved": 0, "linears": 0, "worst_relative_error": 0.0,
+                      "inexact": [], "refused": []}
+             for target in casts.TARGETS[scheme.name]}
+    with TensorReader() as reader:
+        for layer in layers:
+            for expert in layer.experts:
+                for linear in expert.values():
+                    name = _linear_name(linear)
+                    stored = {suffix: entry.read_raw(reader) if isinstance(entry, ExpertSlice) else reader.read_raw(entry)
+                              for suffix, entry in linear.items()}
+                    try:
+                        weight = source_format.decode(stored)
+                    except MoeconvError as refusal:
+                        for entry in found.values():
+                            entry["refused"].append({"tensor": name, "reason": str(refusal)})
+                        continue
+                    for target, entry in found.items():
+                        counted = casts.census(weight, target)
+                        entry["linears"] += 1
+                        entry["blocks"] += counted.blocks
+                        entry["exact"] += counted.exact
+                        entry["reserved"] += counted.reserved
+                        if counted.exact < counted.blocks:
+                            entry["inexact"].append({"tensor": name, **counted.to_json()})
+                            entry["worst_relative_error"] = max(entry["worst_relative_error"],
+                                                                counted.worst_relative_error)
+    for entry in found.values():
+        entry["worst_relative_error"] = casts.json_float(entry["worst_relative_error"])
+    return found
+
+
+def _linear_name(linear) -> str:
+    """One expert linear's module path (a stacked slice: the slice of its codes, which names the rows)."""
+    first = next(entry for suffix, entry in sorted(linear.items()) if not suffix.endswith("bias"))
+    return first.name if isinstance(first, ExpertSlice) else first.name.rsplit(".", 1)[0]

@@ -7,6 +7,7 @@ its brackets literal; JSON escapes them itself."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import sys
@@ -96,8 +97,39 @@ def print_inspect(report: dict[str, Any], title: str) -> None:
             text = f"NOT eligible: {verdict['reason']}"
         rows.append((f"backend {name} (tp={report['tp']})", text))
     rows.append((f"backend auto (tp={report['tp']})", f"{report['auto']}{once}"))
+    rows += cast_rows(report.get("casts", {}))
     rows += audit_rows(report)
     out.print(key_values(title, rows))
+
+
+def cast_rows(found: dict[str, Any]) -> list[tuple[str, str]]:
+    """The census of each cast of float codes (inspection.cast_census): all blocks exact, or the exceptions."""
+    rows = []
+    for entry in found.values():
+        blocks, exact = entry["blocks"], entry["exact"]
+        share = f"{math.floor(10000 * exact / blocks) / 100:g}%" if blocks else "-"  # 99.99%, never a rounded 100%
+        if exact == blocks and not entry["refused"]:
+            rows.append((f"cast {entry['label']}", f"{share} of {blocks:,} blocks exact"))
+            continue
+        text = f"{share} of {blocks:,} blocks exact ({exact:,})"
+        if entry["inexact"]:
+            first = entry["inexact"][0]
+            text += (f"; {len(entry['inexact'])} of {entry['linears']} linears with inexact blocks (first: "
+                     f"{first['tensor']}, {first['blocks'] - first['exact']} inexact block(s)); worst relative error "
+                     f"{_error(entry['worst_relative_error'])}")
+        if entry["reserved"]:
+            text += f"; {entry['reserved']} blocks hold a scale byte reserved for NaN"
+        if entry["refused"]:
+            text += f"; {len(entry['refused'])} linears unreadable (first: {entry['refused'][0]['tensor']})"
+        rows.append((f"[yellow]cast {literal(entry['label'])}[/]", text))
+    return rows
+
+
+def _error(value: float | str) -> str:
+    """A relative error for a reader: inf (an overflow) and 1 (a value flushed to 0) said in words."""
+    if isinstance(value, str):
+        return f"{value} (a value overflows the target)"
+    return f"{value:.2g}" + (" (a value flushed to 0)" if value == 1.0 else "")
 
 
 def audit_rows(report: dict[str, Any]) -> list[tuple[str, str]]:

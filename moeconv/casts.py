@@ -1,0 +1,327 @@
+"""Casts between float codes: which blocks of a target are exact, decided from the source's bytes before
+anything is written (issue 41, first step: the census; no cast is written yet). numpy only.
+
+Every source value is E2M1(code) · scale (· global): a dyadic rational odd · 2^e (or zero, or not dyadic when
+an NVFP4 global scale is divided by and its odd part does not divide). A value is representable in a float
+format with M mantissa bits, smallest normal exponent emin and largest finite value `top` iff
+
+    e >= max(e_hi - M, emin - M)  and  odd · 2^e <= top,      e_hi = e + bitlength(odd) - 1
+
+(its lowest set bit is within M bits of its highest, or on the subnormal grid), which this module evaluates
+with integers, never by rounding. A target block is exact iff every value in it is representable after the
+block's scale; a block holding a reserved scale byte (UE8M0 0xFF, E4M3 S.1111.111) never is. Targets:
+
+- `fp8-block` (MXFP4 sources): E4M3 codes and one float32 scale per 128 x 128 weight block (`weight` F8_E4M3
+  times `weight_scale_inv` F32, as vLLM's and SGLang's block-FP8 MoE kernels load). The scale is the power of
+  two 2^t with t the smallest that overflows no value (for E2M1 codes: the block's largest exponent minus 8,
+  so 6 · 2^x lands on 384). Each value allows an interval of t (overflow bounds it below, the subnormal grid
+  above), so the block is exact under some power of two iff it is under the smallest: this choice loses no
+  exact block. A float32 scale that is not a power of two (3 · 2^j is the only other whose quotients of E2M1
+  values are dyadic) helps only blocks whose every non-zero code is 1.5, 3 or 6, by one binade; not taken.
+- `nvfp4` (MXFP4 sources): the same E2M1 codes, an E4M3 scale per 16 (each 32-block's two halves) equal to
+  2^(b - 127) / G, and one global scale G = 2^γ per linear (written 1 / G, divided by, in compressed-tensors'
+  convention; both are float32 for |γ| <= 126). A group is exact iff its codes are all zero or 2^(b - 127 - γ)
+  is an E4M3 value (2^-9 .. 2^8); γ is chosen per linear to make the most groups exact (a window of 18
+  binades over the scale bytes), aligned to the largest scale byte when that costs nothing. Re-coding a
+  group (halving its codes to double its scale) could rescue a few more groups; not done.
+- `bf16` (MXFP4 or NVFP4 sources), per source block: exact iff no value over- or underflows bfloat16 (and,
+  for an NVFP4 global scale that is not a power of two, every value is still a bfloat16: 8 significant bits).
+
+The worst relative error of the inexact blocks is what the cast would give, computed by rounding each value
+to the target in float64, round-to-nearest-even (`round_to`): fp8-block divides by the block's 2^t; nvfp4
+writes the nearest E4M3 scale, clamped to 2^-9 .. 448, and rounds each value to the nearest E2M1 code of it
+(saturating at 6); bf16 overflows to infinity (an infinite error). docs/FORMAT.md ("Casts between float
+codes") states the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from moeconv.float_codes import DIVIDE, E4M3, E4M3_NAN_MAGNITUDE, UE8M0, UE8M0_NAN, FloatWeight
+
+
+class FloatFormat(NamedTuple):
+    """A sign-magnitude binary float format: mantissa bits, smallest normal exponent, largest finite value."""
+
+    name: str
+    mantissa: int
+    emin: int
+    top: float
+
+
+E2M1_FORMAT = FloatFormat("E2M1", 1, 0, 6.0)
+E4M3_FORMAT = FloatFormat("E4M3", 3, -6, 448.0)  # E4M3FN: no infinity, S.1111.111 is NaN
+BF16_FORMAT = FloatFormat("BF16", 7, -126, float(np.ldexp(255, 120)))  # 0x7F7F = (2 - 2^-7) · 2^127
+
+FP8_BLOCK, NVFP4, BF16 = "fp8-block", "nvfp4", "bf16"
+FP8_BLOCK_SHAPE = (128, 128)  # vLLM's / SGLang's block-FP8 MoE weight blocks (out, in)
+NVFP4_GROUP = 16
+NVFP4_SCALE_RANGE = (-9, 8)  # the powers of two E4M3 holds: 2^-9 (smallest subnormal) .. 2^8
+GLOBAL_EXPONENTS = (-126, 126)  # G = 2^γ and 1 / G both float32 normals
+TARGETS = {"mxfp4": (FP8_BLOCK, NVFP4, BF16), "nvfp4": (BF16,)}  # source scheme -> the casts this module decides
+LABELS = {FP8_BLOCK: "FP8-block", NVFP4: "NVFP4", BF16: "BF16"}
+
+# E2M1 magnitude (code & 7: 0, 0.5, 1, 1.5, 2, 3, 4, 6) as odd · 2^e; zero has odd 0
+_E2M1_ODD = np.array([0, 1, 1, 3, 1, 3, 1, 3], dtype=np.int64)
+_E2M1_EXP = np.array([0, -1, 0, -1, 1, 0, 2, 1], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Census:
+    """One linear's census for one target: `blocks` target blocks, `exact` of them exact, `reserved` of the
+    others holding a reserved scale byte; `worst_relative_error` over the inexact blocks without one (0.0 if
+    there are none; inf where a value overflows the target); `scale_exponent` the global scale's γ (nvfp4)."""
+
+    target: str
+    blocks: int
+    exact: int
+    reserved: int
+    worst_relative_error: float
+    scale_exponent: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"target": self.target, "blocks": self.blocks, "exact": self.exact, "reserved": self.reserved,
+                "worst_relative_error": json_float(self.worst_relative_error),
+                **({} if self.scale_exponent is None else {"global_scale": f"2^{self.scale_exponent}"})}
+
+
+def json_float(value: float) -> float | str:
+    """A float for JSON: inf as the string "inf" (JSON has no infinity)."""
+    return value if np.isfinite(value) else str(value)
+
+
+def targets_of(weight: FloatWeight) -> tuple[str, ...]:
+    return TARGETS[weight.scheme.name]
+
+
+def census(weight: FloatWeight, target: str) -> Census:
+    """Count `weight`'s exact target blocks (`exact_blocks`) and the worst relative error of the others."""
+    exact, reserved, errors, exponent = _blocks(weight, target)
+    inexact = ~exact & ~reserved
+    worst = float(errors[inexact].max()) if inexact.any() else 0.0
+    return Census(target, int(exact.size), int(exact.sum()), int(reserved.sum()), worst, exponent)
+
+
+def exact_blocks(weight: FloatWeight, target: str) -> np.ndarray:
+    """The exactness predicate: a bool array, one per target block (fp8-block: (ceil(N/128), ceil(K/128));
+    nvfp4: (N, K/16); bf16: the source's blocks, (N, K/block)), decided from the bytes alone."""
+    return _blocks(weight, target)[0]
+
+
+def representable(odd: np.ndarray, exponent: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    """Whether each odd · 2^exponent (odd >= 0; 0 is zero, always representable; -1 marks a value that is
+    not dyadic, never representable) is a value of `fmt`. Integer arithmetic but for the comparison with
+    the largest value, which is exact in float64 for these magnitudes."""
+    nonzero = odd > 0
+    bits = np.frexp(np.where(nonzero, odd, 1).astype(np.float64))[1].astype(np.int64)  # bit length
+    high = exponent + bits - 1
+    fits = exponent >= np.maximum(high - fmt.mantissa, fmt.emin - fmt.mantissa)
+    with np.errstate(over="ignore"):
+        in_range = np.ldexp(np.where(nonzero, odd, 0).astype(np.float64), exponent.astype(np.int64)) <= fmt.top
+    return (odd == 0) | (nonzero & fits & in_range)
+
+
+def round_to(values: np.ndarray, fmt: FloatFormat, saturate: bool) -> np.ndarray:
+    """float64 values rounded to `fmt`, round-to-nearest-even; past the largest value: the largest (saturate)
+    or infinity."""
+    magnitude = np.abs(values)
+    exponent = np.frexp(np.where(magnitude > 0, magnitude, 1.0))[1] - 1  # floor(log2 |x|)
+    quantum = np.maximum(exponent, fmt.emin) - fmt.mantissa
+    rounded = np.ldexp(np.round(np.ldexp(values, -quantum)), quantum)  # np.round: halves to even
+    past = np.abs(rounded) > fmt.top
+    return np.where(past, np.copysign(fmt.top if saturate else np.inf, values), rounded)
+
+
+def relative_errors(values: np.ndarray, rounded: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        errors = np.abs(rounded - values) / np.abs(values)
+    return np.where(values == 0, np.where(rounded == 0, 0.0, np.inf), errors)
+
+
+# ---- the values as odd · 2^e ------------------------------------------------------------------------------
+
+def _dyadic_scalar(value: float) -> tuple[int, int]:
+    """A finite non-zero float as (odd, e) with |value| = odd · 2^e."""
+    if value == 0 or not np.isfinite(value):
+        raise ValueError(f"a global scale of {value!r} has no value set to decide (float_codes.global_refusal)")
+    mantissa, exponent = np.frexp(abs(value))
+    odd, e = int(np.ldexp(mantissa, 53)), int(exponent) - 53
+    while odd % 2 == 0:
+        odd, e = odd // 2, e + 1
+    return odd, e
+
+
+def _scale_dyadic(scales: np.ndarray, encoding: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Scale bytes as (odd, e, reserved): UE8M0 b = 1 · 2^(b-127); E4M3 by its bits (zero: odd 0)."""
+    b = scales.astype(np.int64)
+    if encoding == UE8M0:
+        return np.ones_like(b), b - 127, b == UE8M0_NAN
+    assert encoding == E4M3, encoding
+    field, mantissa = (b >> 3) & 0xF, b & 0x7
+    odd = np.where(field > 0, 8 + mantissa, mantissa)
+    exponent = np.where(field > 0, field, 1) - 10  # (8 + m) · 2^(E - 10), subnormal m · 2^-9
+    for _ in range(3):  # strip the trailing zero bits (at most 3 of a 4-bit integer)
+        even = (odd > 0) & (odd % 2 == 0)
+        odd, exponent = np.where(even, odd // 2, odd), np.where(even, exponent + 1, exponent)
+    return odd, exponent, (b & 0x7F) == E4M3_NAN_MAGNITUDE
+
+
+def _pair_dyadic(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """|E2M1(code) · scale(byte) (· global)| as odd · 2^e for every scale byte and code magnitude ((256, 8)
+    int64 each, indexed [byte, code & 7]; odd -1: not dyadic), and whether the byte is reserved. Every
+    property of a value is a lookup in a table of these 2048 pairs (`_pair_index`)."""
+    scheme = weight.scheme
+    scale_odd, scale_exp, reserved = _scale_dyadic(np.arange(256, dtype=np.uint8), scheme.scale_encoding)
+    odd = scale_odd[:, None] * _E2M1_ODD[None, :]
+    exponent = scale_exp[:, None] + _E2M1_EXP[None, :]
+    if weight.global_scale is not None:
+        global_odd, global_exp = _dyadic_scalar(float(weight.global_scale))
+        if scheme.global_convention == DIVIDE:
+            divides = odd % global_odd == 0
+            odd = np.where(divides, odd // global_odd, -1)
+            exponent = exponent - global_exp
+        else:
+            odd, exponent = odd * global_odd, exponent + global_exp
+    return odd, exponent, np.broadcast_to(reserved[:, None], odd.shape)
+
+
+def _pair_index(weight: FloatWeight) -> np.ndarray:
+    """(N, K) uint16: each element's row in the pair tables, scale byte · 8 + code magnitude."""
+    scales = np.repeat(weight.scales.astype(np.uint16) << 3, weight.scheme.block, axis=1)
+    return scales | (weight.codes & 7)
+
+
+def _per_block(array: np.ndarray, block: int, reduce) -> np.ndarray:
+    """(N, K) -> (N, K / block), reduced along each source block."""
+    n, k = array.shape
+    return reduce(array.reshape(n, k // block, block), axis=2)
+
+
+# ---- per target ---------------------------------------------------------------------------------------
+
+def _blocks(weight: FloatWeight, target: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int | None]:
+    """(exact, reserved, worst relative error: 0 for exact blocks) per target block, and the global scale's
+    exponent (nvfp4)."""
+    if target not in targets_of(weight):
+        raise ValueError(f"no {target} cast of {weight.scheme.name} codes is decided here (from "
+                         f"{weight.scheme.name}: {', '.join(targets_of(weight))})")
+    if target == FP8_BLOCK:
+        return (*_fp8_block(weight), None)
+    if target == NVFP4:
+        return _nvfp4(weight)
+    return (*_bf16(weight), None)
+
+
+def _tiles(array: np.ndarray, shape: tuple[int, int], fill: Any) -> np.ndarray:
+    """(N, M) -> (ceil(N/a), ceil(M/b), a · b), the last tiles padded with `fill`."""
+    (n, k), (a, b) = array.shape, shape
+    rows, cols = -(-n // a), -(-k // b)
+    padded = np.full((rows * a, cols * b), fill, dtype=array.dtype)
+    padded[:n, :k] = array
+    return padded.reshape(rows, a, cols, b).transpose(0, 2, 1, 3).reshape(rows, cols, a * b)
+
+
+def _spread(tiles: np.ndarray, shape: tuple[int, int], like: np.ndarray) -> np.ndarray:
+    """A per-tile array back to `like`'s (N, K) elements."""
+    return np.repeat(np.repeat(tiles, shape[0], axis=0), shape[1], axis=1)[:like.shape[0], :like.shape[1]]
+
+
+_LOWEST, _HIGHEST = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+
+
+def _fp8_block(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    odd, exponent, reserved = _pair_dyadic(weight)
+    nonzero = (odd > 0) & ~reserved
+    bits = np.frexp(np.where(nonzero, odd, 1).astype(np.float64))[1].astype(np.int64)
+    high = exponent + bits - 1
+    leading = np.ldexp(np.where(nonzero, odd, 1).astype(np.float64), 1 - bits)  # odd as 1.xxx
+    fmt = E4M3_FORMAT
+    # the smallest t with odd · 2^(e - t) <= 448 (the largest value's exponent minus 8, one more past 1.75),
+    # the lowest set bit's exponent (E4M3's grid reaches 2^(t - 9)), and whether the bits fit E4M3's mantissa
+    floor_table = np.where(nonzero, high - 8 + (leading > 1.75), _LOWEST).astype(np.int32).ravel()
+    low_table = np.where(nonzero, exponent, _HIGHEST).astype(np.int32).ravel()
+    fits_table = (~nonzero | (exponent >= high - fmt.mantissa)).ravel()
+    index, block = _pair_index(weight), weight.scheme.block
+    per_row = (FP8_BLOCK_SHAPE[0], FP8_BLOCK_SHAPE[1] // block)  # a tile in source blocks
+    shift = _tiles(_per_block(floor_table[index], block, np.max), per_row, _LOWEST).max(axis=2)
+    shift = np.where(shift == _LOWEST, 0, shift)  # an all-zero block: scale 1
+    low = _tiles(_per_block(low_table[index], block, np.min), per_row, _HIGHEST).min(axis=2)
+    fits = _tiles(_per_block(fits_table[index], block, np.all), per_row, True).all(axis=2)
+    blocked = _tiles(weight.scales == UE8M0_NAN, per_row, False).any(axis=2)
+    exact = ~blocked & fits & ((low == _HIGHEST) | (low.astype(np.int64) - shift >= fmt.emin - fmt.mantissa))
+    errors = np.zeros(exact.shape)
+    inexact = ~exact & ~blocked
+    if inexact.any():  # the cast's rounding, on the elements of the inexact blocks only
+        where = _spread(inexact, FP8_BLOCK_SHAPE, weight.codes)
+        element_shift = _spread(shift, FP8_BLOCK_SHAPE, weight.codes)[where]
+        values = weight.dequantize()[where]
+        rounded = np.ldexp(round_to(np.ldexp(values, -element_shift), fmt, saturate=True), element_shift)
+        element_errors = np.zeros(weight.codes.shape)
+        element_errors[where] = relative_errors(values, rounded)
+        errors = _tiles(element_errors, FP8_BLOCK_SHAPE, 0.0).max(axis=2)
+    return exact, blocked, errors
+
+
+def _bf16(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    odd, exponent, reserved = _pair_dyadic(weight)
+    table = (representable(odd, exponent, BF16_FORMAT) & ~reserved).ravel()
+    block = weight.scheme.block
+    exact = _per_block(table[_pair_index(weight)], block, np.all)
+    blocked = _scale_dyadic(weight.scales, weight.scheme.scale_encoding)[2]
+    errors = np.zeros(exact.shape)
+    inexact = ~exact & ~blocked
+    if inexact.any():
+        where = np.repeat(inexact, block, axis=1)
+        with np.errstate(over="ignore"):
+            values = weight.dequantize()[where]
+            element_errors = np.zeros(weight.codes.shape)
+            element_errors[where] = relative_errors(values, round_to(values, BF16_FORMAT, saturate=False))
+        errors = _per_block(element_errors, block, np.max)
+    return exact, blocked, errors
+
+
+def _nvfp4(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    assert weight.scheme.scale_encoding == UE8M0 and weight.scheme.block % NVFP4_GROUP == 0, weight.scheme
+    halves = weight.scheme.block // NVFP4_GROUP
+    b = np.repeat(weight.scales, halves, axis=1)  # (N, K/16): each group's UE8M0 byte
+    zero = _per_block(weight.codes & 7 == 0, NVFP4_GROUP, np.all)
+    reserved = b == UE8M0_NAN
+    exponent = choose_global_exponent(b[~zero & ~reserved])
+    low, high = NVFP4_SCALE_RANGE
+    relative = b.astype(np.int64) - 127 - exponent
+    exact = ~reserved & (zero | ((relative >= low) & (relative <= high)))
+    errors = np.zeros(exact.shape)
+    inexact = ~exact & ~reserved
+    if inexact.any():  # the cast's rounding: the nearest E4M3 scale (clamped), each value to the nearest code of it
+        with np.errstate(over="ignore"):
+            scale = np.clip(round_to(np.ldexp(1.0, relative[inexact]), E4M3_FORMAT, saturate=True), 2.0 ** low,
+                            E4M3_FORMAT.top)
+            n, k = weight.codes.shape
+            values = weight.dequantize().reshape(n, k // NVFP4_GROUP, NVFP4_GROUP)[inexact]
+            step = scale[:, None] * 2.0 ** exponent
+            rounded = round_to(values / step, E2M1_FORMAT, saturate=True) * step
+            errors[inexact] = relative_errors(values, rounded).max(axis=1)
+    return exact, reserved, errors, exponent
+
+
+def choose_global_exponent(scale_bytes: np.ndarray) -> int:
+    """γ for G = 2^γ: the one under which the most of these UE8M0 bytes b have 2^(b - 127 - γ) in E4M3's
+    2^-9 .. 2^8, the largest byte landing on 2^8 when that is among them (else the highest such γ)."""
+    low, high = NVFP4_SCALE_RANGE
+    if scale_bytes.size == 0:
+        return 0
+    counts = np.bincount(scale_bytes.astype(np.int64), minlength=256)
+    gammas = np.arange(GLOBAL_EXPONENTS[0], GLOBAL_EXPONENTS[1] + 1)
+    covered = np.cumsum(np.concatenate([[0], counts]))  # covered[x] = count of bytes < x
+    top = np.clip(gammas + 127 + high + 1, 0, 256)
+    bottom = np.clip(gammas + 127 + low, 0, 256)
+    exact = covered[top] - covered[bottom]
+    best = exact.max()
+    aligned = int(scale_bytes.max()) - 127 - high
+    if GLOBAL_EXPONENTS[0] <= aligned <= GLOBAL_EXPONENTS[1] and exact[aligned - GLOBAL_EXPONENTS[0]] == best:
+        return aligned
+    return int(gammas[exact == best].max())
