@@ -30,13 +30,14 @@ def open_source(source: str | Path, revision: str | None = None, local_files_onl
 
 
 def inspect(source: str | Path, *, revision: str | None = None, local_files_only: bool = False,
-            tp: int = 1) -> dict[str, Any]:
+            tp: int = 1, casts: bool = False) -> dict[str, Any]:
     """What a checkpoint is, as `moeconv inspect --json` prints it: architecture, the format the config
     declares and the one the tensors show (with the evidence and any disagreement), experts, sizes,
     and per-backend eligibility at tensor-parallel size `tp`. Reads headers and a sample of tensors;
     `source` may be an object store URL (`s3://bucket/prefix`), whose files are read by range requests
-    with the credentials of the store's standard environment (AWS_ACCESS_KEY_ID, ..., AWS_ENDPOINT_URL)."""
-    return inspect_checkpoint(open_source(source, revision, local_files_only), tp=tp)
+    with the credentials of the store's standard environment (AWS_ACCESS_KEY_ID, ..., AWS_ENDPOINT_URL).
+    `casts`: for float codes, the census of each cast (casts.py), which reads every expert linear."""
+    return inspect_checkpoint(open_source(source, revision, local_files_only), tp=tp, casts=casts)
 
 
 def plan(source: str | Path, *, backend: str = "triton", revision: str | None = None,

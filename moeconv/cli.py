@@ -124,12 +124,14 @@ def inspect(
     local_files_only: bool = LOCAL_ONLY,
     tp: int = TP,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    casts: bool = typer.Option(False, "--casts", help="Float codes (MXFP4, NVFP4): count, per target block, which "
+                               "casts to block-FP8, NVFP4 and BF16 would be exact. Reads every expert's codes."),
 ) -> None:
     """Say what a checkpoint is: architecture, quant format (from the config and from the tensors),
     MoE layers, sizes, and which backends can take it. Reads headers, configs and a few small tensors."""
     from moeconv.api import inspect as inspect_source
 
-    report = inspect_source(source, revision=revision, local_files_only=local_files_only, tp=tp)
+    report = inspect_source(source, revision=revision, local_files_only=local_files_only, tp=tp, casts=casts)
     if as_json:
         render.print_json(report)
     else:

@@ -18,9 +18,10 @@ from moeconv.spec import FLOAT_DTYPES
 from moeconv.survey import ExpertSlice, check_global_scales, survey
 
 
-def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]:
+def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1, casts: bool = False) -> dict[str, Any]:
     """The survey (survey.py) rendered, without refusing what the data contradicts (it is reported), and
-    each backend's verdict on it."""
+    each backend's verdict on it; with `casts`, a float source's cast census too (it reads every expert
+    linear's codes and scales, not headers only)."""
     checkpoint = source if isinstance(source, Checkpoint) else open_checkpoint(Path(source))
     found = survey(checkpoint, tp=tp, strict=False)
     source_format, configured, detection, layers = found.source_format, found.configured, found.detection, found.layers
@@ -62,7 +63,7 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1) -> dict[str, Any]
         report["stacked_experts"] = _stacked(checkpoint, found.architecture, layers)
     if detection.undecided:  # every verdict above holds once the user decides; convert refuses until then
         report["convert_refuses"] = "; ".join(detection.undecided[:1] + detection.advice[:1])
-    if source_format.float_scheme is not None:
+    if casts and source_format.float_scheme is not None:
         report["casts"] = cast_census(source_format, layers)
     audits = _audit(source_format, layers)
     for kind in audits.totals:

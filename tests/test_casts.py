@@ -19,6 +19,8 @@ from moeconv.api import inspect
 from moeconv.float_codes import DIVIDE, MULTIPLY, MXFP4, FloatWeight, nvfp4
 from moeconv.render import cast_rows
 
+from helpers import run_main
+
 FLOAT_DATA = Path(__file__).parent / "data" / "float"
 E8M0_EDGES = [0, 1, 126, 127, 128, 254, 0xFF]  # smallest, 2^-126, 1/2, 1, 2, largest finite, NaN
 E4M3_EDGES = [0x00, 0x01, 0x07, 0x08, 0x38, 0x7E, 0x7F, 0xFF, 0x80, 0x81]  # 0, subnormals, 2^-6, 1, 448, NaN, -0
@@ -243,7 +245,7 @@ def test_census_counts_the_blocks_a_spread_of_exponents_makes_inexact():
 # ---- inspect on real llm-compressor output -------------------------------------------------------------------
 
 def test_inspect_counts_the_casts_of_llm_compressor_mxfp4():
-    found = inspect(FLOAT_DATA / "ct-mxfp4a16")["casts"]
+    found = inspect(FLOAT_DATA / "ct-mxfp4a16", casts=True)["casts"]
     assert {target: (entry["blocks"], entry["exact"], entry["reserved"], entry["linears"])
             for target, entry in found.items()} == {"fp8-block": (24, 8, 0, 24), "nvfp4": (3072, 3072, 0, 24),
                                                     "bf16": (1536, 1536, 0, 24)}
@@ -256,6 +258,16 @@ def test_inspect_counts_the_casts_of_llm_compressor_mxfp4():
     assert cast_rows(found)[0][1] == ("33.33% of 24 blocks exact (8); 16 of 24 linears with inexact blocks (first: "
                                       "model.layers.0.mlp.experts.0.down_proj, 1 inexact block(s)); worst relative "
                                       "error 1 (a value flushed to 0)")
+
+
+def test_the_census_is_asked_for_inspect_reads_no_expert_data_without_it(capsys):
+    """inspect reads headers and a few small tensors; the census reads every expert linear (half an hour for a
+    gpt-oss-120b on one core), so it runs only under --casts / casts=True, and the table shows it then."""
+    assert "casts" not in inspect(FLOAT_DATA / "ct-mxfp4a16")
+    code, out, _ = run_main(capsys, "inspect", FLOAT_DATA / "ct-mxfp4a16")
+    assert code == 0 and "MXFP4 -> FP8-block" not in out
+    code, out, _ = run_main(capsys, "inspect", FLOAT_DATA / "ct-mxfp4a16", "--casts")
+    assert code == 0 and "33.33% of 24 blocks exact (8)" in out and "100% of 3,072 blocks exact" in out
 
 
 def test_inspect_census_agrees_with_the_brute_force_on_the_fixture():
@@ -271,12 +283,12 @@ def test_inspect_census_agrees_with_the_brute_force_on_the_fixture():
                 for linear in expert.values():
                     weight = found.source_format.decode({s: reader.read_raw(e) for s, e in linear.items()})
                     exact += fp8_block_exact_brute(mx_values(weight))  # each linear is one (partial) block
-    assert exact == inspect(FLOAT_DATA / "ct-mxfp4a16")["casts"]["fp8-block"]["exact"] == 8
+    assert exact == inspect(FLOAT_DATA / "ct-mxfp4a16", casts=True)["casts"]["fp8-block"]["exact"] == 8
 
 
 def test_the_census_of_hostile_scale_bytes_is_strict_json():
     # gpt-oss's stacked experts with scale bytes up to 254: a BF16 cast overflows (an infinite error, "inf")
-    found = inspect(FLOAT_DATA / "gptoss-mxfp4-bytes")["casts"]
+    found = inspect(FLOAT_DATA / "gptoss-mxfp4-bytes", casts=True)["casts"]
     json.loads(json.dumps(found, allow_nan=False))
     bf16 = found["bf16"]
     assert (bf16["blocks"], bf16["exact"], bf16["worst_relative_error"]) == (2304, 2300, "inf")
@@ -303,14 +315,14 @@ def test_the_census_counts_a_changed_scale_byte_and_names_an_unreadable_linear(t
     # near 120: 2^127 among 2^-7) and one linear made unreadable (0xFF: the format refuses to read it, so it is
     # listed apart and its blocks are not counted; the census never shows 100% while one is)
     source = shutil.copytree(FLOAT_DATA / "ct-mxfp4a16", tmp_path / "src")
-    before = inspect(source)["casts"]["fp8-block"]
+    before = inspect(source, casts=True)["casts"]["fp8-block"]
     exact_linear = next(f"model.layers.{layer}.mlp.experts.{expert}.{projection}"
                         for layer in range(2) for expert in range(4) for projection in ("gate_proj", "up_proj", "down_proj")
                         if f"model.layers.{layer}.mlp.experts.{expert}.{projection}" not in
                         {entry["tensor"] for entry in before["inexact"]})
     set_scale_byte(source, f"{exact_linear}.weight_scale", 254)
     set_scale_byte(source, "model.layers.1.mlp.experts.3.down_proj.weight_scale", 0xFF)
-    after = inspect(source)["casts"]
+    after = inspect(source, casts=True)["casts"]
     fp8 = after["fp8-block"]
     unreadable_was_exact = "model.layers.1.mlp.experts.3.down_proj" not in {e["tensor"] for e in before["inexact"]}
     assert (fp8["blocks"], fp8["exact"], fp8["linears"]) == (23, 7 - unreadable_was_exact, 23)
