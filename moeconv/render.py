@@ -281,8 +281,9 @@ def verdict(report) -> str:
     decoded = (f" ({sum(layer.experts_routed or 0 for layer in report.layers if layer.relative_error is not None)} "
                f"expert(s), {blocks} FP4 block(s) decoded in the kernel)" if blocks else "")
     if kernels and report.kernel_sample:
+        few = f", {report.kernel_experts} expert(s) of each" if report.kernel_experts else ""
         checked.append(f"kernel within {report.tolerance:g} on a sample of {kernels} of {len(report.layers)} layers "
-                       f"({', '.join(report.kernel_sample)}; --level numerics for all){decoded}")
+                       f"({', '.join(report.kernel_sample)}{few}; --level numerics for all){decoded}")
     elif kernels:
         checked.append(f"kernel within {report.tolerance:g} on {kernels} layer(s){decoded}")
     anchor = report.source_anchor

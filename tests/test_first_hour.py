@@ -399,8 +399,8 @@ def test_verify_s_default_samples_the_kernel_on_a_cpu_says_so_up_front_and_names
     assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
     code, out, err = run_main(capsys, "verify", tmp_path / "out")
     assert code == 0 and err.splitlines()[0] == VERIFY_DEFAULT
-    assert "on a CPU (seconds a layer) a sample of 4, named in the verdict; --level numerics runs it on every layer" \
-           in VERIFY_DEFAULT
+    assert ("on a CPU (about a second an expert) a sample of 4 layers and 4 experts of each, named in the verdict; "
+            "--level numerics runs it on every layer") in VERIFY_DEFAULT
     sample = ", ".join(f"model.layers.{index}.mlp.experts" for index in (0, 3, 6, 9))
     assert out.splitlines()[-1].endswith(
         f"20 expert(s) in 10 MoE layer(s) bit-exact against the source, kernel within 0.01 on a sample of 4 of 10 "
@@ -409,6 +409,27 @@ def test_verify_s_default_samples_the_kernel_on_a_cpu_says_so_up_front_and_names
     code, out, _ = run_main(capsys, "verify", tmp_path / "out", "--level", "numerics", "-q")
     assert code == 0 and out.splitlines()[-1].endswith(
         "kernel within 0.01 on 10 layer(s); source not anchored (a local folder); --level numerics)"), out
+
+
+def test_verify_s_default_on_a_cpu_runs_the_kernel_on_4_experts_of_each_sampled_layer(tmp_path, capsys):
+    """A real-sized layer costs the interpreter about a second an expert (a 1 GB, 3-layer, 128-expert output: 367 s
+    of kernel for a 4.9 s conversion, docs/BENCHMARKS.md), so the CPU default also samples experts: 4 of each
+    layer's, spread from the first to the last, reached by the tokens and said in the verdict and --json; every
+    expert is still checked bit for bit, and --level numerics still reaches every expert."""
+    source = make_checkpoint(tmp_path / "src", SynthSpec(layers=2, experts=16, hidden=64, intermediate=64))
+    assert run_main(capsys, "convert", source, "-o", tmp_path / "out", "-q")[0] == 0
+    code, out, _ = run_main(capsys, "verify", tmp_path / "out", "-q", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["kernel_experts"] == 4
+    assert [layer["experts_routed"] for layer in report["layers"]] == [4, 4]
+    assert [layer["experts_checked"] for layer in report["layers"]] == [16, 16]
+    code, out, _ = run_main(capsys, "verify", tmp_path / "out", "-q")
+    assert code == 0 and out.splitlines()[-1].endswith(
+        "32 expert(s) in 2 MoE layer(s) bit-exact against the source, kernel within 0.01 on a sample of 2 of 2 layers "
+        "(model.layers.0.mlp.experts, model.layers.1.mlp.experts, 4 expert(s) of each; --level numerics for all); "
+        "source not anchored (a local folder); verify's default level)"), out
+    code, out, _ = run_main(capsys, "verify", tmp_path / "out", "-q", "--level", "numerics", "--json")
+    assert code == 0 and [layer["experts_routed"] for layer in json.loads(out)["layers"]] == [16, 16]
 
 
 def test_verify_after_the_source_moved_points_to_source_and_says_where_the_path_came_from(tmp_path, capsys):

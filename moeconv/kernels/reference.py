@@ -49,17 +49,25 @@ def random_routing(num_tokens: int, num_experts: int, topk: int,
 
 
 def covering_routing(num_tokens: int, num_experts: int, topk: int, generator: torch.Generator,
-                     experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                     experts: list[int], confined: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`random_routing` in which each of `experts` is among some token's top-k, so that a check reads
     every one of them (random routing leaves most experts of a large layer without a token): the
     experts, in a random order, `topk` at a time, rank first in the first tokens' logits. At least
-    ceil(len(experts) / topk) tokens; the other slots and tokens are routed as the logits say, and
+    ceil(len(experts) / topk) tokens; the other slots and tokens are routed as the logits say (`confined`:
+    among `experts` only, so a check of a sample reads no other expert; top-k then at most their number), and
     the weights are the softmax of the chosen logits, as in `random_routing`. On the CPU."""
+    if confined:
+        topk = min(topk, len(experts))
     count = max(num_tokens, -(-len(experts) // topk))
     logits = torch.randn(count, num_experts, generator=generator)
+    if confined:
+        outside = torch.ones(num_experts, dtype=torch.bool)
+        outside[experts] = False
+        logits[:, outside] = float("-inf")
     order = torch.tensor(experts, dtype=torch.int64)[torch.randperm(len(experts), generator=generator)]
     ranked = logits.clone()
-    ranked[torch.arange(len(experts)) // topk, order] += float(logits.max() - logits.min()) + 1.0  # above all others
+    finite = logits[logits.isfinite()]
+    ranked[torch.arange(len(experts)) // topk, order] += float(finite.max() - finite.min()) + 1.0  # above all others
     ids = ranked.topk(topk, dim=-1).indices
     return torch.softmax(logits.gather(-1, ids), dim=-1), ids
 

@@ -88,6 +88,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
             if report.structure_problems:
                 return report
             report.proven["structure"] = PROOFS["structure"]
+            report.nonfinite_scales = audits.report("nonfinite_scales")
             # The kernel check last, in its own phase: on a CPU the Triton interpreter takes seconds a layer.
             numerics.run(report, plan, checks, opened.converted.tensors, reader, scheduler, asked, numerics_layers,
                          tokens, generator)

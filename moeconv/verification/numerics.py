@@ -28,9 +28,12 @@ if TYPE_CHECKING:  # imported by the checks that run the kernel; a lossless veri
     from moeconv.canonical import QuantizedWeight
 
 
-# verify's default on a CPU, where the Triton interpreter takes seconds a layer: the kernel on this many MoE
-# layers, spread from the first to the last (every tensor is still checked bit for bit).
+# verify's default on a CPU, where the Triton interpreter takes about a second an expert of a real-sized layer
+# (H 2048, I 768: a 128-expert layer is two minutes): the kernel on this many MoE layers, spread from the first
+# to the last, and on this many of each one's checked experts, spread likewise (every tensor is still checked
+# bit for bit). docs/BENCHMARKS.md, "verify's default on a CPU".
 KERNEL_SAMPLE = 4
+KERNEL_EXPERTS = 4
 
 
 def kernel_layers(count: int, level: str | None, numerics_layers: int | None,
@@ -42,7 +45,7 @@ def kernel_layers(count: int, level: str | None, numerics_layers: int | None,
     if numerics_layers is not None:
         return list(range(min(numerics_layers, count))), False
     if level is None and count > KERNEL_SAMPLE and on_cpu():
-        return sorted({round(i * (count - 1) / (KERNEL_SAMPLE - 1)) for i in range(KERNEL_SAMPLE)}), True
+        return spread(list(range(count)), KERNEL_SAMPLE), True
     return list(range(count)), False
 
 
@@ -62,19 +65,34 @@ def run(report: VerifyReport, plan: Plan, checks: Checks, tensors: dict[str, Ten
         return
     indices, sampled = kernel_layers(len(report.layers), asked, numerics_layers,
                                      lambda: kernel.device().startswith("cpu"))
-    report.kernel_sample = [report.layers[index].module for index in indices] if sampled else []
+    experts = checks.experts
+    # The default on a CPU: a few experts of each layer, unless the source holds NaN or infinite scales (counted by
+    # the lossless level): then every checked one, so the kernel check reaches and names the expert that has them.
+    if asked is None and indices and kernel.device().startswith("cpu") and not report.nonfinite_scales:
+        experts = [spread(checked, KERNEL_EXPERTS) for checked in checks.experts]
+        if any(len(few) < len(checked) for few, checked in zip(experts, checks.experts)):
+            report.kernel_experts = KERNEL_EXPERTS
+    report.kernel_sample = [report.layers[index].module for index in indices] \
+        if sampled or report.kernel_experts else []
     if indices:
         report.numerics_device = kernel.device()
         scheduler.phase("kernel", len(indices))
     for index in indices:
         result, started = report.layers[index], time.perf_counter()
         try:
-            check_numerics(plan, kernel, plan.layers[index], checks.layer_jobs[index], checks.experts[index], tensors,
+            check_numerics(plan, kernel, plan.layers[index], checks.layer_jobs[index], experts[index], tensors,
                            reader, tokens, generator, result)
         except ValueError as error:  # the serving kernel's own reading of the bytes fails
             result.numerics_failure = str(error)
         result.seconds += time.perf_counter() - started
         scheduler.advance(1)
+
+
+def spread(items: list[int], count: int) -> list[int]:
+    """`count` of `items` spread from the first to the last (all of them where there are no more)."""
+    if len(items) <= count:
+        return items
+    return [items[round(i * (len(items) - 1) / (count - 1))] for i in range(count)]
 
 
 def check_numerics(plan: Plan, kernel: LayerKernel, layer: MoELayer, jobs: list[ExpertJob], experts: list[int],
@@ -96,7 +114,8 @@ def check_numerics(plan: Plan, kernel: LayerKernel, layer: MoELayer, jobs: list[
     # Only the check's routing depends on it: a value that is not a positive integer falls back to 2.
     topk = min(configured if isinstance(configured, int) and not isinstance(configured, bool) and configured > 0
                else 2, shape.experts)
-    weights, ids = covering_routing(tokens, shape.experts, topk, generator, experts)
+    weights, ids = covering_routing(tokens, shape.experts, topk, generator, experts,
+                                    confined=len(experts) < shape.experts)
     used = sorted(set(ids.flatten().tolist()))
     result.experts_routed = len(used)
     if shape.float_scheme is not None:  # gate and up (I x H) and down (H x I), one scale a block

@@ -68,6 +68,7 @@ class VerifyReport:
     # The MoE layers the kernel ran on when verify's default sampled them (on a CPU); empty: every layer it ran on
     # was asked for (--level numerics, --numerics-layers).
     kernel_sample: list[str] = field(default_factory=list)
+    kernel_experts: int | None = None  # how many of each sampled layer's checked experts the kernel ran on, if fewer
     numerics_not_run: str | None = None  # why the numerics level ran no kernel where it was asked for
     phase_seconds: dict[str, float] = field(default_factory=dict)  # wall time of each phase (PHASE_UNITS)
 
@@ -162,8 +163,8 @@ PROOFS = {
 
 def finished(report: VerifyReport, audits: Audits, cast: tuple[str, str] | None, sample: int | None,
              anchor: Anchor | None) -> VerifyReport:
-    """The checked report with what the source's audits found and what passing proved."""
-    report.nonfinite_scales = audits.report("nonfinite_scales")
+    """The checked report with what passing proved (the source's non-finite scales already in it: the kernel
+    check's sample depends on them)."""
     if cast is not None:
         report.engine_scale_cast = {"stored": cast[0], "model": cast[1], **audits.casts}
     if report.ok:
