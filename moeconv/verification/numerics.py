@@ -66,9 +66,11 @@ def run(report: VerifyReport, plan: Plan, checks: Checks, tensors: dict[str, Ten
     indices, sampled = kernel_layers(len(report.layers), asked, numerics_layers,
                                      lambda: kernel.device().startswith("cpu"))
     experts = checks.experts
-    # The default on a CPU: a few experts of each layer, unless the source holds NaN or infinite scales (counted by
-    # the lossless level): then every checked one, so the kernel check reaches and names the expert that has them.
-    if asked is None and indices and kernel.device().startswith("cpu") and not report.nonfinite_scales:
+    # The default on a CPU (no level, no --numerics-layers): a few experts of each layer, unless the source holds
+    # NaN or infinite scales (counted by the lossless level): then every checked one, so the kernel check reaches
+    # and names the expert that has them.
+    if asked is None and numerics_layers is None and indices and kernel.device().startswith("cpu") \
+            and not report.nonfinite_scales:
         experts = [spread(checked, KERNEL_EXPERTS) for checked in checks.experts]
         if any(len(few) < len(checked) for few, checked in zip(experts, checks.experts)):
             report.kernel_experts = KERNEL_EXPERTS
