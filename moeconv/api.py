@@ -47,7 +47,6 @@ def plan(source: str | Path, *, backend: str = "triton", revision: str | None = 
     the data cannot decide), "config" or "data". tp: tensor-parallel size to check eligibility for.
     regroup: allow a lossless halving of the group size when that makes the backend fit. zero_format:
     "gptq" (v1) or "gptq_v2" for an asymmetric GPTQ source whose data cannot tell them apart."""
-    refuse_object_url(source, "SRC")
     return make_plan(open_source(source, revision, local_files_only), backend=backend,
                      max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup, zero_format=zero_format)
 

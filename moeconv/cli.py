@@ -173,8 +173,7 @@ def convert(
     from moeconv.conversion import check_output_folder, convert as run_conversion
     from moeconv.storage import refuse_object_url
 
-    refuse_object_url(source, "SRC")  # as the user wrote them, before anything is read or made
-    refuse_object_url(output or "", "OUT")
+    refuse_object_url(output or "", "OUT")  # as the user wrote it, before anything is read or made
     output = None if output is None else Path(output)
     _removed_device(device)
     _quiet_hub(quiet)

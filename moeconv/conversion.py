@@ -24,7 +24,7 @@ from moeconv.audit import Audits
 from moeconv.checkpoint import manifest
 from moeconv.checkpoint.journal import Journal, record_name, recorded_shards, temporary_name, write_record
 from moeconv.checkpoint.manifest import MANIFEST_NAME, QUANTIZE_CONFIG_NAME
-from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, read_header, same_bytes
+from moeconv.checkpoint.reader import INDEX_NAME, TensorReader, file_size, read_header, same_bytes
 from moeconv.checkpoint.side_files import SideFiles, copy_side_file, side_files
 from moeconv.checkpoint.writer import (
     CURRENT, TENSOR_DIGESTS_KEY, BlockHasher, ShardWriter, copy_into, file_digest, hash_threads, write_at,
@@ -33,6 +33,7 @@ from moeconv.errors import MoeconvError, PlantedLink, Unfinished, human_bytes
 from moeconv.executor import Executor, in_batches, peak_rss_mb, worker_descriptor, worker_reader
 from moeconv import provenance, transform
 from moeconv.provenance import Anchor, recorded_anchor
+from moeconv.storage import StoredPath
 from moeconv.worklist import OutputShard, SourceSlice
 
 if TYPE_CHECKING:  # the plan arrives made; this module only walks it (and so imports no torch)
@@ -90,7 +91,7 @@ def resolved_output(output: Path) -> Path:
     return output.parent.resolve() / output.name
 
 
-def check_output_folder(output: Path, source_root: Path | None = None) -> None:
+def check_output_folder(output: Path, source_root: Path | StoredPath | None = None) -> None:
     """Refuses, before any work, an output that is a link, a file, a non-empty folder, or inside the source."""
     given = Path(output).expanduser()
     if given.is_symlink():
@@ -103,8 +104,8 @@ def check_output_folder(output: Path, source_root: Path | None = None) -> None:
                            f"checks it); choose another -o, or remove it to convert again")
     if output.is_dir() and any(output.iterdir()):
         raise MoeconvError(f"{output}: output folder exists and is not empty; choose another -o or remove it")
-    if source_root is not None:
-        source = Path(source_root).resolve()
+    if isinstance(source_root, Path):  # a source in an object store is apart from any folder
+        source = source_root.resolve()
         if output == source or source in output.parents:
             raise MoeconvError(f"{output}: the output must not be inside the source checkpoint {source}")
 
@@ -127,12 +128,12 @@ def lock_file(output: Path) -> Path:
     return output.parent / f".{output.name}.moeconv-lock"
 
 
-def _check_source_apart(output: Path, source: Path, files: list[Path]) -> None:
+def _check_source_apart(output: Path, source: Path | StoredPath, files: list[Path | StoredPath]) -> None:
     """Refuses, before anything is written or deleted, a source (its folder or any file it is read
     from, links resolved) inside what convert writes or removes: the output, its staging folder (a
     refusal removes it) or its lock file."""
     places = (resolved_output(output), staging_folder(output), lock_file(output))
-    for path in (source, *files):
+    for path in (source, *files) if isinstance(source, Path) else ():  # an object store's are apart from folders
         resolved = Path(path).resolve()
         for place in places:
             if resolved == place or place in resolved.parents:
@@ -545,8 +546,8 @@ class SourceDigests:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _sized_digest(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, CURRENT.file_key: file_digest(path)}
+def _sized_digest(path: Path | StoredPath) -> dict[str, Any]:
+    return {"bytes": file_size(path), CURRENT.file_key: file_digest(path)}
 
 
 def _write_metadata(plan: Plan, staging: Path, files: dict[str, dict[str, Any]], sides: SideFiles,

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from moeconv.checkpoint.reader import TensorReader
 from moeconv.checkpoint.writer import usable_cores
+from moeconv.storage import clients_started
 
 _STATE: dict[str, Any] = {}  # this process's reader and write descriptor
 
@@ -187,7 +188,7 @@ def _start_worker(driver: int) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
     except (OSError, AttributeError):
         pass
-    if os.getppid() != driver:  # gone before PR_SET_PDEATHSIG was set
+    if driver and os.getppid() != driver:  # gone before PR_SET_PDEATHSIG was set (0: forked by a forkserver)
         os._exit(1)
     _reuse_freed_memory()
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -265,9 +266,13 @@ class Executor:
             try:
                 _share_heap_with_forks()
                 self._frozen = True
+                # An object store client's runtime does not survive a fork (storage.clients_started): the
+                # workers then fork from a fresh interpreter (forkserver), which dies with this process.
+                fresh = clients_started()
                 self._pool = ProcessPoolExecutor(max_workers=self.workers, initializer=_start_worker,
-                                                 initargs=(os.getpid(),),
-                                                 mp_context=multiprocessing.get_context("fork"))
+                                                 initargs=(0 if fresh else os.getpid(),),
+                                                 mp_context=multiprocessing.get_context(
+                                                     "forkserver" if fresh else "fork"))
                 # Every worker now: the pool starts them as tasks arrive, and one that is idle is reused.
                 for started in [self._pool.submit(os.getpid) for _ in range(self.workers)]:
                     started.result()

@@ -13,6 +13,7 @@ library's text (which carries request URLs and headers).
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,21 +141,55 @@ class LocalFolder:
             os.close(fd)
 
 
+_CLIENTS: dict[str, Any] = {}  # this process's obstore client of each location (see `ObjectStore._store`)
+_CLIENTS_PID = [0]  # the process they were made in
+_CONFIGURATION = ("AWS_", "GOOGLE_", "AZURE_")  # the environment obstore's stores read
+
+
+def clients_started() -> bool:
+    """Whether this process has made an object store client: its runtime's threads do not survive a fork
+    (obstore is not fork-safe), so workers must then start from a fresh interpreter (executor.py)."""
+    return bool(_CLIENTS) and _CLIENTS_PID[0] == os.getpid()
+
+
+def _client(location: str) -> Any:
+    """This process's client of `location`, made on first use (one per process: a forked or unpickled
+    copy of a store makes its own, never the parent's)."""
+    from obstore.store import from_url
+
+    if _CLIENTS_PID[0] != os.getpid():
+        _CLIENTS.clear()
+        _CLIENTS_PID[0] = os.getpid()
+    # the environment the client reads is part of its key (a hash, in memory only): changed credentials
+    # make a new client, as a new process would
+    key = location + "\0" + hashlib.sha256(repr(sorted(
+        (name, value) for name, value in os.environ.items() if name.startswith(_CONFIGURATION))).encode()).hexdigest()
+    if key not in _CLIENTS:
+        try:
+            _CLIENTS[key] = from_url(location + "/")
+        except Exception as error:  # noqa: BLE001 (obstore raises its own kinds for a URL it cannot take)
+            raise MoeconvError(f"{location}: not an object store URL obstore can open "
+                               f"({type(error).__name__}); give s3://BUCKET/PREFIX") from None
+    return _CLIENTS[key]
+
+
 class ObjectStore:
-    """A prefix in a bucket, read through obstore by ranges."""
+    """A prefix in a bucket, read through obstore by ranges. Pickled (into a worker's task), it carries
+    its location and listing, never a client or a credential: the worker makes its own client from its
+    environment."""
 
     def __init__(self, url: str):
         try:
-            from obstore.store import from_url
+            import obstore  # noqa: F401
         except ImportError:
             raise MoeconvError(f"{url}: reading object stores needs obstore: pip install 'moeconv[s3]'") from None
         self.location = url.rstrip("/")
-        try:
-            self._store = from_url(self.location + "/")
-        except Exception as error:  # noqa: BLE001 (obstore raises its own kinds for a URL it cannot take)
-            raise MoeconvError(f"{self.location}: not an object store URL obstore can open "
-                               f"({type(error).__name__}); give s3://BUCKET/PREFIX") from None
+        _client(self.location)  # refuses a URL obstore cannot open, before anything else
         self._sizes: dict[str, int] | None = None
+
+    @property
+    def _store(self) -> Any:
+        return _client(self.location)
 
     def _listing(self) -> dict[str, int]:
         if self._sizes is None:

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -256,14 +256,25 @@ def file_size(path: Path | StoredPath) -> int:
     return path.size() if isinstance(path, StoredPath) else Path(path).stat().st_size
 
 
-def same_bytes(a: Path, a_begin: int, b: Path, b_begin: int, length: int, chunk: int = 16 * 1024**2) -> bool:
-    """Whether `length` bytes of file `a` from `a_begin` equal those of `b` from `b_begin` (chunked preads)."""
-    with open(a, "rb") as fa, open(b, "rb") as fb:
+def same_bytes(a: Path | StoredPath, a_begin: int, b: Path | StoredPath, b_begin: int, length: int,
+               chunk: int = 16 * 1024**2) -> bool:
+    """Whether `length` bytes of file `a` from `a_begin` equal those of `b` from `b_begin` (chunked range reads)."""
+    with _ranges(a) as read_a, _ranges(b) as read_b:
         for offset in range(0, length, chunk):
             size = min(chunk, length - offset)
-            if os.pread(fa.fileno(), size, a_begin + offset) != os.pread(fb.fileno(), size, b_begin + offset):
+            if read_a(a_begin + offset, size) != read_b(b_begin + offset, size):
                 return False
     return True
+
+
+@contextmanager
+def _ranges(path: Path | StoredPath) -> Iterator[Callable[[int, int], bytes]]:
+    """A reader of (begin, length) ranges of a local file (one descriptor) or a stored object (range requests)."""
+    if isinstance(path, StoredPath):
+        yield lambda begin, length: path.read_range(begin, begin + length)
+        return
+    with open(path, "rb") as handle:
+        yield lambda begin, length: os.pread(handle.fileno(), length, begin)
 
 
 class TensorReader:

@@ -27,6 +27,7 @@ import numpy as np
 
 from moeconv.errors import MoeconvError
 from moeconv.spec import DTYPE_SIZES, TensorSpec
+from moeconv.storage import StoredPath
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -125,8 +126,17 @@ def write_at(fd: int, data: np.ndarray, position: int) -> None:
         view, position = view[written:], position + written
 
 
-def copy_into(fd: int, position: int, source: Path, begin: int, end: int, name: str) -> None:
-    """Bytes [begin, end) of `source` at file `position` of `fd`, in the kernel where possible."""
+def copy_into(fd: int, position: int, source: Path | StoredPath, begin: int, end: int, name: str) -> None:
+    """Bytes [begin, end) of `source` at file `position` of `fd`, in the kernel where possible (a stored
+    object: by range requests of at most `_COPY_CHUNK` bytes, so memory stays bounded)."""
+    if isinstance(source, StoredPath):
+        while begin < end:
+            data = source.read_range(begin, min(end, begin + _COPY_CHUNK))
+            if not data:
+                raise MoeconvError(f"{source}: ended early while copying tensor {name}")
+            write_at(fd, np.frombuffer(data, dtype=np.uint8), position)
+            begin, position = begin + len(data), position + len(data)
+        return
     with open(source, "rb") as handle:
         src = handle.fileno()
         while begin < end:
@@ -512,9 +522,23 @@ def _sync_file_range():
     return function
 
 
-def file_digest(path: Path, threads: int | None = None, block: int = BLOCK_BYTES, scheme: DigestScheme = CURRENT) -> str:
+def file_digest(path: Path | StoredPath, threads: int | None = None, block: int = BLOCK_BYTES,
+                scheme: DigestScheme = CURRENT) -> str:
     """The block digest (`combined_digest`) of a finished file that is not an output shard, its blocks
-    hashed in parallel, never the whole file in memory."""
+    hashed in parallel, never the whole file in memory (a stored object: one range request a block, a few
+    blocks at a time)."""
+    if isinstance(path, StoredPath):
+        from concurrent.futures import ThreadPoolExecutor
+
+        def hashed(start: int) -> bytes:
+            data = path.read_range(start, min(size, start + block))
+            if len(data) != min(size, start + block) - start:
+                raise MoeconvError(f"{path}: ended early while hashing it")
+            return scheme.of(data)
+
+        size = path.size()
+        with ThreadPoolExecutor(max(1, min(threads or hash_threads(), 4))) as pool:
+            return combined_digest(list(pool.map(hashed, range(0, size, block) if size else [0])), scheme)
     return range_digests(path, {"": (0, Path(path).stat().st_size)}, threads, block, scheme)[""]
 
 
