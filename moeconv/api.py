@@ -16,7 +16,7 @@ from moeconv.conversion import convert as _execute
 from moeconv.inspection import inspect_checkpoint
 from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
 from moeconv.source import resolve_source
-from moeconv.storage import refuse_object_url
+from moeconv.storage import is_object_url, refuse_object_url
 
 if TYPE_CHECKING:  # verify's module imports Triton (its reference kernels), which convert does not need
     from moeconv.verification import VerifyReport
@@ -62,10 +62,9 @@ def convert(source: str | Path, output: str | Path, *, backend: str = "triton", 
     path measured slower and was removed, docs/BENCHMARKS.md). executor: "local", or "ray" (one Ray task per output shard, on the cluster at `ray_address`, the
     one Ray finds, or a local Ray; the same bytes). skip_unsafe_files: leave out source files that
     link outside the source folder (listed in the report) instead of refusing."""
-    refuse_object_url(output, "OUT")
     conversion = plan(source, backend=backend, revision=revision, local_files_only=local_files_only,
                       max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup, zero_format=zero_format)
-    return _execute(conversion, Path(output), progress=progress, workers=workers, executor=executor,
+    return _execute(conversion, output if is_object_url(str(output)) else Path(output), progress=progress, workers=workers, executor=executor,
                     ray_address=ray_address, skip_unsafe_files=skip_unsafe_files)
 
 

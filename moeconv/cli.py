@@ -170,11 +170,10 @@ def convert(
     """Convert a checkpoint into a backend's layout (docs/FORMAT.md); what the backend does not convert is
     copied byte for byte. An interrupted conversion resumes when the same command is run again."""
     from moeconv.api import plan as make_plan
-    from moeconv.conversion import check_output_folder, convert as run_conversion
-    from moeconv.storage import refuse_object_url
+    from moeconv.conversion import convert as run_conversion, open_output
+    from moeconv.storage import is_object_url
 
-    refuse_object_url(output or "", "OUT")  # as the user wrote it, before anything is read or made
-    output = None if output is None else Path(output)
+    output = None if output is None else output if is_object_url(output) else Path(output)
     _removed_device(device)
     _quiet_hub(quiet)
     if output is None and not dry_run:
@@ -185,7 +184,7 @@ def convert(
     zero_format = _zero_format(zero_format)
     with _interrupted_conversion(None if dry_run else output):
         if not dry_run:
-            check_output_folder(output)  # a link, a file or a full folder is refused before any work
+            open_output(output).check()  # a link, a file, a full folder or a finished output: refused before any work
         plan = make_plan(source, backend=backend, max_shard_size=max_shard_size, revision=revision,
                          local_files_only=local_files_only, trust=trust, tp=tp, regroup=regroup,
                          zero_format=zero_format)

@@ -33,7 +33,7 @@ from moeconv.errors import MoeconvError, PlantedLink, Unfinished, human_bytes
 from moeconv.executor import Executor, in_batches, peak_rss_mb, worker_descriptor, worker_reader
 from moeconv import provenance, transform
 from moeconv.provenance import Anchor, recorded_anchor
-from moeconv.storage import StoredPath
+from moeconv.storage import StoredPath, is_object_url, refuse_mangled_url
 from moeconv.worklist import OutputShard, SourceSlice
 
 if TYPE_CHECKING:  # the plan arrives made; this module only walks it (and so imports no torch)
@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # the plan arrives made; this module only walks it (and so im
 Progress = Callable[[int], None]
 @dataclass
 class ConvertReport:
-    output: Path
+    output: Path | str  # a folder, or an object store URL
     plan: dict[str, Any]
     seconds: float
     files: dict[str, dict[str, Any]]
@@ -110,13 +110,23 @@ def check_output_folder(output: Path, source_root: Path | StoredPath | None = No
             raise MoeconvError(f"{output}: the output must not be inside the source checkpoint {source}")
 
 
-def staging_folder(output: Path) -> Path:
-    """Where an unfinished conversion lives until it is renamed to `output`."""
-    output = resolved_output(output)
+def local_folder(output: str | Path) -> Path:
+    """The folder this machine builds the output in: the output folder itself, or for an object store URL
+    its spool folder (checkpoint/upload.py), which never exists itself: its staging folder and lock do."""
+    if is_object_url(str(output)):
+        from moeconv.checkpoint.upload import spool_folder
+
+        return spool_folder(str(output))
+    return Path(output)
+
+
+def staging_folder(output: str | Path) -> Path:
+    """Where an unfinished conversion lives until it is renamed to `output` (or uploaded there)."""
+    output = resolved_output(local_folder(output))
     return output.parent / f".{output.name}.moeconv-partial"
 
 
-def finished_shards(output: Path) -> list[str]:
+def finished_shards(output: str | Path) -> list[str]:
     """The shards an unfinished conversion into `output` has journaled or recorded as finished: what
     running it again keeps (each re-hashed first); none when there is no journal, or a damaged one."""
     return recorded_shards(staging_folder(output))
@@ -229,7 +239,7 @@ def _source_fingerprint(shard: OutputShard, fingerprints: dict[str, bytes]) -> s
     return digest.hexdigest()
 
 
-def _check_unchanged_source(plan: Plan, shard: OutputShard, staging: Path, journal: Journal) -> None:
+def _check_unchanged_source(plan: Plan, shard: OutputShard, finished: Path | StoredPath, journal: Journal) -> None:
     """A finished shard is kept only if the source it came from has not changed since: its conversion
     jobs' source slices hash as recorded, and its pass-through tensors equal the output's bytes."""
     changed = None
@@ -239,22 +249,22 @@ def _check_unchanged_source(plan: Plan, shard: OutputShard, staging: Path, journ
         if _source_fingerprint(shard, reader.fingerprints) != journal.done[shard.file_name]["source"]:
             changed = "a converted tensor"
     if changed is None:
-        header, data_start, _ = read_header(staging / shard.file_name)
+        header, data_start, _ = read_header(finished)
         for job in shard.jobs:
             if job.copies:
                 entry = job.source.entry
                 begin, _ = header[job.slot.tensor.name]["data_offsets"]
-                if not same_bytes(entry.file, entry.begin, staging / shard.file_name, data_start + begin, entry.nbytes):
+                if not same_bytes(entry.file, entry.begin, finished, data_start + begin, entry.nbytes):
                     raise MoeconvError(
                         f"{plan.checkpoint.root}: the source changed since the interrupted conversion, or the "
-                        f"finished output shard {staging / shard.file_name} did (its tensor {entry.name} no longer "
-                        f"equals the source's, in {entry.file.name}); remove {staging} to start over")
+                        f"finished output shard {finished} did (its tensor {entry.name} no longer "
+                        f"equals the source's, in {entry.file.name}); remove {journal.staging} to start over")
     if changed is not None:
         raise MoeconvError(f"{plan.checkpoint.root}: the source changed since the interrupted conversion "
-                           f"({changed} of output shard {shard.file_name} differs); remove {staging} to start over")
+                           f"({changed} of output shard {shard.file_name} differs); remove {journal.staging} to start over")
 
 
-def convert(plan: Plan, output: Path, progress: Progress | None = None, workers: int | None = None,
+def convert(plan: Plan, output: str | Path, progress: Progress | None = None, workers: int | None = None,
             executor: str | ShardRunner = "local", ray_address: str | None = None,
             skip_unsafe_files: bool = False) -> ConvertReport:
     """Writes the plan's output at `output`. Resumable: an interrupted run (Ctrl-C, kill -9, power
@@ -265,33 +275,39 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
     "ray" (one Ray task per shard, moeconv.distributed; `ray_address` or the cluster Ray finds, else
     a local Ray), or an object with the same `run` as those two. skip_unsafe_files: leave out (and
     list) a source file that links outside the source folder, instead of refusing (side_files.py)."""
-    check_output_folder(output, plan.checkpoint.root)
     source = plan.checkpoint
     sides = side_files(source, skip_unsafe_files)
-    _check_source_apart(output, source.root, [*source.files, *(side.path for side in sides.copied)])
-    output = resolved_output(output)
+    names = _staging_names(plan, sides)
+    sink = open_output(output)
+    sink.check(names, source.root, [*source.files, *(side.path for side in sides.copied)])
+    if executor == "ray" and (sink.remote or isinstance(source.root, StoredPath)):
+        raise MoeconvError(f"{sink.location if sink.remote else source.root}: --executor ray needs the source and "
+                           f"the output on storage every node sees; an object store URL is not built for Ray yet "
+                           f"(issue 43): use --executor local")
     advance = progress or (lambda nbytes: None)
     runner = _runner(executor, workers, ray_address)
     started = time.perf_counter()
-    staging = staging_folder(output)
-    with _exclusive(output):
-        check_output_folder(output)  # again, under the lock: another writer may have finished it
+    staging = staging_folder(sink.local)
+    with _exclusive(sink.local):
+        sink.check(names)  # again, under the lock: another writer may have finished it
         try:
-            journal = Journal.open(staging, plan.identity, _staging_names(plan, sides))
-            _check_free_space(plan, staging, journal, sides.nbytes)
+            journal = Journal.open(staging, plan.identity, names, sink.kept)
+            _check_free_space(plan, staging, journal, sides.nbytes, sink)
             audits = Audits()
             hashing = SourceDigests(source.files, source.root, recorded_anchor(source.origin))
             try:
                 todo = []
                 for shard in plan.shards:
                     if journal.is_done(shard.file_name):
-                        _check_unchanged_source(plan, shard, staging, journal)
+                        where = sink.finished(staging, shard.file_name, journal.done[shard.file_name])
+                        _check_unchanged_source(plan, shard, where, journal)
                         advance(shard.source_bytes)
                     else:
                         todo.append(shard)
                 for done in runner.run(plan, todo, staging, advance):
                     audits.merge(done.audits)
                     journal.mark_done(done.file_name, done.digest, done.source, done.tensor_digests)
+                    sink.publish(staging, done.file_name, journal)
                 finished = journal.files()  # in the order the shards finished: listed in the plan's
                 _write_metadata(plan, staging, {shard.file_name: finished[shard.file_name] for shard in plan.shards},
                                 sides, hashing.result())
@@ -301,17 +317,89 @@ def convert(plan: Plan, output: Path, progress: Progress | None = None, workers:
                 raise
             finally:
                 hashing.cancel()
-            journal.remove()
-            if output.exists():
-                output.rmdir()
-            staging.rename(output)
+            files = journal.files()
+            sink.commit(staging, journal)
         except OSError as error:  # the filesystem's refusal: finished shards stay for a resume
-            raise _space_error(error, output, plan.output_bytes + sides.nbytes) from None
-    return ConvertReport(output, plan.summary(), time.perf_counter() - started, journal.files(),
+            raise _space_error(error, sink.local, plan.output_bytes + sides.nbytes) from None
+    return ConvertReport(sink.report_path, plan.summary(), time.perf_counter() - started, files,
                          [side.name for side in sides.copied], sides.skipped,
                          audits.report("suspicious_zero_slots"), audits.report("nonfinite_scales"), journal.reused,
                          peak_rss_mb(), runner.worker_peak_rss_mb, runner.device,
                          runner.tree_peak_pss_mb, runner.largest_worker_pss_mb, runner.tree_cpu_seconds)
+
+
+class OutputSink(Protocol):
+    """Where a conversion's output goes (FolderOutput, or checkpoint/upload.StoreOutput): the shards are
+    filled in a staging folder beside `local` on this machine either way, journaled, handed to `publish`
+    as each finishes, and the whole committed by `commit` once the metadata is written."""
+
+    location: str  # for messages and the report
+    local: Path  # the folder whose staging folder and lock this machine keeps
+    remote: bool  # elsewhere than this machine's filesystem
+
+    def check(self, names: set[str] | None = None, source_root: Path | StoredPath | None = None,
+              source_files: list[Path | StoredPath] | None = None) -> None:
+        ...
+
+    def kept(self, name: str, info: dict[str, Any]) -> bool:
+        ...
+
+    def finished(self, staging: Path, name: str, info: dict[str, Any]) -> Path | StoredPath:
+        ...
+
+    def publish(self, staging: Path, name: str, journal: Journal) -> None:
+        ...
+
+    def space_needed(self, output_bytes: int, largest_shard: int, side_bytes: int, done_bytes: int) -> int:
+        ...
+
+    def commit(self, staging: Path, journal: Journal) -> None:
+        ...
+
+
+def open_output(output: str | Path) -> OutputSink:
+    """The output `-o` names: an object store URL (checkpoint/upload.py), else a folder."""
+    refuse_mangled_url(output, "OUT")
+    if is_object_url(str(output)):
+        from moeconv.checkpoint.upload import StoreOutput
+
+        return StoreOutput(str(output))
+    return FolderOutput(Path(output))
+
+
+class FolderOutput:
+    """An output folder on this machine: built in a hidden sibling staging folder and renamed into
+    place only when complete."""
+
+    remote = False
+
+    def __init__(self, output: Path):
+        self.given, self.local = Path(output), resolved_output(output)
+        self.location, self.report_path = str(self.local), self.local
+
+    def check(self, names: set[str] | None = None, source_root: Path | StoredPath | None = None,
+              source_files: list[Path | StoredPath] | None = None) -> None:
+        check_output_folder(self.given, source_root)
+        if source_root is not None:
+            _check_source_apart(self.given, source_root, source_files or [])
+
+    def kept(self, name: str, info: dict[str, Any]) -> bool:
+        return False  # a shard of a folder output is kept only where it is, re-hashed (the journal's own check)
+
+    def finished(self, staging: Path, name: str, info: dict[str, Any]) -> Path:
+        return staging / name
+
+    def publish(self, staging: Path, name: str, journal: Journal) -> None:
+        pass  # it stays in the staging folder, which becomes the output
+
+    def space_needed(self, output_bytes: int, largest_shard: int, side_bytes: int, done_bytes: int) -> int:
+        return output_bytes + side_bytes - done_bytes
+
+    def commit(self, staging: Path, journal: Journal) -> None:
+        journal.remove()
+        if self.local.exists():
+            self.local.rmdir()
+        staging.rename(self.local)
 
 
 class ShardRunner(Protocol):
@@ -427,10 +515,12 @@ def convert_shard_alone(plan: Plan, index: int, staging: str) -> ShardDone:
     return done
 
 
-def _check_free_space(plan: Plan, staging: Path, journal: Journal, side_bytes: int) -> None:
-    """Refuse up front when the shards still to write and the side files cannot fit."""
+def _check_free_space(plan: Plan, staging: Path, journal: Journal, side_bytes: int, sink: OutputSink) -> None:
+    """Refuse up front when what this machine must hold (the shards still to write and the side files, or
+    for an output elsewhere what the sink spools) cannot fit."""
     done = sum(info["bytes"] for info in journal.done.values())
-    needed = plan.output_bytes + side_bytes - done
+    largest = max((sum(spec.nbytes for spec in shard.tensors) for shard in plan.shards), default=0)
+    needed = sink.space_needed(plan.output_bytes, largest, side_bytes, done)
     free = shutil.disk_usage(staging).free
     if needed > free:
         if not journal.done:

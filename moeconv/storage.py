@@ -22,6 +22,8 @@ from typing import Any, Protocol
 from moeconv.errors import MoeconvError
 
 OBJECT_SCHEMES = ("s3://", "gs://", "az://")
+PART_BYTES = 64 * 1024 * 1024  # a multipart upload's part (S3 allows 5 MiB to 5 GiB, at most 10,000 parts)
+PARTS_AT_ONCE = 8
 
 
 class Storage(Protocol):
@@ -52,6 +54,16 @@ def refuse_object_url(location: object, what: str, doing: str = "converting from
     if text.startswith(OBJECT_SCHEMES) or text.startswith(tuple(scheme[:-1] for scheme in OBJECT_SCHEMES)):
         raise MoeconvError(f"{what} {text}: {doing} an object store is not built yet (issue 43; `moeconv inspect` "
                            f"reads one); copy the files to a folder first")
+
+
+def refuse_mangled_url(location: object, what: str) -> None:
+    """A URL that went through `Path` has lost a slash (`s3:/bucket`): refused in one line, never taken for
+    a folder named `s3:`."""
+    text = str(location)
+    if not text.startswith(OBJECT_SCHEMES) and text.startswith(tuple(scheme[:-1] for scheme in OBJECT_SCHEMES)):
+        scheme = text.split(":", 1)[0]
+        raise MoeconvError(f"{what} {text}: an object store URL that lost a slash (a Path of it?); give it as "
+                           f"the string {scheme}://{text.split(':/', 1)[1]}")
 
 
 @dataclass(frozen=True, order=True)
@@ -205,6 +217,50 @@ class ObjectStore:
 
     def names(self) -> list[str]:
         return sorted(self._listing())
+
+    def names_if_any(self) -> list[str]:
+        """Every object directly under the prefix, none where it is empty (an output's prefix may be)."""
+        try:
+            listed = self._store.list_with_delimiter()
+        except Exception as error:  # noqa: BLE001
+            raise self._refusal(error, None) from None
+        return sorted(entry["path"] for entry in listed["objects"])
+
+    def stamp(self, name: str) -> tuple[int, str | None] | None:
+        """The object's size and entity tag (what changes when it is written again), None where it is not."""
+        import obstore
+
+        try:
+            meta = obstore.head(self._store, name)
+        except FileNotFoundError:
+            return None
+        except Exception as error:  # noqa: BLE001
+            raise self._refusal(error, name) from None
+        return meta["size"], meta["e_tag"]
+
+    def put_file(self, name: str, path: Path) -> str | None:
+        """The local file uploaded whole as object `name` (a multipart upload of `PART_BYTES` parts, a few at a
+        time, when it is larger than one part; the store makes the object appear whole or not at all);
+        its entity tag."""
+        import obstore
+
+        self._sizes = None
+        try:
+            return obstore.put(self._store, name, Path(path), chunk_size=PART_BYTES,
+                               max_concurrency=PARTS_AT_ONCE)["e_tag"]
+        except Exception as error:  # noqa: BLE001
+            raise self._refusal(error, name) from None
+
+    def delete(self, name: str) -> None:
+        import obstore
+
+        self._sizes = None
+        try:
+            obstore.delete(self._store, name)
+        except FileNotFoundError:
+            pass
+        except Exception as error:  # noqa: BLE001
+            raise self._refusal(error, name) from None
 
     def size(self, name: str) -> int:
         sizes = self._listing()

@@ -7,6 +7,8 @@ source in a bucket. The secret never reaches the output, the manifest or a messa
 from __future__ import annotations
 
 import json
+import signal
+import time
 import os
 import subprocess
 import sys
@@ -110,3 +112,118 @@ def test_workers_read_the_source_by_ranges_no_larger_than_a_tensor(server, sourc
     tensor_reads = [(name, begin, end) for name, begin, end in requests
                     if name in shards and (begin, end) != (0, shards[name])]
     assert tensor_reads and all(end - begin <= max(largest, 64 * 1024) for _, begin, end in tensor_reads)
+
+
+@pytest.fixture(scope="module")
+def larger(server, tmp_path_factory) -> tuple[Path, str]:
+    """A source of about 20 MB (16 experts of 4 layers), for uploads that take long enough to be killed in."""
+    folder = make_checkpoint(tmp_path_factory.mktemp("larger") / "src",
+                             SynthSpec(layers=4, experts=16, hidden=512, intermediate=512), max_shard_size=4_000_000)
+    return folder, server.upload_folder("models", "larger", folder)
+
+
+def listing(server, url: str) -> dict[str, int]:
+    import obstore
+    from obstore.store import S3Store
+
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+    store = S3Store(bucket, endpoint=server.endpoint, region="us-east-1", access_key_id=server.ACCESS_KEY,
+                    secret_access_key=server.secret, client_options={"allow_http": True})
+    listed = obstore.list_with_delimiter(store, prefix + "/")["objects"]
+    return {entry["path"].removeprefix(prefix + "/"): entry["size"] for entry in listed}
+
+
+def downloaded(server, url: str, target: Path) -> dict[str, bytes]:
+    """The objects under `url`, fetched by a client of the test's own (not moeconv's reader)."""
+    import obstore
+    from obstore.store import S3Store
+
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+    store = S3Store(bucket, endpoint=server.endpoint, region="us-east-1", access_key_id=server.ACCESS_KEY,
+                    secret_access_key=server.secret, client_options={"allow_http": True})
+    return {name: bytes(obstore.get(store, f"{prefix}/{name}").bytes()) for name in listing(server, url)}
+
+
+@pytest.fixture(scope="module")
+def bucket(server) -> str:
+    server.put("converted", "README.md", b"outputs of the tests\n")  # SeaweedFS makes a bucket on its first upload
+    return "converted"
+
+
+@pytest.mark.parametrize("where", ["folder", "bucket"])
+def test_an_output_in_a_bucket_holds_the_folders_bytes(server, sources, bucket, tmp_path, where):
+    folder, url = sources["synthetic"]
+    environment = {**server.environment(), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    arguments = ["--max-shard-size", "100KB", "-q", "--workers", "2"]
+    local = moeconv_cli("convert", str(folder), "-o", str(tmp_path / "local"), *arguments, environment=environment)
+    assert local.returncode == 0, local.stderr
+    target = f"s3://{bucket}/from-{where}"
+    stored = moeconv_cli("convert", str(folder) if where == "folder" else url, "-o", target, *arguments,
+                         environment=environment)
+    assert stored.returncode == 0, stored.stderr
+    objects = downloaded(server, target, tmp_path)
+    same_output(tmp_path / "local", objects, folder, str(folder) if where == "folder" else url)
+    assert server.secret not in stored.stdout + stored.stderr
+    assert all(server.secret.encode() not in data for data in objects.values())
+    assert not any(path.is_file() for path in (tmp_path / "cache").rglob("*"))  # the spool is gone
+    again = moeconv_cli("convert", url, "-o", target, *arguments, environment=environment)
+    assert again.returncode == 2 and "a finished moeconv conversion is already there" in again.stderr
+
+
+def test_a_shard_larger_than_a_part_goes_up_in_parts(server, larger, bucket, tmp_path, monkeypatch):
+    """S3's entity tag of a multipart upload ends in -N (N parts): each shard of more than one 5 MiB part
+    went up as one."""
+    import moeconv
+    from moeconv import storage
+
+    for key, value in server.environment().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(storage, "PART_BYTES", 5 * 1024 * 1024)
+    folder, url = larger
+    target = f"s3://{bucket}/parts"
+    moeconv.convert(url, target, workers=1, max_shard_size=12_000_000)
+    local = moeconv.convert(folder, tmp_path / "local", workers=1, max_shard_size=12_000_000)
+    shards = {name: size for name, size in listing(server, target).items() if name.endswith(".safetensors")}
+    large = [name for name, size in shards.items() if size > storage.PART_BYTES]
+    assert large, shards
+    store = storage.ObjectStore(target)
+    for name in large:
+        parts = -(-shards[name] // storage.PART_BYTES)
+        assert store.stamp(name)[1].strip('"').endswith(f"-{parts}"), (name, store.stamp(name))
+    same_output(Path(local.output), downloaded(server, target, tmp_path), folder, url)
+
+
+def test_a_kill_during_the_upload_resumes_to_the_same_bytes(server, larger, bucket, tmp_path):
+    """kill -9 of the CLI once some shards are in the bucket and before moeconv.json: the prefix is refused
+    as unfinished; the same command again keeps the uploaded shards (checked by size and entity tag) and
+    ends with the bytes of an uninterrupted conversion."""
+    folder, url = larger
+    environment = {**server.environment(), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    arguments = ["--max-shard-size", "1MB", "--workers", "2"]
+    target = f"s3://{bucket}/killed"
+    clean = {key: value for key, value in os.environ.items() if not key.startswith("AWS_")}
+    process = subprocess.Popen([sys.executable, "-m", "moeconv", "convert", url, "-o", target, "-q", *arguments],
+                               env={**clean, **environment}, cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        shards = [name for name in listing(server, target) if name.endswith(".safetensors")]
+        if len(shards) >= 2:
+            break
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    before = listing(server, target)
+    assert "moeconv.json" not in before and sum(name.endswith(".safetensors") for name in before) >= 2, before
+    refused = moeconv_cli("inspect", target, environment=environment)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"error: {target}: an unfinished moeconv output (its shards are there, not its moeconv.json, which convert "
+        f"uploads last); run the same convert again to finish it"], refused.stderr
+    resumed = moeconv_cli("convert", url, "-o", target, "--json", *arguments, environment=environment)
+    assert resumed.returncode == 0, resumed.stderr
+    assert len(json.loads(resumed.stdout)["resumed_files"]) >= 2
+    local = moeconv_cli("convert", str(folder), "-o", str(tmp_path / "local"), "-q", *arguments,
+                        environment=environment)
+    assert local.returncode == 0, local.stderr
+    same_output(tmp_path / "local", downloaded(server, target, tmp_path), folder, url)

@@ -17,7 +17,7 @@ import re
 import secrets
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from moeconv.checkpoint.schema import is_plain_file_name
 from moeconv.checkpoint.writer import CURRENT, TENSOR_DIGESTS_KEY, shard_file_digests
@@ -135,13 +135,15 @@ class Journal:
         return name in self.names or (temporary is not None and temporary["name"] in self.names)
 
     @classmethod
-    def open(cls, staging: Path, job: dict[str, Any], names: set[str]) -> Journal:
+    def open(cls, staging: Path, job: dict[str, Any], names: set[str],
+             kept: Callable[[str, dict[str, Any]], bool] | None = None) -> Journal:
         """The staging folder's journal, the folder made when missing. `names`: every file the job
         writes there (the journal adds its own; each may also be there under a `temporary_name`). A
         resume keeps the finished shards the journal or their tasks' records list, each re-hashed, and
         removes the rest of those names; anything else there (a link, a folder, a file
         the job does not write) is refused before anything is deleted, so a folder planted under the
-        staging name, or someone's files in it, lose nothing."""
+        staging name, or someone's files in it, lose nothing. `kept(name, info)`: whether a journaled
+        shard no longer here is kept where it went (an output in an object store: upload.StoreOutput)."""
         journal = cls(staging, job, names)
         entries = _staging_entries(staging)
         if entries is None:
@@ -169,7 +171,8 @@ class Journal:
         for name, info in claimed.items():
             file = staging / name
             if name in entries and file.stat().st_size == info["bytes"] and _digests(file) == (
-                    info[CURRENT.shard_key], info[TENSOR_DIGESTS_KEY]):
+                    info[CURRENT.shard_key], info[TENSOR_DIGESTS_KEY]) or \
+                    name not in entries and kept is not None and kept(name, info):
                 journal.done[name] = info
                 journal.reused.append(name)
         for leftover in entries - set(journal.done) - {cls.NAME}:  # partial shards, side files and configs
@@ -193,6 +196,11 @@ class Journal:
                            TENSOR_DIGESTS_KEY: tensors}
         self._save()
         (self.staging / record_name(name)).unlink(missing_ok=True)  # the journal holds it now
+
+    def note(self, name: str, key: str, value: str) -> None:
+        """One more fact of a finished shard, journaled (an upload's entity tag)."""
+        self.done[name][key] = value
+        self._save()
 
     def _save(self) -> None:
         temporary = self.staging / (self.NAME + ".tmp")

@@ -210,6 +210,8 @@ def _open_checkpoint(root: Path | StoredPath, origin: dict[str, Any] | None) -> 
     if not root.is_dir():
         raise MoeconvError(f"{root}: not a folder")
     allowed = None if stored else boundary(root)
+    if stored:
+        _refuse_unfinished_output(root)
     config = read_json(root / "config.json")
     index_path = root / INDEX_NAME
     if index_path.exists():
@@ -249,6 +251,21 @@ def _open_checkpoint(root: Path | StoredPath, origin: dict[str, Any] | None) -> 
                                    f"stored in {tensors[name].file.name}")
     return Checkpoint(root, config, _quantization_config(root, config), files, tensors, digest.hexdigest(),
                       dict(origin or {}))
+
+
+def _refuse_unfinished_output(root: StoredPath) -> None:
+    """A prefix whose shards moeconv wrote but which has no moeconv.json is an output still being uploaded
+    (or stopped): convert uploads moeconv.json last (docs/FORMAT.md), so the listing is not an output yet."""
+    names = root.storage.names()
+    shards = [name for name in names if name.endswith(".safetensors")]
+    if "moeconv.json" in names or not shards:
+        return
+    header, _, _ = read_header(root / shards[0])
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    producer = metadata.get("producer") if isinstance(metadata, dict) else None
+    if isinstance(producer, str) and producer.startswith("moeconv "):
+        raise MoeconvError(f"{root}: an unfinished moeconv output (its shards are there, not its moeconv.json, "
+                           f"which convert uploads last); run the same convert again to finish it")
 
 
 def file_size(path: Path | StoredPath) -> int:
