@@ -16,7 +16,7 @@ from moeconv.conversion import convert as _execute
 from moeconv.inspection import inspect_checkpoint
 from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
 from moeconv.source import resolve_source
-from moeconv.storage import is_object_url, refuse_object_url
+from moeconv.storage import is_object_url, refuse_mangled_url
 
 if TYPE_CHECKING:  # verify's module imports Triton (its reference kernels), which convert does not need
     from moeconv.verification import VerifyReport
@@ -79,8 +79,8 @@ def verify(output: str | Path, *, source: str | Path | None = None, sample: int 
     workers / executor / ray_address: where the bit-exact checks run, as for `convert`."""
     from moeconv.verification import verify as _verify
 
-    refuse_object_url(output, "OUT", "verifying an output in")
+    refuse_mangled_url(output, "OUT")
     if source is not None:
-        refuse_object_url(source, "--source", "verifying against")
-    return _verify(Path(output), source=source, sample=sample, level=level, tokens=tokens,
+        refuse_mangled_url(source, "--source")
+    return _verify(output, source=source, sample=sample, level=level, tokens=tokens,
                    numerics_layers=numerics_layers, workers=workers, executor=executor, ray_address=ray_address)

@@ -102,10 +102,9 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * _SIZE_UNITS[match[2].upper()])
 
 
-SOURCE = typer.Argument(..., metavar="SRC", help="Checkpoint folder, or a Hugging Face id (org/model).")
-# inspect also reads a checkpoint where it lies in an object store; convert and verify do not yet (issue 43)
-INSPECT_SOURCE = typer.Argument(..., metavar="SRC", help="Checkpoint folder, a Hugging Face id (org/model), or an "
-                                                         "object store URL (s3://bucket/prefix, gs://, az://).")
+SOURCE = typer.Argument(..., metavar="SRC", help="Checkpoint folder, a Hugging Face id (org/model), or an "
+                                                 "object store URL (s3://bucket/prefix, gs://, az://).")
+INSPECT_SOURCE = SOURCE
 REVISION = typer.Option(None, "--revision", metavar="REV", help="Hub branch, tag or commit (Hub ids only).")
 LOCAL_ONLY = typer.Option(False, "--local-files-only", help="Use the Hugging Face cache only, never download.")
 EXECUTOR = typer.Option("local", "--executor", metavar="local|ray",
@@ -142,7 +141,8 @@ def inspect(
 def convert(
     source: str = SOURCE,
     output: Optional[str] = typer.Option(None, "-o", "--output", metavar="OUT",
-                                         help="Output folder (must not exist, or be empty)."),
+                                         help="Output folder (must not exist, or be empty), or an object store "
+                                              "URL (s3://bucket/prefix: an empty prefix of an existing bucket)."),
     backend: str = typer.Option("triton", "--backend", "-b", metavar="NAME", help=backend_help()),
     max_shard_size: int = typer.Option("5GB", "--max-shard-size", parser=parse_size, metavar="SIZE",
                                        help="Most tensor bytes per output shard (as transformers counts), e.g. 5GB, 500MB."),
@@ -325,7 +325,8 @@ def _zero_format(value: str | None) -> str | None:
 
 @app.command(cls=_Command, short_help="Check a converted checkpoint against its source.")
 def verify(
-    output: str = typer.Argument(..., metavar="OUT", help="A folder written by `moeconv convert`."),
+    output: str = typer.Argument(..., metavar="OUT", help="A folder (or object store URL) written by "
+                                                           "`moeconv convert`."),
     source: Optional[str] = typer.Option(None, "--source", metavar="SRC",
                                          help="Source checkpoint (default: the one in moeconv.json)."),
     sample: Optional[int] = typer.Option(None, "--sample", min=1, metavar="N",
@@ -348,12 +349,12 @@ def verify(
     """Check a converted checkpoint: structure and checksums, bit-exact decode against the source, and
     the Triton kernel against a float64 reference. Exit code 0 only if every check passes."""
     from moeconv.errors import VerificationFailed
-    from moeconv.storage import refuse_object_url
+    from moeconv.storage import is_object_url
     from moeconv.verification import verify as run_verification
 
-    refuse_object_url(output, "OUT", "verifying an output in")
-    refuse_object_url(source or "", "--source", "verifying against")
-    output, source = Path(output), None if source is None else Path(source)  # as before: Path-normalised
+    # as before, Path-normalised; an object store URL as written (a Path would drop a slash)
+    output = output if is_object_url(output) else Path(output)
+    source = None if source is None else source if is_object_url(source) else Path(source)
     _quiet_hub(quiet)
     if level is None and not quiet and not as_json:
         err.print(VERIFY_DEFAULT, highlight=False, soft_wrap=True, markup=False)

@@ -596,6 +596,7 @@ def _run_job(job, codec, path: Path, positions: dict[str, int]) -> tuple[list, d
         entry = job.source.entry
         copy_into(fd, positions[""], entry.file, entry.begin, entry.end, entry.name)
         return [], {}
+    reader.prefetch([piece.entry for piece in job.inputs])  # a stored source's: one call for the job's tensors
     blocks, counts = transform.convert(job, codec, reader)
     for suffix, data in blocks.items():
         if data.nbytes != job.slots[suffix].nbytes:

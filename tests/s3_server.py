@@ -45,6 +45,7 @@ def _free_port() -> int:
 
 class S3Server:
     ACCESS_KEY = "moeconv-test"
+    READER_KEY = "moeconv-reader"  # a second identity: list and read the bucket `models`, nothing else
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -56,9 +57,11 @@ class S3Server:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def environment(self, secret: str | None = None) -> dict[str, str]:
-        """What obstore reads from the environment to reach this server (`secret`: a wrong one)."""
-        return {"AWS_ACCESS_KEY_ID": self.ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": secret or self.secret,
+    def environment(self, secret: str | None = None, reader: bool = False) -> dict[str, str]:
+        """What obstore reads from the environment to reach this server (`secret`: a wrong one; `reader`:
+        the identity that may only list and read the bucket `models`)."""
+        key = self.READER_KEY if reader else self.ACCESS_KEY
+        return {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret or self.secret,
                 "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
 
     def __enter__(self) -> S3Server:
@@ -67,7 +70,9 @@ class S3Server:
             raise FileNotFoundError("weed")
         (self.folder / "data").mkdir(parents=True)
         identities = {"identities": [{"name": "tester", "credentials": [
-            {"accessKey": self.ACCESS_KEY, "secretKey": self.secret}], "actions": ["Admin", "Read", "Write", "List"]}]}
+            {"accessKey": self.ACCESS_KEY, "secretKey": self.secret}], "actions": ["Admin", "Read", "Write", "List"]},
+            {"name": "reader", "credentials": [{"accessKey": self.READER_KEY, "secretKey": self.secret}],
+             "actions": ["Read:models", "List:models"]}]}
         (self.folder / "s3.json").write_text(json.dumps(identities))
         master, volume, filer, self.port = (_free_port() for _ in range(4))
         log = open(self.folder / "weed.log", "wb")

@@ -234,31 +234,13 @@ def test_the_removed_gpu_device_is_refused_in_one_line_saying_why(source, tmp_pa
     assert code == 0 and (tmp_path / "cpu" / "moeconv.json").is_file(), err
 
 
-NOT_BUILT = ("an object store is not built yet (issue 43; `moeconv inspect` reads one); copy the files to a folder "
-             "first")
-
-
-@pytest.mark.parametrize("args, expected", [
-    (["verify", "s3://bucket/out"], "OUT s3://bucket/out: verifying an output in " + NOT_BUILT),
-    (["verify", "{out}", "--source", "az://container/model"],
-     "--source az://container/model: verifying against " + NOT_BUILT),
-])
-def test_verify_refuses_object_store_urls_in_one_line(source, tmp_path, monkeypatch, capsys, args, expected):
-    """verify does not read object stores yet (convert does: tests/test_object_store_convert.py): a URL is
-    refused as the user wrote it, before anything is read, made or requested."""
-    args = [arg.format(src=source, out=tmp_path / "out") for arg in args]
-    code, out, err = run_main(monkeypatch, capsys, *args)
-    assert (code, out, err) == (2, "", f"error: {expected}\n")
-    assert not (tmp_path / "out").exists()
-
-
 def test_the_api_refuses_a_url_that_lost_a_slash(source, tmp_path, monkeypatch):
     import moeconv
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(MoeconvError, match=r"^OUT s3:/b/out: an object store URL that lost a slash"):
         moeconv.convert(source, Path("s3://b/out"))  # a URL that went through Path, one slash lost
-    with pytest.raises(MoeconvError, match=r"^OUT s3:/b/out: verifying an output in an object store"):
+    with pytest.raises(MoeconvError, match=r"^OUT s3:/b/out: an object store URL that lost a slash"):
         moeconv.verify(Path("s3://b/out"))
     assert not (tmp_path / "s3:").exists()
     assert not (tmp_path / "out").exists()

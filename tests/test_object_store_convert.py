@@ -89,8 +89,9 @@ def test_a_source_in_a_bucket_converts_to_the_folders_bytes(server, sources, tmp
 
 
 def test_workers_read_the_source_by_ranges_no_larger_than_a_tensor(server, sources, tmp_path, monkeypatch):
-    """In-process (one worker) so every request is counted: none is larger than the largest source tensor,
-    and the shards' bytes are read once by the jobs and once by the source digest (its 64 MiB blocks)."""
+    """In-process (one worker) so every request is counted: none is larger than the largest source tensor
+    (but the source digest's, one a 64 MiB block: here the whole shard), and a job's tensors are asked for
+    in one call (`read_ranges`: obstore's concurrent, coalesced `get_ranges`)."""
     import moeconv
     from moeconv.checkpoint.reader import open_checkpoint
     from moeconv.storage import ObjectStore
@@ -105,8 +106,18 @@ def test_workers_read_the_source_by_ranges_no_larger_than_a_tensor(server, sourc
         requests.append((name, begin, end))
         return read_range(self, name, begin, end)
 
+    read_ranges = ObjectStore.read_ranges
+    batches: list[list[tuple[int, int]]] = []
+
+    def counted_ranges(self, name, ranges):
+        requests.extend((name, begin, end) for begin, end in ranges)
+        batches.append(ranges)
+        return read_ranges(self, name, ranges)
+
     monkeypatch.setattr(ObjectStore, "read_range", counted)
+    monkeypatch.setattr(ObjectStore, "read_ranges", counted_ranges)
     moeconv.convert(url, tmp_path / "out", workers=1, max_shard_size=100_000)
+    assert batches and max(map(len, batches)) > 1  # a job's tensors are asked for together
     largest = max(entry.nbytes for entry in open_checkpoint(folder).tensors.values())
     shards = {path.name: path.stat().st_size for path in folder.glob("*.safetensors")}
     tensor_reads = [(name, begin, end) for name, begin, end in requests
@@ -227,3 +238,81 @@ def test_a_kill_during_the_upload_resumes_to_the_same_bytes(server, larger, buck
                         environment=environment)
     assert local.returncode == 0, local.stderr
     same_output(tmp_path / "local", downloaded(server, target, tmp_path), folder, url)
+
+
+def test_verify_reads_an_output_and_a_source_in_buckets(server, sources, bucket, tmp_path):
+    """verify --level lossless of an output in a bucket, its source in a bucket (as recorded, and as --source),
+    and of a folder output against the source's URL; an object changed in the bucket fails it (exit 1)."""
+    folder, url = sources["synthetic"]
+    environment = {**server.environment(), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    target = f"s3://{bucket}/verified"
+    arguments = ["--max-shard-size", "100KB", "-q", "--workers", "2"]
+    assert moeconv_cli("convert", url, "-o", target, *arguments, environment=environment).returncode == 0
+    assert moeconv_cli("convert", str(folder), "-o", str(tmp_path / "local"), *arguments,
+                       environment=environment).returncode == 0
+    for output, source in [(target, None), (target, url), (target, str(folder)), (str(tmp_path / "local"), url)]:
+        more = [] if source is None else ["--source", source]
+        result = moeconv_cli("verify", output, "--level", "lossless", "--json", "-q", *more, environment=environment)
+        assert result.returncode == 0, (output, source, result.stderr[-2000:])
+        report = json.loads(result.stdout)
+        assert report["ok"] is True and report["output"] == output and server.secret not in result.stdout
+        assert sorted(report["proven"]) == ["lossless", "structure"] and report["source_files_checked"] > 0
+        assert all(layer["experts_exact"] == layer["experts_checked"] == layer["experts"] == 4
+                   for layer in report["layers"]) and report["passthrough_checked"] > 0
+    shard = sorted(name for name in listing(server, target) if name.endswith(".safetensors"))[-1]
+    data = bytearray(downloaded(server, target, tmp_path)[shard])
+    data[-1] ^= 1  # one bit of the last tensor
+    server.put(bucket, f"verified/{shard}", bytes(data))
+    failed = moeconv_cli("verify", target, "--level", "lossless", "-q", environment=environment)
+    assert failed.returncode == 1 and shard in failed.stderr + failed.stdout, failed.stderr[-2000:]
+
+
+def one_line(result: subprocess.CompletedProcess, secret: str) -> str:
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr and secret not in result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0].removeprefix("error: ")
+
+
+def test_refusals_of_the_store_are_one_line(server, sources, bucket, tmp_path):
+    """A bucket the credentials may not write (or list), a missing bucket, a missing object, wrong
+    credentials, an unfinished output: one line each, exit 2, the secret in none, nothing left behind."""
+    folder, url = sources["synthetic"]
+    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    environment = {**server.environment(), **cache}
+    reader = {**server.environment(reader=True), **cache}
+    wrong_secret = "wrong-" + server.secret
+    wrong = {**server.environment(secret=wrong_secret), **cache}
+    out = str(tmp_path / "out")
+
+    # the reader identity reads `models` (a conversion from it works) but may not list or write `converted`
+    assert moeconv_cli("convert", url, "-o", str(tmp_path / "read"), "-q", environment=reader).returncode == 0
+    message = one_line(moeconv_cli("convert", url, "-o", f"s3://{bucket}/denied", environment=reader), server.secret)
+    assert message.startswith(f"s3://{bucket}/denied: access denied; check the credentials"), message
+    assert "denied" not in listing(server, f"s3://{bucket}/x") and not (tmp_path / "read" / "denied").exists()
+
+    message = one_line(moeconv_cli("convert", "s3://no-such-bucket/m", "-o", out, environment=environment),
+                       server.secret)
+    assert message.startswith("s3://no-such-bucket/m: no such bucket"), message
+    message = one_line(moeconv_cli("convert", str(folder), "-o", "s3://no-such-bucket/out", environment=environment),
+                       server.secret)
+    assert message.startswith("s3://no-such-bucket/out: no such bucket"), message
+    message = one_line(moeconv_cli("convert", f"s3://{bucket}/nothing-here", "-o", out, environment=environment),
+                       server.secret)
+    assert message.startswith(f"s3://{bucket}/nothing-here: no objects there"), message
+    message = one_line(moeconv_cli("verify", f"s3://{bucket}/nothing-here", "-q", environment=environment), server.secret)
+    assert message.startswith(f"s3://{bucket}/nothing-here: no objects there"), message
+
+    message = one_line(moeconv_cli("convert", url, "-o", out, environment=wrong), wrong_secret)
+    assert message.startswith(f"{url}: access denied; check the credentials"), message
+    message = one_line(moeconv_cli("verify", f"s3://{bucket}/verified", "-q", environment=wrong), wrong_secret)
+    assert "access denied; check the credentials" in message, message
+    message = one_line(moeconv_cli("convert", str(folder), "-o", f"s3://{bucket}/w", environment=wrong), wrong_secret)
+    assert message.startswith(f"s3://{bucket}/w: access denied; check the credentials"), message
+    assert not Path(out).exists()
+
+    server.put(bucket, "unfinished/model-00001-of-00002.safetensors",
+               (next(iter(sorted(folder.glob("*.safetensors"))))).read_bytes())
+    message = one_line(moeconv_cli("verify", f"s3://{bucket}/unfinished", "-q", environment=environment), server.secret)
+    assert message == f"s3://{bucket}/unfinished: no moeconv.json: not a folder written by `moeconv convert`", message

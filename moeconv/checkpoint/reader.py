@@ -302,6 +302,21 @@ class TensorReader:
         self._opening = threading.Lock()  # readers share descriptors across threads; pread is thread-safe
         # tensor name -> a content hash of its bytes, taken as each whole tensor is read (for resume)
         self.fingerprints = fingerprints
+        self._fetched: dict[tuple[str, int, int], bytes] = {}  # `prefetch`ed stored ranges, each taken once
+
+    def prefetch(self, entries: list[TensorEntry]) -> None:
+        """The stored tensors among `entries` fetched together (one call an object: concurrent, coalesced
+        range requests) for the reads that follow; what an earlier prefetch left unread is dropped. Local
+        files are read as they are asked for (nothing is gained by reading them early)."""
+        self._fetched.clear()
+        by_file: dict[StoredPath, list[TensorEntry]] = {}
+        for entry in entries:
+            if isinstance(entry.file, StoredPath):
+                by_file.setdefault(entry.file, []).append(entry)
+        for file, inside in by_file.items():
+            ranges = [(entry.begin, entry.end) for entry in inside]
+            for (begin, end), data in zip(ranges, file.read_ranges(ranges)):
+                self._fetched[(str(file), begin, end)] = data
 
     def _descriptor(self, path: Path) -> int:
         with self._opening:
@@ -310,8 +325,10 @@ class TensorReader:
             return self._files[path]
 
     def _bytes(self, entry: TensorEntry, begin: int, length: int) -> bytearray:
-        if isinstance(entry.file, StoredPath):  # one range request
-            data = entry.file.read_range(begin, begin + length)
+        if isinstance(entry.file, StoredPath):  # prefetched, else one range request
+            data = self._fetched.pop((str(entry.file), begin, begin + length), None)
+            if data is None:
+                data = entry.file.read_range(begin, begin + length)
             if len(data) != length:
                 raise MoeconvError(f"{entry.file}: ended early while reading tensor {entry.name}")
             return bytearray(data)

@@ -241,17 +241,32 @@ def tiling(ranges: Sequence[tuple[str, int, int]], data_start: int, size: int) -
     return ordered
 
 
-def header_ranges(path: Path) -> tuple[int, list[tuple[str, int, int]]]:
+def _size(path: Path | StoredPath) -> int:
+    return path.size() if isinstance(path, StoredPath) else Path(path).stat().st_size
+
+
+def _reader(path: Path | StoredPath):
+    """(begin, length) -> bytes of a local file or a stored object (fewer where it ends first)."""
+    if isinstance(path, StoredPath):
+        return lambda begin, length: path.read_range(begin, begin + length)
+
+    def read(begin: int, length: int) -> bytes:
+        with open(path, "rb") as handle:
+            return os.pread(handle.fileno(), length, begin)
+    return read
+
+
+def header_ranges(path: Path | StoredPath) -> tuple[int, list[tuple[str, int, int]]]:
     """A safetensors file's data start and its tensors' absolute byte ranges, from its header (ValueError
     when the header cannot be read)."""
-    with open(path, "rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) != 8:
-            raise ValueError("shorter than a safetensors header")
-        length = int.from_bytes(prefix, "little")
-        if length > min(Path(path).stat().st_size - 8, 100 << 20):
-            raise ValueError(f"header length {length} exceeds the file")
-        header = json.loads(handle.read(length))
+    read = _reader(path)
+    prefix = read(0, 8)
+    if len(prefix) != 8:
+        raise ValueError("shorter than a safetensors header")
+    length = int.from_bytes(prefix, "little")
+    if length > min(_size(path) - 8, 100 << 20):
+        raise ValueError(f"header length {length} exceeds the file")
+    header = json.loads(read(8, length))
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     data_start, ranges = 8 + length, []
@@ -546,6 +561,8 @@ def range_digests(path: Path, ranges: dict[str, tuple[int, int]], threads: int |
                   block: int = BLOCK_BYTES, scheme: DigestScheme = CURRENT) -> dict[str, str]:
     """`combined_digest` of each byte range [begin, end) of a finished file, its blocks counted from the
     range's first byte (a tensor's digest: `tensor_digest`), all hashed in parallel, never in memory whole."""
+    if isinstance(path, StoredPath):
+        return _stored_range_digests(path, ranges, threads, block, scheme)
     fd = os.open(path, os.O_RDONLY)
     hashers = _Hashers(threads or hash_threads(), scheme)
     try:
@@ -558,16 +575,33 @@ def range_digests(path: Path, ranges: dict[str, tuple[int, int]], threads: int |
         os.close(fd)
 
 
+def _stored_range_digests(path: StoredPath, ranges: dict[str, tuple[int, int]], threads: int | None,
+                          block: int, scheme: DigestScheme) -> dict[str, str]:
+    """range_digests of a stored object: one range request a block, a few blocks at a time (small ranges
+    that share a block's worth of bytes come in one request), never the object in memory whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def hashed(piece: tuple[int, int]) -> bytes:
+        data = path.read_range(*piece)
+        if len(data) != piece[1] - piece[0]:
+            raise ValueError(f"{path}: ended early at {piece[0] + len(data)}")
+        return scheme.of(data)
+
+    pieces = {name: [(start, min(end, start + block)) for start in range(begin, end, block)] or [(begin, begin)]
+              for name, (begin, end) in ranges.items()}
+    with ThreadPoolExecutor(max(1, min(threads or hash_threads(), 4))) as pool:
+        return {name: combined_digest(list(pool.map(hashed, parts)), scheme) for name, parts in pieces.items()}
+
+
 def shard_file_digests(path: Path, threads: int | None = None, block: int = BLOCK_BYTES,
                        scheme: DigestScheme = CURRENT) -> tuple[str, dict[str, str]]:
     """A finished shard's digest (`shard_digest`) and its tensors' digests, each byte read and hashed once;
     ValueError when its header cannot be read or its tensors do not tile its data (a gap, an overlap,
     bytes after the last tensor: the shard digest would not cover them)."""
     data_start, ranges = header_ranges(path)
-    ordered = tiling(ranges, data_start, Path(path).stat().st_size)
+    ordered = tiling(ranges, data_start, _size(path))
     tensors = range_digests(path, {name: (begin, end) for name, begin, end in ordered}, threads, block, scheme)
-    with open(path, "rb") as handle:
-        header = scheme.of(handle.read(data_start))
+    header = scheme.of(_reader(path)(0, data_start))
     return shard_digest(header, [tensors[name] for name, _, _ in ordered], scheme), tensors
 
 

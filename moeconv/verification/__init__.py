@@ -31,6 +31,7 @@ from typing import Callable
 from moeconv.audit import Audits
 from moeconv.checkpoint.reader import TensorReader, collection_paused
 from moeconv.errors import MoeconvError
+from moeconv.storage import local_or_stored
 from moeconv.verification import lossless, numerics, prepare, structure
 from moeconv.verification.report import LEVELS, PHASE_UNITS, PROOFS, LayerResult, VerifyReport, finished
 from moeconv.verification.scheduler import Scheduler
@@ -56,7 +57,7 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
     if level is not None and level not in LEVELS:
         raise MoeconvError(f"verify level {level!r} is not one of {', '.join(LEVELS)}")
     asked, level = level, level or "numerics"
-    output = Path(output).expanduser().resolve()
+    output = local_or_stored(output)  # an object store URL: read by range requests (storage.py)
     with Scheduler(progress, time.perf_counter()) as scheduler:
         # The manifest, both checkpoints' headers, the plan and the structure checks make hundreds of thousands
         # of long-lived objects and no cycles: the cycle collector's passes were a third of this part's time.

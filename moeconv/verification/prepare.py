@@ -17,6 +17,7 @@ from moeconv.errors import MoeconvError
 from moeconv.kernels.runners import layer_tolerance
 from moeconv.plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
 from moeconv.source import ResolvedSource, is_hub_id, resolve_source
+from moeconv.storage import is_object_url
 from moeconv.verification.report import VerifyReport
 from moeconv.verification.structure import check_links
 
@@ -39,7 +40,7 @@ def open_output(output: Path, source: str | Path | None) -> Opened | list[str]:
     exit 1); MoeconvError for what the user must change (a source that is not the one converted)."""
     if not output.is_dir():
         raise MoeconvError(f"{output}: not a folder (give the folder `moeconv convert -o` wrote)")
-    if not os.path.lexists(output / MANIFEST_NAME):
+    if not ((output / MANIFEST_NAME).exists() or (output / MANIFEST_NAME).is_symlink()):
         raise MoeconvError(f"{output}: no {MANIFEST_NAME}: not a folder written by `moeconv convert`")
     linked = check_links(output)
     if linked:  # convert writes no link, and verify reads nothing through one (it may point anywhere)
@@ -105,7 +106,9 @@ def _recorded_source(output: Path, recorded: dict[str, Any]) -> ResolvedSource:
     to the output folder, not to where verify runs), else its Hub id, from the local cache only (a manifest
     must not make verify download anything: `--source ID` does)."""
     path = recorded["path"]
-    folder = Path(os.path.normpath(output / path))
+    if is_object_url(path):  # a source in an object store: read there again
+        return resolve_source(path)
+    folder = Path(os.path.normpath(output / path)) if isinstance(output, Path) else Path(path)
     if folder.is_dir():
         return resolve_source(folder)
     repo = recorded.get("repo")

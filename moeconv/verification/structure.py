@@ -9,7 +9,6 @@ The manifest is `checkpoint.manifest.Manifest`, parsed once (its seal and versio
 from __future__ import annotations
 
 import json
-import os
 import stat
 import threading
 import time
@@ -83,7 +82,7 @@ def check_files(output: Path, manifest: Manifest, advance: Callable[..., None],
             listed.add(name)
             path = output / name
             try:
-                info = os.lstat(path)
+                info = path.lstat()
             except FileNotFoundError:
                 problems.append(f"{name}: listed in {MANIFEST_NAME} but missing")
                 continue
