@@ -304,17 +304,22 @@ class TensorReader:
         self.fingerprints = fingerprints
         self._fetched: dict[tuple[str, int, int], bytes] = {}  # `prefetch`ed stored ranges, each taken once
 
-    def prefetch(self, entries: list[TensorEntry]) -> None:
-        """The stored tensors among `entries` fetched together (one call an object: concurrent, coalesced
-        range requests) for the reads that follow; what an earlier prefetch left unread is dropped. Local
-        files are read as they are asked for (nothing is gained by reading them early)."""
+    def prefetch(self, entries: list[TensorEntry],
+                 blocks: list[tuple[TensorEntry, int, tuple[int, ...]]] | None = None) -> None:
+        """The stored tensors among `entries`, and the stored blocks among `blocks` ((entry, offset, shape) as
+        `read_raw_slice` takes them), fetched together (one call an object: concurrent, coalesced range
+        requests) for the reads that follow; what an earlier prefetch left unread is dropped. Local files are
+        read as they are asked for (nothing is gained by reading them early)."""
         self._fetched.clear()
-        by_file: dict[StoredPath, list[TensorEntry]] = {}
+        by_file: dict[StoredPath, list[tuple[int, int]]] = {}
         for entry in entries:
             if isinstance(entry.file, StoredPath):
-                by_file.setdefault(entry.file, []).append(entry)
-        for file, inside in by_file.items():
-            ranges = [(entry.begin, entry.end) for entry in inside]
+                by_file.setdefault(entry.file, []).append((entry.begin, entry.end))
+        for entry, offset, shape in blocks or ():
+            if isinstance(entry.file, StoredPath):
+                begin = entry.begin + offset
+                by_file.setdefault(entry.file, []).append((begin, begin + self._block_length(entry, offset, shape)))
+        for file, ranges in by_file.items():
             for (begin, end), data in zip(ranges, file.read_ranges(ranges)):
                 self._fetched[(str(file), begin, end)] = data
 

@@ -70,6 +70,9 @@ def _check_job(codec: Codec, job: ConvertJob, tensors: dict[str, TensorEntry], r
                audits: Audits, cast: tuple[str, str] | None) -> Problems:
     """(projection, mismatch) for every canonical weight whose output bytes do not decode to exactly
     what the source format's decoder gives; (None, why) when the layout cannot be decoded at all."""
+    # where either side is in an object store: the job's ranges of both fetched in one call an object
+    reader.prefetch([piece.entry for piece in job.inputs],
+                    [(tensors[slot.tensor.name], slot.offset, slot.shape) for slot in job.slots.values()])
     try:
         converted = transform.decode(job, codec, _output_blocks(job, tensors, reader))
     except ValueError as error:  # the layout's own redundancy (weight_shape, CPU compensation sums) disagrees
