@@ -65,7 +65,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=96)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    parser.add_argument("--smoke", action="store_true", help="4 layers: the test suite's run")
     arguments = parser.parse_args()
+    if arguments.smoke:
+        arguments.layers = 4
     work = Path(tempfile.mkdtemp(dir=arguments.work))
     small = make_checkpoint(work / "small", SynthSpec(layers=4, experts=16, hidden=512, intermediate=512))
     grow(small, work / "src", arguments.layers, 100_000_000)
@@ -84,7 +88,7 @@ def main() -> None:
                                                               if not k.startswith("AWS_")}, **environment})
         verify_seconds = time.perf_counter() - verify_started
     megabytes = source_bytes / 1e6
-    print(json.dumps({
+    result = {
         "source_bytes": source_bytes, "shards": len(list((work / "src").glob("*.safetensors"))),
         "output_bytes": sum(path.stat().st_size for path in (work / "local").iterdir()),
         "raw_copy_s3_to_s3": {"seconds": round(copy_seconds, 2), "MB_per_s": round(megabytes / copy_seconds, 1)},
@@ -94,7 +98,12 @@ def main() -> None:
                                      "tree_peak_pss_mb": local["tree_peak_pss_mb"]},
         "verify_lossless_s3": {"seconds": round(verify_seconds, 2), "exit": verified.returncode},
         "workers": arguments.workers, "cores": os.cpu_count(),
-    }, indent=2))
+    }
+    print(json.dumps(result, indent=2))
+    if arguments.json:
+        arguments.json.write_text(json.dumps(result) + "\n")
+    if verified.returncode:
+        raise SystemExit(f"verify of the S3 output failed: {verified.stderr[-2000:]}")
 
 
 if __name__ == "__main__":

@@ -93,7 +93,11 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=96)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    parser.add_argument("--smoke", action="store_true", help="3 layers of 4 small experts: the test suite's run")
     args = parser.parse_args()
+    if args.smoke:
+        args.layers, args.experts, args.intermediate, args.hidden, args.shards = 3, 4, 256, 512, 4
     work = Path(tempfile.mkdtemp(prefix="moeconv-bench-sparse-", dir=args.work))
     started = time.perf_counter()
     template = make_checkpoint(work / "template", SynthSpec(
@@ -113,13 +117,18 @@ def main() -> None:
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     measured = json.loads(result.stderr.strip().splitlines()[-1])
     plan = json.loads(result.stdout) if result.returncode == 0 else {"error": result.stderr[-1000:]}
-    print(json.dumps({"shards": args.shards, "tensors": len(json.loads(
+    result = {"shards": args.shards, "tensors": len(json.loads(
         (work / "k3" / "model.safetensors.index.json").read_text())["weight_map"]),
         "declared_bytes": declared, "declared_TB": round(declared / 1e12, 3), "on_disk_MB": round(on_disk / 1e6, 1),
         "build_seconds": round(built, 1), "dry_run_seconds": round(measured["seconds"], 2),
         "dry_run_peak_rss_mb": measured["peak_rss_mb"], "exit": result.returncode,
         "plan": {key: plan.get(key) for key in ("backend", "format", "moe_layers", "output_bytes", "error")
-                 if key in plan}}, indent=2))
+                 if key in plan}}
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result) + "\n")
+    if result["exit"]:
+        raise SystemExit(plan.get("error", "the dry run failed"))
 
 
 if __name__ == "__main__":

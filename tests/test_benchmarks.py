@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
     ("bench_plan.py", []),
     ("bench_ray.py", ["--workdir", "{tmp}"]),
     ("bench_startup.py", ["--workdir", "{tmp}"]),
+    ("bench_plan_sparse.py", ["--work", "{tmp}"]),
+    pytest.param("bench_object_store_convert.py", ["--work", "{tmp}"], marks=pytest.mark.skipif(
+        not (Path(sys.executable).parent / "weed").is_file(), reason="no `weed` binary: no S3 server")),
 ])
 def test_benchmark_smoke(tmp_path, script, extra):
     output = tmp_path / "result.json"

@@ -90,7 +90,7 @@ def test_a_source_in_a_bucket_converts_to_the_folders_bytes(server, sources, tmp
 
 def test_workers_read_the_source_by_ranges_no_larger_than_a_tensor(server, sources, tmp_path, monkeypatch):
     """In-process (one worker) so every request is counted: none is larger than the largest source tensor
-    (but the source digest's, one a 64 MiB block: here the whole shard), and a job's tensors are asked for
+    (but the source digest's, 8 MiB a request: here the whole shard), and a job's tensors are asked for
     in one call (`read_ranges`: obstore's concurrent, coalesced `get_ranges`)."""
     import moeconv
     from moeconv.checkpoint.reader import open_checkpoint
