@@ -467,9 +467,13 @@ def _interrupted_conversion(output: Path | None):
         if output is None:
             raise
         from moeconv.conversion import finished_shards, staging_folder
+        from moeconv.storage import is_object_url
 
         kept = finished_shards(output)
-        again = (f"{len(kept)} finished shard(s) kept in {staging_folder(output)}; run the same command again to "
+        where = staging_folder(output)
+        if is_object_url(str(output)):  # the shards are in the store; this machine keeps their journal
+            where = f"{output} (journaled in {where})"
+        again = (f"{len(kept)} finished shard(s) kept in {where}; run the same command again to "
                  f"finish the conversion from there" if kept else
                  "no shard had finished, so nothing is kept; run the same command again to start over")
         which = f" ({stop})" if str(stop) else ""  # the signal's name; Ctrl-C in a caller's process has none

@@ -328,3 +328,32 @@ def test_ray_with_a_url_is_refused_in_one_line(server, sources, tmp_path):
     assert message.startswith(f"{url}: --executor ray needs the source and the output on storage every node sees"), \
         message
     assert not (tmp_path / "out").exists()
+
+
+def test_an_interrupted_upload_says_where_its_shards_are_and_resumes(server, larger, bucket, tmp_path):
+    """SIGINT once shards are in the bucket: exit 3, one line naming the output URL and the local journal; the
+    same command again finishes with the shards kept."""
+    folder, url = larger
+    environment = {**server.environment(), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    target = f"s3://{bucket}/interrupted"
+    arguments = ["--max-shard-size", "1MB", "--workers", "2"]
+    clean = {key: value for key, value in os.environ.items() if not key.startswith("AWS_")}
+    process = subprocess.Popen([sys.executable, "-m", "moeconv", "convert", url, "-o", target, "-q", *arguments],
+                               env={**clean, **environment}, cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        if sum(name.endswith(".safetensors") for name in listing(server, target)) >= 2:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    if process.returncode == 0:
+        pytest.skip("the conversion finished before the signal arrived")
+    assert process.returncode == 3, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and " finished shard(s) kept in " + target + " (journaled in " in lines[0], stderr
+    assert server.secret not in stderr and "moeconv.json" not in listing(server, target)
+    resumed = moeconv_cli("convert", url, "-o", target, "--json", *arguments, environment=environment)
+    assert resumed.returncode == 0 and json.loads(resumed.stdout)["resumed_files"], resumed.stderr
+    assert not any(path.is_file() for path in (tmp_path / "cache").rglob("*"))
