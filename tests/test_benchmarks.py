@@ -139,3 +139,25 @@ def test_hub_cache_lays_a_folder_out_as_a_snapshot_that_converts_anchored(tmp_pa
     [repository] = scan_cache_dir(tmp_path / "cache").repos
     assert repository.repo_id == "acme/grown" and {rev.commit_hash for rev in repository.revisions} == {snapshot.name}
     assert {path.name: path.read_bytes() for path in snapshot.iterdir()} == expected
+
+
+def test_profile_cpu_puts_verify_s_unpacking_in_its_bucket(tmp_path):
+    """benchmarks/profile_cpu.py: every command of every backend asked for profiled, its buckets found by name (a
+    renamed function would leave its bucket at zero: verify lossless always unpacks the source's codes)."""
+    from moeconv.synth import SynthSpec, make_checkpoint
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=128, intermediate=64, experts=4, layers=1))
+    output = tmp_path / "profile.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_cpu.py"), str(source), "--backends",
+                           "triton,humming", "--workdir", str(tmp_path), "--json", str(output)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(output.read_text())
+    assert [(row["backend"], row["command"]) for row in rows] == [
+        ("triton", "convert"), ("triton", "verify"), ("humming", "convert"), ("humming", "verify")]
+    for row in rows:
+        assert row["process_cpu_s"] > 0 and row["wall_s"] > 0
+        if row["command"] == "verify":
+            assert row["unpack codes"] > 0 and row["read (pread into arrays)"] > 0 and row["write (pwrite)"] == 0
+        else:
+            assert row["write (pwrite)"] > 0 and row["resume fingerprint (CRC-32)"] > 0
