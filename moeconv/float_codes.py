@@ -23,9 +23,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from moeconv.packing import pack_array, unpack_array
+
 UE8M0, E4M3 = "ue8m0", "e4m3"  # the block scale's encoding
 DIVIDE, MULTIPLY = "divide", "multiply"  # the global scale's convention (compressed-tensors, ModelOpt)
-CODES_PER_BYTE = 2  # element 2j in the low nibble of byte j, 2j + 1 in the high one (every producer)
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 UE8M0_NAN = 0xFF
 E4M3_NAN_MAGNITUDE = 0x7F  # S.1111.111; E4M3FN has no infinity
@@ -146,15 +147,14 @@ class FloatWeight:
 
 
 def unpack_codes(packed: np.ndarray) -> np.ndarray:
-    """(N, K/2) bytes -> (N, K) uint8 codes, low nibble first."""
-    pairs = np.stack([packed & 0x0F, packed >> 4], axis=-1)
-    return pairs.reshape(packed.shape[0], -1)
+    """(N, K/2) bytes -> (N, K) uint8 codes: element 2j in the low nibble of byte j, 2j + 1 in the high one (every
+    producer's order)."""
+    return unpack_array(packed, 4, -1)
 
 
 def pack_codes(codes: np.ndarray) -> np.ndarray:
     """Inverse of `unpack_codes`: (N, K) codes < 16 -> (N, K/2) bytes."""
-    pairs = codes.reshape(codes.shape[0], -1, CODES_PER_BYTE)
-    return np.ascontiguousarray(pairs[..., 0] | (pairs[..., 1] << 4))
+    return pack_array(codes, 4, -1, np.uint8)
 
 
 def scale_values(scales: np.ndarray, encoding: str) -> np.ndarray:
