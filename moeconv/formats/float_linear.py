@@ -9,7 +9,7 @@ from typing import Mapping
 import numpy as np
 
 from moeconv.errors import MoeconvError
-from moeconv.float_codes import FloatScheme, FloatWeight, global_refusal, scale_refusal, unpack_codes
+from moeconv.float_codes import FloatScheme, FloatWeight, global_refusal, scale_refusal
 
 
 def float_weight(scheme: FloatScheme, packed: np.ndarray, scales: np.ndarray,
@@ -17,11 +17,12 @@ def float_weight(scheme: FloatScheme, packed: np.ndarray, scales: np.ndarray,
     """`packed` (N, K/2) code bytes and `scales` (N, K/block) scale bytes (stored under `scale_suffix`, for
     messages); `scalars`: FloatWeight field -> (suffix, its stored array or None), the global scales of one
     element each."""
-    codes = unpack_codes(packed)
+    packed = np.ascontiguousarray(packed).view(np.uint8)
+    n, k = packed.shape[0], packed.shape[1] * 2
     scales = np.ascontiguousarray(scales).view(np.uint8)
-    if codes.shape[1] % scheme.block or scales.shape != (codes.shape[0], codes.shape[1] // scheme.block):
+    if k % scheme.block or scales.shape != (n, k // scheme.block):
         raise MoeconvError(f"{scale_suffix} {list(scales.shape)} is not one scale per {scheme.block} of the "
-                           f"{list(codes.shape)} codes")
+                           f"{[n, k]} codes")
     reason = scale_refusal(scales, scheme.scale_encoding)
     if reason:
         raise MoeconvError(f"{scale_suffix} {reason}")
@@ -36,5 +37,5 @@ def float_weight(scheme: FloatScheme, packed: np.ndarray, scales: np.ndarray,
         if reason:
             raise MoeconvError(f"{suffix} {reason}")
         found[field] = value
-    return FloatWeight(codes, scales, scheme, **found)
+    return FloatWeight(packed, scales, scheme, **found)
 

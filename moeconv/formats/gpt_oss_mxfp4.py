@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from moeconv.errors import MoeconvError
-from moeconv.float_codes import MXFP4, FloatScheme, FloatWeight, pack_codes
+from moeconv.float_codes import MXFP4, FloatScheme, FloatWeight
 from moeconv.formats.base import Detection, FormatDefaults, Linear, Read, SourceFormat
 from moeconv.formats.float_linear import float_weight
 from moeconv.spec import TensorSpec
@@ -111,7 +111,7 @@ class GptOssMxfp4(FormatDefaults):
     def encode(self, weight: FloatWeight) -> dict[str, np.ndarray]:
         if weight.scheme.name != MXFP4.name:
             raise ValueError(f"gpt-oss stores MXFP4, not {weight.scheme.describe()}")
-        return {BLOCKS: pack_codes(weight.codes), SCALES: weight.scales}
+        return {BLOCKS: weight.packed, SCALES: weight.scales}
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.method, "producer": "gpt-oss (transformers GptOssForCausalLM)", "bits": 4,
