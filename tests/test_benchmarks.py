@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ("bench_int8_kernel.py", []),
     ("bench_convert.py", ["--workdir", "{tmp}", "--verify"]),
     ("bench_plan.py", []),
+    ("bench_plan.py", ["--declared", "--workdir", "{tmp}"]),
     ("bench_ray.py", ["--workdir", "{tmp}"]),
     ("bench_startup.py", ["--workdir", "{tmp}"]),
 ])
