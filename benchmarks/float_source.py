@@ -86,7 +86,7 @@ def main() -> None:
     # every layer's router, as a pattern, so that the config holds after grow_checkpoint.py adds layers
     quantization["ignore"] = ["lm_head", r"re:.*mlp\.gate$"]
     config.update(hidden_size=h, moe_intermediate_size=i, intermediate_size=4 * i, num_hidden_layers=args.layers,
-                  num_local_experts=args.experts, num_experts=args.experts, num_experts_per_tok=8,
+                  num_local_experts=args.experts, num_experts=args.experts, num_experts_per_tok=min(8, args.experts),
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                   vocab_size=args.vocab, max_position_embeddings=4096, quantization_config=quantization)
     (args.target / "config.json").write_text(json.dumps(config, indent=2))
