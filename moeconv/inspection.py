@@ -91,7 +91,7 @@ def _verdict(backend, layers, source_format, source_config, model_type, attentio
     """Whether the backend takes the checkpoint (as it is, or after --regroup), with each layer's reason,
     and how each engine (vLLM, SGLang) would serve its output."""
     factor, reason = eligibility(backend, layers, allow_regroup=True)
-    reason = reason or _global_scale_refusal(backend, layers, source_format)
+    reason = reason or _global_scale_refusal(backend, layers, source_format) or source_format.unconverted
     refusals = {layer.module: backend.refusal(layer.shape) for layer in layers}
     first = layers[0].shape
     shape = replace(first, group_size=first.group_size // factor)

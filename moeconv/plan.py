@@ -221,6 +221,8 @@ def choose_backend(name: str, layers: list[MoELayer], allow_regroup: bool, sourc
                    source_config: Mapping[str, Any] | None = None) -> tuple[Backend, int, tuple, str | None]:
     """The backend, its regroup factor, and (for "auto") each skipped backend with its reason and one line
     saying what was chosen and why."""
+    if source_format.unconverted:
+        raise MoeconvError(f"moeconv does not convert this checkpoint yet: {source_format.unconverted}")
     if backend_name(name) != "auto":
         backend = get_backend(name)
         factor, reason = eligibility(backend, layers, allow_regroup)

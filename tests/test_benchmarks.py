@@ -162,3 +162,36 @@ def test_profile_cpu_puts_verify_s_unpacking_in_its_bucket(tmp_path):
             assert row["unpack codes"] > 0 and row["read (pread into arrays)"] > 0 and row["write (pwrite)"] == 0
         else:
             assert row["write (pwrite)"] > 0 and row["resume fingerprint (CRC-32)"] > 0
+
+def test_the_float_source_is_compressed_tensors_mxfp4_and_its_grown_copy_benchmarks(tmp_path):
+    """benchmarks/float_source.py writes llm-compressor's MXFP4A16 layout (the fixture ct-mxfp4a16's tensors and
+    config, at the sizes asked), grow_checkpoint.py repeats its layer, and bench_convert.py converts the grown
+    source into compressed-tensors and verifies it, labelling the row by the source's own format."""
+    from safetensors import safe_open
+
+    one, grown, output = tmp_path / "one", tmp_path / "grown", tmp_path / "result.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "float_source.py"), str(one), "--experts", "4",
+                           "--hidden", "256", "--intermediate", "128", "--vocab", "64"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((one / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "mxfp4-pack-quantized" and config["num_local_experts"] == 4
+    tensors = {}
+    for shard in one.glob("*.safetensors"):
+        with safe_open(str(shard), "np") as handle:
+            tensors.update({name: handle.get_slice(name) for name in handle.keys()})
+    prefix = "model.layers.0.mlp.experts.3.down_proj"
+    assert (tensors[f"{prefix}.weight_packed"].get_dtype(), tensors[f"{prefix}.weight_packed"].get_shape()) == (
+        "U8", [256, 64])
+    assert (tensors[f"{prefix}.weight_scale"].get_dtype(), tensors[f"{prefix}.weight_scale"].get_shape()) == (
+        "U8", [256, 4])
+    assert tensors["model.layers.0.mlp.gate.weight"].get_dtype() == "BF16"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grow_checkpoint.py"), str(one), str(grown),
+                           "--layers", "3"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_convert.py"), "--smoke", "--source",
+                           str(grown), "--workdir", str(tmp_path / "work"), "--backends", "compressed-tensors",
+                           "--verify", "--json", str(output)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(output.read_text())
+    assert row["format"] == "mxfp4-pack-quantized" and row["layers"] == 3 and row["verify_ok"] is True
