@@ -25,13 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import numpy as np
 
 from moeconv.errors import MoeconvError
-from moeconv.float_codes import MXFP4, FloatScheme, FloatWeight
-from moeconv.formats.base import Detection, FormatDefaults, Linear, Read, SourceFormat
-from moeconv.formats.float_linear import float_weight
-from moeconv.spec import TensorSpec
+from moeconv.formats.float_linear import Mxfp4Pair
+from moeconv.float_codes import MXFP4, FloatScheme
 
 METHOD = "fp8"
 WEIGHT, SCALE = "weight", "scale"
@@ -51,11 +48,11 @@ UNCONVERTED = (
 
 
 @dataclass(frozen=True)
-class DeepSeekV4Fp4(FormatDefaults):
+class DeepSeekV4Fp4(Mxfp4Pair):
+    codes = (WEIGHT, "I8")
+    scale = (SCALE, "F8_E8M0")
+    evidence = "DeepSeek-V4 FP4 experts"
     method: str = METHOD
-    bits = 4
-    group_size = BLOCK
-    activation_bits = 16
     float_scheme: FloatScheme = MXFP4
     unconverted: str | None = UNCONVERTED
 
@@ -75,53 +72,6 @@ class DeepSeekV4Fp4(FormatDefaults):
             raise MoeconvError(f"{field}: key {other[0]!r} is not one DeepSeek-V4's FP8 config has; refusing rather "
                                f"than ignoring it")
         return cls()
-
-    @property
-    def symmetric(self) -> bool:
-        return True
-
-    def suffixes(self) -> tuple[str, ...]:
-        return (WEIGHT, SCALE)
-
-    def optional_suffixes(self) -> tuple[str, ...]:
-        return ()
-
-    @classmethod
-    def claims(cls, linears: list[Linear]) -> bool:
-        """I8 weight (N, K/2), two E2M1 codes a byte, beside an F8_E8M0 scale."""
-        return bool(linears) and all(
-            {WEIGHT, SCALE} <= set(tensors) and tensors[WEIGHT].dtype == "I8" and tensors[SCALE].dtype == "F8_E8M0"
-            and tuple(tensors[WEIGHT].shape) == (n, k // 2) for tensors, n, k in linears)
-
-    @classmethod
-    def from_data(cls, linears: list[Linear], configured: SourceFormat, read: Read,
-                  detection: Detection) -> DeepSeekV4Fp4 | None:
-        blocks = {k // tensors[SCALE].shape[1] if len(tensors[SCALE].shape) == 2 and tensors[SCALE].shape[1]
-                  else None for tensors, _, k in linears}
-        if blocks != {BLOCK}:
-            detection.evidence.append(f"scale gives blocks of {sorted(map(str, blocks))} inputs, not {BLOCK}")
-            return None
-        first = linears[0][0]
-        detection.evidence.append(f"{first[WEIGHT].name} I8 {list(first[WEIGHT].shape)} (two E2M1 codes a byte) and "
-                                  f"scale F8_E8M0 one per {BLOCK}: DeepSeek-V4 FP4 experts")
-        return configured if isinstance(configured, DeepSeekV4Fp4) else cls()
-
-    def linear_shape(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
-        out_features, width = shapes[WEIGHT]
-        return out_features, width * 2
-
-    def expected(self, out_features: int, in_features: int) -> dict[str, TensorSpec]:
-        return {WEIGHT: TensorSpec(WEIGHT, (out_features, in_features // 2), "I8"),
-                SCALE: TensorSpec(SCALE, (out_features, in_features // BLOCK), "F8_E8M0")}
-
-    def decode(self, stored: Mapping[str, np.ndarray]) -> FloatWeight:
-        packed = np.ascontiguousarray(stored[WEIGHT]).view(np.uint8)  # the I8 bytes are the code pairs
-        return float_weight(self.float_scheme, packed, stored[SCALE], {}, scale_suffix=SCALE)
-
-    def encode(self, weight: FloatWeight) -> dict[str, np.ndarray]:
-        if weight.scheme.name != MXFP4.name:
-            raise ValueError(f"DeepSeek-V4 stores MXFP4 experts, not {weight.scheme.describe()}")
-        return {WEIGHT: weight.packed.view(np.int8), SCALE: weight.scales}
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.method, "producer": "DeepSeek-V4 (expert_dtype fp4 under its FP8 config)", "bits": 4,
