@@ -21,6 +21,7 @@ from moeconv import casts
 from moeconv.api import verify
 from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.float_codes import MXFP4, FloatWeight
+from moeconv.render import verdict
 
 from helpers import reseal, run_main
 from test_casts import mx_values, mxfp4_weights
@@ -126,6 +127,7 @@ def test_allow_inexact_writes_and_records_a_census_and_bound_that_hold_exactly(c
     report = verify(output, level="lossless", workers=1)
     assert report.ok, report.failures()
     assert any("an inexact cast (NVFP4 -> BF16): 4434 of 4608 blocks" in caveat for caveat in report.caveats())
+    assert "cast from the source as recorded (NVFP4 -> BF16: 174 of 4608 blocks exact" in verdict(report)
 
 
 def test_allow_inexact_without_a_cast_is_refused(capsys, tmp_path):
