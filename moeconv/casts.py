@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from moeconv.float_codes import DIVIDE, E4M3, E4M3_NAN_MAGNITUDE, UE8M0, UE8M0_NAN, FloatWeight
+from moeconv.float_codes import DIVIDE, E2M1_VALUES, E4M3, E4M3_NAN_MAGNITUDE, UE8M0, UE8M0_NAN, FloatWeight
 
 
 class FloatFormat(NamedTuple):
@@ -247,12 +247,26 @@ def _fp8_shift(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     floor_table = np.where(nonzero, high - 8 + (leading > 1.75), _LOWEST).astype(np.int32).ravel()
     low_table = np.where(nonzero, exponent, _HIGHEST).astype(np.int32).ravel()
     fits_table = (~nonzero | (exponent >= high - E4M3_FORMAT.mantissa)).ravel()
-    index, block = _pair_index(weight), weight.scheme.block
+    # A UE8M0 byte b adds b - 127 to every exponent of its block (no global scale: fp8-block casts MXFP4 only), so
+    # a block's largest floor and smallest low bit are its byte's offset plus those of the codes present in it:
+    # one mask of the magnitudes present per block (an OR over the block), looked up in tables over the 256 masks.
+    assert weight.scheme.scale_encoding == UE8M0 and weight.global_scale is None, weight.scheme
+    block, (n, k) = weight.scheme.block, weight.codes.shape
+    row = 127 * 8  # the pairs of byte 127 (scale 1): codes 0 .. 7
+    masks = np.arange(256)[:, None] >> np.arange(8)[None, :] & 1 == 1  # (mask, magnitude): present
+    mask_floor = np.where(masks, floor_table[row:row + 8], _LOWEST).max(axis=1)
+    mask_low = np.where(masks, low_table[row:row + 8], _HIGHEST).min(axis=1)
+    mask_fits = np.where(masks, fits_table[row:row + 8], True).all(axis=1)
+    present = np.bitwise_or.reduce((np.uint8(1) << (weight.codes & 7)).reshape(n, k // block, block), axis=2)
+    offset = weight.scales.astype(np.int64) - 127
+    usable = weight.scales != UE8M0_NAN
+    floor = np.where(usable & (mask_floor[present] != _LOWEST), mask_floor[present] + offset, _LOWEST)
+    lowest = np.where(usable & (mask_low[present] != _HIGHEST), mask_low[present] + offset, _HIGHEST)
     per_row = (FP8_BLOCK_SHAPE[0], FP8_BLOCK_SHAPE[1] // block)  # a tile in source blocks
-    shift = _tiles(_per_block(floor_table[index], block, np.max), per_row, _LOWEST).max(axis=2)
+    shift = _tiles(floor, per_row, _LOWEST).max(axis=2)
     shift = np.where(shift == _LOWEST, 0, shift)  # an all-zero block: scale 1
-    low = _tiles(_per_block(low_table[index], block, np.min), per_row, _HIGHEST).min(axis=2)
-    fits = _tiles(_per_block(fits_table[index], block, np.all), per_row, True).all(axis=2)
+    low = _tiles(lowest, per_row, _HIGHEST).min(axis=2)
+    fits = _tiles(mask_fits[present] | ~usable, per_row, True).all(axis=2)
     blocked = _tiles(weight.scales == UE8M0_NAN, per_row, False).any(axis=2)
     return shift, low, fits, blocked
 
@@ -366,20 +380,42 @@ def exact_elements(weight: FloatWeight, target: str) -> np.ndarray:
     return np.repeat(exact, weight.scheme.block, axis=1)
 
 
-def fp8_block_scale_inv(weight: FloatWeight) -> np.ndarray:
-    """float32 (ceil(N/128), ceil(K/128)): each tile's 2^t, what its E4M3 codes are multiplied by."""
-    return np.ldexp(np.float32(1.0), _fp8_shift(weight)[0]).astype(np.float32)
-
-
 def cast_arrays(weight: FloatWeight, target: str) -> dict[str, np.ndarray]:
     """The stored arrays of one cast linear: bf16 `weight` (uint16 bit patterns); fp8-block `weight` (E4M3
-    bytes) and `weight_scale_inv` (float32)."""
-    values = cast_values(weight, target)
+    bytes) and `weight_scale_inv` (float32). `cast_values`, encoded, by table: a bf16 value depends only on the
+    element's (scale byte, code) pair and an E4M3 byte only on (scale byte - 127 - its block's t, code), so each
+    table is that definition evaluated on every pair (tests/test_cast_outputs.py holds the two equal)."""
+    if target not in CASTS or target not in targets_of(weight):
+        raise ValueError(f"no {target} cast of {weight.scheme.name} codes is written here")
+    bytes_ = np.repeat(weight.scales, weight.scheme.block, axis=1)
     if target == BF16:
-        return {"weight": bf16_bits(values)}
-    scale_inv = fp8_block_scale_inv(weight)
-    per_element = _spread(scale_inv.astype(np.float64), FP8_BLOCK_SHAPE, weight.codes)
-    return {"weight": e4m3_bytes(values / per_element), "weight_scale_inv": scale_inv}
+        pairs = np.arange(256 * 16)
+        table = FloatWeight((pairs & 15).astype(np.uint8).reshape(-1, 1).repeat(weight.scheme.block, axis=1),
+                            (pairs >> 4).astype(np.uint8).reshape(-1, 1), weight.scheme, weight.global_scale,
+                            weight.input_scale)
+        with np.errstate(invalid="ignore", over="ignore"):  # the reserved bytes' NaN rows: never indexed
+            bits = bf16_bits(round_to(table.dequantize()[:, 0], BF16_FORMAT, saturate=False))
+        return {"weight": bits[(bytes_.astype(np.intp) << 4) | weight.codes]}
+    shift = _fp8_shift(weight)[0]
+    low, high = _FP8_OFFSETS
+    # int16 throughout: bytes 0 .. 255, t within -136 .. 122 (float32's 2^t), the index below 31 · 16
+    base = _spread((shift + 127).astype(np.int16), FP8_BLOCK_SHAPE, weight.codes)
+    offset = np.clip(bytes_.astype(np.int16) - base, low, high)
+    return {"weight": _fp8_table()[((offset - np.int16(low)) << 4) | weight.codes],
+            "weight_scale_inv": np.ldexp(np.float32(1.0), shift).astype(np.float32)}
+
+
+# E2M1(code) · 2^d as E4M3 bytes, for every offset d a value of a block can have: above 10 only a zero code can lie
+# (0.5 · 2^10 > 448, the scale's t bounds every other), and below -20 every code rounds to 0 (6 · 2^-20 < 2^-10,
+# half E4M3's smallest subnormal), as at -20.
+_FP8_OFFSETS = (-20, 10)
+
+
+def _fp8_table() -> np.ndarray:
+    low, high = _FP8_OFFSETS
+    offsets = np.arange(low, high + 1)[:, None]
+    values = np.ldexp(E2M1_VALUES[None, :], offsets)
+    return e4m3_bytes(round_to(values, E4M3_FORMAT, saturate=True)).ravel()
 
 
 def bf16_bits(values: np.ndarray) -> np.ndarray:

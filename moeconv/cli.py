@@ -206,6 +206,10 @@ def convert(
                 render.print_plan(summary)
                 render.print_next_steps(plan, output or Path("OUT"), converted=False)
             return
+        if plan.cast is not None and not quiet:
+            err.print(literal(f"--cast {plan.cast}: taking the census of every float-coded linear first (each is read "
+                              f"once for it, then again to write); an inexact block stops here unless --allow-inexact"),
+                      highlight=False, soft_wrap=True)
         with _progress("converting", plan.checkpoint.total_bytes, quiet) as advance:
             report = run_conversion(plan, output, progress=advance, workers=workers, executor=executor,
                                     ray_address=ray_address, skip_unsafe_files=skip_unsafe_files)
