@@ -387,21 +387,23 @@ def cast_arrays(weight: FloatWeight, target: str) -> dict[str, np.ndarray]:
     table is that definition evaluated on every pair (tests/test_cast_outputs.py holds the two equal)."""
     if target not in CASTS or target not in targets_of(weight):
         raise ValueError(f"no {target} cast of {weight.scheme.name} codes is written here")
-    bytes_ = np.repeat(weight.scales, weight.scheme.block, axis=1)
+    block = weight.scheme.block
     if target == BF16:
         pairs = np.arange(256 * 16)
-        table = FloatWeight((pairs & 15).astype(np.uint8).reshape(-1, 1).repeat(weight.scheme.block, axis=1),
+        table = FloatWeight((pairs & 15).astype(np.uint8).reshape(-1, 1).repeat(block, axis=1),
                             (pairs >> 4).astype(np.uint8).reshape(-1, 1), weight.scheme, weight.global_scale,
                             weight.input_scale)
         with np.errstate(invalid="ignore", over="ignore"):  # the reserved bytes' NaN rows: never indexed
             bits = bf16_bits(round_to(table.dequantize()[:, 0], BF16_FORMAT, saturate=False))
-        return {"weight": bits[(bytes_.astype(np.intp) << 4) | weight.codes]}
+        rows = np.repeat(weight.scales.astype(np.uint16) << 4, block, axis=1)
+        return {"weight": bits[rows | weight.codes]}
     shift = _fp8_shift(weight)[0]
     low, high = _FP8_OFFSETS
-    # int16 throughout: bytes 0 .. 255, t within -136 .. 122 (float32's 2^t), the index below 31 · 16
-    base = _spread((shift + 127).astype(np.int16), FP8_BLOCK_SHAPE, weight.codes)
-    offset = np.clip(bytes_.astype(np.int16) - base, low, high)
-    return {"weight": _fp8_table()[((offset - np.int16(low)) << 4) | weight.codes],
+    # one offset a source block (its byte and its tile's t), then each element's row of the table
+    tile = (FP8_BLOCK_SHAPE[0], FP8_BLOCK_SHAPE[1] // block)
+    offset = np.clip(weight.scales.astype(np.int64) - 127 - _spread(shift, tile, weight.scales), low, high)
+    rows = np.repeat(((offset - low) << 4).astype(np.uint16), block, axis=1)
+    return {"weight": _fp8_table()[rows | weight.codes],
             "weight_scale_inv": np.ldexp(np.float32(1.0), shift).astype(np.float32)}
 
 
