@@ -130,6 +130,14 @@ def test_allow_inexact_writes_and_records_a_census_and_bound_that_hold_exactly(c
     assert "cast from the source as recorded (NVFP4 -> BF16: 174 of 4608 blocks exact" in verdict(report)
 
 
+def test_the_convert_report_carries_the_census(capsys, tmp_path):
+    code, out, err, _ = cli_convert(capsys, tmp_path, "ct-mxfp4a16", "--cast", "bf16", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["plan"]["cast"] == "bf16" and report["plan"]["backend"] == "bf16"
+    assert (report["cast"]["label"], report["cast"]["blocks"], report["cast"]["exact"]) == ("MXFP4 -> BF16", 2304, 2304)
+
+
 def test_allow_inexact_without_a_cast_is_refused(capsys, tmp_path):
     code, _, err, _ = cli_convert(capsys, tmp_path, "ct-mxfp4a16", "--allow-inexact")
     assert code == 2 and "--allow-inexact applies to a --cast only" in err
