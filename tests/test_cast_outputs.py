@@ -138,6 +138,19 @@ def test_the_convert_report_carries_the_census(capsys, tmp_path):
     assert (report["cast"]["label"], report["cast"]["blocks"], report["cast"]["exact"]) == ("MXFP4 -> BF16", 2304, 2304)
 
 
+@pytest.mark.parametrize("fixture", ["ct-nvfp4a16", "ct-nvfp4"])
+def test_an_inexact_bf16_cast_of_llm_compressor_nvfp4_is_compressed_tensors_own_bf16_decompression(capsys, tmp_path,
+                                                                                                  fixture):
+    """Its truth is the compressor's `decompress` into the model's bfloat16 (tests/packers/make_float_llmc.py):
+    the cast's rounding (c · s / g to float64, then to the nearest bfloat16) gives the same bits, every one."""
+    code, _, err, output = cli_convert(capsys, tmp_path, fixture, "--cast", "bf16", "--allow-inexact")
+    assert code == 0, err
+    tensors, _ = read_checkpoint(output)
+    want = truth(fixture)
+    for prefix, _shape in expert_prefixes():
+        assert np.array_equal(bf16(tensors[f"{prefix}.weight"][1]), want[f"{prefix}.weight"]), prefix
+
+
 def test_allow_inexact_without_a_cast_is_refused(capsys, tmp_path):
     code, _, err, _ = cli_convert(capsys, tmp_path, "ct-mxfp4a16", "--allow-inexact")
     assert code == 2 and "--allow-inexact applies to a --cast only" in err
