@@ -156,6 +156,13 @@ def test_allow_inexact_without_a_cast_is_refused(capsys, tmp_path):
     assert code == 2 and "--allow-inexact applies to a --cast only" in err
 
 
+@pytest.mark.parametrize("cast, said", [("fp8-block", "no fp8-block cast of nvfp4 codes is decided (from nvfp4: bf16)"),
+                                        ("fp4", "--cast 'fp4' is not available; expected one of bf16, fp8-block")])
+def test_a_cast_the_source_has_not_is_refused_before_reading_it(capsys, tmp_path, cast, said):
+    code, _, err, output = cli_convert(capsys, tmp_path, "ct-nvfp4a16", "--cast", cast)
+    assert code == 2 and said in " ".join(err.split()) and "Traceback" not in err and not output.exists()
+
+
 def test_a_cast_of_integer_codes_is_refused(capsys, tmp_path):
     gptq = Path(__file__).parent / "data" / "modelopt" / "int4-g128"
     code, _, err = run_main(capsys, "convert", gptq, "-o", tmp_path / "out", "--cast", "bf16", "-q")

@@ -17,6 +17,7 @@ from moeconv.errors import MoeconvError
 
 if TYPE_CHECKING:
     from moeconv.backends.base import Backend
+    from moeconv.backends.casts import CastBackend
 
 
 @dataclass
@@ -60,7 +61,7 @@ CASTS: dict[str, BackendEntry] = {
 }
 
 
-def get_cast(name: str) -> Backend:
+def get_cast(name: str) -> CastBackend:
     name = backend_name(name)
     if name not in CASTS:
         raise MoeconvError(f"--cast {name!r} is not available; expected one of {', '.join(CASTS)}")
