@@ -80,8 +80,12 @@ def main() -> None:
                      layers=layers, experts=experts, hidden=hidden, intermediate=intermediate,
                      vocab=256 if args.smoke else 4096)
     source = args.source or args.workdir / f"qwen3-like-{args.format}-{layers}L-{experts}E-{hidden}H"
+    label = args.format
     if args.source:
-        layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+        source_config = json.loads((source / "config.json").read_text())
+        layers = source_config["num_hidden_layers"]
+        quantization = source_config.get("quantization_config") or {}
+        label = quantization.get("format") or quantization.get("quant_method") or "unquantized"  # what --source is
     elif not (source / "model.safetensors.index.json").is_file():
         shutil.rmtree(source, ignore_errors=True)
         started = time.perf_counter()
@@ -115,7 +119,7 @@ def main() -> None:
             result = {
                 "date": time.strftime("%Y-%m-%d"),
                 "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-                "format": args.format, "backend": backend, "workers": workers, "device": converts[0][1]["device"],
+                "format": label, "backend": backend, "workers": workers, "device": converts[0][1]["device"],
                 "source_bytes": size, "layers": layers, "experts": experts,
                 "copy_seconds": round(copy_s, 3), "convert_seconds": round(convert_s, 3),
                 "conversion_seconds": round(conversion_s, 3),
@@ -138,7 +142,7 @@ def main() -> None:
                 result["verify_provenance"] = verified[1].get("provenance")
                 result["verify_ratio_to_conversion"] = round(verified[0] / conversion_s, 2)
             results.append(result)
-            print(f"| {result['date']} | {args.format} {size / 1e9:.2f} GB, {layers} layers x {experts} experts | "
+            print(f"| {result['date']} | {label} {size / 1e9:.2f} GB, {layers} layers x {experts} experts | "
                   f"{backend} | {workers or 'default'} | {result['device']} | copy {copy_s:.2f} s "
                   f"({result['copy_gb_per_s']} GB/s) | convert {convert_s:.2f} s ({result['convert_gb_per_s']} GB/s) | "
                   f"{result['ratio_convert_to_copy']}x | conversion {conversion_s:.2f} s "

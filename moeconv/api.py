@@ -42,13 +42,17 @@ def inspect(source: str | Path, *, revision: str | None = None, local_files_only
 
 def plan(source: str | Path, *, backend: str = "triton", revision: str | None = None,
          local_files_only: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, trust: str | None = None,
-         tp: int = 1, regroup: bool = False, zero_format: str | None = None) -> Plan:
+         tp: int = 1, regroup: bool = False, zero_format: str | None = None, cast: str | None = None,
+         allow_inexact: bool = False) -> Plan:
     """backend: a backend name or "auto". trust: None (refuse when tensors and config disagree, or when
     the data cannot decide), "config" or "data". tp: tensor-parallel size to check eligibility for.
     regroup: allow a lossless halving of the group size when that makes the backend fit. zero_format:
-    "gptq" (v1) or "gptq_v2" for an asymmetric GPTQ source whose data cannot tell them apart."""
+    "gptq" (v1) or "gptq_v2" for an asymmetric GPTQ source whose data cannot tell them apart. cast: "bf16" or
+    "fp8-block" (backends.CASTS): the float codes cast to that code instead of a backend's layout; allow_inexact:
+    write it even where the census finds inexact blocks (else convert refuses)."""
     return make_plan(open_source(source, revision, local_files_only), backend=backend,
-                     max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup, zero_format=zero_format)
+                     max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup, zero_format=zero_format,
+                     cast=cast, allow_inexact=allow_inexact)
 
 
 def convert(source: str | Path, output: str | Path, *, backend: str = "triton", revision: str | None = None,
@@ -56,15 +60,18 @@ def convert(source: str | Path, output: str | Path, *, backend: str = "triton", 
             trust: str | None = None, tp: int = 1, regroup: bool = False, zero_format: str | None = None,
             progress: Callable[[int], None] | None = None, workers: int | None = None,
             executor: str = "local", ray_address: str | None = None,
-            skip_unsafe_files: bool = False) -> ConvertReport:
+            skip_unsafe_files: bool = False, cast: str | None = None, allow_inexact: bool = False) -> ConvertReport:
     """Convert (resuming an interrupted run with the same arguments) and return the report.
     workers: processes that transform experts (default: one per core, at most 16; on the CPU: a GPU
     path measured slower and was removed, docs/BENCHMARKS.md). executor: "local", or "ray" (one Ray task per output shard, on the cluster at `ray_address`, the
     one Ray finds, or a local Ray; the same bytes). skip_unsafe_files: leave out source files that
-    link outside the source folder (listed in the report) instead of refusing."""
+    link outside the source folder (listed in the report) instead of refusing. cast, allow_inexact: as for
+    `plan`; an inexact cast not allowed is refused (MoeconvError, exit code 2) before anything is written."""
     conversion = plan(source, backend=backend, revision=revision, local_files_only=local_files_only,
-                      max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup, zero_format=zero_format)
-    return _execute(conversion, output if is_object_url(str(output)) else Path(output), progress=progress, workers=workers, executor=executor,
+                      max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup, zero_format=zero_format,
+                      cast=cast, allow_inexact=allow_inexact)
+    return _execute(conversion, output if is_object_url(str(output)) else Path(output), progress=progress,
+                    workers=workers, executor=executor,
                     ray_address=ray_address, skip_unsafe_files=skip_unsafe_files)
 
 

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from moeconv.float_codes import DIVIDE, E4M3, E4M3_NAN_MAGNITUDE, UE8M0, UE8M0_NAN, FloatWeight
+from moeconv.float_codes import DIVIDE, E2M1_VALUES, E4M3, E4M3_NAN_MAGNITUDE, UE8M0, UE8M0_NAN, FloatWeight
 
 
 class FloatFormat(NamedTuple):
@@ -233,25 +233,47 @@ def _spread(tiles: np.ndarray, shape: tuple[int, int], like: np.ndarray) -> np.n
 _LOWEST, _HIGHEST = np.iinfo(np.int32).min, np.iinfo(np.int32).max
 
 
-def _fp8_block(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _fp8_shift(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per 128 x 128 tile: the scale's exponent t (the smallest that overflows no value; 0 for an all-zero
+    tile), the lowest set bit's exponent of any value, whether every value's bits fit E4M3's mantissa, and
+    whether the tile holds a reserved scale byte."""
     odd, exponent, reserved = _pair_dyadic(weight)
     nonzero = (odd > 0) & ~reserved
     bits = np.frexp(np.where(nonzero, odd, 1).astype(np.float64))[1].astype(np.int64)
     high = exponent + bits - 1
     leading = np.ldexp(np.where(nonzero, odd, 1).astype(np.float64), 1 - bits)  # odd as 1.xxx
-    fmt = E4M3_FORMAT
     # the smallest t with odd · 2^(e - t) <= 448 (the largest value's exponent minus 8, one more past 1.75),
     # the lowest set bit's exponent (E4M3's grid reaches 2^(t - 9)), and whether the bits fit E4M3's mantissa
     floor_table = np.where(nonzero, high - 8 + (leading > 1.75), _LOWEST).astype(np.int32).ravel()
     low_table = np.where(nonzero, exponent, _HIGHEST).astype(np.int32).ravel()
-    fits_table = (~nonzero | (exponent >= high - fmt.mantissa)).ravel()
-    index, block = _pair_index(weight), weight.scheme.block
+    fits_table = (~nonzero | (exponent >= high - E4M3_FORMAT.mantissa)).ravel()
+    # A UE8M0 byte b adds b - 127 to every exponent of its block (no global scale: fp8-block casts MXFP4 only), so
+    # a block's largest floor and smallest low bit are its byte's offset plus those of the codes present in it:
+    # one mask of the magnitudes present per block (an OR over the block), looked up in tables over the 256 masks.
+    assert weight.scheme.scale_encoding == UE8M0 and weight.global_scale is None, weight.scheme
+    block, (n, k) = weight.scheme.block, weight.codes.shape
+    row = 127 * 8  # the pairs of byte 127 (scale 1): codes 0 .. 7
+    masks = np.arange(256)[:, None] >> np.arange(8)[None, :] & 1 == 1  # (mask, magnitude): present
+    mask_floor = np.where(masks, floor_table[row:row + 8], _LOWEST).max(axis=1)
+    mask_low = np.where(masks, low_table[row:row + 8], _HIGHEST).min(axis=1)
+    mask_fits = np.where(masks, fits_table[row:row + 8], True).all(axis=1)
+    present = np.bitwise_or.reduce((np.uint8(1) << (weight.codes & 7)).reshape(n, k // block, block), axis=2)
+    offset = weight.scales.astype(np.int64) - 127
+    usable = weight.scales != UE8M0_NAN
+    floor = np.where(usable & (mask_floor[present] != _LOWEST), mask_floor[present] + offset, _LOWEST)
+    lowest = np.where(usable & (mask_low[present] != _HIGHEST), mask_low[present] + offset, _HIGHEST)
     per_row = (FP8_BLOCK_SHAPE[0], FP8_BLOCK_SHAPE[1] // block)  # a tile in source blocks
-    shift = _tiles(_per_block(floor_table[index], block, np.max), per_row, _LOWEST).max(axis=2)
+    shift = _tiles(floor, per_row, _LOWEST).max(axis=2)
     shift = np.where(shift == _LOWEST, 0, shift)  # an all-zero block: scale 1
-    low = _tiles(_per_block(low_table[index], block, np.min), per_row, _HIGHEST).min(axis=2)
-    fits = _tiles(_per_block(fits_table[index], block, np.all), per_row, True).all(axis=2)
+    low = _tiles(lowest, per_row, _HIGHEST).min(axis=2)
+    fits = _tiles(mask_fits[present] | ~usable, per_row, True).all(axis=2)
     blocked = _tiles(weight.scales == UE8M0_NAN, per_row, False).any(axis=2)
+    return shift, low, fits, blocked
+
+
+def _fp8_block(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    fmt = E4M3_FORMAT
+    shift, low, fits, blocked = _fp8_shift(weight)
     exact = ~blocked & fits & ((low == _HIGHEST) | (low.astype(np.int64) - shift >= fmt.emin - fmt.mantissa))
     errors = np.zeros(exact.shape)
     inexact = ~exact & ~blocked
@@ -325,3 +347,191 @@ def choose_global_exponent(scale_bytes: np.ndarray) -> int:
     if GLOBAL_EXPONENTS[0] <= aligned <= GLOBAL_EXPONENTS[1] and exact[aligned - GLOBAL_EXPONENTS[0]] == best:
         return aligned
     return int(gammas[exact == best].max())
+
+
+# ---- writing a cast (issue 41, second step) ---------------------------------------------------------------
+#
+# What a cast writes is defined once, here: every value rounded to the target as the census rounds it
+# (`cast_values`), so the values of an exact block are the source's own and the others are the rounding whose
+# worst relative error the census reports. The stored arrays follow from those values without rounding again.
+
+CASTS = (BF16, FP8_BLOCK)  # the casts `convert --cast` writes (NVFP4 from MXFP4 is decided, not written)
+
+
+def cast_values(weight: FloatWeight, target: str) -> np.ndarray:
+    """The (N, K) values the cast writes, float64: each source value rounded to the target (bf16: to the
+    nearest bfloat16, overflow to infinity; fp8-block: divided by its tile's 2^t, rounded to the nearest E4M3
+    value, saturating, times 2^t)."""
+    if target not in CASTS or target not in targets_of(weight):
+        raise ValueError(f"no {target} cast of {weight.scheme.name} codes is written here")
+    with np.errstate(over="ignore"):
+        values = weight.dequantize()
+        if target == BF16:
+            return round_to(values, BF16_FORMAT, saturate=False)
+        shift = _spread(_fp8_shift(weight)[0], FP8_BLOCK_SHAPE, weight.codes)
+        return np.ldexp(round_to(np.ldexp(values, -shift), E4M3_FORMAT, saturate=True), shift)
+
+
+def exact_elements(weight: FloatWeight, target: str) -> np.ndarray:
+    """(N, K) bool: whether each element lies in a block the predicate calls exact (`exact_blocks`)."""
+    exact = exact_blocks(weight, target)
+    if target == FP8_BLOCK:
+        return _spread(exact, FP8_BLOCK_SHAPE, weight.codes)
+    return np.repeat(exact, weight.scheme.block, axis=1)
+
+
+def cast_arrays(weight: FloatWeight, target: str) -> dict[str, np.ndarray]:
+    """The stored arrays of one cast linear: bf16 `weight` (uint16 bit patterns); fp8-block `weight` (E4M3
+    bytes) and `weight_scale_inv` (float32). `cast_values`, encoded, by table: a bf16 value depends only on the
+    element's (scale byte, code) pair and an E4M3 byte only on (scale byte - 127 - its block's t, code), so each
+    table is that definition evaluated on every pair (tests/test_cast_outputs.py holds the two equal)."""
+    if target not in CASTS or target not in targets_of(weight):
+        raise ValueError(f"no {target} cast of {weight.scheme.name} codes is written here")
+    block = weight.scheme.block
+    if target == BF16:
+        pairs = np.arange(256 * 16)
+        table = FloatWeight.from_codes((pairs & 15).astype(np.uint8).reshape(-1, 1).repeat(block, axis=1),
+                                       (pairs >> 4).astype(np.uint8).reshape(-1, 1), weight.scheme,
+                                       weight.global_scale, weight.input_scale)
+        with np.errstate(invalid="ignore", over="ignore"):  # the reserved bytes' NaN rows: never indexed
+            bits = bf16_bits(round_to(table.dequantize()[:, 0], BF16_FORMAT, saturate=False))
+        rows = np.repeat(weight.scales.astype(np.uint16) << 4, block, axis=1)
+        return {"weight": bits[rows | weight.codes]}
+    shift = _fp8_shift(weight)[0]
+    low, high = _FP8_OFFSETS
+    # one offset a source block (its byte and its tile's t), then each element's row of the table
+    tile = (FP8_BLOCK_SHAPE[0], FP8_BLOCK_SHAPE[1] // block)
+    offset = np.clip(weight.scales.astype(np.int64) - 127 - _spread(shift, tile, weight.scales), low, high)
+    rows = np.repeat(((offset - low) << 4).astype(np.uint16), block, axis=1)
+    return {"weight": _fp8_table()[rows | weight.codes],
+            "weight_scale_inv": np.ldexp(np.float32(1.0), shift).astype(np.float32)}
+
+
+# E2M1(code) · 2^d as E4M3 bytes, for every offset d a value of a block can have: above 10 only a zero code can lie
+# (0.5 · 2^10 > 448, the scale's t bounds every other), and below -20 every code rounds to 0 (6 · 2^-20 < 2^-10,
+# half E4M3's smallest subnormal), as at -20.
+_FP8_OFFSETS = (-20, 10)
+
+
+def _fp8_table() -> np.ndarray:
+    low, high = _FP8_OFFSETS
+    offsets = np.arange(low, high + 1)[:, None]
+    values = np.ldexp(E2M1_VALUES[None, :], offsets)
+    return e4m3_bytes(round_to(values, E4M3_FORMAT, saturate=True)).ravel()
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float64 values that are bfloat16 values (or infinite) -> their uint16 bit patterns, exactly."""
+    return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bit patterns -> float64."""
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def e4m3_bytes(values: np.ndarray) -> np.ndarray:
+    """float64 values that are E4M3 values -> their bytes (S.EEEE.MMM, bias 7, subnormals m · 2^-9)."""
+    magnitude = np.abs(values)
+    exponent = np.frexp(np.where(magnitude > 0, magnitude, 1.0))[1] - 1
+    normal = (magnitude > 0) & (exponent >= E4M3_FORMAT.emin)
+    field = np.where(normal, exponent + 7, 0)
+    mantissa = np.where(normal, np.ldexp(magnitude, -exponent) - 1, np.ldexp(magnitude, 6)) * 8
+    assert np.array_equal(mantissa, np.round(mantissa)) and (mantissa < 8).all(), "not E4M3 values"
+    sign = np.signbit(values).astype(np.int64) << 7
+    return (sign | (field.astype(np.int64) << 3) | mantissa.astype(np.int64)).astype(np.uint8)
+
+
+def e4m3_values(codes: np.ndarray) -> np.ndarray:
+    """E4M3 bytes -> float64 (S.1111.111 as NaN)."""
+    from moeconv.float_codes import scale_values
+
+    return scale_values(np.arange(256, dtype=np.uint8), E4M3)[codes]  # by a table of the 256 bytes
+
+
+@dataclass(frozen=True, eq=False)
+class CastWeight:
+    """One linear of a cast output read back: its (N, K) values as float64, and the cast that wrote them.
+    `mismatch` holds them against the source's float codes (what verify compares, as the canonical forms'
+    `mismatch` do)."""
+
+    values: np.ndarray
+    target: str
+
+    @classmethod
+    def of(cls, target: str, tensors: dict[str, np.ndarray]) -> CastWeight:
+        if target == BF16:
+            return cls(bf16_values(tensors["weight"]), target)
+        codes, scale_inv = tensors["weight"].view(np.uint8), tensors["weight_scale_inv"].astype(np.float64)
+        return cls(e4m3_values(codes) * _spread(scale_inv, FP8_BLOCK_SHAPE, codes), target)
+
+    def mismatch(self, source: object) -> str | None:
+        """None if every value of an exact block equals the source's value as a real (compared in float64,
+        where both are exact: an exact block's values are target values, so even a divided NVFP4 global
+        scale's quotient is computed exactly) and every other value is the cast's rounding of it; else the
+        first difference."""
+        if not isinstance(source, FloatWeight):
+            return f"a {self.target} cast compared with {type(source).__name__}"
+        if self.values.shape != source.codes.shape:
+            return f"shape {list(self.values.shape)} != the source's {list(source.codes.shape)}"
+        exact = exact_elements(source, self.target)
+        with np.errstate(over="ignore"):
+            truth = source.dequantize()
+        checks = [(exact, truth, "the source's value, in an exact block")]
+        if not exact.all():  # the rounding is computed only where some block needs it
+            checks.append((~exact, cast_values(source, self.target), "the cast's rounding of the source's, in an "
+                                                                      "inexact block"))
+        for where, want, what in checks:
+            differ = where & ~((self.values == want) & (np.signbit(self.values) == np.signbit(want)))
+            if differ.any():
+                first = tuple(int(i) for i in np.argwhere(differ)[0])
+                return (f"{int(differ.sum())} value(s) differ from {what} (first at {list(first)}: "
+                        f"{self.values[first]!r} != {want[first]!r})")
+        return None
+
+
+class Tally:
+    """A cast's census over many linears (what convert decides by and moeconv.json records): the blocks,
+    exact blocks and reserved ones, the linears, and each linear with an inexact block, with the worst
+    relative error; the bound is the worst over all."""
+
+    def __init__(self, source: str, target: str):
+        self.source, self.target = source, target
+        self.blocks = self.exact = self.reserved = self.linears = 0
+        self.worst = 0.0
+        self.inexact: list[dict[str, Any]] = []
+
+    def add(self, name: str, counted: Census) -> None:
+        self.linears += 1
+        self.blocks += counted.blocks
+        self.exact += counted.exact
+        self.reserved += counted.reserved
+        if counted.exact < counted.blocks:
+            self.inexact.append({"tensor": name, **counted.to_json()})
+            self.worst = max(self.worst, counted.worst_relative_error)
+
+    @property
+    def is_exact(self) -> bool:
+        return self.exact == self.blocks
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "target": self.target, "label": f"{self.source.upper()} -> {LABELS[self.target]}",
+                "blocks": self.blocks, "exact": self.exact, "reserved": self.reserved, "linears": self.linears,
+                "worst_relative_error": json_float(self.worst), "inexact": self.inexact}
+
+    def record(self, allow_inexact: bool) -> dict[str, Any]:
+        """What moeconv.json records (its `cast`): the census, whether inexact blocks were allowed, and the bound,
+        the worst relative error of any written value (0 for an exact cast)."""
+        found = self.to_json()
+        return {**found, "allow_inexact": allow_inexact, "bound": found["worst_relative_error"]}
+
+    def summary(self) -> str:
+        """One line: "MXFP4 -> BF16: 12 of 40 blocks inexact in 3 linears (first model...down_proj), worst
+        relative error 0.5"."""
+        label = f"{self.source.upper()} -> {LABELS[self.target]}"
+        if self.is_exact:
+            return f"{label}: all {self.blocks} blocks of {self.linears} linears exact"
+        names = [entry["tensor"] for entry in self.inexact]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return (f"{label}: {self.blocks - self.exact} of {self.blocks} blocks inexact in {len(names)} of "
+                f"{self.linears} linears ({shown}), worst relative error {self.worst:.3g}")

@@ -21,7 +21,7 @@ from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progre
                            TimeRemainingColumn, TransferSpeedColumn)
 
 from moeconv import render
-from moeconv.backends import backend_help
+from moeconv.backends import backend_help, cast_help
 from moeconv.errors import MoeconvError, human_bytes, printable
 from moeconv.render import err, literal, out
 
@@ -166,6 +166,10 @@ def convert(
     skip_unsafe_files: bool = typer.Option(False, "--skip-unsafe-files",
                                            help="Leave out (and list) source files that link outside the source "
                                                 "folder, instead of refusing."),
+    cast: Optional[str] = typer.Option(None, "--cast", metavar="bf16|fp8-block", help=cast_help()),
+    allow_inexact: bool = typer.Option(False, "--allow-inexact",
+                                       help="With --cast: write even where a block is not exact, and record the "
+                                            "census and the worst relative error in moeconv.json."),
 ) -> None:
     """Convert a checkpoint into a backend's layout (docs/FORMAT.md); what the backend does not convert is
     copied byte for byte. An interrupted conversion resumes when the same command is run again."""
@@ -187,7 +191,7 @@ def convert(
             open_output(output).check()  # a link, a file, a full folder or a finished output: refused before any work
         plan = make_plan(source, backend=backend, max_shard_size=max_shard_size, revision=revision,
                          local_files_only=local_files_only, trust=trust, tp=tp, regroup=regroup,
-                         zero_format=zero_format)
+                         zero_format=zero_format, cast=cast, allow_inexact=allow_inexact)
         if plan.choice:
             err.print(literal(plan.choice), highlight=False, soft_wrap=True)
         for note in render.detection_notes(plan):
@@ -200,6 +204,10 @@ def convert(
                 render.print_plan(summary)
                 render.print_next_steps(plan, output or Path("OUT"), converted=False)
             return
+        if plan.cast is not None and not quiet:
+            err.print(literal(f"--cast {plan.cast}: taking the census of every float-coded linear first (each is read "
+                              f"once for it, then again to write); an inexact block stops here unless --allow-inexact"),
+                      highlight=False, soft_wrap=True)
         with _progress("converting", plan.checkpoint.total_bytes, quiet) as advance:
             report = run_conversion(plan, output, progress=advance, workers=workers, executor=executor,
                                     ray_address=ray_address, skip_unsafe_files=skip_unsafe_files)
@@ -219,6 +227,9 @@ def convert(
         ("time", f"{report.seconds:.2f} s ({human_bytes(plan.checkpoint.total_bytes / max(report.seconds, 1e-9))}/s)"),
         ("peak memory", render.memory_line(report)),
     ]
+    if report.cast is not None:
+        rows.append(("cast", f"{report.cast['label']}: {report.cast['exact']} of {report.cast['blocks']} blocks exact, "
+                             f"worst relative error {report.cast['bound']}"))
     rows += render.audit_rows(report.to_json())
     out.print(render.key_values("converted", rows))
     render.print_next_steps(plan, report.output)

@@ -60,6 +60,7 @@ class ConvertReport:
     tree_peak_pss_mb: float | None = None
     largest_worker_pss_mb: float | None = None
     tree_cpu_seconds: float | None = None  # CPU (user + system) the tree used meanwhile
+    cast: dict[str, Any] | None = None  # --cast: the census it was decided by (moeconv.json's `cast`)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -78,6 +79,7 @@ class ConvertReport:
             "tree_cpu_seconds": _rounded(self.tree_cpu_seconds),
             "suspicious_zero_slots": self.suspicious_zero_slots,
             "nonfinite_scales": self.nonfinite_scales,
+            **({"cast": self.cast} if self.cast is not None else {}),
         }
 
 
@@ -284,6 +286,7 @@ def convert(plan: Plan, output: str | Path, progress: Progress | None = None, wo
         raise MoeconvError(f"{sink.location if sink.remote else source.root}: --executor ray needs the source and "
                            f"the output on storage every node sees; an object store URL is not built for Ray yet "
                            f"(issue 43): use --executor local")
+    census = _decide_cast(plan, workers)  # before anything is written
     advance = progress or (lambda nbytes: None)
     runner = _runner(executor, workers, ray_address)
     started = time.perf_counter()
@@ -310,7 +313,7 @@ def convert(plan: Plan, output: str | Path, progress: Progress | None = None, wo
                     sink.publish(staging, done.file_name, journal)
                 finished = journal.files()  # in the order the shards finished: listed in the plan's
                 _write_metadata(plan, staging, {shard.file_name: finished[shard.file_name] for shard in plan.shards},
-                                sides, hashing.result())
+                                sides, hashing.result(), census)
             except MoeconvError as error:
                 if not isinstance(error, Unfinished):
                     journal.discard()  # a refusal, not an interruption: nothing to resume
@@ -325,7 +328,22 @@ def convert(plan: Plan, output: str | Path, progress: Progress | None = None, wo
                          [side.name for side in sides.copied], sides.skipped,
                          audits.report("suspicious_zero_slots"), audits.report("nonfinite_scales"), journal.reused,
                          peak_rss_mb(), runner.worker_peak_rss_mb, runner.device,
-                         runner.tree_peak_pss_mb, runner.largest_worker_pss_mb, runner.tree_cpu_seconds)
+                         runner.tree_peak_pss_mb, runner.largest_worker_pss_mb, runner.tree_cpu_seconds, census)
+
+
+def _decide_cast(plan: Plan, workers: int | None) -> dict[str, Any] | None:
+    """A cast's census (transform.cast_census: every converted linear read on this machine's workers, whatever
+    the executor), or None when the plan keeps the codes. An inexact block refuses the cast, unless the plan
+    allows it (--allow-inexact); what moeconv.json records then."""
+    if plan.cast is None:
+        return None
+    with Executor(workers) as executor:
+        tally = transform.cast_census(executor, [job for job in plan.jobs if not job.copies], plan.codec, plan.cast)
+    if not tally.is_exact and not plan.allow_inexact:
+        raise MoeconvError(f"{plan.checkpoint.root}: --cast {plan.cast} is not exact: {tally.summary()}; nothing was "
+                           f"written (--allow-inexact writes it and records the census and the bound in "
+                           f"{MANIFEST_NAME}; `moeconv inspect --casts` lists every inexact linear)")
+    return tally.record(plan.allow_inexact)
 
 
 class OutputSink(Protocol):
@@ -642,14 +660,17 @@ def _sized_digest(path: Path | StoredPath) -> dict[str, Any]:
 
 
 def _write_metadata(plan: Plan, staging: Path, files: dict[str, dict[str, Any]], sides: SideFiles,
-                    source_digests: dict[str, dict[str, Any]]) -> None:
+                    source_digests: dict[str, dict[str, Any]], census: dict[str, Any] | None = None) -> None:
     """The index, configs and copied side files, then the manifest recording every one's digest."""
     _dump(staging / INDEX_NAME, manifest.output_index(plan))
     _dump(staging / "config.json", manifest.output_config(plan))
-    _dump(staging / QUANTIZE_CONFIG_NAME, plan.quantization_config)
-    written = {name: _sized_digest(staging / name) for name in (INDEX_NAME, "config.json", QUANTIZE_CONFIG_NAME)}
+    configs = (INDEX_NAME, "config.json", QUANTIZE_CONFIG_NAME) if plan.quantization_config else (INDEX_NAME, "config.json")
+    if plan.quantization_config:  # none for a plain checkpoint (a BF16 cast with nothing left quantized)
+        _dump(staging / QUANTIZE_CONFIG_NAME, plan.quantization_config)
+    written = {name: _sized_digest(staging / name) for name in configs}
     copied = {side.name: copy_side_file(side, staging) for side in sides.copied}
-    _dump(staging / MANIFEST_NAME, manifest.build(plan, files, written, copied, sides.skipped, source_digests))
+    _dump(staging / MANIFEST_NAME, manifest.build(plan, files, written, copied, sides.skipped, source_digests,
+                                                  census))
 
 
 def _dump(path: Path, data: dict[str, Any]) -> None:

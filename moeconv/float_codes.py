@@ -20,12 +20,14 @@ anything else is refused with the reason, never rounded.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
+from moeconv.packing import pack_array, unpack_array
+
 UE8M0, E4M3 = "ue8m0", "e4m3"  # the block scale's encoding
 DIVIDE, MULTIPLY = "divide", "multiply"  # the global scale's convention (compressed-tensors, ModelOpt)
-CODES_PER_BYTE = 2  # element 2j in the low nibble of byte j, 2j + 1 in the high one (every producer)
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 UE8M0_NAN = 0xFF
 E4M3_NAN_MAGNITUDE = 0x7F  # S.1111.111; E4M3FN has no infinity
@@ -69,18 +71,21 @@ def nvfp4(convention: str, input_scale: bool) -> FloatScheme:
 class FloatWeight:
     """One float-coded linear, W[n, k] = E2M1(codes[n, k]) · scale(scales[n, k // block]) · global.
 
-    codes: uint8 (N, K), each < 16. scales: uint8 (N, K / block), the scale bytes. global_scale and
-    input_scale: float32 0-d arrays as stored (the scheme says which it has and how they read), else None."""
+    packed: uint8 (N, K/2), the codes two a byte as every producer stores them (`unpack_codes`), kept so: a
+    layout that stores them so copies them, and two weights compare byte for byte, without unpacking; `codes`
+    (N, K), one a byte, is unpacked when first asked for. scales: uint8 (N, K / block), the scale bytes.
+    global_scale and input_scale: float32 0-d arrays as stored (the scheme says which it has and how they
+    read), else None."""
 
-    codes: np.ndarray
+    packed: np.ndarray
     scales: np.ndarray
     scheme: FloatScheme
     global_scale: np.ndarray | None = None
     input_scale: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        n, k = self.codes.shape
-        assert self.codes.dtype == np.uint8 and self.scales.dtype == np.uint8, (self.codes.dtype, self.scales.dtype)
+        n, k = self.packed.shape[0], self.packed.shape[1] * 2
+        assert self.packed.dtype == np.uint8 and self.scales.dtype == np.uint8, (self.packed.dtype, self.scales.dtype)
         assert k % self.scheme.block == 0 and self.scales.shape == (n, k // self.scheme.block), (
             self.scales.shape, n, k, self.scheme.block)
         assert (self.global_scale is None) == (self.scheme.global_convention is None), self.scheme
@@ -88,13 +93,23 @@ class FloatWeight:
         for value in (self.global_scale, self.input_scale):
             assert value is None or (value.dtype == np.float32 and value.shape == ()), value
 
+    @classmethod
+    def from_codes(cls, codes: np.ndarray, scales: np.ndarray, scheme: FloatScheme,
+                   global_scale: np.ndarray | None = None, input_scale: np.ndarray | None = None) -> FloatWeight:
+        """From (N, K) codes one a byte, each < 16."""
+        return cls(pack_codes(codes), scales, scheme, global_scale, input_scale)
+
+    @cached_property
+    def codes(self) -> np.ndarray:
+        return unpack_codes(self.packed)
+
     @property
     def out_features(self) -> int:
-        return self.codes.shape[0]
+        return self.packed.shape[0]
 
     @property
     def in_features(self) -> int:
-        return self.codes.shape[1]
+        return self.packed.shape[1] * 2
 
     def dequantize(self) -> np.ndarray:
         """The (N, K) weight as float64: exact for MXFP4 and a multiplied global scale (every product fits
@@ -132,10 +147,9 @@ class FloatWeight:
         if (mine.name, mine.block, mine.scale_encoding, mine.input_scale) != (
                 theirs.name, theirs.block, theirs.scale_encoding, theirs.input_scale):
             return f"scheme {mine.describe()} != {theirs.describe()}"
-        for field in ("codes", "scales"):
-            a, b = getattr(self, field), getattr(other, field)
+        for field, a, b in (("codes", self.packed, other.packed), ("scales", self.scales, other.scales)):
             if a.shape != b.shape:
-                return f"{field}: {list(a.shape)} != {list(b.shape)}"
+                return f"{field}: {list(a.shape)} != {list(b.shape)} bytes"
             if not np.array_equal(a, b):
                 return f"{field}: {int(np.count_nonzero(a != b))} byte(s) differ"
         for field in ("global_scale", "input_scale"):
@@ -146,15 +160,14 @@ class FloatWeight:
 
 
 def unpack_codes(packed: np.ndarray) -> np.ndarray:
-    """(N, K/2) bytes -> (N, K) uint8 codes, low nibble first."""
-    pairs = np.stack([packed & 0x0F, packed >> 4], axis=-1)
-    return pairs.reshape(packed.shape[0], -1)
+    """(N, K/2) bytes -> (N, K) uint8 codes: element 2j in the low nibble of byte j, 2j + 1 in the high one (every
+    producer's order)."""
+    return unpack_array(packed, 4, -1)
 
 
 def pack_codes(codes: np.ndarray) -> np.ndarray:
     """Inverse of `unpack_codes`: (N, K) codes < 16 -> (N, K/2) bytes."""
-    pairs = codes.reshape(codes.shape[0], -1, CODES_PER_BYTE)
-    return np.ascontiguousarray(pairs[..., 0] | (pairs[..., 1] << 4))
+    return pack_array(codes, 4, -1, np.uint8)
 
 
 def scale_values(scales: np.ndarray, encoding: str) -> np.ndarray:

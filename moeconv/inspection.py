@@ -91,7 +91,7 @@ def _verdict(backend, layers, source_format, source_config, model_type, attentio
     """Whether the backend takes the checkpoint (as it is, or after --regroup), with each layer's reason,
     and how each engine (vLLM, SGLang) would serve its output."""
     factor, reason = eligibility(backend, layers, allow_regroup=True)
-    reason = reason or _global_scale_refusal(backend, layers, source_format)
+    reason = reason or _global_scale_refusal(backend, layers, source_format) or source_format.unconverted
     refusals = {layer.module: backend.refusal(layer.shape) for layer in layers}
     first = layers[0].shape
     shape = replace(first, group_size=first.group_size // factor)
@@ -154,10 +154,8 @@ def cast_census(source_format, layers) -> dict[str, Any]:
     expert linear's bytes, before any write: blocks, exact blocks, the linears with an inexact block (with the
     worst relative error the cast would give) and those whose bytes the format refuses to read."""
     scheme = source_format.float_scheme
-    found = {target: {"source": scheme.name, "label": f"{scheme.name.upper()} -> {casts.LABELS[target]}",
-                      "blocks": 0, "exact": 0, "reserved": 0, "linears": 0, "worst_relative_error": 0.0,
-                      "inexact": [], "refused": []}
-             for target in casts.TARGETS[scheme.name]}
+    tallies = {target: casts.Tally(scheme.name, target) for target in casts.TARGETS[scheme.name]}
+    refused: list[dict[str, str]] = []
     with TensorReader() as reader:
         for layer in layers:
             for expert in layer.experts:
@@ -168,22 +166,11 @@ def cast_census(source_format, layers) -> dict[str, Any]:
                     try:
                         weight = source_format.decode(stored)
                     except MoeconvError as refusal:
-                        for entry in found.values():
-                            entry["refused"].append({"tensor": name, "reason": str(refusal)})
+                        refused.append({"tensor": name, "reason": str(refusal)})
                         continue
-                    for target, entry in found.items():
-                        counted = casts.census(weight, target)
-                        entry["linears"] += 1
-                        entry["blocks"] += counted.blocks
-                        entry["exact"] += counted.exact
-                        entry["reserved"] += counted.reserved
-                        if counted.exact < counted.blocks:
-                            entry["inexact"].append({"tensor": name, **counted.to_json()})
-                            entry["worst_relative_error"] = max(entry["worst_relative_error"],
-                                                                counted.worst_relative_error)
-    for entry in found.values():
-        entry["worst_relative_error"] = casts.json_float(entry["worst_relative_error"])
-    return found
+                    for target, tally in tallies.items():
+                        tally.add(name, casts.census(weight, target))
+    return {target: {**tally.to_json(), "refused": list(refused)} for target, tally in tallies.items()}
 
 
 def _linear_name(linear) -> str:

@@ -201,6 +201,10 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("glm4_moe", **_DEEPSEEK_LIKE),
         Architecture("minimax_m2", ("block_sparse_moe",), _MIXTRAL_PROJECTIONS, "num_local_experts",
                      "intermediate_size"),
+        # DeepSeek-V4 as DeepSeek ships it: `layers.L.ffn.experts.E.w1/w3/w2` (gate, up, down), no `model.`
+        # prefix (transformers' conversion_mapping.py "deepseek_v4" and vLLM's models/deepseek_v4 map these names);
+        # `ffn.shared_experts` and the router `ffn.gate` pass through.
+        Architecture("deepseek_v4", ("ffn",), _MIXTRAL_PROJECTIONS, "n_routed_experts", "moe_intermediate_size"),
         # gpt-oss: experts stacked per layer, gate and up fused and interleaved (transformers
         # models/gpt_oss/modeling_gpt_oss.py GptOssExperts: gate_up[..., ::2], gate_up[..., 1::2]; its MXFP4
         # reader integrations/mxfp4.py keeps the stored row order); the router `mlp.router` passes through.

@@ -51,12 +51,18 @@ def _pack_slots(values: np.ndarray, bits: int, axis: int) -> np.ndarray:
     """uint8 values -> bytes along `axis`; every shift stays inside the byte."""
     per = 8 // bits
     if axis == values.ndim - 1:  # each byte's values are adjacent: read them as one little-endian word
+        # Slot i's value sits at bits [8i, 8i + bits) of the word; a right shift by i·(8 - bits) puts it at
+        # [i·bits, i·bits + bits), where a mask keeps it alone (every other slot's copy lands a multiple of 8
+        # bits away), and the cast to uint8 drops the rest: the inverse of unpack_array's shifts.
         word = np.dtype(f"u{per}").type  # native, for the arithmetic
         words = np.ascontiguousarray(values).reshape(-1, per).view(_WORD_OF[per]).astype(word).reshape(
             values.shape[:-1] + (-1,))
-        packed = words & word(0xFF)
+        mask = (1 << bits) - 1
+        packed = words & word(mask)
         for slot in range(1, per):
-            packed |= ((words >> word(8 * slot)) & word(0xFF)) << word(slot * bits)
+            shifted = words >> word(slot * (8 - bits))
+            shifted &= word(mask << (slot * bits))
+            packed |= shifted
         return packed.astype(np.uint8)
     grouped = _slots(values, axis, per)
     packed = np.take(grouped, 0, axis=axis + 1)  # a copy

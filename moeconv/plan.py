@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from moeconv import act_order, engines, transform
 from moeconv._version import __version__
-from moeconv.backends import all_backends, auto_order, backend_name, get_backend
+from moeconv.backends import all_backends, auto_order, backend_name, get_backend, get_cast
 from moeconv.backends.base import Backend, LinearLayout
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import Checkpoint, TensorReader, collection_paused, open_checkpoint
@@ -61,6 +61,12 @@ class Plan:
     # The linear layout the dense quantized linears are written in: the backend's own (Backend.linear_layout),
     # that of the backend it names for this source (Backend.dense_linear_backend), or None: copied.
     dense_layout: LinearLayout | None = None
+    # --cast: the float-code cast the backend writes (backends.CASTS; None: the codes are kept), whether an
+    # inexact one may be written (convert decides by the census, casts.py), and the modules the cast leaves
+    # in BF16 (MoE layers and dense linears, as the output names them: what the config's ignored_layers lists)
+    cast: str | None = None
+    allow_inexact: bool = False
+    cast_float_modules: tuple[str, ...] = ()
     jobs: tuple[Job, ...] = field(init=False)  # every shard's, in write order
     layer_jobs: dict[str, tuple[ExpertJob, ...]] = field(init=False)  # MoE layer -> its jobs, by expert
     codec: Codec = field(init=False)
@@ -93,6 +99,7 @@ class Plan:
             "regroup_factor": self.regroup_factor,
             "format": self.source_format.describe(),
             "source": self.checkpoint.identity(),
+            **({"cast": self.cast, "allow_inexact": self.allow_inexact} if self.cast else {}),
         })
         answer("targets", engines.targets(self.backend.name))
         model_dtype = _model_dtype(self.checkpoint)
@@ -125,6 +132,7 @@ class Plan:
             "architecture": self.architecture.model_type,
             "format": self.source_format.describe(),
             "regroup_factor": self.regroup_factor,
+            "cast": self.cast,
             # how the first layer's experts are converted: as float codes, through the packed form, or the canonical one
             "route": "float" if self.source_format.float_scheme is not None else "packed" if self.layer_jobs and
             transform.takes_packed(next(iter(self.layer_jobs.values()))[0], self.codec) else "canonical",
@@ -168,6 +176,10 @@ def _quantization_config(plan: Plan) -> dict[str, Any]:
     converts dense linears too writes the whole config in its own scheme; moeconv's fields then go
     under "moeconv"."""
     backend, first = plan.backend, plan.layers[0].shape
+    if plan.cast is not None:  # the engines' own config of the cast code (backends/casts.py), or none
+        return backend.linear_layout.checkpoint_quantization_config(
+            first, _model_dtype(plan.checkpoint), _unquantized_modules(plan.jobs) + list(plan.cast_float_modules),
+            plan.fp8_block_modules)
     if backend.linear_layout is not None:
         return {
             **backend.linear_layout.checkpoint_quantization_config(first, _model_dtype(plan.checkpoint),
@@ -221,6 +233,8 @@ def choose_backend(name: str, layers: list[MoELayer], allow_regroup: bool, sourc
                    source_config: Mapping[str, Any] | None = None) -> tuple[Backend, int, tuple, str | None]:
     """The backend, its regroup factor, and (for "auto") each skipped backend with its reason and one line
     saying what was chosen and why."""
+    if source_format.unconverted:
+        raise MoeconvError(f"moeconv does not convert this checkpoint yet: {source_format.unconverted}")
     if backend_name(name) != "auto":
         backend = get_backend(name)
         factor, reason = eligibility(backend, layers, allow_regroup)
@@ -309,31 +323,43 @@ def attention_quantized(checkpoint: Checkpoint, source_format: SourceFormat) -> 
 
 
 def make_plan(source: Path | Checkpoint, backend: str = "triton", max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-              trust: str | None = None, tp: int = 1, regroup: bool = False, zero_format: str | None = None) -> Plan:
+              trust: str | None = None, tp: int = 1, regroup: bool = False, zero_format: str | None = None,
+              cast: str | None = None, allow_inexact: bool = False) -> Plan:
     """From headers and configs, plus a small sample of expert tensors to check the format (detect.py).
 
     backend: a registered backend or "auto". tp: the tensor-parallel size the output will be served
     with (eligibility only). regroup: allow halving the group size when that makes the backend fit.
     zero_format: "gptq" (v1) or "gptq_v2", the user's answer where the data cannot tell a GPTQ
     checkpoint's zero-point convention.
+    cast: a key of backends.CASTS: write the float codes cast to that code instead of a backend's layout
+    (`backend` is then not asked); allow_inexact: convert writes it even where the census finds inexact blocks.
     """
     if tp < 1:
         raise MoeconvError(f"--tp must be at least 1, not {tp}")
+    if allow_inexact and cast is None:
+        raise MoeconvError("--allow-inexact applies to a --cast only (the codes are kept otherwise)")
     checkpoint = source if isinstance(source, Checkpoint) else open_checkpoint(Path(source))
     with collection_paused():
-        return _make_plan(checkpoint, backend, max_shard_size, trust, tp, regroup, zero_format)
+        return _make_plan(checkpoint, backend, max_shard_size, trust, tp, regroup, zero_format, cast, allow_inexact)
 
 
 def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust: str | None, tp: int,
-               regroup: bool, zero_format: str | None) -> Plan:
+               regroup: bool, zero_format: str | None, cast: str | None, allow_inexact: bool) -> Plan:
     source = survey(checkpoint, tp=tp, trust=trust, zero_format=zero_format)
     if source.act_order_refusals:
         refusals = source.act_order_refusals
         raise MoeconvError(f"{checkpoint.root}: {next(iter(refusals.values()))}; {len(refusals)} of "
                            f"{len(source.layers)} MoE layers use act-order that cannot be folded")
     source_format, layers = source.source_format, list(source.layers)
-    target, factor, skipped, choice = choose_backend(backend, layers, regroup, source_format,
-                                                     checkpoint.quantization_config)
+    if cast is not None:
+        target, factor, skipped, choice = get_cast(cast), 1, (), None
+        cast = target.name
+        reason = _first_refusal(target, layers, 1)
+        if reason:
+            raise MoeconvError(f"{checkpoint.root}: --cast {cast}: {reason}")
+    else:
+        target, factor, skipped, choice = choose_backend(backend, layers, regroup, source_format,
+                                                         checkpoint.quantization_config)
     if source.architecture.stacked is not None:  # every backend refuses them today (expert biases, float codes)
         raise MoeconvError(f"{checkpoint.root}: {source.architecture.model_type}'s stacked experts are read (inspect "
                            f"describes them) but no job writes slices of a stacked tensor yet; backend "
@@ -350,7 +376,7 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     if source_format.group_index_suffix:
         with TensorReader() as reader:
             check_dense_g_idx(checkpoint, others, source_format, reader, dense is not None)
-    if source_format.float_scheme is not None:
+    if source_format.float_scheme is not None and cast is None:  # a cast reads global scales as they are
         with TensorReader() as reader:
             check_global_scales([entry for layer in layers for expert in layer.experts for linear in expert.values()
                                  for entry in linear.values()] +
@@ -367,9 +393,11 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     units.sort(key=lambda item: natural_key(item[0]))
     shards = assign_shards([unit for _, unit in units], max_shard_size)
     fp8_modules = tuple(sorted({named(name).rpartition(".")[0] for name in fp8.values()}, key=natural_key))
+    float_modules = () if cast is None or target.quantized else tuple(sorted(
+        [named(layer.module) for layer in layers] + [named(linear.prefix) for linear in linears], key=natural_key))
     return Plan(checkpoint, source.architecture, source_format, target, tuple(layers), shards, max_shard_size, trust,
                 source.detection, factor, tp, skipped, source.unquantized_experts, zero_format, choice, fp8_modules,
-                dense)
+                dense, cast, allow_inexact, float_modules)
 
 
 def _dense_layout(checkpoint: Checkpoint, target: Backend, source_format: SourceFormat, names: list[str],

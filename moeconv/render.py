@@ -275,7 +275,11 @@ def verdict(report) -> str:
         checked.append(f"{report.source_files_checked} source shard(s) as recorded")
     if report.layers:
         experts = sum(layer.experts_checked for layer in report.layers)
-        checked.append(f"{experts} expert(s) in {len(report.layers)} MoE layer(s) bit-exact against the source")
+        census = report.cast_census
+        checked.append(f"{experts} expert(s) in {len(report.layers)} MoE layer(s) " + (
+            f"cast from the source as recorded ({census.get('label')}: {census.get('exact')} of {census.get('blocks')} "
+            f"blocks exact, every value of them equal to the source's, the census recomputed)" if census
+            else "bit-exact against the source"))
     kernels = sum(layer.relative_error is not None for layer in report.layers)
     blocks = sum(layer.blocks_checked or 0 for layer in report.layers if layer.relative_error is not None)
     decoded = (f" ({sum(layer.experts_routed or 0 for layer in report.layers if layer.relative_error is not None)} "

@@ -181,6 +181,11 @@ def detect_format(checkpoint: Checkpoint, architecture: Architecture, experts: E
     quantization = checkpoint.quantization_config
     if zero_format is not None:
         quantization = {**quantization, "checkpoint_format": zero_format}
+    expert_dtype = checkpoint.config.get("expert_dtype")
+    if expert_dtype is not None and "expert_dtype" not in quantization:
+        # DeepSeek-V4 says `expert_dtype` at the top of config.json, V4.1 in its quantization config; transformers
+        # moves V4's there too (models/deepseek_v4/configuration_deepseek_v4.py), and so does this
+        quantization = {**quantization, "expert_dtype": expert_dtype}
     configured = format_from_config(quantization, config_path)
     if zero_format is not None and configured.method != "gptq":
         raise MoeconvError(f"{config_path}: --gptq-zero-format is for GPTQ checkpoints; this one is {configured.method}")

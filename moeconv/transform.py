@@ -17,10 +17,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from moeconv import act_order
+from moeconv import act_order, casts
 from moeconv.audit import count as audit_counts
 from moeconv.backends.base import Backend, ExpertWeights
 from moeconv.canonical import QuantizedWeight, regroup
+from moeconv.casts import Census
+from moeconv.executor import in_batches, worker_reader
 from moeconv.checkpoint.reader import TensorReader
 from moeconv.packing import bf16_as_float32
 from moeconv.errors import MoeconvError
@@ -95,6 +97,29 @@ def _through_packed(job: ConvertJob, codec: Codec, stored: dict[str, Stored]) ->
     if isinstance(job, ExpertJob):
         return codec.backend.from_packed(packed, job.shape)
     return job.layout.from_packed_linear(packed["linear"], job.shape)
+
+
+def census(job: ConvertJob, codec: Codec, target: str, reader: TensorReader) -> list[tuple[str, Census]]:
+    """The census of a float-code cast to `target` (casts.py) of each of the job's source linears, by name:
+    what `convert --cast` decides by before writing and `verify` recomputes."""
+    stored, sources = _read_sources(job, reader), _sources(job)
+    return [(_linear_name(sources[projection]) if isinstance(job, ExpertJob) else job.prefix,
+             casts.census(_decoded(codec.source_format.decode, sources[projection], tensors), target))
+            for projection, tensors in stored.items()]
+
+
+def cast_census(executor: Any, jobs: list[ConvertJob], codec: Codec, target: str) -> casts.Tally:
+    """The census of every job's linears (`census`) on the executor's workers (executor.in_batches), in job
+    order, summed."""
+    tally = casts.Tally(codec.source_format.float_scheme.name, target)
+    for found in in_batches(executor, _census_task, [(job, codec, target) for job in jobs]):
+        for name, counted in found:
+            tally.add(name, counted)
+    return tally
+
+
+def _census_task(job: ConvertJob, codec: Codec, target: str) -> list[tuple[str, Census]]:
+    return census(job, codec, target, worker_reader())
 
 
 def source_weights(job: ConvertJob, codec: Codec, reader: TensorReader) -> tuple[dict[str, QuantizedWeight], list[Audit]]:

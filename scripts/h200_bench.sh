@@ -17,7 +17,8 @@
 # after the packed form: grown 7.2 GB GPTQ and AWQ into every backend, verified), `large10` (the same build, the
 # 25 GB GPTQ source into triton, humming and compressed-tensors, verified), `anchor11` and `anchor11-large`
 # (issue 42's provenance cost: the grown 7.2 GB GPTQ source into three backends, then the 25 GB one into
-# triton, each converted and verified as a plain folder and then as a Hub cache snapshot).
+# triton, each converted and verified as a plain folder and then as a Hub cache snapshot), `gpu49` (the GPU tests,
+# then every float fixture converted and verified on the GPU).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -38,6 +39,20 @@ verified() {  # $1: gptq or awq, $2: layers, $3: backends, $4: repeats, $5: json
   rm -rf bench-data/$1-$2L
 }
 case $phase in
+  gpu49)
+    # The GPU tests (the compiled int and FP4 reference kernels against float64), then every float fixture that
+    # converts (compressed-tensors NVFP4/MXFP4, W4A16 and W4A4, MXFP4 beside FP8-block dense layers) into the
+    # compressed-tensors form and verified with verify's GPU default (the FP4 kernel on every layer and expert).
+    python3 -m pip install -q --no-deps .whl/*.whl
+    python3 -m compileall -q moeconv
+    nvidia-smi --query-gpu=name,memory.total --format=csv
+    timeout 300 python3 -m pytest -q -ra -p no:cacheprovider tests/test_fp4_kernel_gpu.py tests/test_kernel_gpu.py \
+      2>&1 | tail -15 | tee "$out/gpu-tests.txt"
+    for fixture in ct-nvfp4a16 ct-mxfp4a16 ct-nvfp4 ct-mxfp4-fp8block; do
+      python3 -m moeconv convert tests/data/float/$fixture -o /tmp/out-$fixture --backend compressed-tensors -q > /dev/null
+      rc=0; python3 -m moeconv verify /tmp/out-$fixture --json > "$out/verify-$fixture.json" || rc=$?
+      echo "$fixture: verify rc=$rc $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['ok'], r['level'], r['numerics_device'], [(l['module'], l.get('experts_routed'), l.get('relative_error')) for l in r['layers']])" "$out/verify-$fixture.json")"
+    done ;;
   final10|large10)
     # The blake3 and google-re2 wheels (cp312) in .whl carried: the image has neither.
     python3 -m pip install -q --no-deps .whl/*.whl

@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
     ("bench_int8_kernel.py", []),
     ("bench_convert.py", ["--workdir", "{tmp}", "--verify"]),
     ("bench_plan.py", []),
+    ("bench_plan.py", ["--declared", "--workdir", "{tmp}"]),
     ("bench_ray.py", ["--workdir", "{tmp}"]),
     ("bench_startup.py", ["--workdir", "{tmp}"]),
-    ("bench_plan_sparse.py", ["--work", "{tmp}"]),
     pytest.param("bench_object_store_convert.py", ["--work", "{tmp}"], marks=pytest.mark.skipif(
         not (Path(sys.executable).parent / "weed").is_file(), reason="no `weed` binary: no S3 server")),
 ])
@@ -142,3 +142,58 @@ def test_hub_cache_lays_a_folder_out_as_a_snapshot_that_converts_anchored(tmp_pa
     [repository] = scan_cache_dir(tmp_path / "cache").repos
     assert repository.repo_id == "acme/grown" and {rev.commit_hash for rev in repository.revisions} == {snapshot.name}
     assert {path.name: path.read_bytes() for path in snapshot.iterdir()} == expected
+
+
+def test_profile_cpu_puts_verify_s_unpacking_in_its_bucket(tmp_path):
+    """benchmarks/profile_cpu.py: every command of every backend asked for profiled, its buckets found by name (a
+    renamed function would leave its bucket at zero: verify lossless always unpacks the source's codes)."""
+    from moeconv.synth import SynthSpec, make_checkpoint
+
+    source = make_checkpoint(tmp_path / "src", SynthSpec(hidden=128, intermediate=64, experts=4, layers=1))
+    output = tmp_path / "profile.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_cpu.py"), str(source), "--backends",
+                           "triton,humming", "--workdir", str(tmp_path), "--json", str(output)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(output.read_text())
+    assert [(row["backend"], row["command"]) for row in rows] == [
+        ("triton", "convert"), ("triton", "verify"), ("humming", "convert"), ("humming", "verify")]
+    for row in rows:
+        assert row["process_cpu_s"] > 0 and row["wall_s"] > 0
+        if row["command"] == "verify":
+            assert row["unpack codes"] > 0 and row["read (pread into arrays)"] > 0 and row["write (pwrite)"] == 0
+        else:
+            assert row["write (pwrite)"] > 0 and row["resume fingerprint (CRC-32)"] > 0
+
+def test_the_float_source_is_compressed_tensors_mxfp4_and_its_grown_copy_benchmarks(tmp_path):
+    """benchmarks/float_source.py writes llm-compressor's MXFP4A16 layout (the fixture ct-mxfp4a16's tensors and
+    config, at the sizes asked), grow_checkpoint.py repeats its layer, and bench_convert.py converts the grown
+    source into compressed-tensors and verifies it, labelling the row by the source's own format."""
+    from safetensors import safe_open
+
+    one, grown, output = tmp_path / "one", tmp_path / "grown", tmp_path / "result.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "float_source.py"), str(one), "--experts", "4",
+                           "--hidden", "256", "--intermediate", "128", "--vocab", "64"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((one / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "mxfp4-pack-quantized" and config["num_local_experts"] == 4
+    tensors = {}
+    for shard in one.glob("*.safetensors"):
+        with safe_open(str(shard), "np") as handle:
+            tensors.update({name: handle.get_slice(name) for name in handle.keys()})
+    prefix = "model.layers.0.mlp.experts.3.down_proj"
+    assert (tensors[f"{prefix}.weight_packed"].get_dtype(), tensors[f"{prefix}.weight_packed"].get_shape()) == (
+        "U8", [256, 64])
+    assert (tensors[f"{prefix}.weight_scale"].get_dtype(), tensors[f"{prefix}.weight_scale"].get_shape()) == (
+        "U8", [256, 4])
+    assert tensors["model.layers.0.mlp.gate.weight"].get_dtype() == "BF16"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grow_checkpoint.py"), str(one), str(grown),
+                           "--layers", "3"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_convert.py"), "--smoke", "--source",
+                           str(grown), "--workdir", str(tmp_path / "work"), "--backends", "compressed-tensors",
+                           "--verify", "--json", str(output)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(output.read_text())
+    assert row["format"] == "mxfp4-pack-quantized" and row["layers"] == 3 and row["verify_ok"] is True

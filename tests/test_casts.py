@@ -94,7 +94,7 @@ def mxfp4_weights(draw, rows: int, columns: int):
     byte = st.one_of(near, near, near, st.sampled_from(E8M0_EDGES), st.integers(0, 255))
     scales = np.array(draw(st.lists(byte, min_size=rows * columns // 32, max_size=rows * columns // 32)),
                       dtype=np.uint8).reshape(rows, columns // 32)
-    return FloatWeight(codes, scales, MXFP4)
+    return FloatWeight.from_codes(codes, scales, MXFP4)
 
 
 @st.composite
@@ -113,7 +113,7 @@ def nvfp4_weights(draw):
                                                                           119, 120, 126))])
     few_bits = st.tuples(st.integers(1, 255), st.integers(-120, 110)).map(lambda m: m[0] * 2.0**m[1])  # 8 bits
     global_scale = draw(st.one_of(edges, powers, few_bits, st.floats(2.0**-126, 2.0**126, width=32)))
-    return FloatWeight(codes, scales, nvfp4(convention, False), global_scale=np.array(global_scale, np.float32))
+    return FloatWeight.from_codes(codes, scales, nvfp4(convention, False), global_scale=np.array(global_scale, np.float32))
 
 
 # ---- the predicate against the brute force ------------------------------------------------------------------
@@ -184,7 +184,7 @@ def test_nvfp4_edge_scale_bytes_and_globals_to_bf16_against_the_brute_force(conv
     # to bfloat16's subnormals (2^-133 = 0.5 · 2^-6 · 2^-126) or past its largest
     codes = np.repeat(np.arange(16, dtype=np.uint8)[:, None], 16 * len(E4M3_EDGES), axis=1)
     scales = np.tile(np.array(E4M3_EDGES, np.uint8), (16, 1))
-    weight = FloatWeight(codes, scales, nvfp4(convention, False), global_scale=np.array(global_scale, np.float32))
+    weight = FloatWeight.from_codes(codes, scales, nvfp4(convention, False), global_scale=np.array(global_scale, np.float32))
     assert np.array_equal(casts.exact_blocks(weight, casts.BF16), nvfp4_bf16_exact_brute(weight))
 
 
@@ -192,7 +192,7 @@ def test_nvfp4_edge_scale_bytes_and_globals_to_bf16_against_the_brute_force(conv
 def test_every_edge_byte_and_code_against_the_brute_force(byte):
     # one code at a time under each edge byte (bf16 overflows from 2 · 2^127 on, so byte 254 splits the codes)
     for code in range(16):
-        weight = FloatWeight(np.full((1, 32), code, np.uint8), np.full((1, 1), byte, np.uint8), MXFP4)
+        weight = FloatWeight.from_codes(np.full((1, 32), code, np.uint8), np.full((1, 1), byte, np.uint8), MXFP4)
         values = mx_values(weight)
         assert casts.exact_blocks(weight, casts.BF16)[0, 0] == bf16_exact_brute(values).all(), code
         assert casts.exact_blocks(weight, casts.FP8_BLOCK)[0, 0] == fp8_block_exact_brute(values), code
@@ -204,21 +204,21 @@ def test_fp8_block_spreads_around_eighteen_binades_against_the_brute_force(high)
     for large, small, spread in [(l, s, d) for l in (4, 6, 7) for s in (1, 2, 3) for d in range(13, 20)]:
         codes = np.zeros((2, 32), np.uint8)
         codes[0, 0], codes[1, 0] = large, small
-        weight = FloatWeight(codes, np.array([[high], [high - spread]], np.uint8), MXFP4)
+        weight = FloatWeight.from_codes(codes, np.array([[high], [high - spread]], np.uint8), MXFP4)
         assert casts.exact_blocks(weight, casts.FP8_BLOCK)[0, 0] == fp8_block_exact_brute(mx_values(weight)), (
             large, small, spread)
 
 
 @pytest.mark.parametrize("global_scale", [0.0, math.inf, math.nan])
 def test_a_global_scale_that_reads_as_no_number_is_refused(global_scale):
-    weight = FloatWeight(np.zeros((1, 16), np.uint8), np.full((1, 1), 0x38, np.uint8), nvfp4(MULTIPLY, False),
+    weight = FloatWeight.from_codes(np.zeros((1, 16), np.uint8), np.full((1, 1), 0x38, np.uint8), nvfp4(MULTIPLY, False),
                          global_scale=np.array(global_scale, np.float32))
     with pytest.raises(ValueError, match=f"a global scale of {global_scale!r} has no value set to decide"):
         casts.census(weight, casts.BF16)
 
 
 def test_a_target_the_source_has_not_is_refused():
-    weight = FloatWeight(np.zeros((1, 16), np.uint8), np.full((1, 1), 0x38, np.uint8), nvfp4(DIVIDE, False),
+    weight = FloatWeight.from_codes(np.zeros((1, 16), np.uint8), np.full((1, 1), 0x38, np.uint8), nvfp4(DIVIDE, False),
                          global_scale=np.array(1.0, np.float32))
     with pytest.raises(ValueError, match=r"no fp8-block cast of nvfp4 codes is decided here \(from nvfp4: bf16\)"):
         casts.census(weight, casts.FP8_BLOCK)
@@ -235,11 +235,11 @@ def test_census_counts_the_blocks_a_spread_of_exponents_makes_inexact():
     codes[5, 128], scales[5, 4] = 1, 112    # block (0, 1): 2^-16 halfway to 0: flushed (relative error 1)
     codes[130, 300], scales[130, 9] = 3, 112  # block (1, 2): 1.5 · 2^-16 rounds to 2^-15 (error 1/3)
     scales[200, 1] = 0xFF                   # block (1, 0): a reserved byte, never exact
-    weight = FloatWeight(codes, scales, MXFP4)
+    weight = FloatWeight.from_codes(codes, scales, MXFP4)
     assert casts.exact_blocks(weight, casts.FP8_BLOCK).tolist() == [[True, False, True], [False, True, False]]
     assert casts.census(weight, casts.FP8_BLOCK) == casts.Census(casts.FP8_BLOCK, 6, 3, 1, 1.0)
     codes[5, 128] = 0                       # without the flushed value the worst error is the rounded one's
-    assert casts.census(FloatWeight(codes, scales, MXFP4), casts.FP8_BLOCK).worst_relative_error == 1 / 3
+    assert casts.census(FloatWeight.from_codes(codes, scales, MXFP4), casts.FP8_BLOCK).worst_relative_error == 1 / 3
 
 
 # ---- inspect on real llm-compressor output -------------------------------------------------------------------

@@ -46,3 +46,54 @@ def test_inspect_says_what_a_regrouped_triton_output_of_an_asymmetric_source_is_
     assert verdict["eligible_with_regroup"] and verdict["regroup_factor"] == 2
     assert verdict["serving"] == plan.serving._asdict()
     assert verdict["sglang_serving"] == plan.sglang_serving._asdict()
+
+
+FLOAT = Path(__file__).resolve().parent / "data" / "float"  # llm-compressor 0.14.0.1's own NVFP4 / MXFP4 checkpoints
+SGLANG_LAUNCH = "python -m sglang.launch_server --model-path {output}"
+
+
+def test_sglang_line_for_float_compressed_tensors_outputs_is_what_sglang_did():
+    """What SGLang 0.5.23's own loader did with moeconv's compressed-tensors outputs of the float fixtures
+    (run_matrix_sglang.py --only float, 2026-12-07, docs/BENCHMARKS.md), as convert plans it: NVFP4A16 and
+    NVFP4 served by CompressedTensorsW4A16Nvfp4MoE (W4A4 weight-only below SM100); MXFP4 not served, with why."""
+    nvfp4a16 = make_plan(FLOAT / "ct-nvfp4a16", backend="compressed-tensors").sglang_serving
+    assert nvfp4a16 == ("SGLang 0.5.23 (compressed-tensors CompressedTensorsW4A16Nvfp4MoE for the experts; its loader "
+                        "took every tensor on the CPU path; no GPU run yet)", SGLANG_LAUNCH)
+    nvfp4 = make_plan(FLOAT / "ct-nvfp4", backend="compressed-tensors").sglang_serving
+    assert nvfp4 == ("SGLang 0.5.23 (compressed-tensors CompressedTensorsW4A16Nvfp4MoE for the experts; below SM100 "
+                     "(H100, H200) weight-only, the activation quantization ignored: its W4A4 method "
+                     "CompressedTensorsW4A4Nvfp4MoE needs a Blackwell; its loader took every tensor on the CPU path; "
+                     "no GPU run yet)", SGLANG_LAUNCH)
+    for fixture in ("ct-mxfp4a16", "ct-mxfp4-fp8block"):
+        engine, how = make_plan(FLOAT / fixture, backend="compressed-tensors").sglang_serving
+        assert engine is None, fixture
+        assert how.startswith("SGLang 0.5.23 gives compressed-tensors MXFP4 experts its gpt-oss method "
+                              "Mxfp4MoEMethod, whose parameters are w13_weight / w2_weight: only its Kimi-K3 loader "
+                              "renames weight_packed to weight, so qwen3_moe's loader skips every expert's "
+                              "weight_packed"), fixture
+        assert '"No compressed-tensors compatible scheme was found"' in how and how.endswith("serve it with vLLM")
+
+
+def test_inspect_says_the_sglang_line_of_a_float_output():
+    """inspect --json answers the same for SGLang as convert plans (the MXFP4 refusal, the NVFP4 method)."""
+    for fixture in ("ct-mxfp4a16", "ct-nvfp4a16"):
+        verdict = json.loads(cli("inspect", FLOAT / fixture, "--json").stdout)["backends"]["compressed-tensors"]
+        plan = make_plan(FLOAT / fixture, backend="compressed-tensors")
+        assert verdict["sglang_serving"] == plan.sglang_serving._asdict()
+        assert ("Mxfp4MoEMethod" in verdict["sglang_serving"]["how"]) == (fixture == "ct-mxfp4a16")
+
+
+def test_sglang_line_for_nvfp4_outside_what_was_measured():
+    """An NVFP4 output of another family says it was not shown there; one whose source is mixed-precision (FP8-block
+    attention beside the FP4 group) is not served: SGLang's matcher gives a fused qkv_proj the `Linear` target."""
+    plan = make_plan(FLOAT / "ct-nvfp4a16", backend="compressed-tensors")
+    layer = plan.layers[0].shape
+    mixtral = engines.SGLANG.serving(engines.output_of("compressed-tensors", layer, plan.source_format, False,
+                                                       plan.checkpoint.quantization_config, "mixtral"))
+    assert mixtral.engine.endswith("no GPU run yet), not shown for mixtral") and mixtral.how == SGLANG_LAUNCH
+    mixed = {**plan.checkpoint.quantization_config, "format": "mixed-precision"}
+    refused = engines.SGLANG.serving(engines.output_of("compressed-tensors", layer, plan.source_format, False, mixed,
+                                                       "qwen3_moe"))
+    assert refused.engine is None
+    assert refused.how.startswith("not shown with SGLang 0.5.23: its compressed-tensors matcher tries the module "
+                                  "class before the fused q/k/v names, so a fused qkv_proj takes the nvfp4 group's")

@@ -19,7 +19,7 @@ E2M1_BY_BITS = [(-1.0 if code & 8 else 1.0) * ((code & 1) / 2 if not code & 6 el
 
 
 def test_e2m1_values_are_the_format_s_definition():
-    weight = FloatWeight(np.arange(16, dtype=np.uint8).repeat(2).reshape(1, 32), np.full((1, 1), 127, np.uint8), MXFP4)
+    weight = FloatWeight.from_codes(np.arange(16, dtype=np.uint8).repeat(2).reshape(1, 32), np.full((1, 1), 127, np.uint8), MXFP4)
     decoded = weight.dequantize()[0, ::2]
     assert decoded.tolist() == E2M1_BY_BITS
     assert np.signbit(decoded[8]) and not np.signbit(decoded[0])  # code 0x8 is -0.0
@@ -77,7 +77,7 @@ def float_weights(draw, scheme):
         scalars["global_scale"] = np.array(draw(scalar), np.float32)
         if scheme.input_scale:
             scalars["input_scale"] = np.array(draw(scalar), np.float32)
-    return FloatWeight(codes, scales, scheme, **scalars)
+    return FloatWeight.from_codes(codes, scales, scheme, **scalars)
 
 
 @pytest.mark.parametrize("scheme", [MXFP4, nvfp4(DIVIDE, False), nvfp4(MULTIPLY, True)], ids=lambda s: s.describe())
@@ -85,16 +85,16 @@ def float_weights(draw, scheme):
 @given(data=st.data())
 def test_a_weight_equals_itself_and_no_byte_flip(scheme, data):
     weight = data.draw(float_weights(scheme))
-    same = FloatWeight(unpack_codes(pack_codes(weight.codes)), weight.scales.copy(), scheme, weight.global_scale,
+    same = FloatWeight(pack_codes(unpack_codes(weight.packed)), weight.scales.copy(), scheme, weight.global_scale,
                        weight.input_scale)
     assert weight.mismatch(same) is None
     flipped_code = weight.codes.copy()
     flipped_code[-1, -1] ^= 0x8
-    assert "codes" in weight.mismatch(FloatWeight(flipped_code, weight.scales, scheme, weight.global_scale,
+    assert "codes" in weight.mismatch(FloatWeight.from_codes(flipped_code, weight.scales, scheme, weight.global_scale,
                                                   weight.input_scale))
     flipped_scale = weight.scales.copy()
     flipped_scale[-1, -1] ^= 0x01
-    assert "scales" in weight.mismatch(FloatWeight(weight.codes, flipped_scale, scheme, weight.global_scale,
+    assert "scales" in weight.mismatch(FloatWeight(weight.packed, flipped_scale, scheme, weight.global_scale,
                                                    weight.input_scale))
 
 
@@ -126,11 +126,11 @@ def test_reciprocals_only_of_powers_of_two_in_range():
 
 
 def test_a_global_scale_in_the_other_convention_is_not_the_same_weight():
-    weight = FloatWeight(np.zeros((1, 16), np.uint8), np.full((1, 1), 0x38, np.uint8), nvfp4(DIVIDE, False),
+    weight = FloatWeight.from_codes(np.zeros((1, 16), np.uint8), np.full((1, 1), 0x38, np.uint8), nvfp4(DIVIDE, False),
                          np.array(4.0, np.float32))
-    other = FloatWeight(weight.codes, weight.scales, nvfp4(MULTIPLY, False), np.array(4.0, np.float32))
+    other = FloatWeight(weight.packed, weight.scales, nvfp4(MULTIPLY, False), np.array(4.0, np.float32))
     assert "global_scale" in weight.mismatch(other)
-    assert weight.mismatch(FloatWeight(weight.codes, weight.scales, nvfp4(MULTIPLY, False),
+    assert weight.mismatch(FloatWeight(weight.packed, weight.scales, nvfp4(MULTIPLY, False),
                                        np.array(0.25, np.float32))) is None
 
 

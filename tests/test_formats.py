@@ -81,7 +81,11 @@ def test_gptq_refuses_act_order():
     ({"quant_method": "gptq", "bits": 3}, "GPTQ with 3 bits is not supported"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "not -1 or a power of two"),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
-    ({"quant_method": "fp8"}, "unsupported quant_method 'fp8'"),
+    ({"quant_method": "fp8"}, "quant_method 'fp8' with expert_dtype None: moeconv reads DeepSeek-V4's FP4 experts"),
+    ({"quant_method": "fp8", "expert_dtype": "fp8"}, "with expert_dtype 'fp8'"),
+    ({"quant_method": "fp8", "expert_dtype": "fp4", "fmt": "e4m3", "scale_fmt": "float",
+      "weight_block_size": [128, 128], "activation_scheme": "dynamic"}, r"scale_fmt is 'float'; DeepSeek-V4"),
+    ({"quant_method": "mlx"}, "unsupported quant_method 'mlx'"),
 ])
 def test_config_refusals_name_the_problem(config, message):
     with pytest.raises(MoeconvError, match=message):

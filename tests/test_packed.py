@@ -21,8 +21,8 @@ from moeconv.backends import all_backends
 from moeconv.backends.base import ExpertWeights
 from moeconv.backends.cpu import CpuBackend
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, regroup
-from moeconv.formats import (AWQ, GPTQ, REGISTRY, AutoRound, CompressedTensors, CompressedTensorsFloat, GptOssMxfp4, ModelOpt,
-                             ModelOptNvfp4)
+from moeconv.formats import (AWQ, GPTQ, REGISTRY, AutoRound, CompressedTensors, CompressedTensorsFloat, DeepSeekV4Fp4,
+                             GptOssMxfp4, ModelOpt, ModelOptNvfp4)
 
 from strategies import random_canonical
 
@@ -48,8 +48,10 @@ def test_every_registered_format_that_packs_is_covered():
     assert not ModelOpt.packs and not CompressedTensors(format="int-quantized", bits=8, group_size=-1).packs
     # float codes have their own route (float_codes.py), never the packed form of integer words
     assert not CompressedTensorsFloat.packs and not ModelOptNvfp4.packs and not GptOssMxfp4.packs
+    assert not DeepSeekV4Fp4.packs
     # AutoRound reads its config into the GPTQ or AWQ format its packing names.
-    assert set(REGISTRY.values()) - {AutoRound, ModelOpt, CompressedTensorsFloat, ModelOptNvfp4, GptOssMxfp4} == set(PACKING)
+    assert set(REGISTRY.values()) - {AutoRound, ModelOpt, CompressedTensorsFloat, ModelOptNvfp4, GptOssMxfp4,
+                                     DeepSeekV4Fp4} == set(PACKING)
     assert all(cls(**params).packs for cls, grid in PACKING.items() for params in grid)
 
 

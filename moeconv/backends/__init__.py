@@ -17,6 +17,7 @@ from moeconv.errors import MoeconvError
 
 if TYPE_CHECKING:
     from moeconv.backends.base import Backend
+    from moeconv.backends.casts import CastBackend
 
 
 @dataclass
@@ -47,6 +48,32 @@ REGISTRY: dict[str, BackendEntry] = {
     "compressed-tensors": BackendEntry("moeconv.backends.compressed_tensors:CompressedTensorsBackend",
                                        "a normalised compressed-tensors checkpoint stock vLLM serves", 1),
 }
+
+
+# The casts `convert --cast` writes (issue 41): a target layout each, chosen by --cast rather than --backend
+# (never by auto): a cast changes the codes, which no backend does.
+CASTS: dict[str, BackendEntry] = {
+    "bf16": BackendEntry("moeconv.backends.casts:Bf16Cast",
+                         "plain BF16 weights (MXFP4 or NVFP4 sources; no quantization_config unless FP8 layers stay)"),
+    "fp8-block": BackendEntry("moeconv.backends.casts:Fp8BlockCast",
+                              "E4M3 weights with a F32 weight_scale_inv per 128x128 block, vLLM's fp8 block config "
+                              "(MXFP4 sources)"),
+}
+
+
+def get_cast(name: str) -> CastBackend:
+    name = backend_name(name)
+    if name not in CASTS:
+        raise MoeconvError(f"--cast {name!r} is not available; expected one of {', '.join(CASTS)}")
+    return CASTS[name].load()
+
+
+def cast_help() -> str:
+    """The CLI's `--cast` help, from the registry."""
+    choices = "; ".join(f"{name}: {entry.summary}" for name, entry in CASTS.items())
+    return (f"Cast float codes (MXFP4, NVFP4) to another code instead of keeping them (replaces --backend): "
+            f"{choices}. Every target block is decided before writing; an inexact one refuses (exit 2) "
+            f"unless --allow-inexact.")
 
 
 def backend_name(name: str) -> str:
@@ -80,4 +107,4 @@ def backend_help() -> str:
             f"if that makes it fit) and whose output an engine serves, else the first that fits.")
 
 
-__all__ = ["BackendEntry", "REGISTRY", "all_backends", "auto_order", "backend_help", "backend_name", "get_backend"]
+__all__ = ["BackendEntry", "CASTS", "REGISTRY", "cast_help", "get_cast", "all_backends", "auto_order", "backend_help", "backend_name", "get_backend"]

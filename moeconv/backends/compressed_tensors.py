@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moeconv import packing
-from moeconv.float_codes import DIVIDE, MXFP4, FloatScheme, FloatWeight, unpack_codes
+from moeconv.float_codes import DIVIDE, MXFP4, FloatScheme, FloatWeight
 from moeconv.formats.compressed_tensors_float import float_arrays
 from moeconv.spec import TensorSpec
 from moeconv.backends.base import Numerics, with_fused_names
@@ -157,7 +157,7 @@ class CompressedTensorsBackend(PerLinearBackend):
         if scheme is not None:
             scalars = {field: tensors[suffix].reshape(()).copy() for field, suffix in
                        (("global_scale", GLOBAL_SCALE), ("input_scale", INPUT_SCALE)) if suffix in tensors}
-            return FloatWeight(unpack_codes(tensors["weight_packed"]), tensors["weight_scale"].view(np.uint8),
+            return FloatWeight(tensors["weight_packed"], tensors["weight_scale"].view(np.uint8),
                                scheme.in_convention(DIVIDE), **scalars)
         if linear.activation_bits == 8:
             return QuantizedWeight(codes=packing.int8_array_to_offset_codes(tensors["weight"]), zeros=None,

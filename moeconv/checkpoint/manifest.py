@@ -37,7 +37,10 @@ def scheme_of(manifest: dict[str, Any]) -> DigestScheme | None:
 
 
 def output_config(plan: Any) -> dict[str, Any]:
-    """The output's config.json: the source's, with moeconv's quantization_config."""
+    """The output's config.json: the source's, with moeconv's quantization_config (none where the plan's is
+    empty: a BF16 cast with nothing left quantized is a plain checkpoint)."""
+    if not plan.quantization_config:
+        return {key: value for key, value in plan.checkpoint.config.items() if key != "quantization_config"}
     return {**plan.checkpoint.config, "quantization_config": plan.quantization_config}
 
 
@@ -56,7 +59,7 @@ def self_digest(manifest: dict[str, Any]) -> str:
 
 def build(plan: Any, files: dict[str, dict[str, Any]], written: dict[str, dict[str, Any]],
           copied: dict[str, dict[str, Any]], skipped: dict[str, str],
-          source_digests: dict[str, dict[str, Any]]) -> dict[str, Any]:
+          source_digests: dict[str, dict[str, Any]], cast: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest of `plan`'s output (a moeconv.plan.Plan). `files`: each shard's bytes and digest
     (the scheme's shard_key: writer.shard_digest) and its tensors' (`tensor_digests`: writer.tensor_digest); `written`: the
     index's and configs'; `copied`: the source's side files
@@ -75,6 +78,9 @@ def build(plan: Any, files: dict[str, dict[str, Any]], written: dict[str, dict[s
         "metadata_files": written,
         "copied_files": copied,
         "skipped_files": skipped,
+        # --cast: the census the cast was decided by (casts.Tally), whether inexact blocks were allowed, and the
+        # bound: the worst relative error of any written value (0 for an exact cast)
+        **({"cast": cast} if cast is not None else {}),
     }
     built[SELF_DIGEST_KEY] = self_digest(built)
     return built

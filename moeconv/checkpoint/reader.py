@@ -35,7 +35,7 @@ INDEX_NAME = "model.safetensors.index.json"
 # safetensors code -> numpy dtype, for the values the parent reads to detect the format (read_array);
 # BF16, which numpy lacks, is read as its 16 bits and widened to float32 exactly.
 # F8_E4M3 as its bytes (numpy has no float8): the float-coded formats read the scale bytes (float_codes.py)
-NUMPY_DTYPES = {"U8": np.uint8, "F8_E4M3": np.uint8, "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "F16": np.float16,
+NUMPY_DTYPES = {"U8": np.uint8, "F8_E4M3": np.uint8, "F8_E8M0": np.uint8, "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "F16": np.float16,
                 "F32": np.float32, "F64": np.float64, "BOOL": np.bool_, "BF16": np.uint16}
 
 

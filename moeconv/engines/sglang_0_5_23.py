@@ -12,6 +12,8 @@ NAME = f"SGLang {VERSION}"
 SHOWN_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")  # loaded by SGLang's own classes here
 DEEPSEEK = ("deepseek_v2", "deepseek_v3", "kimi_k2")  # SGLang's DeepSeek loader (MLA attention)
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")
+FLOAT_SHOWN_FAMILIES = ("qwen3_moe",)  # the float-coded fixtures' family (tests/data/float)
+MIXED_PRECISION = "mixed-precision"  # a compressed-tensors config of several groups (its `format`)
 PLUGIN = "triton (moeconv's SGLang plugin)"
 
 # The backends whose serve line keeps the stored scale dtype: vLLM's (measured there, not apart here). Its
@@ -39,6 +41,40 @@ def dense_mlp_layers(output: Output) -> str | None:
     if isinstance(step, int) and not isinstance(step, bool) and step > 1:
         return f"decoder_sparse_step {step}"
     return None
+
+
+def float_codes(output: Output) -> Serving:
+    """A compressed-tensors output of float-coded experts, as this release's own compressed-tensors config picks
+    their methods (sglang/srt/layers/quantization/compressed_tensors/compressed_tensors.py, `get_quant_method`),
+    measured on Qwen3-MoE with `make test-engines-sglang` (run_matrix_sglang.py --only float; docs/BENCHMARKS.md).
+    NVFP4: CompressedTensorsW4A16Nvfp4MoE for the experts (CompressedTensorsW4A16Fp4 for NVFP4 dense linears),
+    whose loader took every tensor of the NVFP4A16 and NVFP4 outputs on the CPU path; a W4A4 (NVFP4) checkpoint
+    gets it too below SM100, weight-only (the W4A4 MoE method checks for a Blackwell itself). MXFP4: its gpt-oss
+    method Mxfp4MoEMethod, whose parameters only the Kimi-K3 loader renames weight_packed for: other models'
+    loaders skip every expert's codes without a word. Mixed outputs (FP8-block attention beside the FP4 group):
+    its target matcher (compressed_tensors/utils.py, `find_matched_target`) tries the module's class against the
+    `Linear` target before the fused q/k/v names, so a fused qkv_proj takes the FP4 group."""
+    layer, scheme = output.layer, output.layer.float_scheme
+    family = output.model_type or "this model"
+    if scheme.name == "mxfp4":
+        return Serving(None, f"{NAME} gives compressed-tensors MXFP4 experts its gpt-oss method Mxfp4MoEMethod, whose "
+                             f"parameters are w13_weight / w2_weight: only its Kimi-K3 loader renames weight_packed "
+                             f"to weight, so {family}'s loader skips every expert's weight_packed (their codes stay "
+                             f"unloaded); and it has no compressed-tensors MXFP4 linear scheme, so start-up stops "
+                             f"(\"No compressed-tensors compatible scheme was found\") at an MXFP4 dense linear, or "
+                             f"at a fused qkv_proj its matcher gives the MXFP4 group's `Linear` target; serve it with vLLM")
+    if (output.source_config or {}).get("format") == MIXED_PRECISION:
+        return Serving(None, f"not shown with {NAME}: its compressed-tensors matcher tries the module class before "
+                             f"the fused q/k/v names, so a fused qkv_proj takes the {scheme.name} group's `Linear` "
+                             f"target instead of its FP8-block group (as measured on the MXFP4 + FP8-block output); "
+                             f"serve it with vLLM")
+    w4a4 = ("; below SM100 (H100, H200) weight-only, the activation quantization ignored: its W4A4 method "
+            "CompressedTensorsW4A4Nvfp4MoE needs a Blackwell") if scheme.input_scale else ""
+    served = Serving(f"{NAME} (compressed-tensors CompressedTensorsW4A16Nvfp4MoE for the experts{w4a4}; its loader "
+                     f"took every tensor on the CPU path; no GPU run yet)", launch(layer))
+    if output.model_type not in FLOAT_SHOWN_FAMILIES:
+        return served._replace(engine=f"{served.engine}, not shown for {output.model_type}")
+    return served
 
 
 def answer(output: Output) -> Serving:
@@ -77,7 +113,7 @@ def answer(output: Output) -> Serving:
                                                               "docs/SERVING.md; it registers the plugin), then " + launch(layer))
     elif backend == "compressed-tensors":
         if layer.float_scheme is not None:
-            return Serving(None, f"not shown with {NAME} for float codes ({layer.float_scheme.name}) yet")
+            return float_codes(output)
         if int8:
             served = Serving(NAME, launch(layer, " --quantization w8a8_int8"))
         elif not layer.symmetric:

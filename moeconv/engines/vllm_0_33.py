@@ -24,7 +24,11 @@ TARGETS = {
             "engine": "none yet: stock vLLM 0.33 repacks at load and has no loader for these (plugin planned)"},
     # The compressed-tensors release vLLM 0.33 pins, whose QuantizationConfig reads the backend's config.
     "compressed-tensors": {"engine": "vllm==0.33.0", "compressed-tensors": "0.17.0 (QuantizationConfig)"},
+    # --cast outputs (backends/casts.py): its unquantized layers, or its own fp8 config (Fp8Config.from_config)
+    "bf16": {"engine": "vllm==0.33.0 (unquantized; quant_method fp8 where FP8 block layers stay)"},
+    "fp8-block": {"engine": "vllm==0.33.0 (quant_method fp8, weight_block_size [128, 128])"},
 }
+CAST_BLOCK = 128  # vLLM's block-FP8 MoE: validate_fp8_block_shape_moe wants the intermediate size per rank a multiple
 
 # vLLM creates the per-linear schemas' scale parameters in the model dtype and casts the stored scales into
 # them at load (measured with its own loader: tests/engines/scale_dtype.py).
@@ -93,6 +97,14 @@ def answer(output: Output) -> Serving:
             return Serving(None, f"{NAME}'s loader refuses the expert zero_point of an asymmetric Humming checkpoint "
                                  "(Humming's own loader reads it); for vLLM use --backend compressed-tensors")
         served = Serving(f"{NAME} (quant_method humming)", serve(layer))
+    elif output.backend in ("bf16", "fp8-block"):
+        if output.backend == "fp8-block" and layer.intermediate_per_rank % CAST_BLOCK:
+            return Serving(None, f"{NAME}'s block-FP8 MoE method wants the expert intermediate size per rank a multiple "
+                                 f"of {CAST_BLOCK} (validate_fp8_block_shape_moe), not {layer.intermediate_per_rank}; "
+                                 f"--cast bf16 is served")
+        served = Serving(f"stock {NAME} (its loader took every tensor of MXFP4 sources' casts, 128-wide, on the CPU path "
+                         f"with its {'fp8 block' if output.backend == 'fp8-block' else 'unquantized'} MoE method; no GPU "
+                         f"run yet)", serve(layer))
     elif output.backend == "cpu":
         return Serving(None, f"no engine loads this layout from disk yet ({NAME}'s CPU experts build it at load "
                              "time from the source); for vLLM use --backend compressed-tensors")

@@ -15,6 +15,7 @@ from moeconv.formats.awq import AWQ
 from moeconv.formats.base import SourceFormat
 from moeconv.formats.compressed_tensors import CompressedTensors
 from moeconv.formats.compressed_tensors_float import MXFP4_FORMAT, NVFP4_FORMAT, CompressedTensorsFloat
+from moeconv.formats.deepseek_v4_fp4 import DeepSeekV4Fp4
 from moeconv.formats.gpt_oss_mxfp4 import GptOssMxfp4
 from moeconv.formats.gptq import GPTQ
 from moeconv.formats.modelopt import ModelOpt
@@ -27,7 +28,8 @@ REGISTRY: dict[str, type] = {"awq": AWQ, "gptq": GPTQ, "compressed-tensors": Com
                              "auto-round": AutoRound, "intel/auto-round": AutoRound, "modelopt": ModelOpt,
                              f"compressed-tensors:{NVFP4_FORMAT}": CompressedTensorsFloat,
                              f"compressed-tensors:{MXFP4_FORMAT}": CompressedTensorsFloat,
-                             "modelopt:NVFP4": ModelOptNvfp4, "mxfp4": GptOssMxfp4}
+                             "modelopt:NVFP4": ModelOptNvfp4, "mxfp4": GptOssMxfp4,
+                             "fp8": DeepSeekV4Fp4}  # FP4 experts under DeepSeek-V4's FP8 config only
 
 
 def format_from_config(config: Mapping[str, Any], where: str) -> SourceFormat:
@@ -51,5 +53,5 @@ def _schemes_named(config: Mapping[str, Any]) -> list[str]:
     return [name for name in named if isinstance(name, str)]
 
 
-__all__ = ["AWQ", "AutoRound", "CompressedTensors", "CompressedTensorsFloat", "GPTQ", "GptOssMxfp4", "ModelOpt", "ModelOptNvfp4",
+__all__ = ["AWQ", "AutoRound", "CompressedTensors", "CompressedTensorsFloat", "DeepSeekV4Fp4", "GPTQ", "GptOssMxfp4", "ModelOpt", "ModelOptNvfp4",
            "REGISTRY", "SourceFormat", "format_from_config"]

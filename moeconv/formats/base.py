@@ -123,6 +123,11 @@ class SourceFormat(Protocol):
     # (integer codes: the canonical form).
     float_scheme: FloatScheme | None
 
+    # Why no backend's output of this format's checkpoints is written yet though its experts are read (what blocks
+    # it, and what serves the source as it is): `convert` and `auto` refuse with it, `inspect` gives it as every
+    # backend's reason. Default: None (the backends decide).
+    unconverted: str | None
+
     def to_packed(self, stored: Mapping[str, np.ndarray]) -> PackedWeight | None:
         """One linear's stored arrays (keyed by suffix) in the packed form, moving bits only; None for a linear
         the canonical route must take (an act-order g_idx). Only where `packs`; byte-identical to `decode`
@@ -156,6 +161,7 @@ class FormatDefaults:
     group_index_suffix: str | None = None
     packs: bool = False
     float_scheme: FloatScheme | None = None
+    unconverted: str | None = None
 
     def to_packed(self, stored: Mapping[str, np.ndarray]) -> PackedWeight | None:
         raise NotImplementedError(f"{type(self).__name__} has no packed form")

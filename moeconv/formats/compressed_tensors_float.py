@@ -203,10 +203,8 @@ def float_arrays(weight: FloatWeight) -> dict[str, np.ndarray]:
     """The canonical float form -> compressed-tensors' arrays (weight_packed, weight_scale, the global scales
     as (1,), divided by: FloatWeight.in_convention, exact or ValueError); the compressed-tensors backend
     writes the same."""
-    from moeconv.float_codes import pack_codes
-
     weight = weight.in_convention(DIVIDE)
-    arrays = {"weight_packed": pack_codes(weight.codes), "weight_scale": weight.scales}
+    arrays = {"weight_packed": weight.packed, "weight_scale": weight.scales}
     if weight.global_scale is not None:
         arrays[GLOBAL] = weight.global_scale.reshape(1)
     if weight.input_scale is not None:

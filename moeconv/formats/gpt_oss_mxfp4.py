@@ -24,25 +24,23 @@ from typing import Any, Mapping
 import numpy as np
 
 from moeconv.errors import MoeconvError
-from moeconv.float_codes import MXFP4, FloatScheme, FloatWeight, pack_codes
-from moeconv.formats.base import Detection, FormatDefaults, Linear, Read, SourceFormat
-from moeconv.formats.float_linear import float_weight
+from moeconv.float_codes import MXFP4, FloatScheme
+from moeconv.formats.float_linear import Mxfp4Pair
 from moeconv.spec import TensorSpec
 
 METHOD = "mxfp4"
 BLOCKS, SCALES, BIAS = "blocks", "scales", "bias"
 BLOCK = 32
-BYTES_PER_BLOCK = BLOCK // 2
 TRANSFORMERS_VERSION = "5.24.0"  # whose reader docs/FLOAT_SOURCES.md section 5 and the fixture's truth come from
 
 
 @dataclass(frozen=True)
-class GptOssMxfp4(FormatDefaults):
+class GptOssMxfp4(Mxfp4Pair):
+    codes = (BLOCKS, "U8")
+    scale = (SCALES, "U8")
+    evidence = "gpt-oss MXFP4"
     modules_to_not_convert: tuple[str, ...] | None = None  # as config.json says; gpt-oss names its unquantized modules
     method: str = METHOD
-    bits = 4
-    group_size = BLOCK
-    activation_bits = 16
     float_scheme: FloatScheme = MXFP4
     vector_suffixes = (BIAS,)
 
@@ -60,58 +58,16 @@ class GptOssMxfp4(FormatDefaults):
                                f"not {modules!r}")
         return cls(modules_to_not_convert=None if modules is None else tuple(modules))
 
-    @property
-    def symmetric(self) -> bool:
-        return True
-
-    def suffixes(self) -> tuple[str, ...]:
-        return (BLOCKS, SCALES)
-
     def optional_suffixes(self) -> tuple[str, ...]:
         return (BIAS,)
 
-    @classmethod
-    def claims(cls, linears: list[Linear]) -> bool:
-        """blocks bytes (N, K/2), two E2M1 codes each, beside U8 scales: gpt-oss's stacked `_blocks`/`_scales`."""
-        return bool(linears) and all(
-            {BLOCKS, SCALES} <= set(tensors) and tensors[BLOCKS].dtype == "U8" and tensors[SCALES].dtype == "U8"
-            and tuple(tensors[BLOCKS].shape) == (n, k // 2) for tensors, n, k in linears)
-
-    @classmethod
-    def from_data(cls, linears: list[Linear], configured: SourceFormat, read: Read,
-                  detection: Detection) -> GptOssMxfp4 | None:
-        blocks = {k // tensors[SCALES].shape[1] if len(tensors[SCALES].shape) == 2 and tensors[SCALES].shape[1]
-                  else None for tensors, _, k in linears}
-        if blocks != {BLOCK}:
-            detection.evidence.append(f"scales give blocks of {sorted(map(str, blocks))} inputs, not {BLOCK}")
-            return None
-        first = linears[0][0]
-        detection.evidence.append(f"{first[BLOCKS].name} U8 {list(first[BLOCKS].shape)} (16 bytes a block of 32 E2M1 "
-                                  f"codes) and scales U8 one per {BLOCK}: gpt-oss MXFP4")
-        return configured if isinstance(configured, GptOssMxfp4) else cls()
-
-    def linear_shape(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int]:
-        out_features, width = shapes[BLOCKS]
-        return out_features, width * 2
-
     def expected(self, out_features: int, in_features: int) -> dict[str, TensorSpec]:
-        return {BLOCKS: TensorSpec(BLOCKS, (out_features, in_features // 2), "U8"),
-                SCALES: TensorSpec(SCALES, (out_features, in_features // BLOCK), "U8"),
-                BIAS: TensorSpec(BIAS, (out_features,), None)}
-
-    def decode(self, stored: Mapping[str, np.ndarray]) -> FloatWeight:
-        """One linear's codes and scale bytes (the bias is `bias`'s)."""
-        return float_weight(self.float_scheme, stored[BLOCKS], stored[SCALES], {}, scale_suffix=SCALES)
+        return {**super().expected(out_features, in_features), BIAS: TensorSpec(BIAS, (out_features,), None)}
 
     @staticmethod
     def bias(stored: Mapping[str, np.ndarray]) -> np.ndarray | None:
         """The linear's stored bias, as stored (bf16 as its uint16 bit patterns), or None."""
         return stored.get(BIAS)
-
-    def encode(self, weight: FloatWeight) -> dict[str, np.ndarray]:
-        if weight.scheme.name != MXFP4.name:
-            raise ValueError(f"gpt-oss stores MXFP4, not {weight.scheme.describe()}")
-        return {BLOCKS: pack_codes(weight.codes), SCALES: weight.scales}
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.method, "producer": "gpt-oss (transformers GptOssForCausalLM)", "bits": 4,

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from moeconv.errors import MoeconvError
-from moeconv.float_codes import MULTIPLY, FloatScheme, FloatWeight, nvfp4, pack_codes
+from moeconv.float_codes import MULTIPLY, FloatScheme, FloatWeight, nvfp4
 from moeconv.formats.base import Detection, FormatDefaults, Linear, Read, SourceFormat, config_int
 from moeconv.formats.float_linear import float_weight
 from moeconv.spec import TensorSpec
@@ -99,7 +99,7 @@ class ModelOptNvfp4(FormatDefaults):
     def encode(self, weight: FloatWeight) -> dict[str, np.ndarray]:
         """The canonical float form -> ModelOpt's arrays, the global scales multiplied by (exactly, or refused)."""
         weight = weight.in_convention(MULTIPLY)
-        return {"weight": pack_codes(weight.codes), "weight_scale": weight.scales, GLOBAL: weight.global_scale,
+        return {"weight": weight.packed, "weight_scale": weight.scales, GLOBAL: weight.global_scale,
                 INPUT: weight.input_scale}
 
     def describe(self) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from moeconv.audit import Audits
 from moeconv.checkpoint.reader import TensorReader, collection_paused
 from moeconv.errors import MoeconvError
 from moeconv.storage import local_or_stored
-from moeconv.verification import lossless, numerics, prepare, structure
+from moeconv.verification import decoding, lossless, numerics, prepare, structure
 from moeconv.verification.report import LEVELS, PHASE_UNITS, PROOFS, LayerResult, VerifyReport, finished
 from moeconv.verification.scheduler import Scheduler
 
@@ -88,6 +88,10 @@ def verify(output: Path, source: str | Path | None = None, sample: int | None = 
                                   workers, ray_address, opened.anchor, cast, audits)
             if report.structure_problems:
                 return report
+            if plan.cast is not None:  # the census the cast was decided by, recomputed from the source
+                report.cast_census = opened.manifest.data.get("cast") or {}
+                report.cast_problems = decoding.cast_problems(plan, opened.manifest.data.get("cast"), executor, workers,
+                                                              ray_address)
             report.proven["structure"] = PROOFS["structure"]
             report.nonfinite_scales = audits.report("nonfinite_scales")
             # The kernel check last, in its own phase: on a CPU the Triton interpreter takes seconds a layer.

@@ -93,6 +93,23 @@ def _compared(job: ConvertJob, converted: dict[str, QuantizedWeight], source: di
             if (problem := converted[key].mismatch(weight))]
 
 
+def cast_problems(plan: Plan, recorded: Any, executor: str, workers: int | None,
+                  ray_address: str | None) -> list[str]:
+    """A cast output's census recomputed from the source (transform.cast_census, every converted linear) against
+    the one moeconv.json records (its `cast`): the counts, each inexact linear and the bound must be the same
+    exactly; and an inexact cast must have been allowed."""
+    with checkers(executor, workers, ray_address) as running:
+        tally = transform.cast_census(running, [job for job in plan.jobs if not job.copies], plan.codec, plan.cast)
+    found = tally.record(plan.allow_inexact)
+    if not isinstance(recorded, dict):
+        return ["moeconv.json: records no census of its --cast (`cast`)"]
+    problems = [f"moeconv.json: cast.{key} records {recorded.get(key)!r}, the source's census gives {value!r}"
+                for key, value in found.items() if recorded.get(key) != value]
+    if not tally.is_exact and not plan.allow_inexact:
+        problems.append(f"an inexact cast not allowed at conversion: {tally.summary()}")
+    return problems
+
+
 def source_weights(plan: Plan, job: ExpertJob, reader: TensorReader) -> dict[str, QuantizedWeight]:
     """One expert of the source in the canonical form, through the source format's decoder."""
     return transform.source_weights(job, plan.codec, reader)[0]

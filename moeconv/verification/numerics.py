@@ -59,9 +59,11 @@ def run(report: VerifyReport, plan: Plan, checks: Checks, tensors: dict[str, Ten
     if kernel is None:
         scheme = plan.source_format.float_scheme
         if plan.layers and asked in (None, "numerics"):
-            report.numerics_not_run = (f"no reference kernel reads {scheme.name if scheme else 'the'} codes in the "
-                                       f"{plan.backend.name} layout (the lossless level compared every code and "
-                                       f"scale byte)")
+            report.numerics_not_run = (
+                f"no reference kernel runs on a --cast {plan.cast} output (the lossless level compared every value)"
+                if plan.cast else
+                f"no reference kernel reads {scheme.name if scheme else 'the'} codes in the {plan.backend.name} "
+                f"layout (the lossless level compared every code and scale byte)")
         return
     indices, sampled = kernel_layers(len(report.layers), asked, numerics_layers,
                                      lambda: kernel.device().startswith("cpu"))

@@ -77,7 +77,12 @@ def plan_of(opened: Opened) -> Plan:
                      max_shard_size=shard_size if isinstance(shard_size, int) and not isinstance(shard_size, bool)
                      and shard_size > 0 else DEFAULT_MAX_SHARD_SIZE,
                      regroup=isinstance(regroup_factor, int) and regroup_factor > 1,
-                     zero_format=arguments.get("zero_format"))
+                     zero_format=arguments.get("zero_format"), cast=_text(arguments.get("cast")),
+                     allow_inexact=arguments.get("allow_inexact") is True)
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def report_of(opened: Opened, plan: Plan, level: str, phase_seconds: dict[str, float]) -> VerifyReport:

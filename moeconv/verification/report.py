@@ -71,16 +71,19 @@ class VerifyReport:
     kernel_experts: int | None = None  # how many of each sampled layer's checked experts the kernel ran on, if fewer
     numerics_not_run: str | None = None  # why the numerics level ran no kernel where it was asked for
     phase_seconds: dict[str, float] = field(default_factory=dict)  # wall time of each phase (PHASE_UNITS)
+    # --cast outputs: the census moeconv.json records (recomputed from the source: `cast_problems` where it differs)
+    cast_census: dict[str, Any] = field(default_factory=dict)
+    cast_problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return (not self.structure_problems and not self.source_problems and not self.provenance_problems
-                and not self.passthrough_problems and not self.dense_linear_problems
+                and not self.passthrough_problems and not self.dense_linear_problems and not self.cast_problems
                 and all(l.ok for l in self.layers) and not self.engine_scale_cast.get("overflow"))
 
     def failures(self) -> list[str]:
         found = (self.structure_problems + self.source_problems + self.provenance_problems + self.passthrough_problems
-                 + self.dense_linear_problems)
+                 + self.dense_linear_problems + self.cast_problems)
         cast = self.engine_scale_cast
         if cast.get("overflow"):
             found.append(f"{cast['overflow']} scales overflow to inf when the engine casts them from "
@@ -104,6 +107,11 @@ class VerifyReport:
             total = sum(layer.experts for layer in self.layers)
             found.append(f"only {checked} of the {total} experts decoded, a random sample (--sample); the others "
                          f"were not compared with the source")
+        census = self.cast_census
+        if census and census.get("exact") != census.get("blocks"):
+            found.append(f"an inexact cast ({census.get('label')}): {census.get('blocks', 0) - census.get('exact', 0)} of "
+                         f"{census.get('blocks')} blocks hold the cast's rounding, not the source's values (worst "
+                         f"relative error {census.get('bound')}, recorded and recomputed)")
         if self.numerics_not_run:
             found.append(f"numerics not run: {self.numerics_not_run}")
         if self.engine_scale_cast.get("changed"):

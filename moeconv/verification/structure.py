@@ -170,13 +170,15 @@ def _check_json_files(plan: Plan, output: Path, manifest: Manifest) -> list[str]
     except MoeconvError as error:
         problems.append(str(error))
     else:
-        quantization = plan.quantization_config
+        quantization = plan.quantization_config or None  # none written for a plain checkpoint
         if config.get("quantization_config") != quantization:
             problems.append("config.json: quantization_config does not describe this conversion")
         expected = manifests.output_config(plan)
-        problems += _field_problems("config.json", {**config, "quantization_config": quantization}, expected,
+        problems += _field_problems("config.json", {**config, **({"quantization_config": quantization} if quantization
+                                                                  else {})}, expected,
                                     "what the source's config.json gives")
-    for name, want in ((QUANTIZE_CONFIG_NAME, plan.quantization_config), (INDEX_NAME, manifests.output_index(plan))):
+    written = ((QUANTIZE_CONFIG_NAME, plan.quantization_config),) if plan.quantization_config else ()
+    for name, want in (*written, (INDEX_NAME, manifests.output_index(plan))):
         try:
             have = read_json(output / name)
         except MoeconvError as error:

@@ -44,13 +44,16 @@ SOURCES = {
 # write) are found by loading the sources themselves (every source of one architecture has the same
 # non-expert tensors) and are not counted against a conversion.
 NOT_IN_CHECKPOINTS = (".attn.k_scale", ".attn.v_scale", ".attn.q_scale", ".attn.k_zero_point",
-                      ".attn.v_zero_point", ".attn.q_zero_point")
+                      ".attn.v_zero_point", ".attn.q_zero_point",
+                      ".attn.prob_scale")  # the fp8 config's Fp8KVCacheMethod (quantization/kv_cache.py) adds it
 
 
 def expected_to_load(backend: str, source_format) -> bool:
     """compressed-tensors always; humming from symmetric sources (vLLM's loader rejects the standard
     schema's expert zero points); triton through moeconv's plugin when vLLM loads the source's dense
     linears (its GPTQ is symmetric only)."""
+    if backend.startswith("--cast "):  # _casts: a cast output is the engines' own FP8 block or BF16 checkpoint
+        return True
     if backend == "compressed-tensors":
         return source_format is not None  # None: a case shown without an expectation (_float)
     if backend == "triton":
@@ -234,9 +237,86 @@ def _float(base: Path, cases: list, refusals: dict) -> None:
                      None if fixture.name in FLOAT_SOURCES_REFUSED_ON_CPU else fmt, list(REGISTRY))
 
 
+def _mxfp4_source(folder: Path, fixture: str) -> Path:
+    """A Qwen3-MoE compressed-tensors MXFP4 source shaped as the engines' block-FP8 kernels need (every N and K
+    a multiple of 128: hidden 256, two heads of 128, one KV head, expert intermediate 128), with `fixture`'s
+    config (its quantization_config as llm-compressor wrote it: MXFP4A16 everywhere, or FP8 block attention beside
+    MXFP4 experts). Codes at random, scale bytes 122 .. 127: every value is exact in BF16 and in 128x128 E4M3
+    blocks (8 binades). The fixtures themselves are too narrow (64 rows) for a 128 block."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    config = json.loads((FLOAT / fixture / "config.json").read_text())
+    config.update(hidden_size=256, head_dim=128, num_attention_heads=2, num_key_value_heads=1,
+                  moe_intermediate_size=128, intermediate_size=128, num_local_experts=4, num_hidden_layers=2)
+    fp8_attention = "mixed-precision" == config["quantization_config"]["format"]
+    tensors = {"model.embed_tokens.weight": rng.standard_normal((128, 256)).astype(np.float32),
+               "lm_head.weight": rng.standard_normal((128, 256)).astype(np.float32),
+               "model.norm.weight": np.ones(256, np.float32)}
+
+    def mxfp4(prefix: str, n: int, k: int) -> None:
+        tensors[f"{prefix}.weight_packed"] = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+        tensors[f"{prefix}.weight_scale"] = rng.integers(122, 128, (n, k // 32), dtype=np.uint8)
+
+    for layer in range(2):
+        at = f"model.layers.{layer}"
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{at}.{name}.weight"] = np.ones(256, np.float32)
+        for name in ("q_norm", "k_norm"):
+            tensors[f"{at}.self_attn.{name}.weight"] = np.ones(128, np.float32)
+        tensors[f"{at}.mlp.gate.weight"] = rng.standard_normal((4, 256)).astype(np.float32)
+        for name, n, k in (("q_proj", 256, 256), ("k_proj", 128, 256), ("v_proj", 128, 256), ("o_proj", 256, 256)):
+            if fp8_attention:  # compressed-tensors' FP8_BLOCK: E4M3 weight, weight_scale per 128x128 block
+                tensors[f"{at}.self_attn.{name}.weight"] = rng.integers(0, 0x7F, (n, k), dtype=np.uint8)
+                tensors[f"{at}.self_attn.{name}.weight_scale"] = np.full((n // 128, k // 128), 2.0**-6, np.float32)
+            else:
+                mxfp4(f"{at}.self_attn.{name}", n, k)
+        for expert in range(4):
+            for name, n, k in (("gate_proj", 128, 256), ("up_proj", 128, 256), ("down_proj", 256, 128)):
+                mxfp4(f"{at}.mlp.experts.{expert}.{name}", n, k)
+    folder.mkdir(parents=True)
+    fp8 = {name for name in tensors if fp8_attention and ".self_attn." in name and name.endswith("proj.weight")}
+    stored = {name: ("F8_E4M3", array) if name in fp8 else ("U8", array) if array.dtype == np.uint8
+              else ("F32", array) if name.endswith("weight_scale")
+              else ("BF16", (array.view(np.uint32) >> 16).astype(np.uint16)) for name, array in tensors.items()}
+    _write_safetensors(folder / "model.safetensors", stored)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _write_safetensors(path: Path, tensors: dict) -> None:
+    """name -> (safetensors dtype, little-endian array): 8 bytes of header length, the JSON header, the data."""
+    header, offset, data = {"__metadata__": {"format": "pt"}}, 0, []
+    for name, (dtype, array) in tensors.items():
+        raw = array.astype(array.dtype.newbyteorder("<")).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+        data.append(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(data))
+
+
+def _casts(base: Path, cases: list, refusals: dict) -> None:
+    """`convert --cast` (bf16, fp8-block) of MXFP4 sources shaped for the block-FP8 kernels: all-MXFP4, and FP8
+    block attention beside MXFP4 experts. Both casts are expected to load (vLLM's fp8 config, or none)."""
+    from moeconv.backends import CASTS
+
+    for fixture in ("ct-mxfp4a16", "ct-mxfp4-fp8block"):
+        source = _mxfp4_source(base / "casts" / fixture / "src", fixture)
+        cases.append(("qwen3_moe (MXFP4, 128-wide)", fixture, "(source)", source, None))
+        for cast in CASTS:
+            out = base / "casts" / fixture / cast
+            try:
+                moeconv.convert(source, out, cast=cast)
+            except MoeconvError as refusal:
+                refusals[("qwen3_moe (MXFP4, 128-wide)", fixture, f"--cast {cast}")] = str(refusal)
+                continue
+            cases.append(("qwen3_moe (MXFP4, 128-wide)", fixture, f"--cast {cast}", out, CASTS))
+
+
 EXTRA_GROUPS = {"mixtral-t5": _mixtral_t5, "float": _float, "modelopt": _modelopt, "fp8-beside": _fp8_beside,
                 "autoround": _autoround, "quantized-router": _quantized_router,
-                "routed-experts-only": _routed_experts_only}
+                "routed-experts-only": _routed_experts_only, "casts": _casts}
 
 
 def _report(cases, results, refusals) -> list[str]:

@@ -18,7 +18,9 @@ SGLang 0.5.23 does not transpose the expert zero points of any standard compress
 
     .venv/bin/python tests/engines/run_matrix_sglang.py [--keep DIR] [--only FAMILY ...]
 
-`--only` runs only the named families of FAMILIES, e.g. `--only "deepseek_v3 (routed experts only)"`.
+`--only` runs only the named families of FAMILIES, e.g. `--only "deepseek_v3 (routed experts only)"`, or `float`:
+the float-coded fixtures (tests/data/float, written by llm-compressor and ModelOpt) and their outputs, held to what
+moeconv/engines/sglang_0_5_23.py says of them (`_float_checks`). Without `--only`, every family and `float`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from moeconv.errors import MoeconvError  # noqa: E402
 from moeconv.formats import AWQ, GPTQ, CompressedTensors  # noqa: E402
 from moeconv.formats.gptq import V2  # noqa: E402
 from moeconv.synth import ROUTED_EXPERTS, SynthSpec, make_checkpoint  # noqa: E402
-from run_matrix import ROOT, command_line, not_consumed  # noqa: E402
+from run_matrix import FLOAT, ROOT, command_line, not_consumed  # noqa: E402
 
 ENGINE_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 # label -> the synthetic sources' shapes. DeepSeek-V3 twice: as synth makes every family (attention and
@@ -78,12 +80,14 @@ def user_methods(fmt) -> tuple[str, ...]:
 
 
 def main() -> None:
-    args = command_line(__doc__, ENGINE_PYTHON, "make engines-sglang", groups=tuple(FAMILIES),
+    args = command_line(__doc__, ENGINE_PYTHON, "make engines-sglang", groups=(*FAMILIES, FLOAT_GROUP),
                         only_help="run only these families")
     with tempfile.TemporaryDirectory(prefix="moeconv-sglang-") as scratch:
         base = args.keep or Path(scratch)
         cases, refusals = [], {}
-        for family in args.only or FAMILIES:
+        if not args.only or FLOAT_GROUP in args.only:
+            _float(base / "float", cases, refusals)
+        for family in [family for family in args.only or FAMILIES if family in FAMILIES]:
             folder = family.replace(" ", "_").replace("(", "").replace(")", "")
             for source_name, fmt in SOURCES.items():
                 source = make_checkpoint(base / folder / source_name / "src",
@@ -110,10 +114,95 @@ def main() -> None:
         if len(results) != len(cases):
             sys.exit(f"sglang_load.py answered {len(results)} of {len(cases)} checkpoints:\n{done.stderr[-3000:]}")
         failures = _report(cases, results, refusals)
+        failures += _float_checks(cases, results)
         failures += _plugin(cases, results)
         failures += _against_stock(cases, results)
         failures += _refused_outputs(base / "refused")
     sys.exit(1 if failures else 0)
+
+
+FLOAT_GROUP = "float"
+FLOAT_FAMILY = "float codes (tests/data/float)"
+PROBE = "(experts only)"  # sglang_float_probe.py's copy of an MXFP4 checkpoint: its attention decompressed
+# What moeconv writes of the llm-compressor fixtures, each held to its line in moeconv/engines/sglang_0_5_23.py
+CT_OUTPUTS = (*((name, "compressed-tensors") for name in ("ct-mxfp4-fp8block", "ct-mxfp4a16", "ct-nvfp4", "ct-nvfp4a16")),
+              *((f"ct-mxfp4a16 {PROBE}", backend) for backend in ("(source)", "compressed-tensors")))
+
+
+def _float(base: Path, cases: list, refusals: dict) -> None:
+    """The float-coded fixtures, stock, and every output moeconv writes of them; for each MXFP4 one whose attention is
+    MXFP4 too (SGLang stops at it before any MoE layer), also its experts-only probe (sglang_float_probe.py)."""
+    from moeconv.formats import format_from_config
+
+    for fixture in sorted(path for path in FLOAT.iterdir() if (path / "config.json").exists()):
+        config = json.loads((fixture / "config.json").read_text()).get("quantization_config", {})
+        try:
+            fmt = format_from_config(config, str(fixture / "config.json"))
+        except MoeconvError:
+            fmt = None  # moeconv refuses the config itself (gpt-oss's CPU save: bf16 under quant_method mxfp4)
+        cases.append((FLOAT_FAMILY, fixture.name, "(source)", fixture, fmt, None))
+        probes = [("(source)", fixture)] if config.get("format") == "mxfp4-pack-quantized" else []
+        shutil.rmtree(base / fixture.name, ignore_errors=True)  # a --keep folder's earlier run
+        for backend in REGISTRY:
+            out = base / fixture.name / backend
+            out.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                moeconv.convert(fixture, out, backend=backend)
+            except MoeconvError as refusal:
+                refusals[(FLOAT_FAMILY, fixture.name, backend)] = str(refusal)
+                continue
+            cases.append((FLOAT_FAMILY, fixture.name, backend, out, fmt, None))
+            if backend == "compressed-tensors" and probes:
+                probes.append((backend, out))
+        for backend, path in probes:
+            copy = base / fixture.name / f"{backend.strip('()')}-experts-only"
+            subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "sglang_float_probe.py"), str(path),
+                            str(copy)], check=True, capture_output=True, text=True, timeout=600)
+            cases.append((FLOAT_FAMILY, f"{fixture.name} {PROBE}", backend, copy, fmt, None))
+
+
+def _float_checks(cases, results) -> list[str]:
+    """What moeconv/engines/sglang_0_5_23.py says of each float output, held to what SGLang did: an output it
+    serves loads with every tensor taken and SGLang's NVFP4 MoE method; one it does not serve is refused (MXFP4:
+    no MXFP4 linear scheme), and its experts-only probe, like the stock source's, loads with SGLang's Mxfp4MoEMethod
+    leaving exactly the experts' weight_packed untaken. A change in SGLang's answer fails here, to update the line."""
+    from moeconv.plan import make_plan
+
+    by_case = {(case[1], case[2]): result for case, result in zip(cases, results) if case[0] == FLOAT_FAMILY}
+    failures = [f"{FLOAT_FAMILY} {name} -> {backend}: not loaded at all (moeconv refused to write it?)"
+                for name, backend in CT_OUTPUTS if (name, backend) not in by_case]
+    for (source_name, backend), result in by_case.items():
+        methods = result.get("methods", {})
+        moe = sorted(name for name in methods if name.startswith("FusedMoE: "))
+        label = f"{FLOAT_FAMILY} {source_name} -> {backend}"
+        if source_name.endswith(PROBE):
+            expected = sorted(f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight_packed"
+                              for layer in range(2) for expert in range(4)
+                              for projection in ("gate_proj", "up_proj", "down_proj"))
+            if not (result["loaded"] and moe == ["FusedMoE: Mxfp4MoEMethod"] and result["not_consumed"] == expected):
+                failures.append(f"{label}: SGLang no longer skips exactly the experts' weight_packed under "
+                                f"Mxfp4MoEMethod ({moe}, not consumed {result.get('not_consumed', [])[:2]}, "
+                                f"{result.get('error', '')[:120]}): update moeconv/engines/sglang_0_5_23.py")
+            continue
+        if backend != "compressed-tensors":
+            continue
+        source = FLOAT / source_name
+        serving = make_plan(source, backend="compressed-tensors").sglang_serving
+        loads = result["loaded"] and not not_consumed(result) and not result["unloaded_parameters"]
+        if serving.engine is not None and not (
+                loads and moe == ["FusedMoE: CompressedTensorsFusedMoEMethod (CompressedTensorsW4A16Nvfp4MoE)"]):
+            failures.append(f"{label}: moeconv says {serving.engine!r}, SGLang: loaded {result['loaded']}, MoE "
+                            f"{moe}, not consumed {result.get('not_consumed', [])[:2]}, {result.get('error', '')[:120]}")
+        if serving.engine is None and (result["loaded"] or "No compressed-tensors compatible scheme was found"
+                                       not in result.get("error", "")):
+            failures.append(f"{label}: moeconv says not served ({serving.how[:80]}...), SGLang: loaded "
+                            f"{result['loaded']}, {result.get('error', '')[:120]}")
+    print(f"\n{len(by_case)} float-coded checkpoints checked against moeconv/engines/sglang_0_5_23.py's answers; "
+          f"MoE methods: " + "; ".join(f"{name} {backend}: {sorted(m for m in result.get('methods', {}) if 'FusedMoE' in m)}"
+                                       for (name, backend), result in by_case.items() if result["loaded"]))
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return failures
 
 
 def _fp8_block_attention(source: Path) -> Path:
@@ -364,7 +453,7 @@ def _report(cases, results, refusals) -> list[str]:
         print(f"| {family} | {source_name} | {backend} | {verdict} | {detail} |")
         verdicts[(family, source_name, backend)] = (verdict, detail, fmt)
     for (family, source_name, backend), (verdict, detail, fmt) in verdicts.items():
-        w8a8 = fmt.activation_bits == 8
+        w8a8 = fmt is not None and fmt.activation_bits == 8  # None: a float fixture moeconv refuses (_float_checks)
         # The bar: what SGLang does with the family's own compressed-tensors source of that kind (as
         # llm-compressor writes it). Where SGLang refuses even that (DeepSeek-V3 with quantized MLA
         # attention, docs/SGLANG.md), no output of the family is held to it.

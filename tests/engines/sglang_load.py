@@ -169,7 +169,22 @@ def build_and_load(checkpoint: Path, quantization: str | None = None, rank: int 
     return model, {"loaded": True, "tensors": len(checkpoint_names), "not_consumed": not_consumed,
                    "not_consumed_count": len(not_consumed), "unloaded_parameters": unloaded,
                    "unloaded_count": len(unloaded), "load_seconds": round(min(seconds), 4),
-                   "quant_method": type(quant_config).__name__ if quant_config is not None else None}
+                   "quant_method": type(quant_config).__name__ if quant_config is not None else None,
+                   "methods": methods_chosen(model)}
+
+
+def methods_chosen(model: torch.nn.Module) -> dict[str, int]:
+    """The method SGLang chose for each quantizable module, counted: "module class: method class" and, where the
+    method delegates to a per-layer scheme (compressed-tensors), "(scheme class)"."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or isinstance(method, (str, dict)):
+            continue
+        scheme = getattr(module, "scheme", None)
+        key = f"{type(module).__name__}: {type(method).__name__}" + (f" ({type(scheme).__name__})" if scheme else "")
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def _wrap_loaders(model, yielded: dict[int, str], held: dict[str, torch.Tensor], consumed: set[str]) -> None:

@@ -1,0 +1,113 @@
+"""The casts `convert --cast` writes (issue 41): a float-coded source's experts and float-coded dense linears
+as plain BF16 or as block-FP8, each linear under the checkpoint's own names (docs/FORMAT.md, "Cast outputs").
+What the values are is `moeconv.casts`' (one definition, decided per block before any write); this module is
+the layout and the config an engine reads:
+
+  bf16        weight            BF16 (N, K)
+  fp8-block   weight            F8_E4M3 (N, K)
+              weight_scale_inv  F32 (ceil(N/128), ceil(K/128)), a power of two per 128 x 128 block, multiplied
+
+The config is the one the engines' own FP8 block checkpoints carry (vLLM's `Fp8Config.from_config`:
+quant_method fp8, activation_scheme dynamic, weight_block_size [128, 128]) with the linears left in BF16 in
+`ignored_layers`; a BF16 cast of a source with nothing else quantized is a plain checkpoint with no
+quantization_config at all. FP8 block-scaled dense linears beside the float-coded experts (DeepSeek's,
+compressed-tensors' FP8_BLOCK group) are copied as they are, their scale renamed `weight_scale_inv`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from moeconv import casts
+from moeconv.backends.base import Numerics, with_fused_names
+from moeconv.backends.per_linear import PerLinearBackend, per_rank_refusal, projection_shapes
+from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight
+from moeconv.spec import TensorSpec
+
+if TYPE_CHECKING:
+    from moeconv.float_codes import FloatWeight
+
+FP8_BLOCK = casts.FP8_BLOCK_SHAPE[0]
+
+
+class CastBackend(PerLinearBackend):
+    """One cast target; `target` is a key of `casts.CASTS`."""
+
+    target: str
+    layout_version = 1
+    fp8_block_suffixes = {"weight": "weight", "weight_scale_inv": "weight_scale_inv", "weight_scale": "weight_scale_inv"}
+    # no reference kernel reads a cast's values: verify's lossless level compares every one of them exactly
+    numerics = Numerics("triton", float_kernel=None)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the cast linears stay quantized (listed in no `ignored_layers`)."""
+        return self.target != casts.BF16
+
+    def refusal(self, layer: MoELayerShape) -> str | None:
+        scheme = layer.float_scheme
+        if scheme is None:
+            return (f"--cast {self.target} takes float codes (MXFP4, NVFP4); these experts are "
+                    f"{layer.bits}-bit integer codes")
+        if self.target not in casts.TARGETS[scheme.name]:
+            return (f"no {self.target} cast of {scheme.name} codes is decided (from {scheme.name}: "
+                    f"{', '.join(target for target in casts.TARGETS[scheme.name] if target in casts.CASTS)})")
+        if layer.expert_biases:
+            return "its experts carry biases, which no cast writes yet"
+        return per_rank_refusal(layer, lambda what, size: None)
+
+    def linear_refusal(self, linear: LinearShape) -> str | None:
+        scheme = linear.float_scheme
+        if scheme is None or self.target not in casts.TARGETS[scheme.name]:
+            return f"--cast {self.target} takes float codes ({', '.join(sorted(casts.TARGETS))}) it decides"
+        return None
+
+    def linear_tensors(self, linear: LinearShape) -> list[TensorSpec]:
+        n, k = linear.out_features, linear.in_features
+        if self.target == casts.BF16:
+            return [TensorSpec("weight", (n, k), "BF16")]
+        return [TensorSpec("weight", (n, k), "F8_E4M3"),
+                TensorSpec("weight_scale_inv", (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), "F32")]
+
+    def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        raise NotImplementedError(f"--cast {self.target} writes float codes only (its refusal says so)")
+
+    def takes_packed(self, layer: MoELayerShape | LinearShape) -> bool:
+        return False
+
+    def from_float(self, expert: dict[str, FloatWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
+        return {f"{name}.{suffix}": array
+                for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer))
+                for suffix, array in self.from_float_linear(expert[projection], linear).items()}
+
+    def from_float_linear(self, weight: FloatWeight, linear: LinearShape) -> dict[str, np.ndarray]:
+        return casts.cast_arrays(weight, self.target)
+
+    def decode_linear(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> casts.CastWeight:
+        return casts.CastWeight.of(self.target, tensors)
+
+    def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
+        return self.checkpoint_quantization_config(layer, None, [])
+
+    def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,
+                                       unquantized_modules: list[str],
+                                       fp8_block_modules: tuple[str, ...] = ()) -> dict[str, Any]:
+        """vLLM's block-FP8 config (quantization/fp8.py, `Fp8Config.from_config`: `ignored_layers` matched
+        exactly against each linear's and each MoE layer's module name, a fused one through its shards), or
+        none: a BF16 cast where nothing stays quantized."""
+        if not self.quantized and not fp8_block_modules:
+            return {}
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "ignored_layers": with_fused_names(unquantized_modules)}
+
+
+class Bf16Cast(CastBackend):
+    name = "bf16"
+    target = casts.BF16
+
+
+class Fp8BlockCast(CastBackend):
+    name = "fp8-block"
+    target = casts.FP8_BLOCK
