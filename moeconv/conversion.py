@@ -282,13 +282,9 @@ def convert(plan: Plan, output: str | Path, progress: Progress | None = None, wo
     names = _staging_names(plan, sides)
     sink = open_output(output)
     sink.check(names, source.root, [*source.files, *(side.path for side in sides.copied)])
-    if executor == "ray" and (sink.remote or isinstance(source.root, StoredPath)):
-        raise MoeconvError(f"{sink.location if sink.remote else source.root}: --executor ray needs the source and "
-                           f"the output on storage every node sees; an object store URL is not built for Ray yet "
-                           f"(issue 43): use --executor local")
     census = _decide_cast(plan, workers)  # before anything is written
     advance = progress or (lambda nbytes: None)
-    runner = _runner(executor, workers, ray_address)
+    runner = _runner(executor, workers, ray_address, sink)
     started = time.perf_counter()
     staging = staging_folder(sink.local)
     with _exclusive(sink.local):
@@ -309,8 +305,8 @@ def convert(plan: Plan, output: str | Path, progress: Progress | None = None, wo
                         todo.append(shard)
                 for done in runner.run(plan, todo, staging, advance):
                     audits.merge(done.audits)
-                    journal.mark_done(done.file_name, done.digest, done.source, done.tensor_digests)
-                    sink.publish(staging, done.file_name, journal)
+                    journal.mark_done(done.file_name, done.digest, done.source, done.tensor_digests, done.size)
+                    sink.publish(staging, done.file_name, journal, done.uploaded)
                 finished = journal.files()  # in the order the shards finished: listed in the plan's
                 _write_metadata(plan, staging, {shard.file_name: finished[shard.file_name] for shard in plan.shards},
                                 sides, hashing.result(), census)
@@ -365,7 +361,7 @@ class OutputSink(Protocol):
     def finished(self, staging: Path, name: str, info: dict[str, Any]) -> Path | StoredPath:
         ...
 
-    def publish(self, staging: Path, name: str, journal: Journal) -> None:
+    def publish(self, staging: Path, name: str, journal: Journal, uploaded: str | None = None) -> None:
         ...
 
     def space_needed(self, output_bytes: int, largest_shard: int, side_bytes: int, done_bytes: int) -> int:
@@ -407,8 +403,8 @@ class FolderOutput:
     def finished(self, staging: Path, name: str, info: dict[str, Any]) -> Path:
         return staging / name
 
-    def publish(self, staging: Path, name: str, journal: Journal) -> None:
-        pass  # it stays in the staging folder, which becomes the output
+    def publish(self, staging: Path, name: str, journal: Journal, uploaded: str | None = None) -> None:
+        pass  # it stays in the staging folder, which becomes the output (no Ray task uploads to a folder)
 
     def space_needed(self, output_bytes: int, largest_shard: int, side_bytes: int, done_bytes: int) -> int:
         return output_bytes + side_bytes - done_bytes
@@ -434,8 +430,10 @@ class ShardRunner(Protocol):
         ...
 
 
-def _runner(executor: str | ShardRunner, workers: int | None, ray_address: str | None) -> ShardRunner:
-    """What runs the shards: LocalShards, distributed.RayShards, or the caller's own."""
+def _runner(executor: str | ShardRunner, workers: int | None, ray_address: str | None, sink: OutputSink) -> ShardRunner:
+    """What runs the shards: LocalShards, distributed.RayShards (into the staging folder, which every node
+    sees; or, for an output in an object store, each task uploading its own shard: no storage shared), or the
+    caller's own."""
     if not isinstance(executor, str):
         return executor
     if executor == "local":
@@ -443,6 +441,8 @@ def _runner(executor: str | ShardRunner, workers: int | None, ray_address: str |
     if executor == "ray":
         from moeconv.distributed import RayShards
 
+        if sink.remote:
+            return RayShards(convert_shard_to_store, ray_address, destination=sink.location)
         return RayShards(convert_shard_alone, ray_address)
     raise MoeconvError(f"--executor {executor}: choose local or ray")
 
@@ -456,6 +456,10 @@ class ShardDone:
     source: str  # _source_fingerprint: what a resume compares
     audits: Audits
     tensor_digests: dict[str, str]  # each tensor's digest (writer.tensor_digest), by name
+    # A shard its task uploaded itself (convert_shard_to_store): its size and the object's entity tag; else
+    # None (the shard is in the staging folder)
+    size: int | None = None
+    uploaded: str | None = None
 
 
 class LocalShards:
@@ -531,6 +535,30 @@ def convert_shard_alone(plan: Plan, index: int, staging: str) -> ShardDone:
                                            TENSOR_DIGESTS_KEY: tensors})
     os.replace(writer.path, path)
     return done
+
+
+def convert_shard_to_store(plan: Plan, index: int, location: str) -> ShardDone:
+    """Output shard `index` converted in this process alone and uploaded by it to the object store prefix
+    `location`: the body of a Ray task for an output in a store (distributed.py), so that no node shares a
+    folder with the driver. The shard is filled in a temporary folder on the task's own machine, sealed,
+    uploaded whole (a multipart upload: the object appears whole or not at all) and deleted there; the driver
+    journals its size and entity tag (checkpoint/upload.py). A task that outlives a killed driver may still
+    upload its shard, which the resume, not knowing it, converts and uploads again: the same bytes."""
+    import tempfile
+
+    from moeconv.storage import ObjectStore
+
+    shard = plan.shards[index]
+    with tempfile.TemporaryDirectory(prefix="moeconv-shard-") as folder:
+        path = Path(folder) / shard.file_name
+        with Executor(1) as executor:
+            audits = Audits()
+            writer, hasher, fingerprints = _fill_shard(plan, shard, path, lambda nbytes: None, audits, executor)
+        digest, tensors = _sealed(writer, hasher)
+        os.replace(writer.path, path)
+        e_tag = ObjectStore(location).put_file(shard.file_name, path) or ""
+        return ShardDone(shard.file_name, digest, _source_fingerprint(shard, fingerprints), audits, tensors,
+                         size=path.stat().st_size, uploaded=e_tag)
 
 
 def _check_free_space(plan: Plan, staging: Path, journal: Journal, side_bytes: int, sink: OutputSink) -> None:

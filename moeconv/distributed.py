@@ -7,9 +7,16 @@ same bytes), writing it under a temporary name of its own in the staging folder,
 beside it, then renaming it when whole, and returns its digest, its source fingerprint and its audit
 counts. A task that finishes after its driver was killed is kept by the resume through that record,
 and a task that outlives its driver never renames another attempt's temporary file
-(checkpoint/journal.py). So every node must see the source and the output's parent folder at the same paths (shared storage), and a task is idempotent: a retry (Ray retries a
+(checkpoint/journal.py). So, for an output folder, every node must see the source and the output's parent
+folder at the same paths (shared storage); a task is idempotent either way: a retry (Ray retries a
 task whose worker or node died) rewrites the shard from the start. An input error is not retried:
 the driver raises the task's own error, one line naming the file and tensor.
+
+An output in an object store (`-o s3://...`) needs no shared storage: each task fills its shard in a
+temporary folder on its own machine and uploads it to the output prefix itself
+(moeconv.conversion.convert_shard_to_store), the driver journals its size and entity tag, and commits (index,
+configs, moeconv.json last) from its spool (checkpoint/upload.py). A source in a store is read by range
+requests from every task; a source folder must be at the same path on every node (a copy on each).
 
 Parallelism is one task per output shard (`--max-shard-size` makes more, smaller ones); each task
 uses one core. Progress counts each shard's source bytes when its task finishes. verify sends each
@@ -84,11 +91,13 @@ def connect(address: str | None) -> tuple[bool, str]:
 
 
 class RayShards:
-    """Runs shards as Ray tasks (see the module docstring). `task(plan, shard index, staging folder)`
-    converts one shard in the calling process and returns what the journal records."""
+    """Runs shards as Ray tasks (see the module docstring). `task(plan, shard index, where)` converts one
+    shard in the calling process and returns what the journal records; `where` is the staging folder, or
+    `destination` where one is given (an object store prefix the task uploads its shard to)."""
 
-    def __init__(self, task: Callable, address: str | None = None, max_retries: int = 3):
-        self.address, self.task, self.max_retries = address, task, max_retries
+    def __init__(self, task: Callable, address: str | None = None, max_retries: int = 3,
+                 destination: str | None = None):
+        self.address, self.task, self.max_retries, self.destination = address, task, max_retries, destination
         self.device = "ray"
         # conversion.ShardRunner's accounts of the machine's process tree: Ray's tasks run elsewhere
         self.worker_peak_rss_mb = self.tree_peak_pss_mb = self.largest_worker_pss_mb = self.tree_cpu_seconds = None
@@ -103,7 +112,8 @@ class RayShards:
             remote = ray.remote(num_cpus=1, max_retries=self.max_retries)(self.task)
             plan_ref = ray.put(plan)
             index = {shard.file_name: number for number, shard in enumerate(plan.shards)}
-            pending = {remote.remote(plan_ref, index[shard.file_name], str(staging)): shard for shard in shards}
+            where = self.destination or str(staging)
+            pending = {remote.remote(plan_ref, index[shard.file_name], where): shard for shard in shards}
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 shard = pending.pop(ready[0])

@@ -318,18 +318,6 @@ def test_refusals_of_the_store_are_one_line(server, sources, bucket, tmp_path):
     assert message == f"s3://{bucket}/unfinished: no moeconv.json: not a folder written by `moeconv convert`", message
 
 
-def test_ray_with_a_url_is_refused_in_one_line(server, sources, tmp_path):
-    """Ray without shared storage is not built (issue 43's next step): a URL with --executor ray is refused
-    before any task starts, in one line, and nothing is written."""
-    folder, url = sources["synthetic"]
-    environment = {**server.environment(), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    message = one_line(moeconv_cli("convert", url, "-o", str(tmp_path / "out"), "--executor", "ray", "-q",
-                                   environment=environment), server.secret)
-    assert message.startswith(f"{url}: --executor ray needs the source and the output on storage every node sees"), \
-        message
-    assert not (tmp_path / "out").exists()
-
-
 def test_an_interrupted_upload_says_where_its_shards_are_and_resumes(server, larger, bucket, tmp_path):
     """SIGINT once shards are in the bucket: exit 3, one line naming the output URL and the local journal; the
     same command again finishes with the shards kept."""

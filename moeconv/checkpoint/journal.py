@@ -188,12 +188,13 @@ class Journal:
     def is_done(self, name: str) -> bool:
         return name in self.done
 
-    def mark_done(self, name: str, digest: str, source: str, tensors: dict[str, str]) -> None:
+    def mark_done(self, name: str, digest: str, source: str, tensors: dict[str, str], size: int | None = None) -> None:
         """`source`: the fingerprint of the source tensors the shard was converted from (see
         moeconv.conversion._source_fingerprint), so that a resume notices a source changed in between; `tensors`: each
-        tensor's digest, which the manifest records."""
-        self.done[name] = {"bytes": (self.staging / name).stat().st_size, CURRENT.shard_key: digest, "source": source,
-                           TENSOR_DIGESTS_KEY: tensors}
+        tensor's digest, which the manifest records; `size`: the shard's bytes where it is not in the staging folder
+        (a Ray task uploaded it)."""
+        size = (self.staging / name).stat().st_size if size is None else size
+        self.done[name] = {"bytes": size, CURRENT.shard_key: digest, "source": source, TENSOR_DIGESTS_KEY: tensors}
         self._save()
         (self.staging / record_name(name)).unlink(missing_ok=True)  # the journal holds it now
 

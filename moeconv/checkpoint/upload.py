@@ -70,8 +70,11 @@ class StoreOutput:
         """Where a finished shard's bytes are read back (a resume's check of its pass-through tensors)."""
         return StoredPath(self.store, self.location, name) if UPLOADED_KEY in info else staging / name
 
-    def publish(self, staging: Path, name: str, journal: Journal) -> None:
-        """A journaled shard uploaded, its entity tag journaled, then deleted here."""
+    def publish(self, staging: Path, name: str, journal: Journal, uploaded: str | None = None) -> None:
+        """A journaled shard uploaded, its entity tag journaled, then deleted here; `uploaded`: the entity tag
+        of a shard its Ray task uploaded itself (conversion.convert_shard_to_store), journaled."""
+        if uploaded is not None:
+            journal.note(name, UPLOADED_KEY, uploaded)
         if UPLOADED_KEY in journal.done[name]:
             return
         journal.note(name, UPLOADED_KEY, self.store.put_file(name, staging / name) or "")
