@@ -173,7 +173,7 @@ def _scale_dyadic(scales: np.ndarray, encoding: str) -> tuple[np.ndarray, np.nda
 def _pair_dyadic(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """|E2M1(code) · scale(byte) (· global)| as odd · 2^e for every scale byte and code magnitude ((256, 8)
     int64 each, indexed [byte, code & 7]; odd -1: not dyadic), and whether the byte is reserved. Every
-    property of a value is a lookup in a table of these 2048 pairs (`_pair_index`)."""
+    property of a value is a lookup in a table of these 2048 pairs."""
     scheme = weight.scheme
     scale_odd, scale_exp, reserved = _scale_dyadic(np.arange(256, dtype=np.uint8), scheme.scale_encoding)
     odd = scale_odd[:, None] * _E2M1_ODD[None, :]
@@ -189,10 +189,11 @@ def _pair_dyadic(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return odd, exponent, np.broadcast_to(reserved[:, None], odd.shape)
 
 
-def _pair_index(weight: FloatWeight) -> np.ndarray:
-    """(N, K) uint16: each element's row in the pair tables, scale byte · 8 + code magnitude."""
-    scales = np.repeat(weight.scales.astype(np.uint16) << 3, weight.scheme.block, axis=1)
-    return scales | (weight.codes & 7)
+def _present(weight: FloatWeight) -> np.ndarray:
+    """(N, K / block) uint8: bit m set iff some code of the block has magnitude m (code & 7)."""
+    n, k = weight.codes.shape
+    block = weight.scheme.block
+    return np.bitwise_or.reduce((np.uint8(1) << (weight.codes & 7)).reshape(n, k // block, block), axis=2)
 
 
 def _per_block(array: np.ndarray, block: int, reduce) -> np.ndarray:
@@ -251,13 +252,13 @@ def _fp8_shift(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     # a block's largest floor and smallest low bit are its byte's offset plus those of the codes present in it:
     # one mask of the magnitudes present per block (an OR over the block), looked up in tables over the 256 masks.
     assert weight.scheme.scale_encoding == UE8M0 and weight.global_scale is None, weight.scheme
-    block, (n, k) = weight.scheme.block, weight.codes.shape
+    block = weight.scheme.block
     row = 127 * 8  # the pairs of byte 127 (scale 1): codes 0 .. 7
     masks = np.arange(256)[:, None] >> np.arange(8)[None, :] & 1 == 1  # (mask, magnitude): present
     mask_floor = np.where(masks, floor_table[row:row + 8], _LOWEST).max(axis=1)
     mask_low = np.where(masks, low_table[row:row + 8], _HIGHEST).min(axis=1)
     mask_fits = np.where(masks, fits_table[row:row + 8], True).all(axis=1)
-    present = np.bitwise_or.reduce((np.uint8(1) << (weight.codes & 7)).reshape(n, k // block, block), axis=2)
+    present = _present(weight)
     offset = weight.scales.astype(np.int64) - 127
     usable = weight.scales != UE8M0_NAN
     floor = np.where(usable & (mask_floor[present] != _LOWEST), mask_floor[present] + offset, _LOWEST)
@@ -290,9 +291,13 @@ def _fp8_block(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 def _bf16(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     odd, exponent, reserved = _pair_dyadic(weight)
-    table = (representable(odd, exponent, BF16_FORMAT) & ~reserved).ravel()
+    table = representable(odd, exponent, BF16_FORMAT) & ~reserved  # (byte, magnitude)
     block = weight.scheme.block
-    exact = _per_block(table[_pair_index(weight)], block, np.all)
+    # a block is exact iff every magnitude present in it is representable under its byte: one mask of the
+    # magnitudes present per block (an OR over the block), looked up in a table over (byte, mask)
+    masks = np.arange(256)[:, None] >> np.arange(8)[None, :] & 1 == 1  # (mask, magnitude): present
+    by_mask = (table[:, None, :] | ~masks[None, :, :]).all(axis=2) & ~reserved[:, :1]  # (byte, mask)
+    exact = by_mask[weight.scales, _present(weight)]
     blocked = _scale_dyadic(weight.scales, weight.scheme.scale_encoding)[2]
     errors = np.zeros(exact.shape)
     inexact = ~exact & ~blocked
@@ -449,31 +454,41 @@ def e4m3_values(codes: np.ndarray) -> np.ndarray:
     return scale_values(np.arange(256, dtype=np.uint8), E4M3)[codes]  # by a table of the 256 bytes
 
 
-@dataclass(frozen=True, eq=False)
 class CastWeight:
-    """One linear of a cast output read back: its (N, K) values as float64, and the cast that wrote them.
-    `mismatch` holds them against the source's float codes (what verify compares, as the canonical forms'
-    `mismatch` do)."""
+    """One linear of a cast output read back: its stored arrays (`tensors`), the cast that wrote them, and its
+    (N, K) values as float64 (`values`, decoded when asked). `mismatch` holds them against the source's float
+    codes (what verify compares, as the canonical forms' `mismatch` do)."""
 
-    values: np.ndarray
-    target: str
+    def __init__(self, tensors: dict[str, np.ndarray], target: str):
+        self.tensors, self.target = tensors, target
 
     @classmethod
     def of(cls, target: str, tensors: dict[str, np.ndarray]) -> CastWeight:
-        if target == BF16:
-            return cls(bf16_values(tensors["weight"]), target)
-        codes, scale_inv = tensors["weight"].view(np.uint8), tensors["weight_scale_inv"].astype(np.float64)
-        return cls(e4m3_values(codes) * _spread(scale_inv, FP8_BLOCK_SHAPE, codes), target)
+        return cls(tensors, target)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensors["weight"].shape)
+
+    @property
+    def values(self) -> np.ndarray:
+        if self.target == BF16:
+            return bf16_values(self.tensors["weight"])
+        codes, scale_inv = self.tensors["weight"].view(np.uint8), self.tensors["weight_scale_inv"].astype(np.float64)
+        return e4m3_values(codes) * _spread(scale_inv, FP8_BLOCK_SHAPE, codes)
 
     def mismatch(self, source: object) -> str | None:
         """None if every value of an exact block equals the source's value as a real (compared in float64,
         where both are exact: an exact block's values are target values, so even a divided NVFP4 global
         scale's quotient is computed exactly) and every other value is the cast's rounding of it; else the
-        first difference."""
+        first difference. A bf16 cast is compared by its bit patterns (`_bf16_mismatch`)."""
         if not isinstance(source, FloatWeight):
             return f"a {self.target} cast compared with {type(source).__name__}"
-        if self.values.shape != source.codes.shape:
-            return f"shape {list(self.values.shape)} != the source's {list(source.codes.shape)}"
+        if self.shape != source.codes.shape:
+            return f"shape {list(self.shape)} != the source's {list(source.codes.shape)}"
+        if self.target == BF16:
+            return self._bf16_mismatch(source)
+        values = self.values
         exact = exact_elements(source, self.target)
         with np.errstate(over="ignore"):
             truth = source.dequantize()
@@ -482,12 +497,64 @@ class CastWeight:
             checks.append((~exact, cast_values(source, self.target), "the cast's rounding of the source's, in an "
                                                                       "inexact block"))
         for where, want, what in checks:
-            differ = where & ~((self.values == want) & (np.signbit(self.values) == np.signbit(want)))
+            differ = where & ~((values == want) & (np.signbit(values) == np.signbit(want)))
             if differ.any():
                 first = tuple(int(i) for i in np.argwhere(differ)[0])
                 return (f"{int(differ.sum())} value(s) differ from {what} (first at {list(first)}: "
-                        f"{self.values[first]!r} != {want[first]!r})")
+                        f"{values[first]!r} != {want[first]!r})")
         return None
+
+    def _bf16_mismatch(self, source: FloatWeight) -> str | None:
+        """The same comparison for bf16, without a float64 of every element: a source value depends only on its
+        (scale byte, code) pair (and the linear's global scale), so `_bf16_truth` evaluates the source's own
+        `dequantize` on every pair once and gives the bit pattern of the bfloat16 equal to it as a real (-1
+        where none is: never equal to a stored pattern), and of the cast's rounding of it; each element's
+        stored pattern is compared with its pair's, from the first table in an exact block and the second in
+        an inexact one. A bfloat16 other than NaN is one pattern and one real (-0 and +0 two patterns, as the
+        float64 check tells their signs apart), so equal patterns are equal reals and the converse."""
+        block = source.scheme.block
+        n, k = source.codes.shape
+        inexact = ~exact_blocks(source, BF16)
+        table = _bf16_truth(source)
+        base = (inexact.astype(np.uint16) << 12) | (source.scales.astype(np.uint16) << 4)
+        index = base[:, :, None] | source.codes.reshape(n, k // block, block)
+        differ = (table[index] != self.tensors["weight"].reshape(n, k // block, block)).reshape(n, k)
+        if not differ.any():
+            return None
+        first = tuple(int(i) for i in np.argwhere(differ)[0])
+        rounded = bool(inexact[first[0], first[1] // block])
+        what = ("the cast's rounding of the source's, in an inexact block" if rounded
+                else "the source's value, in an exact block")
+        want = table[index.reshape(n, k)[first]]
+        wanted = bf16_values(np.uint16(want)) if want >= 0 else "no bfloat16"
+        if not rounded:
+            with np.errstate(over="ignore", invalid="ignore"):
+                wanted = FloatWeight.from_codes(source.codes[first[0]:first[0] + 1],
+                                                source.scales[first[0]:first[0] + 1], source.scheme,
+                                                source.global_scale, source.input_scale).dequantize()[0, first[1]]
+        where = differ & np.repeat(inexact == rounded, block, axis=1)
+        return (f"{int(where.sum())} value(s) differ from {what} (first at {list(first)}: "
+                f"{bf16_values(self.tensors['weight'][first])!r} != {wanted!r})")
+
+
+def _bf16_truth(weight: FloatWeight) -> np.ndarray:
+    """(8192,) int32 indexed [inexact · 4096 + scale byte · 16 + code]: for an exact block the bit pattern of the
+    bfloat16 equal as a real to the source value (`FloatWeight.dequantize` of that pair, float64; -1 where no
+    bfloat16 is: not representable, or NaN), for an inexact one that of the cast's rounding (`round_to`, as
+    `cast_values`; -1 for NaN)."""
+    block, pairs = weight.scheme.block, np.arange(256 * 16)
+    table = FloatWeight.from_codes((pairs & 15).astype(np.uint8).reshape(-1, 1).repeat(block, axis=1),
+                                   (pairs >> 4).astype(np.uint8).reshape(-1, 1), weight.scheme,
+                                   weight.global_scale, weight.input_scale)
+    with np.errstate(invalid="ignore", over="ignore"):
+        values = table.dequantize()[:, 0]
+        single = values.astype(np.float32)
+        bits = single.view(np.uint32).astype(np.int64)
+        is_bf16 = (single.astype(np.float64) == values) & (bits & 0xFFFF == 0)  # NaN: never equal
+        exact = np.where(is_bf16, bits >> 16, -1)
+        rounded_values = round_to(values, BF16_FORMAT, saturate=False)
+        rounded = np.where(np.isnan(rounded_values), -1, bf16_bits(rounded_values).astype(np.int64))
+    return np.concatenate([exact, rounded]).astype(np.int32)
 
 
 class Tally:

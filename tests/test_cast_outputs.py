@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moeconv import casts
 from moeconv.api import verify
@@ -310,3 +311,28 @@ def test_the_tables_write_what_the_definition_rounds_to(weight):
         else:
             got = e4m3(arrays["weight"]) * np.repeat(arrays["weight_scale_inv"].astype(np.float64), 128, axis=1)[:4]
         assert np.array_equal(got, want) and np.array_equal(np.signbit(got), np.signbit(want)), target
+
+
+@settings(max_examples=80, deadline=None)
+@given(mxfp4_weights(rows=4, columns=128), st.lists(st.tuples(st.integers(0, 3), st.integers(0, 127),
+                                                              st.integers(0, 15)), max_size=3))
+def test_verify_of_a_bf16_cast_by_bit_patterns_finds_exactly_the_values_that_differ(weight, flips):
+    """CastWeight.mismatch of a bf16 cast (tables over the (byte, code) pairs, compared as bit patterns) against a
+    check by hand: each stored bfloat16 read as a real and compared with the source value decoded by hand in an
+    exact block (the predicate's) and with torch's bfloat16 rounding of it in an inexact one, signs of zero
+    included. Some stored bits flipped first."""
+    weight = readable(weight)
+    stored = casts.cast_arrays(weight, casts.BF16)["weight"].copy()
+    for row, column, bit in flips:
+        stored[row, column] ^= np.uint16(1 << bit)
+    values = mx_values(weight)
+    rounded = torch.from_numpy(values).to(torch.bfloat16).double().numpy()
+    exact = np.repeat(casts.exact_blocks(weight, casts.BF16), 32, axis=1)
+    want = np.where(exact, values, rounded)
+    got = bf16(stored)
+    differ = ~((got == want) & (np.signbit(got) == np.signbit(want)))
+    found = casts.CastWeight.of(casts.BF16, {"weight": stored}).mismatch(weight)
+    assert (found is None) == (not differ.any()), found
+    if found is not None:
+        first = [int(i) for i in np.argwhere(differ)[0]]
+        assert f"first at {first}" in found
