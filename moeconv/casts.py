@@ -41,7 +41,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from moeconv.float_codes import DIVIDE, E2M1_VALUES, E4M3, E4M3_NAN_MAGNITUDE, UE8M0, UE8M0_NAN, FloatWeight
+from moeconv.float_codes import (DIVIDE, E2M1_VALUES, E4M3, E4M3_NAN_MAGNITUDE, UE8M0, UE8M0_NAN, FloatWeight,
+                                 pack_codes, scale_values, unpack_codes)
 
 
 class FloatFormat(NamedTuple):
@@ -311,13 +312,25 @@ def _bf16(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return exact, blocked, errors
 
 
-def _nvfp4(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def _nvfp4_groups(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Per 16-group: its UE8M0 byte b, whether its codes are all zero, whether b is reserved; and the chosen γ."""
     assert weight.scheme.scale_encoding == UE8M0 and weight.scheme.block % NVFP4_GROUP == 0, weight.scheme
-    halves = weight.scheme.block // NVFP4_GROUP
-    b = np.repeat(weight.scales, halves, axis=1)  # (N, K/16): each group's UE8M0 byte
+    b = np.repeat(weight.scales, weight.scheme.block // NVFP4_GROUP, axis=1)  # (N, K/16): each group's byte
     zero = _per_block(weight.codes & 7 == 0, NVFP4_GROUP, np.all)
     reserved = b == UE8M0_NAN
-    exponent = choose_global_exponent(b[~zero & ~reserved])
+    return b, zero, reserved, choose_global_exponent(b[~zero & ~reserved])
+
+
+def nvfp4_scale(relative: np.ndarray) -> np.ndarray:
+    """The E4M3 scale (float64) a group with UE8M0 byte b gets under G = 2^γ, from relative = b - 127 - γ:
+    2^relative rounded to the nearest E4M3, clamped to 2^-9 .. 448 (exactly 2^relative for -9 .. 8)."""
+    with np.errstate(over="ignore"):
+        return np.clip(round_to(np.ldexp(1.0, relative), E4M3_FORMAT, saturate=True), 2.0 ** NVFP4_SCALE_RANGE[0],
+                       E4M3_FORMAT.top)
+
+
+def _nvfp4(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    b, zero, reserved, exponent = _nvfp4_groups(weight)
     low, high = NVFP4_SCALE_RANGE
     relative = b.astype(np.int64) - 127 - exponent
     exact = ~reserved & (zero | ((relative >= low) & (relative <= high)))
@@ -325,8 +338,7 @@ def _nvfp4(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray, int
     inexact = ~exact & ~reserved
     if inexact.any():  # the cast's rounding: the nearest E4M3 scale (clamped), each value to the nearest code of it
         with np.errstate(over="ignore"):
-            scale = np.clip(round_to(np.ldexp(1.0, relative[inexact]), E4M3_FORMAT, saturate=True), 2.0 ** low,
-                            E4M3_FORMAT.top)
+            scale = nvfp4_scale(relative[inexact])
             n, k = weight.codes.shape
             values = weight.dequantize().reshape(n, k // NVFP4_GROUP, NVFP4_GROUP)[inexact]
             step = scale[:, None] * 2.0 ** exponent
@@ -360,19 +372,24 @@ def choose_global_exponent(scale_bytes: np.ndarray) -> int:
 # (`cast_values`), so the values of an exact block are the source's own and the others are the rounding whose
 # worst relative error the census reports. The stored arrays follow from those values without rounding again.
 
-CASTS = (BF16, FP8_BLOCK)  # the casts `convert --cast` writes (NVFP4 from MXFP4 is decided, not written)
+CASTS = (BF16, FP8_BLOCK, NVFP4)  # the casts `convert --cast` writes
 
 
 def cast_values(weight: FloatWeight, target: str) -> np.ndarray:
     """The (N, K) values the cast writes, float64: each source value rounded to the target (bf16: to the
     nearest bfloat16, overflow to infinity; fp8-block: divided by its tile's 2^t, rounded to the nearest E4M3
-    value, saturating, times 2^t)."""
+    value, saturating, times 2^t; nvfp4: divided by its group's E4M3 scale (`nvfp4_scale`) times G = 2^γ, rounded
+    to the nearest E2M1 value, saturating at 6, times both again)."""
     if target not in CASTS or target not in targets_of(weight):
         raise ValueError(f"no {target} cast of {weight.scheme.name} codes is written here")
     with np.errstate(over="ignore"):
         values = weight.dequantize()
         if target == BF16:
             return round_to(values, BF16_FORMAT, saturate=False)
+        if target == NVFP4:
+            b, _, _, exponent = _nvfp4_groups(weight)
+            step = np.repeat(nvfp4_scale(b.astype(np.int64) - 127 - exponent) * 2.0 ** exponent, NVFP4_GROUP, axis=1)
+            return round_to(values / step, E2M1_FORMAT, saturate=True) * step
         shift = _spread(_fp8_shift(weight)[0], FP8_BLOCK_SHAPE, weight.codes)
         return np.ldexp(round_to(np.ldexp(values, -shift), E4M3_FORMAT, saturate=True), shift)
 
@@ -382,12 +399,13 @@ def exact_elements(weight: FloatWeight, target: str) -> np.ndarray:
     exact = exact_blocks(weight, target)
     if target == FP8_BLOCK:
         return _spread(exact, FP8_BLOCK_SHAPE, weight.codes)
-    return np.repeat(exact, weight.scheme.block, axis=1)
+    return np.repeat(exact, NVFP4_GROUP if target == NVFP4 else weight.scheme.block, axis=1)
 
 
 def cast_arrays(weight: FloatWeight, target: str) -> dict[str, np.ndarray]:
     """The stored arrays of one cast linear: bf16 `weight` (uint16 bit patterns); fp8-block `weight` (E4M3
-    bytes) and `weight_scale_inv` (float32). `cast_values`, encoded, by table: a bf16 value depends only on the
+    bytes) and `weight_scale_inv` (float32); nvfp4 compressed-tensors' `weight_packed`, `weight_scale` (E4M3
+    bytes, as uint8) and `weight_global_scale` (float32 (1,), 1 / G, divided by: `_nvfp4_arrays`). `cast_values`, encoded, by table: a bf16 value depends only on the
     element's (scale byte, code) pair and an E4M3 byte only on (scale byte - 127 - its block's t, code), so each
     table is that definition evaluated on every pair (tests/test_cast_outputs.py holds the two equal)."""
     if target not in CASTS or target not in targets_of(weight):
@@ -402,6 +420,8 @@ def cast_arrays(weight: FloatWeight, target: str) -> dict[str, np.ndarray]:
             bits = bf16_bits(round_to(table.dequantize()[:, 0], BF16_FORMAT, saturate=False))
         rows = np.repeat(weight.scales.astype(np.uint16) << 4, block, axis=1)
         return {"weight": bits[rows | weight.codes]}
+    if target == NVFP4:
+        return _nvfp4_arrays(weight)
     shift = _fp8_shift(weight)[0]
     low, high = _FP8_OFFSETS
     # one offset a source block (its byte and its tile's t), then each element's row of the table
@@ -410,6 +430,37 @@ def cast_arrays(weight: FloatWeight, target: str) -> dict[str, np.ndarray]:
     rows = np.repeat(((offset - low) << 4).astype(np.uint16), block, axis=1)
     return {"weight": _fp8_table()[rows | weight.codes],
             "weight_scale_inv": np.ldexp(np.float32(1.0), shift).astype(np.float32)}
+
+
+def _nvfp4_arrays(weight: FloatWeight) -> dict[str, np.ndarray]:
+    """`cast_values` for nvfp4, encoded by tables over the scale bytes: a group's E4M3 scale byte depends only on
+    its UE8M0 byte b (`nvfp4_scale` of b - 127 - γ), and each output code only on (b, code): E2M1(code) ·
+    2^(b - 127 - γ) / scale rounded to E2M1, which is the code itself wherever the scale is exactly 2^(b - 127 - γ)
+    (every exact group), so the source's packed bytes are kept as they are unless some byte re-codes."""
+    b, _, reserved, exponent = _nvfp4_groups(weight)
+    if reserved.any():
+        raise ValueError("a reserved UE8M0 scale byte (0xFF) has no NVFP4 cast (the source formats refuse it)")
+    bytes_ = np.arange(255)
+    scale = nvfp4_scale(bytes_ - 127 - exponent)
+    ratio = np.ldexp(1.0, bytes_ - 127 - exponent) / scale  # exact: both powers of two, or 448 = 7 · 2^6
+    recoded = round_to(E2M1_VALUES[None, :] * ratio[:, None], E2M1_FORMAT, saturate=True)  # (byte, code)
+    codes_table = e2m1_codes(recoded)
+    present = np.unique(weight.scales)
+    if np.array_equal(codes_table[present], np.broadcast_to(np.arange(16, dtype=np.uint8), (present.size, 16))):
+        packed = weight.packed
+    else:
+        rows = np.repeat(weight.scales.astype(np.uint16) << 4, weight.scheme.block, axis=1)
+        packed = pack_codes(codes_table.ravel()[rows | weight.codes])
+    return {"weight_packed": packed, "weight_scale": e4m3_bytes(scale)[b],
+            "weight_global_scale": np.array([np.ldexp(1.0, -exponent)], dtype=np.float32)}
+
+
+def e2m1_codes(values: np.ndarray) -> np.ndarray:
+    """float64 values that are E2M1 values -> their 4-bit codes (sign in bit 3, -0 as 8)."""
+    magnitudes = E2M1_VALUES[:8]
+    index = np.searchsorted(magnitudes, np.abs(values))
+    assert (magnitudes[np.minimum(index, 7)] == np.abs(values)).all(), "not E2M1 values"
+    return (index | (np.signbit(values).astype(np.int64) << 3)).astype(np.uint8)
 
 
 # E2M1(code) · 2^d as E4M3 bytes, for every offset d a value of a block can have: above 10 only a zero code can lie
@@ -449,8 +500,6 @@ def e4m3_bytes(values: np.ndarray) -> np.ndarray:
 
 def e4m3_values(codes: np.ndarray) -> np.ndarray:
     """E4M3 bytes -> float64 (S.1111.111 as NaN)."""
-    from moeconv.float_codes import scale_values
-
     return scale_values(np.arange(256, dtype=np.uint8), E4M3)[codes]  # by a table of the 256 bytes
 
 
@@ -468,12 +517,21 @@ class CastWeight:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self.target == NVFP4:
+            n, width = self.tensors["weight_packed"].shape
+            return n, 2 * width
         return tuple(self.tensors["weight"].shape)
 
     @property
     def values(self) -> np.ndarray:
+        """Exact in float64: E2M1 x E4M3 products, times 2^t (fp8-block) or divided by a power of two (nvfp4:
+        `mismatch` first holds weight_global_scale to the cast's 2^-γ)."""
         if self.target == BF16:
             return bf16_values(self.tensors["weight"])
+        if self.target == NVFP4:
+            scales = np.repeat(e4m3_values(self.tensors["weight_scale"].view(np.uint8)), NVFP4_GROUP, axis=1)
+            codes = unpack_codes(self.tensors["weight_packed"])
+            return E2M1_VALUES[codes] * scales / np.float64(self.tensors["weight_global_scale"].reshape(()))
         codes, scale_inv = self.tensors["weight"].view(np.uint8), self.tensors["weight_scale_inv"].astype(np.float64)
         return e4m3_values(codes) * _spread(scale_inv, FP8_BLOCK_SHAPE, codes)
 
@@ -488,6 +546,10 @@ class CastWeight:
             return f"shape {list(self.shape)} != the source's {list(source.codes.shape)}"
         if self.target == BF16:
             return self._bf16_mismatch(source)
+        if self.target == NVFP4:
+            stored, exponent = self.tensors["weight_global_scale"], _nvfp4_groups(source)[3]
+            if stored.shape != (1,) or float(stored[0]) != np.ldexp(1.0, -exponent):
+                return f"weight_global_scale {stored.tolist()} != the cast's [2^{-exponent}] (1 / G, G = 2^{exponent})"
         values = self.values
         exact = exact_elements(source, self.target)
         with np.errstate(over="ignore"):

@@ -9,7 +9,9 @@ bytes so that the number of inexact blocks is known by construction.
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,7 @@ from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.float_codes import MXFP4, FloatWeight
 from moeconv.render import verdict
 
-from helpers import reseal, run_main
+from helpers import ROOT, packers_python, reseal, run_main
 from test_casts import mx_values, mxfp4_weights
 from test_float_fixtures import expert_prefixes, read_checkpoint, read_safetensors
 
@@ -231,13 +233,15 @@ def test_the_census_counts_exactly_the_blocks_made_inexact(capsys, tmp_path, syn
 
 # ---- verify fails what was not written by the cast -------------------------------------------------------------
 
-@pytest.mark.parametrize("cast, fixture, extra", [("bf16", "ct-mxfp4a16", ()),
-                                                  ("fp8-block", "ct-mxfp4a16", ("--allow-inexact",)),
-                                                  ("bf16", "modelopt-nvfp4", ("--allow-inexact",))])
-def test_verify_fails_a_flipped_output_byte(capsys, tmp_path, cast, fixture, extra):
+@pytest.mark.parametrize("cast, fixture, extra, suffix", [("bf16", "ct-mxfp4a16", (), "weight"),
+                                                          ("fp8-block", "ct-mxfp4a16", ("--allow-inexact",), "weight"),
+                                                          ("bf16", "modelopt-nvfp4", ("--allow-inexact",), "weight"),
+                                                          ("nvfp4", "ct-mxfp4a16", (), "weight_packed"),
+                                                          ("nvfp4", "ct-mxfp4a16", (), "weight_scale")])
+def test_verify_fails_a_flipped_output_byte(capsys, tmp_path, cast, fixture, extra, suffix):
     code, _, err, output = cli_convert(capsys, tmp_path, fixture, "--cast", cast, *extra)
     assert code == 0, err
-    entry = open_checkpoint(output).tensors["model.layers.1.mlp.experts.0.up_proj.weight"]
+    entry = open_checkpoint(output).tensors[f"model.layers.1.mlp.experts.0.up_proj.{suffix}"]
     with open(entry.file, "r+b") as handle:
         handle.seek(entry.begin + 1)
         value = handle.read(1)[0]
@@ -247,8 +251,10 @@ def test_verify_fails_a_flipped_output_byte(capsys, tmp_path, cast, fixture, ext
     report = verify(output, level="lossless", workers=1)
     assert not report.ok
     layer = next(layer for layer in report.layers if layer.module == "model.layers.1.mlp.experts")
-    assert any(failure.startswith("expert 0 up: 1 value(s) differ") for failure in layer.lossless_failures), \
-        layer.lossless_failures
+    # one code: one value; an NVFP4 group's scale byte: the group's non-zero values (at most 16)
+    counts = [int(found[1]) for failure in layer.lossless_failures
+              if (found := re.match(r"expert 0 up: (\d+) value\(s\) differ", failure))]
+    assert counts and (counts[0] == 1 if suffix != "weight_scale" else 1 <= counts[0] <= 16), layer.lossless_failures
 
 
 def test_verify_fails_a_census_recorded_otherwise(capsys, tmp_path):
@@ -308,6 +314,12 @@ def test_the_tables_write_what_the_definition_rounds_to(weight):
         arrays, want = casts.cast_arrays(weight, target), casts.cast_values(weight, target)
         if target == casts.BF16:
             got = bf16(arrays["weight"])
+        elif target == casts.NVFP4:
+            packed = arrays["weight_packed"]
+            codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+            magnitude = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])[codes & 7] * np.where(codes & 8, -1.0, 1.0)
+            scale = np.repeat(e4m3(arrays["weight_scale"]), 16, axis=1)
+            got = magnitude * scale / np.float64(arrays["weight_global_scale"].reshape(()))
         else:
             got = e4m3(arrays["weight"]) * np.repeat(arrays["weight_scale_inv"].astype(np.float64), 128, axis=1)[:4]
         assert np.array_equal(got, want) and np.array_equal(np.signbit(got), np.signbit(want)), target
@@ -336,3 +348,79 @@ def test_verify_of_a_bf16_cast_by_bit_patterns_finds_exactly_the_values_that_dif
     if found is not None:
         first = [int(i) for i in np.argwhere(differ)[0]]
         assert f"first at {first}" in found
+
+
+# ---- NVFP4 from MXFP4: compressed-tensors' NVFP4A16 form, read back by compressed-tensors itself ------------------
+
+def ct_decompressed(output: Path, tmp_path: Path) -> dict[str, np.ndarray]:
+    """Every float-coded linear of `output` decompressed by compressed-tensors' own compressor for its config group
+    (tests/packers/ct_float_decompress.py in .venv-packers), float64."""
+    target = tmp_path / "decompressed.safetensors"
+    proc = subprocess.run([str(packers_python()), str(ROOT / "tests" / "packers" / "ct_float_decompress.py"),
+                           str(output), str(target)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1])["format"] == "nvfp4-pack-quantized"
+    return {name: values.astype(np.float64) for name, (_, values) in read_safetensors(target).items()}
+
+
+def test_nvfp4_cast_of_llm_compressor_mxfp4_is_the_producers_nvfp4a16_form_and_decompresses_to_the_source(
+        capsys, tmp_path):
+    code, out, err, output = cli_convert(capsys, tmp_path, "ct-mxfp4a16", "--cast", "nvfp4")
+    assert code == 0, err
+    decompressed, want = ct_decompressed(output, tmp_path), truth("ct-mxfp4a16")
+    for prefix, shape in expert_prefixes():
+        got = decompressed[f"{prefix}.weight"]
+        assert got.shape == shape
+        assert np.array_equal(got, want[f"{prefix}.weight"]), prefix
+        assert np.array_equal(np.signbit(got), np.signbit(want[f"{prefix}.weight"])), prefix
+    # the layout and the config llm-compressor's NVFP4A16 preset writes (the ct-nvfp4a16 fixture, made by it)
+    tensors, _ = read_checkpoint(output)
+    preset, _ = read_checkpoint(DATA / "ct-nvfp4a16")
+    prefix = "model.layers.1.mlp.experts.2.down_proj"
+    for suffix in ("weight_packed", "weight_scale", "weight_global_scale"):
+        assert tensors[f"{prefix}.{suffix}"][0] == preset[f"{prefix}.{suffix}"][0], suffix
+        assert tensors[f"{prefix}.{suffix}"][1].shape == preset[f"{prefix}.{suffix}"][1].shape, suffix
+    assert not [name for name in tensors if name.endswith(".weight") and tensors[name][0] == "BF16"
+                and ".self_attn." in name and "norm" not in name]  # the MXFP4 attention is cast too
+    config = json.loads((output / "config.json").read_text())["quantization_config"]
+    made = json.loads((DATA / "ct-nvfp4a16" / "config.json").read_text())["quantization_config"]
+    assert config["config_groups"] == made["config_groups"]
+    assert (config["quant_method"], config["format"], config["quantization_status"]) == (
+        made["quant_method"], made["format"], made["quantization_status"])
+    cast = json.loads((output / "moeconv.json").read_text())["cast"]
+    assert (cast["target"], cast["blocks"], cast["exact"], cast["linears"], cast["bound"]) == ("nvfp4", 4608, 4608,
+                                                                                                32, 0.0)
+    assert verify(output, level="lossless", workers=1).ok
+
+
+def test_nvfp4_cast_census_refusal_and_an_allowed_inexact_cast_as_compressed_tensors_reads_it(capsys, tmp_path,
+                                                                                             synthetic):
+    """The synthetic source: every value 6, but one 32-block of byte 254 (6 · 2^127) in 3 linears and one of byte
+    100 (6 · 2^-27) in 2: each such block is 2 groups of 16 that no E4M3 scale under the linear's one global scale
+    holds beside the others' 6 (2^127 and 2^-27 are 127 and 27 binades from 2^0; E4M3 spans 18)."""
+    folder, over, spread = synthetic
+    code, _, err = run_main(capsys, "convert", folder, "-o", tmp_path / "refused", "--cast", "nvfp4", "-q")
+    assert code == 2 and "MXFP4 -> NVFP4: 10 of 4608 blocks inexact in 5 of 32 linears" in " ".join(err.split())
+    assert not (tmp_path / "refused").exists()
+    code, _, err = run_main(capsys, "convert", folder, "-o", tmp_path / "out", "--cast", "nvfp4", "-q",
+                            "--allow-inexact", "--workers", "1")
+    assert code == 0, err
+    output = tmp_path / "out"
+    decompressed, tensors = ct_decompressed(output, tmp_path), read_checkpoint(output)[0]
+    worst = 0.0
+    for prefix in {name.removesuffix(".weight") for name in decompressed}:
+        got = decompressed[f"{prefix}.weight"]
+        g = np.float64(tensors[f"{prefix}.weight_global_scale"][1].reshape(()))
+        want = np.full(got.shape, 6.0)
+        if prefix in over:  # 6 · 2^127 saturates: the largest value the linear's global scale allows, 6 · 448 / g
+            want[0, :32] = 6 * 448 / g
+            worst = max(worst, abs(want[0, 0] - 6 * 2.0**127) / (6 * 2.0**127))
+        elif prefix in spread:  # 6 · 2^-27 is below half the smallest step (2^-9 / g · 0.5): 0
+            want[0, :32] = 0.0
+            assert 6 * 2.0**-27 < 2.0**-9 / g * 0.25
+            worst = max(worst, 1.0)
+        assert np.array_equal(got, want) and not np.signbit(got).any(), prefix
+    cast = json.loads((output / "moeconv.json").read_text())["cast"]
+    assert sorted(entry["tensor"] for entry in cast["inexact"]) == sorted(over + spread)
+    assert cast["bound"] == worst == 1.0
+    assert verify(output, level="lossless", workers=1).ok
