@@ -482,8 +482,9 @@ def bf16_bits(values: np.ndarray) -> np.ndarray:
 
 
 def bf16_values(bits: np.ndarray) -> np.ndarray:
-    """uint16 bfloat16 bit patterns -> float64."""
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    """uint16 bfloat16 bit patterns -> float64 (a NaN pattern as NaN)."""
+    with np.errstate(invalid="ignore"):
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
 def e4m3_bytes(values: np.ndarray) -> np.ndarray:

@@ -160,7 +160,9 @@ def test_allow_inexact_without_a_cast_is_refused(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("cast, said", [("fp8-block", "no fp8-block cast of nvfp4 codes is decided (from nvfp4: bf16)"),
-                                        ("fp4", "--cast 'fp4' is not available; expected one of bf16, fp8-block")])
+                                        ("nvfp4", "no nvfp4 cast of nvfp4 codes is decided (from nvfp4: bf16)"),
+                                        ("fp4", "--cast 'fp4' is not available; expected one of bf16, fp8-block, "
+                                                "nvfp4")])
 def test_a_cast_the_source_has_not_is_refused_before_reading_it(capsys, tmp_path, cast, said):
     code, _, err, output = cli_convert(capsys, tmp_path, "ct-nvfp4a16", "--cast", cast)
     assert code == 2 and said in " ".join(err.split()) and "Traceback" not in err and not output.exists()
@@ -391,6 +393,7 @@ def test_nvfp4_cast_of_llm_compressor_mxfp4_is_the_producers_nvfp4a16_form_and_d
     assert (cast["target"], cast["blocks"], cast["exact"], cast["linears"], cast["bound"]) == ("nvfp4", 4608, 4608,
                                                                                                 32, 0.0)
     assert verify(output, level="lossless", workers=1).ok
+    assert "serve: stock vLLM 0.33 (its compressed-tensors NVFP4 MoE method" in " ".join(out.split())
 
 
 def test_nvfp4_cast_census_refusal_and_an_allowed_inexact_cast_as_compressed_tensors_reads_it(capsys, tmp_path,
