@@ -99,18 +99,19 @@ def targets_of(weight: FloatWeight) -> tuple[str, ...]:
     return TARGETS[weight.scheme.name]
 
 
-def census(weight: FloatWeight, target: str) -> Census:
-    """Count `weight`'s exact target blocks (`exact_blocks`) and the worst relative error of the others."""
-    exact, reserved, errors, exponent = _blocks(weight, target)
+def census(weight: FloatWeight, target: str, exponent: int | None = None) -> Census:
+    """Count `weight`'s exact target blocks (`exact_blocks`) and the worst relative error of the others
+    (`exponent`: nvfp4's γ where linears share it, `shared_exponents`; None: the linear's own)."""
+    exact, reserved, errors, exponent = _blocks(weight, target, exponent)
     inexact = ~exact & ~reserved
     worst = float(errors[inexact].max()) if inexact.any() else 0.0
     return Census(target, int(exact.size), int(exact.sum()), int(reserved.sum()), worst, exponent)
 
 
-def exact_blocks(weight: FloatWeight, target: str) -> np.ndarray:
+def exact_blocks(weight: FloatWeight, target: str, exponent: int | None = None) -> np.ndarray:
     """The exactness predicate: a bool array, one per target block (fp8-block: (ceil(N/128), ceil(K/128));
     nvfp4: (N, K/16); bf16: the source's blocks, (N, K/block)), decided from the bytes alone."""
-    return _blocks(weight, target)[0]
+    return _blocks(weight, target, exponent)[0]
 
 
 def representable(odd: np.ndarray, exponent: np.ndarray, fmt: FloatFormat) -> np.ndarray:
@@ -205,7 +206,8 @@ def _per_block(array: np.ndarray, block: int, reduce) -> np.ndarray:
 
 # ---- per target ---------------------------------------------------------------------------------------
 
-def _blocks(weight: FloatWeight, target: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int | None]:
+def _blocks(weight: FloatWeight, target: str,
+            exponent: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int | None]:
     """(exact, reserved, worst relative error: 0 for exact blocks) per target block, and the global scale's
     exponent (nvfp4)."""
     if target not in targets_of(weight):
@@ -214,7 +216,7 @@ def _blocks(weight: FloatWeight, target: str) -> tuple[np.ndarray, np.ndarray, n
     if target == FP8_BLOCK:
         return (*_fp8_block(weight), None)
     if target == NVFP4:
-        return _nvfp4(weight)
+        return _nvfp4(weight, exponent)
     return (*_bf16(weight), None)
 
 
@@ -312,13 +314,43 @@ def _bf16(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return exact, blocked, errors
 
 
-def _nvfp4_groups(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Per 16-group: its UE8M0 byte b, whether its codes are all zero, whether b is reserved; and the chosen γ."""
+def _nvfp4_groups(weight: FloatWeight,
+                  exponent: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Per 16-group: its UE8M0 byte b, whether its codes are all zero, whether b is reserved; and γ (`exponent`,
+    or the linear's own choice)."""
     assert weight.scheme.scale_encoding == UE8M0 and weight.scheme.block % NVFP4_GROUP == 0, weight.scheme
     b = np.repeat(weight.scales, weight.scheme.block // NVFP4_GROUP, axis=1)  # (N, K/16): each group's byte
     zero = _per_block(weight.codes & 7 == 0, NVFP4_GROUP, np.all)
     reserved = b == UE8M0_NAN
-    return b, zero, reserved, choose_global_exponent(b[~zero & ~reserved])
+    if exponent is None:
+        exponent = choose_global_exponent(b[~zero & ~reserved])
+    return b, zero, reserved, exponent
+
+
+def global_bytes(weight: FloatWeight) -> np.ndarray:
+    """The UE8M0 bytes of the groups of 16 an nvfp4 cast's global scale is chosen over (not all-zero, not
+    reserved)."""
+    b, zero, reserved, _ = _nvfp4_groups(weight, 0)
+    return b[~zero & ~reserved]
+
+
+# The linears an engine fuses into one and reads one global scale for: an expert's gate and up (vLLM's NVFP4 MoE
+# method takes gate's for both, `CompressedTensorsW4A4Nvfp4MoEMethod.process_weights_after_loading`).
+FUSED = (("gate", "up"),)
+
+
+def shared_exponents(weights: dict[str, FloatWeight], target: str) -> dict[str, int | None]:
+    """Per key of `weights` (an expert's projections), the γ its nvfp4 cast takes: one γ for each set of `FUSED`
+    present, chosen over the set's bytes together (`choose_global_exponent`); None (the linear's own) otherwise
+    and for other targets."""
+    found: dict[str, int | None] = dict.fromkeys(weights)
+    if target != NVFP4:
+        return found
+    for fused in FUSED:
+        if all(key in weights for key in fused):
+            gamma = choose_global_exponent(np.concatenate([global_bytes(weights[key]) for key in fused]))
+            found.update(dict.fromkeys(fused, gamma))
+    return found
 
 
 def nvfp4_scale(relative: np.ndarray) -> np.ndarray:
@@ -329,8 +361,8 @@ def nvfp4_scale(relative: np.ndarray) -> np.ndarray:
                        E4M3_FORMAT.top)
 
 
-def _nvfp4(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    b, zero, reserved, exponent = _nvfp4_groups(weight)
+def _nvfp4(weight: FloatWeight, exponent: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    b, zero, reserved, exponent = _nvfp4_groups(weight, exponent)
     low, high = NVFP4_SCALE_RANGE
     relative = b.astype(np.int64) - 127 - exponent
     exact = ~reserved & (zero | ((relative >= low) & (relative <= high)))
@@ -375,7 +407,7 @@ def choose_global_exponent(scale_bytes: np.ndarray) -> int:
 CASTS = (BF16, FP8_BLOCK, NVFP4)  # the casts `convert --cast` writes
 
 
-def cast_values(weight: FloatWeight, target: str) -> np.ndarray:
+def cast_values(weight: FloatWeight, target: str, exponent: int | None = None) -> np.ndarray:
     """The (N, K) values the cast writes, float64: each source value rounded to the target (bf16: to the
     nearest bfloat16, overflow to infinity; fp8-block: divided by its tile's 2^t, rounded to the nearest E4M3
     value, saturating, times 2^t; nvfp4: divided by its group's E4M3 scale (`nvfp4_scale`) times G = 2^γ, rounded
@@ -387,22 +419,22 @@ def cast_values(weight: FloatWeight, target: str) -> np.ndarray:
         if target == BF16:
             return round_to(values, BF16_FORMAT, saturate=False)
         if target == NVFP4:
-            b, _, _, exponent = _nvfp4_groups(weight)
+            b, _, _, exponent = _nvfp4_groups(weight, exponent)
             step = np.repeat(nvfp4_scale(b.astype(np.int64) - 127 - exponent) * 2.0 ** exponent, NVFP4_GROUP, axis=1)
             return round_to(values / step, E2M1_FORMAT, saturate=True) * step
         shift = _spread(_fp8_shift(weight)[0], FP8_BLOCK_SHAPE, weight.codes)
         return np.ldexp(round_to(np.ldexp(values, -shift), E4M3_FORMAT, saturate=True), shift)
 
 
-def exact_elements(weight: FloatWeight, target: str) -> np.ndarray:
+def exact_elements(weight: FloatWeight, target: str, exponent: int | None = None) -> np.ndarray:
     """(N, K) bool: whether each element lies in a block the predicate calls exact (`exact_blocks`)."""
-    exact = exact_blocks(weight, target)
+    exact = exact_blocks(weight, target, exponent)
     if target == FP8_BLOCK:
         return _spread(exact, FP8_BLOCK_SHAPE, weight.codes)
     return np.repeat(exact, NVFP4_GROUP if target == NVFP4 else weight.scheme.block, axis=1)
 
 
-def cast_arrays(weight: FloatWeight, target: str) -> dict[str, np.ndarray]:
+def cast_arrays(weight: FloatWeight, target: str, exponent: int | None = None) -> dict[str, np.ndarray]:
     """The stored arrays of one cast linear: bf16 `weight` (uint16 bit patterns); fp8-block `weight` (E4M3
     bytes) and `weight_scale_inv` (float32); nvfp4 compressed-tensors' `weight_packed`, `weight_scale` (E4M3
     bytes, as uint8) and `weight_global_scale` (float32 (1,), 1 / G, divided by: `_nvfp4_arrays`). `cast_values`, encoded, by table: a bf16 value depends only on the
@@ -421,7 +453,7 @@ def cast_arrays(weight: FloatWeight, target: str) -> dict[str, np.ndarray]:
         rows = np.repeat(weight.scales.astype(np.uint16) << 4, block, axis=1)
         return {"weight": bits[rows | weight.codes]}
     if target == NVFP4:
-        return _nvfp4_arrays(weight)
+        return _nvfp4_arrays(weight, exponent)
     shift = _fp8_shift(weight)[0]
     low, high = _FP8_OFFSETS
     # one offset a source block (its byte and its tile's t), then each element's row of the table
@@ -432,12 +464,12 @@ def cast_arrays(weight: FloatWeight, target: str) -> dict[str, np.ndarray]:
             "weight_scale_inv": np.ldexp(np.float32(1.0), shift).astype(np.float32)}
 
 
-def _nvfp4_arrays(weight: FloatWeight) -> dict[str, np.ndarray]:
+def _nvfp4_arrays(weight: FloatWeight, exponent: int | None = None) -> dict[str, np.ndarray]:
     """`cast_values` for nvfp4, encoded by tables over the scale bytes: a group's E4M3 scale byte depends only on
     its UE8M0 byte b (`nvfp4_scale` of b - 127 - γ), and each output code only on (b, code): E2M1(code) ·
     2^(b - 127 - γ) / scale rounded to E2M1, which is the code itself wherever the scale is exactly 2^(b - 127 - γ)
     (every exact group), so the source's packed bytes are kept as they are unless some byte re-codes."""
-    b, _, reserved, exponent = _nvfp4_groups(weight)
+    b, _, reserved, exponent = _nvfp4_groups(weight, exponent)
     if reserved.any():
         raise ValueError("a reserved UE8M0 scale byte (0xFF) has no NVFP4 cast (the source formats refuse it)")
     bytes_ = np.arange(255)
@@ -536,11 +568,12 @@ class CastWeight:
         codes, scale_inv = self.tensors["weight"].view(np.uint8), self.tensors["weight_scale_inv"].astype(np.float64)
         return e4m3_values(codes) * _spread(scale_inv, FP8_BLOCK_SHAPE, codes)
 
-    def mismatch(self, source: object) -> str | None:
+    def mismatch(self, source: object, exponent: int | None = None) -> str | None:
         """None if every value of an exact block equals the source's value as a real (compared in float64,
         where both are exact: an exact block's values are target values, so even a divided NVFP4 global
         scale's quotient is computed exactly) and every other value is the cast's rounding of it; else the
-        first difference. A bf16 cast is compared by its bit patterns (`_bf16_mismatch`)."""
+        first difference. A bf16 cast is compared by its bit patterns (`_bf16_mismatch`). `exponent`: the γ an nvfp4
+        cast shares with its fused siblings (`shared_exponents`), None: the linear's own."""
         if not isinstance(source, FloatWeight):
             return f"a {self.target} cast compared with {type(source).__name__}"
         if self.shape != source.codes.shape:
@@ -548,16 +581,16 @@ class CastWeight:
         if self.target == BF16:
             return self._bf16_mismatch(source)
         if self.target == NVFP4:
-            stored, exponent = self.tensors["weight_global_scale"], _nvfp4_groups(source)[3]
+            stored, exponent = self.tensors["weight_global_scale"], _nvfp4_groups(source, exponent)[3]
             if stored.shape != (1,) or float(stored[0]) != np.ldexp(1.0, -exponent):
                 return f"weight_global_scale {stored.tolist()} != the cast's [2^{-exponent}] (1 / G, G = 2^{exponent})"
         values = self.values
-        exact = exact_elements(source, self.target)
+        exact = exact_elements(source, self.target, exponent)
         with np.errstate(over="ignore"):
             truth = source.dequantize()
         checks = [(exact, truth, "the source's value, in an exact block")]
         if not exact.all():  # the rounding is computed only where some block needs it
-            checks.append((~exact, cast_values(source, self.target), "the cast's rounding of the source's, in an "
+            checks.append((~exact, cast_values(source, self.target, exponent), "the cast's rounding of the source's, in an "
                                                                       "inexact block"))
         for where, want, what in checks:
             differ = where & ~((values == want) & (np.signbit(values) == np.signbit(want)))

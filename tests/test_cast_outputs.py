@@ -384,6 +384,13 @@ def test_nvfp4_cast_of_llm_compressor_mxfp4_is_the_producers_nvfp4a16_form_and_d
         assert tensors[f"{prefix}.{suffix}"][1].shape == preset[f"{prefix}.{suffix}"][1].shape, suffix
     assert not [name for name in tensors if name.endswith(".weight") and tensors[name][0] == "BF16"
                 and ".self_attn." in name and "norm" not in name]  # the MXFP4 attention is cast too
+    # vLLM's NVFP4 MoE method reads one global scale for gate and up (gate's): the cast writes them equal
+    for layer in range(2):
+        for expert in range(4):
+            at = f"model.layers.{layer}.mlp.experts.{expert}"
+            gate, up = (tensors[f"{at}.{name}_proj.weight_global_scale"][1] for name in ("gate", "up"))
+            assert gate.tolist() == up.tolist() and preset[f"{at}.gate_proj.weight_global_scale"][1].tolist() == \
+                preset[f"{at}.up_proj.weight_global_scale"][1].tolist(), at
     config = json.loads((output / "config.json").read_text())["quantization_config"]
     made = json.loads((DATA / "ct-nvfp4a16" / "config.json").read_text())["quantization_config"]
     assert config["config_groups"] == made["config_groups"]
@@ -427,3 +434,27 @@ def test_nvfp4_cast_census_refusal_and_an_allowed_inexact_cast_as_compressed_ten
     assert sorted(entry["tensor"] for entry in cast["inexact"]) == sorted(over + spread)
     assert cast["bound"] == worst == 1.0
     assert verify(output, level="lossless", workers=1).ok
+
+
+def test_an_experts_gate_and_up_share_one_nvfp4_global_scale_and_the_census_counts_under_it():
+    """gate's bytes 110 .. 127 and up's 100 .. 117: each alone within E4M3's 18 binades, together 28. The shared γ
+    (the one vLLM reads for both) leaves exactly the groups outside its 18-binade window inexact, counted by hand."""
+    rng = np.random.default_rng(3)
+    codes = rng.integers(1, 8, (32, 128), dtype=np.uint8)  # no zero magnitude: every group counts
+    gate = FloatWeight.from_codes(codes, np.tile(np.arange(110, 128, dtype=np.uint8), 8)[:128].reshape(32, 4), MXFP4)
+    up = FloatWeight.from_codes(codes, np.tile(np.arange(100, 118, dtype=np.uint8), 8)[:128].reshape(32, 4), MXFP4)
+    assert casts.census(gate, casts.NVFP4).exact == casts.census(up, casts.NVFP4).exact == 256  # alone: all exact
+    shared = casts.shared_exponents({"gate": gate, "up": up, "down": gate}, casts.NVFP4)
+    gamma = shared["gate"]
+    assert shared["up"] == gamma and shared["down"] is None
+    for weight in (gate, up):
+        byte = np.repeat(weight.scales.astype(int), 2, axis=1)  # each 32-block's two groups
+        by_hand = int(((byte - 127 - gamma >= -9) & (byte - 127 - gamma <= 8)).sum())
+        assert casts.census(weight, casts.NVFP4, gamma).exact == by_hand
+        arrays = casts.cast_arrays(weight, casts.NVFP4, gamma)
+        assert arrays["weight_global_scale"].tolist() == [2.0 ** -gamma]
+        assert casts.CastWeight.of(casts.NVFP4, arrays).mismatch(weight, gamma) is None
+        if casts.census(weight, casts.NVFP4).scale_exponent != gamma:  # held to its own γ, the shared scale fails
+            assert casts.CastWeight.of(casts.NVFP4, arrays).mismatch(weight).startswith("weight_global_scale")
+    together = sum(casts.census(weight, casts.NVFP4, gamma).exact for weight in (gate, up))
+    assert together < 512  # 28 binades: some group of one of them is outside any one window

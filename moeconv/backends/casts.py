@@ -89,9 +89,11 @@ class CastBackend(PerLinearBackend):
         return False
 
     def from_float(self, expert: dict[str, FloatWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
+        """Each projection's cast; an nvfp4 cast's gate and up under one global scale (casts.shared_exponents)."""
+        shared = casts.shared_exponents(expert, self.target)
         return {f"{name}.{suffix}": array
                 for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer))
-                for suffix, array in self.from_float_linear(expert[projection], linear).items()}
+                for suffix, array in casts.cast_arrays(expert[projection], self.target, shared[projection]).items()}
 
     def from_float_linear(self, weight: FloatWeight, linear: LinearShape) -> dict[str, np.ndarray]:
         return casts.cast_arrays(weight, self.target)
