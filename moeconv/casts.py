@@ -337,6 +337,8 @@ def global_bytes(weight: FloatWeight) -> np.ndarray:
 # The linears an engine fuses into one and reads one global scale for: an expert's gate and up (vLLM's NVFP4 MoE
 # method takes gate's for both, `CompressedTensorsW4A4Nvfp4MoEMethod.process_weights_after_loading`).
 FUSED = (("gate", "up"),)
+# The dense linears vLLM fuses (QKVParallelLinear, MergedColumnParallelLinear), by their checkpoint names.
+FUSED_DENSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def shared_exponents(weights: dict[str, FloatWeight], target: str) -> dict[str, int | None]:
@@ -663,8 +665,11 @@ class Tally:
         self.blocks = self.exact = self.reserved = self.linears = 0
         self.worst = 0.0
         self.inexact: list[dict[str, Any]] = []
+        self.exponents: dict[str, int] = {}  # nvfp4: each linear's γ (not recorded: the output's global scales say it)
 
     def add(self, name: str, counted: Census) -> None:
+        if counted.scale_exponent is not None:
+            self.exponents[name] = counted.scale_exponent
         self.linears += 1
         self.blocks += counted.blocks
         self.exact += counted.exact
@@ -672,6 +677,23 @@ class Tally:
         if counted.exact < counted.blocks:
             self.inexact.append({"tensor": name, **counted.to_json()})
             self.worst = max(self.worst, counted.worst_relative_error)
+
+    def unshared(self) -> str | None:
+        """Where linears an engine fuses into one (a module's q/k/v, a dense MLP's gate/up: `FUSED_DENSE`) got
+        different nvfp4 global scales (each dense linear is decided alone; an expert's gate and up share one):
+        vLLM reads one for the fused layer (the largest, `CompressedTensorsW4A4Fp4.process_weights_after_loading`),
+        so the others' values would be wrong there. None where every fused set agrees."""
+        sets: dict[tuple[str, int], dict[str, int]] = {}
+        for name, gamma in self.exponents.items():
+            parent, _, leaf = name.rpartition(".")
+            for index, fused in enumerate(FUSED_DENSE):
+                if leaf in fused:
+                    sets.setdefault((parent, index), {})[leaf] = gamma
+        for (parent, _), found in sets.items():
+            if len(set(found.values())) > 1:
+                shown = ", ".join(f"{leaf} 2^{gamma}" for leaf, gamma in found.items())
+                return f"{parent}: the linears an engine fuses would get different NVFP4 global scales ({shown})"
+        return None
 
     @property
     def is_exact(self) -> bool:

@@ -407,10 +407,19 @@ def test_nvfp4_cast_census_refusal_and_an_allowed_inexact_cast_as_compressed_ten
                                                                                              synthetic):
     """The synthetic source: every value 6, but one 32-block of byte 254 (6 · 2^127) in 3 linears and one of byte
     100 (6 · 2^-27) in 2: each such block is 2 groups of 16 that no E4M3 scale under the linear's one global scale
-    holds beside the others' 6 (2^127 and 2^-27 are 127 and 27 binades from 2^0; E4M3 spans 18)."""
+    holds beside the others' 6 (2^127 and 2^-27 are 127 and 27 binades from 2^0; E4M3 spans 18). q_proj's outlier
+    would give it another global scale than k_proj and v_proj, which is refused first (the next test); here it is
+    taken out again: 8 groups inexact in 4 linears."""
     folder, over, spread = synthetic
+    code, _, err = run_main(capsys, "convert", folder, "-o", tmp_path / "refused", "--cast", "nvfp4", "-q",
+                            "--allow-inexact")
+    assert code == 2 and "model.layers.0.self_attn: the linears an engine fuses would get different NVFP4 global " \
+        "scales (k_proj 2^-8, q_proj 2^9, v_proj 2^-8)" in " ".join(err.split())
+    entry = open_checkpoint(folder).tensors["model.layers.0.self_attn.q_proj.weight_scale"]
+    _rewrite(folder, entry.name, np.full(entry.shape, 127))
+    over = [name for name in over if ".self_attn." not in name]
     code, _, err = run_main(capsys, "convert", folder, "-o", tmp_path / "refused", "--cast", "nvfp4", "-q")
-    assert code == 2 and "MXFP4 -> NVFP4: 10 of 4608 blocks inexact in 5 of 32 linears" in " ".join(err.split())
+    assert code == 2 and "MXFP4 -> NVFP4: 8 of 4608 blocks inexact in 4 of 32 linears" in " ".join(err.split())
     assert not (tmp_path / "refused").exists()
     code, _, err = run_main(capsys, "convert", folder, "-o", tmp_path / "out", "--cast", "nvfp4", "-q",
                             "--allow-inexact", "--workers", "1")
@@ -458,3 +467,19 @@ def test_an_experts_gate_and_up_share_one_nvfp4_global_scale_and_the_census_coun
             assert casts.CastWeight.of(casts.NVFP4, arrays).mismatch(weight).startswith("weight_global_scale")
     together = sum(casts.census(weight, casts.NVFP4, gamma).exact for weight in (gate, up))
     assert together < 512  # 28 binades: some group of one of them is outside any one window
+
+
+def test_an_nvfp4_cast_whose_fused_dense_linears_would_get_different_global_scales_is_refused(capsys, tmp_path):
+    """ct-mxfp4a16 with q_proj's scale bytes all 127 and k_proj's all 100 (27 binades apart): each linear's own
+    global scale differs, and vLLM reads one for the fused qkv: refused, nothing written."""
+    folder = tmp_path / "source"
+    shutil.copytree(DATA / "ct-mxfp4a16", folder)
+    tensors = open_checkpoint(folder).tensors
+    for name, byte in (("q_proj", 127), ("k_proj", 100)):
+        entry = tensors[f"model.layers.0.self_attn.{name}.weight_scale"]
+        _rewrite(folder, entry.name, np.full(entry.shape, byte))
+    code, _, err = run_main(capsys, "convert", folder, "-o", tmp_path / "out", "--cast", "nvfp4", "-q")
+    line = " ".join(err.split())
+    assert code == 2 and "Traceback" not in err and not (tmp_path / "out").exists()
+    assert "model.layers.0.self_attn: the linears an engine fuses would get different NVFP4 global scales" in line
+    assert "q_proj 2^-8" in line and "k_proj 2^-35" in line
