@@ -586,6 +586,8 @@ class CastWeight:
             stored, exponent = self.tensors["weight_global_scale"], _nvfp4_groups(source, exponent)[3]
             if stored.shape != (1,) or float(stored[0]) != np.ldexp(1.0, -exponent):
                 return f"weight_global_scale {stored.tolist()} != the cast's [2^{-exponent}] (1 / G, G = 2^{exponent})"
+            if self._nvfp4_same_codes(source, exponent):
+                return None
         values = self.values
         exact = exact_elements(source, self.target, exponent)
         with np.errstate(over="ignore"):
@@ -601,6 +603,19 @@ class CastWeight:
                 return (f"{int(differ.sum())} value(s) differ from {what} (first at {list(first)}: "
                         f"{values[first]!r} != {want[first]!r})")
         return None
+
+    def _nvfp4_same_codes(self, source: FloatWeight, exponent: int) -> bool:
+        """Whether every group is exact and the output holds the source's own codes, each group's scale byte reading
+        (`e4m3_values`, one value a group) as exactly 2^(b - 127 - γ): then every value E2M1(c) · 2^(b - 127 - γ) ·
+        2^γ (the global scale held to 2^-γ before) is the source's E2M1(c) · 2^(b - 127) as a real, without a
+        float64 of every element. Otherwise (an inexact group, or any byte otherwise) the element check decides
+        and names the first difference."""
+        b, _, _, gamma = _nvfp4_groups(source, exponent)
+        if not exact_blocks(source, NVFP4, gamma).all() or not np.array_equal(self.tensors["weight_packed"],
+                                                                             source.packed):
+            return False
+        scales = e4m3_values(self.tensors["weight_scale"].view(np.uint8))
+        return bool(np.array_equal(scales, np.ldexp(1.0, b.astype(np.int64) - 127 - gamma)))
 
     def _bf16_mismatch(self, source: FloatWeight) -> str | None:
         """The same comparison for bf16, without a float64 of every element: a source value depends only on its
