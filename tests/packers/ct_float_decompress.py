@@ -26,8 +26,11 @@ from safetensors.torch import load_file, save_file
 def main() -> None:
     out, target = Path(sys.argv[1]), Path(sys.argv[2])
     config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
-    groups = [group for group in config.config_groups.values() if group.format in ("nvfp4-pack-quantized",
-                                                                                    "mxfp4-pack-quantized")]
+    groups = [
+        group
+        for group in config.config_groups.values()
+        if group.format in ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
+    ]
     (group,) = groups
     tensors = {}
     for shard in sorted(out.glob("*.safetensors")):
@@ -37,7 +40,7 @@ def main() -> None:
         prefix = name.removesuffix(".weight_packed")
         if prefix == name:
             continue
-        local = {key[len(prefix) + 1:]: value for key, value in tensors.items() if key.startswith(prefix + ".")}
+        local = {key[len(prefix) + 1 :]: value for key, value in tensors.items() if key.startswith(prefix + ".")}
         weight = BaseCompressor.get_value_from_registry(group.format).decompress(local, group)["weight"]
         found[f"{prefix}.weight"] = weight.to(torch.float32).contiguous()
     save_file(found, str(target))
