@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeconv import casts
-from moeconv.api import verify
+from moeconv.api import inspect, verify
 from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.float_codes import MXFP4, FloatWeight
 from moeconv.render import verdict
@@ -442,6 +442,9 @@ def test_nvfp4_cast_census_refusal_and_an_allowed_inexact_cast_as_compressed_ten
     cast = json.loads((output / "moeconv.json").read_text())["cast"]
     assert sorted(entry["tensor"] for entry in cast["inexact"]) == sorted(over + spread)
     assert cast["bound"] == worst == 1.0
+    # inspect counts the experts as convert does (gate and up under one global scale)
+    inspected = inspect(folder, casts=True)["casts"]["nvfp4"]
+    assert inspected["inexact"] == [entry for entry in cast["inexact"] if ".mlp.experts." in entry["tensor"]]
     assert verify(output, level="lossless", workers=1).ok
 
 
