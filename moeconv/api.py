@@ -47,8 +47,8 @@ def plan(source: str | Path, *, backend: str = "triton", revision: str | None = 
     """backend: a backend name or "auto". trust: None (refuse when tensors and config disagree, or when
     the data cannot decide), "config" or "data". tp: tensor-parallel size to check eligibility for.
     regroup: allow a lossless halving of the group size when that makes the backend fit. zero_format:
-    "gptq" (v1) or "gptq_v2" for an asymmetric GPTQ source whose data cannot tell them apart. cast: "bf16" or
-    "fp8-block" (backends.CASTS): the float codes cast to that code instead of a backend's layout; allow_inexact:
+    "gptq" (v1) or "gptq_v2" for an asymmetric GPTQ source whose data cannot tell them apart. cast: "bf16",
+    "fp8-block" or "nvfp4" (backends.CASTS): the float codes cast to that code instead of a backend's layout; allow_inexact:
     write it even where the census finds inexact blocks (else convert refuses)."""
     return make_plan(open_source(source, revision, local_files_only), backend=backend,
                      max_shard_size=max_shard_size, trust=trust, tp=tp, regroup=regroup, zero_format=zero_format,

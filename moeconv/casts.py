@@ -41,7 +41,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from moeconv.float_codes import DIVIDE, E2M1_VALUES, E4M3, E4M3_NAN_MAGNITUDE, UE8M0, UE8M0_NAN, FloatWeight
+from moeconv.float_codes import (DIVIDE, E2M1_VALUES, E4M3, E4M3_NAN_MAGNITUDE, UE8M0, UE8M0_NAN, FloatWeight,
+                                 pack_codes, scale_values, unpack_codes)
 
 
 class FloatFormat(NamedTuple):
@@ -98,18 +99,19 @@ def targets_of(weight: FloatWeight) -> tuple[str, ...]:
     return TARGETS[weight.scheme.name]
 
 
-def census(weight: FloatWeight, target: str) -> Census:
-    """Count `weight`'s exact target blocks (`exact_blocks`) and the worst relative error of the others."""
-    exact, reserved, errors, exponent = _blocks(weight, target)
+def census(weight: FloatWeight, target: str, exponent: int | None = None) -> Census:
+    """Count `weight`'s exact target blocks (`exact_blocks`) and the worst relative error of the others
+    (`exponent`: nvfp4's γ where linears share it, `shared_exponents`; None: the linear's own)."""
+    exact, reserved, errors, exponent = _blocks(weight, target, exponent)
     inexact = ~exact & ~reserved
     worst = float(errors[inexact].max()) if inexact.any() else 0.0
     return Census(target, int(exact.size), int(exact.sum()), int(reserved.sum()), worst, exponent)
 
 
-def exact_blocks(weight: FloatWeight, target: str) -> np.ndarray:
+def exact_blocks(weight: FloatWeight, target: str, exponent: int | None = None) -> np.ndarray:
     """The exactness predicate: a bool array, one per target block (fp8-block: (ceil(N/128), ceil(K/128));
     nvfp4: (N, K/16); bf16: the source's blocks, (N, K/block)), decided from the bytes alone."""
-    return _blocks(weight, target)[0]
+    return _blocks(weight, target, exponent)[0]
 
 
 def representable(odd: np.ndarray, exponent: np.ndarray, fmt: FloatFormat) -> np.ndarray:
@@ -173,7 +175,7 @@ def _scale_dyadic(scales: np.ndarray, encoding: str) -> tuple[np.ndarray, np.nda
 def _pair_dyadic(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """|E2M1(code) · scale(byte) (· global)| as odd · 2^e for every scale byte and code magnitude ((256, 8)
     int64 each, indexed [byte, code & 7]; odd -1: not dyadic), and whether the byte is reserved. Every
-    property of a value is a lookup in a table of these 2048 pairs (`_pair_index`)."""
+    property of a value is a lookup in a table of these 2048 pairs."""
     scheme = weight.scheme
     scale_odd, scale_exp, reserved = _scale_dyadic(np.arange(256, dtype=np.uint8), scheme.scale_encoding)
     odd = scale_odd[:, None] * _E2M1_ODD[None, :]
@@ -189,10 +191,11 @@ def _pair_dyadic(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return odd, exponent, np.broadcast_to(reserved[:, None], odd.shape)
 
 
-def _pair_index(weight: FloatWeight) -> np.ndarray:
-    """(N, K) uint16: each element's row in the pair tables, scale byte · 8 + code magnitude."""
-    scales = np.repeat(weight.scales.astype(np.uint16) << 3, weight.scheme.block, axis=1)
-    return scales | (weight.codes & 7)
+def _present(weight: FloatWeight) -> np.ndarray:
+    """(N, K / block) uint8: bit m set iff some code of the block has magnitude m (code & 7)."""
+    n, k = weight.codes.shape
+    block = weight.scheme.block
+    return np.bitwise_or.reduce((np.uint8(1) << (weight.codes & 7)).reshape(n, k // block, block), axis=2)
 
 
 def _per_block(array: np.ndarray, block: int, reduce) -> np.ndarray:
@@ -203,7 +206,8 @@ def _per_block(array: np.ndarray, block: int, reduce) -> np.ndarray:
 
 # ---- per target ---------------------------------------------------------------------------------------
 
-def _blocks(weight: FloatWeight, target: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int | None]:
+def _blocks(weight: FloatWeight, target: str,
+            exponent: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int | None]:
     """(exact, reserved, worst relative error: 0 for exact blocks) per target block, and the global scale's
     exponent (nvfp4)."""
     if target not in targets_of(weight):
@@ -212,7 +216,7 @@ def _blocks(weight: FloatWeight, target: str) -> tuple[np.ndarray, np.ndarray, n
     if target == FP8_BLOCK:
         return (*_fp8_block(weight), None)
     if target == NVFP4:
-        return _nvfp4(weight)
+        return _nvfp4(weight, exponent)
     return (*_bf16(weight), None)
 
 
@@ -251,13 +255,13 @@ def _fp8_shift(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     # a block's largest floor and smallest low bit are its byte's offset plus those of the codes present in it:
     # one mask of the magnitudes present per block (an OR over the block), looked up in tables over the 256 masks.
     assert weight.scheme.scale_encoding == UE8M0 and weight.global_scale is None, weight.scheme
-    block, (n, k) = weight.scheme.block, weight.codes.shape
+    block = weight.scheme.block
     row = 127 * 8  # the pairs of byte 127 (scale 1): codes 0 .. 7
     masks = np.arange(256)[:, None] >> np.arange(8)[None, :] & 1 == 1  # (mask, magnitude): present
     mask_floor = np.where(masks, floor_table[row:row + 8], _LOWEST).max(axis=1)
     mask_low = np.where(masks, low_table[row:row + 8], _HIGHEST).min(axis=1)
     mask_fits = np.where(masks, fits_table[row:row + 8], True).all(axis=1)
-    present = np.bitwise_or.reduce((np.uint8(1) << (weight.codes & 7)).reshape(n, k // block, block), axis=2)
+    present = _present(weight)
     offset = weight.scales.astype(np.int64) - 127
     usable = weight.scales != UE8M0_NAN
     floor = np.where(usable & (mask_floor[present] != _LOWEST), mask_floor[present] + offset, _LOWEST)
@@ -290,9 +294,13 @@ def _fp8_block(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 def _bf16(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     odd, exponent, reserved = _pair_dyadic(weight)
-    table = (representable(odd, exponent, BF16_FORMAT) & ~reserved).ravel()
+    table = representable(odd, exponent, BF16_FORMAT) & ~reserved  # (byte, magnitude)
     block = weight.scheme.block
-    exact = _per_block(table[_pair_index(weight)], block, np.all)
+    # a block is exact iff every magnitude present in it is representable under its byte: one mask of the
+    # magnitudes present per block (an OR over the block), looked up in a table over (byte, mask)
+    masks = np.arange(256)[:, None] >> np.arange(8)[None, :] & 1 == 1  # (mask, magnitude): present
+    by_mask = (table[:, None, :] | ~masks[None, :, :]).all(axis=2) & ~reserved[:, :1]  # (byte, mask)
+    exact = by_mask[weight.scales, _present(weight)]
     blocked = _scale_dyadic(weight.scales, weight.scheme.scale_encoding)[2]
     errors = np.zeros(exact.shape)
     inexact = ~exact & ~blocked
@@ -306,13 +314,57 @@ def _bf16(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return exact, blocked, errors
 
 
-def _nvfp4(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def _nvfp4_groups(weight: FloatWeight,
+                  exponent: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Per 16-group: its UE8M0 byte b, whether its codes are all zero, whether b is reserved; and γ (`exponent`,
+    or the linear's own choice)."""
     assert weight.scheme.scale_encoding == UE8M0 and weight.scheme.block % NVFP4_GROUP == 0, weight.scheme
-    halves = weight.scheme.block // NVFP4_GROUP
-    b = np.repeat(weight.scales, halves, axis=1)  # (N, K/16): each group's UE8M0 byte
+    b = np.repeat(weight.scales, weight.scheme.block // NVFP4_GROUP, axis=1)  # (N, K/16): each group's byte
     zero = _per_block(weight.codes & 7 == 0, NVFP4_GROUP, np.all)
     reserved = b == UE8M0_NAN
-    exponent = choose_global_exponent(b[~zero & ~reserved])
+    if exponent is None:
+        exponent = choose_global_exponent(b[~zero & ~reserved])
+    return b, zero, reserved, exponent
+
+
+def global_bytes(weight: FloatWeight) -> np.ndarray:
+    """The UE8M0 bytes of the groups of 16 an nvfp4 cast's global scale is chosen over (not all-zero, not
+    reserved)."""
+    b, zero, reserved, _ = _nvfp4_groups(weight, 0)
+    return b[~zero & ~reserved]
+
+
+# The linears an engine fuses into one and reads one global scale for: an expert's gate and up (vLLM's NVFP4 MoE
+# method takes gate's for both, `CompressedTensorsW4A4Nvfp4MoEMethod.process_weights_after_loading`).
+FUSED = (("gate", "up"),)
+# The dense linears vLLM fuses (QKVParallelLinear, MergedColumnParallelLinear), by their checkpoint names.
+FUSED_DENSE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def shared_exponents(weights: dict[str, FloatWeight], target: str) -> dict[str, int | None]:
+    """Per key of `weights` (an expert's projections), the γ its nvfp4 cast takes: one γ for each set of `FUSED`
+    present, chosen over the set's bytes together (`choose_global_exponent`); None (the linear's own) otherwise
+    and for other targets."""
+    found: dict[str, int | None] = dict.fromkeys(weights)
+    if target != NVFP4:
+        return found
+    for fused in FUSED:
+        if all(key in weights for key in fused):
+            gamma = choose_global_exponent(np.concatenate([global_bytes(weights[key]) for key in fused]))
+            found.update(dict.fromkeys(fused, gamma))
+    return found
+
+
+def nvfp4_scale(relative: np.ndarray) -> np.ndarray:
+    """The E4M3 scale (float64) a group with UE8M0 byte b gets under G = 2^γ, from relative = b - 127 - γ:
+    2^relative rounded to the nearest E4M3, clamped to 2^-9 .. 448 (exactly 2^relative for -9 .. 8)."""
+    with np.errstate(over="ignore"):
+        return np.clip(round_to(np.ldexp(1.0, relative), E4M3_FORMAT, saturate=True), 2.0 ** NVFP4_SCALE_RANGE[0],
+                       E4M3_FORMAT.top)
+
+
+def _nvfp4(weight: FloatWeight, exponent: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    b, zero, reserved, exponent = _nvfp4_groups(weight, exponent)
     low, high = NVFP4_SCALE_RANGE
     relative = b.astype(np.int64) - 127 - exponent
     exact = ~reserved & (zero | ((relative >= low) & (relative <= high)))
@@ -320,8 +372,7 @@ def _nvfp4(weight: FloatWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray, int
     inexact = ~exact & ~reserved
     if inexact.any():  # the cast's rounding: the nearest E4M3 scale (clamped), each value to the nearest code of it
         with np.errstate(over="ignore"):
-            scale = np.clip(round_to(np.ldexp(1.0, relative[inexact]), E4M3_FORMAT, saturate=True), 2.0 ** low,
-                            E4M3_FORMAT.top)
+            scale = nvfp4_scale(relative[inexact])
             n, k = weight.codes.shape
             values = weight.dequantize().reshape(n, k // NVFP4_GROUP, NVFP4_GROUP)[inexact]
             step = scale[:, None] * 2.0 ** exponent
@@ -355,34 +406,40 @@ def choose_global_exponent(scale_bytes: np.ndarray) -> int:
 # (`cast_values`), so the values of an exact block are the source's own and the others are the rounding whose
 # worst relative error the census reports. The stored arrays follow from those values without rounding again.
 
-CASTS = (BF16, FP8_BLOCK)  # the casts `convert --cast` writes (NVFP4 from MXFP4 is decided, not written)
+CASTS = (BF16, FP8_BLOCK, NVFP4)  # the casts `convert --cast` writes
 
 
-def cast_values(weight: FloatWeight, target: str) -> np.ndarray:
+def cast_values(weight: FloatWeight, target: str, exponent: int | None = None) -> np.ndarray:
     """The (N, K) values the cast writes, float64: each source value rounded to the target (bf16: to the
     nearest bfloat16, overflow to infinity; fp8-block: divided by its tile's 2^t, rounded to the nearest E4M3
-    value, saturating, times 2^t)."""
+    value, saturating, times 2^t; nvfp4: divided by its group's E4M3 scale (`nvfp4_scale`) times G = 2^γ, rounded
+    to the nearest E2M1 value, saturating at 6, times both again)."""
     if target not in CASTS or target not in targets_of(weight):
         raise ValueError(f"no {target} cast of {weight.scheme.name} codes is written here")
     with np.errstate(over="ignore"):
         values = weight.dequantize()
         if target == BF16:
             return round_to(values, BF16_FORMAT, saturate=False)
+        if target == NVFP4:
+            b, _, _, exponent = _nvfp4_groups(weight, exponent)
+            step = np.repeat(nvfp4_scale(b.astype(np.int64) - 127 - exponent) * 2.0 ** exponent, NVFP4_GROUP, axis=1)
+            return round_to(values / step, E2M1_FORMAT, saturate=True) * step
         shift = _spread(_fp8_shift(weight)[0], FP8_BLOCK_SHAPE, weight.codes)
         return np.ldexp(round_to(np.ldexp(values, -shift), E4M3_FORMAT, saturate=True), shift)
 
 
-def exact_elements(weight: FloatWeight, target: str) -> np.ndarray:
+def exact_elements(weight: FloatWeight, target: str, exponent: int | None = None) -> np.ndarray:
     """(N, K) bool: whether each element lies in a block the predicate calls exact (`exact_blocks`)."""
-    exact = exact_blocks(weight, target)
+    exact = exact_blocks(weight, target, exponent)
     if target == FP8_BLOCK:
         return _spread(exact, FP8_BLOCK_SHAPE, weight.codes)
-    return np.repeat(exact, weight.scheme.block, axis=1)
+    return np.repeat(exact, NVFP4_GROUP if target == NVFP4 else weight.scheme.block, axis=1)
 
 
-def cast_arrays(weight: FloatWeight, target: str) -> dict[str, np.ndarray]:
+def cast_arrays(weight: FloatWeight, target: str, exponent: int | None = None) -> dict[str, np.ndarray]:
     """The stored arrays of one cast linear: bf16 `weight` (uint16 bit patterns); fp8-block `weight` (E4M3
-    bytes) and `weight_scale_inv` (float32). `cast_values`, encoded, by table: a bf16 value depends only on the
+    bytes) and `weight_scale_inv` (float32); nvfp4 compressed-tensors' `weight_packed`, `weight_scale` (E4M3
+    bytes, as uint8) and `weight_global_scale` (float32 (1,), 1 / G, divided by: `_nvfp4_arrays`). `cast_values`, encoded, by table: a bf16 value depends only on the
     element's (scale byte, code) pair and an E4M3 byte only on (scale byte - 127 - its block's t, code), so each
     table is that definition evaluated on every pair (tests/test_cast_outputs.py holds the two equal)."""
     if target not in CASTS or target not in targets_of(weight):
@@ -397,6 +454,8 @@ def cast_arrays(weight: FloatWeight, target: str) -> dict[str, np.ndarray]:
             bits = bf16_bits(round_to(table.dequantize()[:, 0], BF16_FORMAT, saturate=False))
         rows = np.repeat(weight.scales.astype(np.uint16) << 4, block, axis=1)
         return {"weight": bits[rows | weight.codes]}
+    if target == NVFP4:
+        return _nvfp4_arrays(weight, exponent)
     shift = _fp8_shift(weight)[0]
     low, high = _FP8_OFFSETS
     # one offset a source block (its byte and its tile's t), then each element's row of the table
@@ -405,6 +464,37 @@ def cast_arrays(weight: FloatWeight, target: str) -> dict[str, np.ndarray]:
     rows = np.repeat(((offset - low) << 4).astype(np.uint16), block, axis=1)
     return {"weight": _fp8_table()[rows | weight.codes],
             "weight_scale_inv": np.ldexp(np.float32(1.0), shift).astype(np.float32)}
+
+
+def _nvfp4_arrays(weight: FloatWeight, exponent: int | None = None) -> dict[str, np.ndarray]:
+    """`cast_values` for nvfp4, encoded by tables over the scale bytes: a group's E4M3 scale byte depends only on
+    its UE8M0 byte b (`nvfp4_scale` of b - 127 - γ), and each output code only on (b, code): E2M1(code) ·
+    2^(b - 127 - γ) / scale rounded to E2M1, which is the code itself wherever the scale is exactly 2^(b - 127 - γ)
+    (every exact group), so the source's packed bytes are kept as they are unless some byte re-codes."""
+    b, _, reserved, exponent = _nvfp4_groups(weight, exponent)
+    if reserved.any():
+        raise ValueError("a reserved UE8M0 scale byte (0xFF) has no NVFP4 cast (the source formats refuse it)")
+    bytes_ = np.arange(255)
+    scale = nvfp4_scale(bytes_ - 127 - exponent)
+    ratio = np.ldexp(1.0, bytes_ - 127 - exponent) / scale  # exact: both powers of two, or 448 = 7 · 2^6
+    recoded = round_to(E2M1_VALUES[None, :] * ratio[:, None], E2M1_FORMAT, saturate=True)  # (byte, code)
+    codes_table = e2m1_codes(recoded)
+    present = np.unique(weight.scales)
+    if np.array_equal(codes_table[present], np.broadcast_to(np.arange(16, dtype=np.uint8), (present.size, 16))):
+        packed = weight.packed
+    else:
+        rows = np.repeat(weight.scales.astype(np.uint16) << 4, weight.scheme.block, axis=1)
+        packed = pack_codes(codes_table.ravel()[rows | weight.codes])
+    return {"weight_packed": packed, "weight_scale": e4m3_bytes(scale)[b],
+            "weight_global_scale": np.array([np.ldexp(1.0, -exponent)], dtype=np.float32)}
+
+
+def e2m1_codes(values: np.ndarray) -> np.ndarray:
+    """float64 values that are E2M1 values -> their 4-bit codes (sign in bit 3, -0 as 8)."""
+    magnitudes = E2M1_VALUES[:8]
+    index = np.searchsorted(magnitudes, np.abs(values))
+    assert (magnitudes[np.minimum(index, 7)] == np.abs(values)).all(), "not E2M1 values"
+    return (index | (np.signbit(values).astype(np.int64) << 3)).astype(np.uint8)
 
 
 # E2M1(code) · 2^d as E4M3 bytes, for every offset d a value of a block can have: above 10 only a zero code can lie
@@ -426,8 +516,9 @@ def bf16_bits(values: np.ndarray) -> np.ndarray:
 
 
 def bf16_values(bits: np.ndarray) -> np.ndarray:
-    """uint16 bfloat16 bit patterns -> float64."""
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    """uint16 bfloat16 bit patterns -> float64 (a NaN pattern as NaN)."""
+    with np.errstate(invalid="ignore"):
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
 def e4m3_bytes(values: np.ndarray) -> np.ndarray:
@@ -444,50 +535,139 @@ def e4m3_bytes(values: np.ndarray) -> np.ndarray:
 
 def e4m3_values(codes: np.ndarray) -> np.ndarray:
     """E4M3 bytes -> float64 (S.1111.111 as NaN)."""
-    from moeconv.float_codes import scale_values
-
     return scale_values(np.arange(256, dtype=np.uint8), E4M3)[codes]  # by a table of the 256 bytes
 
 
-@dataclass(frozen=True, eq=False)
 class CastWeight:
-    """One linear of a cast output read back: its (N, K) values as float64, and the cast that wrote them.
-    `mismatch` holds them against the source's float codes (what verify compares, as the canonical forms'
-    `mismatch` do)."""
+    """One linear of a cast output read back: its stored arrays (`tensors`), the cast that wrote them, and its
+    (N, K) values as float64 (`values`, decoded when asked). `mismatch` holds them against the source's float
+    codes (what verify compares, as the canonical forms' `mismatch` do)."""
 
-    values: np.ndarray
-    target: str
+    def __init__(self, tensors: dict[str, np.ndarray], target: str):
+        self.tensors, self.target = tensors, target
 
     @classmethod
     def of(cls, target: str, tensors: dict[str, np.ndarray]) -> CastWeight:
-        if target == BF16:
-            return cls(bf16_values(tensors["weight"]), target)
-        codes, scale_inv = tensors["weight"].view(np.uint8), tensors["weight_scale_inv"].astype(np.float64)
-        return cls(e4m3_values(codes) * _spread(scale_inv, FP8_BLOCK_SHAPE, codes), target)
+        return cls(tensors, target)
 
-    def mismatch(self, source: object) -> str | None:
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.target == NVFP4:
+            n, width = self.tensors["weight_packed"].shape
+            return n, 2 * width
+        return tuple(self.tensors["weight"].shape)
+
+    @property
+    def values(self) -> np.ndarray:
+        """Exact in float64: E2M1 x E4M3 products, times 2^t (fp8-block) or divided by a power of two (nvfp4:
+        `mismatch` first holds weight_global_scale to the cast's 2^-γ)."""
+        if self.target == BF16:
+            return bf16_values(self.tensors["weight"])
+        if self.target == NVFP4:
+            scales = np.repeat(e4m3_values(self.tensors["weight_scale"].view(np.uint8)), NVFP4_GROUP, axis=1)
+            codes = unpack_codes(self.tensors["weight_packed"])
+            return E2M1_VALUES[codes] * scales / np.float64(self.tensors["weight_global_scale"].reshape(()))
+        codes, scale_inv = self.tensors["weight"].view(np.uint8), self.tensors["weight_scale_inv"].astype(np.float64)
+        return e4m3_values(codes) * _spread(scale_inv, FP8_BLOCK_SHAPE, codes)
+
+    def mismatch(self, source: object, exponent: int | None = None) -> str | None:
         """None if every value of an exact block equals the source's value as a real (compared in float64,
         where both are exact: an exact block's values are target values, so even a divided NVFP4 global
         scale's quotient is computed exactly) and every other value is the cast's rounding of it; else the
-        first difference."""
+        first difference. A bf16 cast is compared by its bit patterns (`_bf16_mismatch`). `exponent`: the γ an nvfp4
+        cast shares with its fused siblings (`shared_exponents`), None: the linear's own."""
         if not isinstance(source, FloatWeight):
             return f"a {self.target} cast compared with {type(source).__name__}"
-        if self.values.shape != source.codes.shape:
-            return f"shape {list(self.values.shape)} != the source's {list(source.codes.shape)}"
-        exact = exact_elements(source, self.target)
+        if self.shape != source.codes.shape:
+            return f"shape {list(self.shape)} != the source's {list(source.codes.shape)}"
+        if self.target == BF16:
+            return self._bf16_mismatch(source)
+        if self.target == NVFP4:
+            stored, exponent = self.tensors["weight_global_scale"], _nvfp4_groups(source, exponent)[3]
+            if stored.shape != (1,) or float(stored[0]) != np.ldexp(1.0, -exponent):
+                return f"weight_global_scale {stored.tolist()} != the cast's [2^{-exponent}] (1 / G, G = 2^{exponent})"
+            if self._nvfp4_same_codes(source, exponent):
+                return None
+        values = self.values
+        exact = exact_elements(source, self.target, exponent)
         with np.errstate(over="ignore"):
             truth = source.dequantize()
         checks = [(exact, truth, "the source's value, in an exact block")]
         if not exact.all():  # the rounding is computed only where some block needs it
-            checks.append((~exact, cast_values(source, self.target), "the cast's rounding of the source's, in an "
+            checks.append((~exact, cast_values(source, self.target, exponent), "the cast's rounding of the source's, in an "
                                                                       "inexact block"))
         for where, want, what in checks:
-            differ = where & ~((self.values == want) & (np.signbit(self.values) == np.signbit(want)))
+            differ = where & ~((values == want) & (np.signbit(values) == np.signbit(want)))
             if differ.any():
                 first = tuple(int(i) for i in np.argwhere(differ)[0])
                 return (f"{int(differ.sum())} value(s) differ from {what} (first at {list(first)}: "
-                        f"{self.values[first]!r} != {want[first]!r})")
+                        f"{values[first]!r} != {want[first]!r})")
         return None
+
+    def _nvfp4_same_codes(self, source: FloatWeight, exponent: int) -> bool:
+        """Whether every group is exact and the output holds the source's own codes, each group's scale byte reading
+        (`e4m3_values`, one value a group) as exactly 2^(b - 127 - γ): then every value E2M1(c) · 2^(b - 127 - γ) ·
+        2^γ (the global scale held to 2^-γ before) is the source's E2M1(c) · 2^(b - 127) as a real, without a
+        float64 of every element. Otherwise (an inexact group, or any byte otherwise) the element check decides
+        and names the first difference."""
+        b, _, _, gamma = _nvfp4_groups(source, exponent)
+        if not exact_blocks(source, NVFP4, gamma).all() or not np.array_equal(self.tensors["weight_packed"],
+                                                                             source.packed):
+            return False
+        scales = e4m3_values(self.tensors["weight_scale"].view(np.uint8))
+        return bool(np.array_equal(scales, np.ldexp(1.0, b.astype(np.int64) - 127 - gamma)))
+
+    def _bf16_mismatch(self, source: FloatWeight) -> str | None:
+        """The same comparison for bf16, without a float64 of every element: a source value depends only on its
+        (scale byte, code) pair (and the linear's global scale), so `_bf16_truth` evaluates the source's own
+        `dequantize` on every pair once and gives the bit pattern of the bfloat16 equal to it as a real (-1
+        where none is: never equal to a stored pattern), and of the cast's rounding of it; each element's
+        stored pattern is compared with its pair's, from the first table in an exact block and the second in
+        an inexact one. A bfloat16 other than NaN is one pattern and one real (-0 and +0 two patterns, as the
+        float64 check tells their signs apart), so equal patterns are equal reals and the converse."""
+        block = source.scheme.block
+        n, k = source.codes.shape
+        inexact = ~exact_blocks(source, BF16)
+        table = _bf16_truth(source)
+        base = (inexact.astype(np.uint16) << 12) | (source.scales.astype(np.uint16) << 4)
+        index = base[:, :, None] | source.codes.reshape(n, k // block, block)
+        differ = (table[index] != self.tensors["weight"].reshape(n, k // block, block)).reshape(n, k)
+        if not differ.any():
+            return None
+        first = tuple(int(i) for i in np.argwhere(differ)[0])
+        rounded = bool(inexact[first[0], first[1] // block])
+        what = ("the cast's rounding of the source's, in an inexact block" if rounded
+                else "the source's value, in an exact block")
+        want = table[index.reshape(n, k)[first]]
+        wanted = bf16_values(np.uint16(want)) if want >= 0 else "no bfloat16"
+        if not rounded:
+            with np.errstate(over="ignore", invalid="ignore"):
+                wanted = FloatWeight.from_codes(source.codes[first[0]:first[0] + 1],
+                                                source.scales[first[0]:first[0] + 1], source.scheme,
+                                                source.global_scale, source.input_scale).dequantize()[0, first[1]]
+        where = differ & np.repeat(inexact == rounded, block, axis=1)
+        return (f"{int(where.sum())} value(s) differ from {what} (first at {list(first)}: "
+                f"{bf16_values(self.tensors['weight'][first])!r} != {wanted!r})")
+
+
+def _bf16_truth(weight: FloatWeight) -> np.ndarray:
+    """(8192,) int32 indexed [inexact · 4096 + scale byte · 16 + code]: for an exact block the bit pattern of the
+    bfloat16 equal as a real to the source value (`FloatWeight.dequantize` of that pair, float64; -1 where no
+    bfloat16 is: not representable, or NaN), for an inexact one that of the cast's rounding (`round_to`, as
+    `cast_values`; -1 for NaN)."""
+    block, pairs = weight.scheme.block, np.arange(256 * 16)
+    table = FloatWeight.from_codes((pairs & 15).astype(np.uint8).reshape(-1, 1).repeat(block, axis=1),
+                                   (pairs >> 4).astype(np.uint8).reshape(-1, 1), weight.scheme,
+                                   weight.global_scale, weight.input_scale)
+    with np.errstate(invalid="ignore", over="ignore"):
+        values = table.dequantize()[:, 0]
+        single = values.astype(np.float32)
+        bits = single.view(np.uint32).astype(np.int64)
+        is_bf16 = (single.astype(np.float64) == values) & (bits & 0xFFFF == 0)  # NaN: never equal
+        exact = np.where(is_bf16, bits >> 16, -1)
+        rounded_values = round_to(values, BF16_FORMAT, saturate=False)
+        rounded = np.where(np.isnan(rounded_values), -1, bf16_bits(rounded_values).astype(np.int64))
+    return np.concatenate([exact, rounded]).astype(np.int32)
 
 
 class Tally:
@@ -500,8 +680,11 @@ class Tally:
         self.blocks = self.exact = self.reserved = self.linears = 0
         self.worst = 0.0
         self.inexact: list[dict[str, Any]] = []
+        self.exponents: dict[str, int] = {}  # nvfp4: each linear's γ (not recorded: the output's global scales say it)
 
     def add(self, name: str, counted: Census) -> None:
+        if counted.scale_exponent is not None:
+            self.exponents[name] = counted.scale_exponent
         self.linears += 1
         self.blocks += counted.blocks
         self.exact += counted.exact
@@ -509,6 +692,23 @@ class Tally:
         if counted.exact < counted.blocks:
             self.inexact.append({"tensor": name, **counted.to_json()})
             self.worst = max(self.worst, counted.worst_relative_error)
+
+    def unshared(self) -> str | None:
+        """Where linears an engine fuses into one (a module's q/k/v, a dense MLP's gate/up: `FUSED_DENSE`) got
+        different nvfp4 global scales (each dense linear is decided alone; an expert's gate and up share one):
+        vLLM reads one for the fused layer (the largest, `CompressedTensorsW4A4Fp4.process_weights_after_loading`),
+        so the others' values would be wrong there. None where every fused set agrees."""
+        sets: dict[tuple[str, int], dict[str, int]] = {}
+        for name, gamma in self.exponents.items():
+            parent, _, leaf = name.rpartition(".")
+            for index, fused in enumerate(FUSED_DENSE):
+                if leaf in fused:
+                    sets.setdefault((parent, index), {})[leaf] = gamma
+        for (parent, _), found in sets.items():
+            if len(set(found.values())) > 1:
+                shown = ", ".join(f"{leaf} 2^{gamma}" for leaf, gamma in found.items())
+                return f"{parent}: the linears an engine fuses would get different NVFP4 global scales ({shown})"
+        return None
 
     @property
     def is_exact(self) -> bool:

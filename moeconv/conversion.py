@@ -335,6 +335,9 @@ def _decide_cast(plan: Plan, workers: int | None) -> dict[str, Any] | None:
         return None
     with Executor(workers) as executor:
         tally = transform.cast_census(executor, [job for job in plan.jobs if not job.copies], plan.codec, plan.cast)
+    if (unshared := tally.unshared()) is not None:
+        raise MoeconvError(f"{plan.checkpoint.root}: --cast {plan.cast}: {unshared}, and vLLM reads one for the fused "
+                           f"layer; nothing was written (a global scale shared by dense linears is not chosen yet)")
     if not tally.is_exact and not plan.allow_inexact:
         raise MoeconvError(f"{plan.checkpoint.root}: --cast {plan.cast} is not exact: {tally.summary()}; nothing was "
                            f"written (--allow-inexact writes it and records the census and the bound in "

@@ -159,17 +159,19 @@ def cast_census(source_format, layers) -> dict[str, Any]:
     with TensorReader() as reader:
         for layer in layers:
             for expert in layer.experts:
-                for linear in expert.values():
+                weights = {}
+                for projection, linear in expert.items():
                     name = _linear_name(linear)
                     stored = {suffix: entry.read_raw(reader) if isinstance(entry, ExpertSlice) else reader.read_raw(entry)
                               for suffix, entry in linear.items()}
                     try:
-                        weight = source_format.decode(stored)
+                        weights[projection] = (name, source_format.decode(stored))
                     except MoeconvError as refusal:
                         refused.append({"tensor": name, "reason": str(refusal)})
-                        continue
-                    for target, tally in tallies.items():
-                        tally.add(name, casts.census(weight, target))
+                for target, tally in tallies.items():  # an NVFP4 cast's gate and up: one global scale, as convert's
+                    shared = casts.shared_exponents({key: weight for key, (_, weight) in weights.items()}, target)
+                    for projection, (name, weight) in weights.items():
+                        tally.add(name, casts.census(weight, target, shared[projection]))
     return {target: {**tally.to_json(), "refused": list(refused)} for target, tally in tallies.items()}
 
 

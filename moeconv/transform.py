@@ -103,9 +103,12 @@ def census(job: ConvertJob, codec: Codec, target: str, reader: TensorReader) -> 
     """The census of a float-code cast to `target` (casts.py) of each of the job's source linears, by name:
     what `convert --cast` decides by before writing and `verify` recomputes."""
     stored, sources = _read_sources(job, reader), _sources(job)
+    weights = {projection: _decoded(codec.source_format.decode, sources[projection], tensors)
+               for projection, tensors in stored.items()}
+    shared = casts.shared_exponents(weights, target)  # an expert's gate and up: one NVFP4 global scale
     return [(_linear_name(sources[projection]) if isinstance(job, ExpertJob) else job.prefix,
-             casts.census(_decoded(codec.source_format.decode, sources[projection], tensors), target))
-            for projection, tensors in stored.items()]
+             casts.census(weight, target, shared[projection]))
+            for projection, weight in weights.items()]
 
 
 def cast_census(executor: Any, jobs: list[ConvertJob], codec: Codec, target: str) -> casts.Tally:

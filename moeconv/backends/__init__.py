@@ -58,6 +58,9 @@ CASTS: dict[str, BackendEntry] = {
     "fp8-block": BackendEntry("moeconv.backends.casts:Fp8BlockCast",
                               "E4M3 weights with a F32 weight_scale_inv per 128x128 block, vLLM's fp8 block config "
                               "(MXFP4 sources)"),
+    "nvfp4": BackendEntry("moeconv.backends.casts:Nvfp4Cast",
+                          "compressed-tensors NVFP4A16 (E2M1 codes, an E4M3 scale per 16, one F32 global scale a "
+                          "linear; MXFP4 sources)"),
 }
 
 

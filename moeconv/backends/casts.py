@@ -6,30 +6,39 @@ the layout and the config an engine reads:
   bf16        weight            BF16 (N, K)
   fp8-block   weight            F8_E4M3 (N, K)
               weight_scale_inv  F32 (ceil(N/128), ceil(K/128)), a power of two per 128 x 128 block, multiplied
+  nvfp4       weight_packed        U8 (N, K/2): E2M1 codes, element 2j in the low nibble of byte j
+  (MXFP4      weight_scale         F8_E4M3 (N, K/16), 2^(b - 127) / G for the group's UE8M0 byte b
+   sources)   weight_global_scale  F32 (1,), 1 / G with G = 2^γ, divided by
 
 The config is the one the engines' own FP8 block checkpoints carry (vLLM's `Fp8Config.from_config`:
 quant_method fp8, activation_scheme dynamic, weight_block_size [128, 128]) with the linears left in BF16 in
 `ignored_layers`; a BF16 cast of a source with nothing else quantized is a plain checkpoint with no
-quantization_config at all. FP8 block-scaled dense linears beside the float-coded experts (DeepSeek's,
+quantization_config at all. An NVFP4 cast is the compressed-tensors form the compressed-tensors backend writes for
+NVFP4 sources (llm-compressor's NVFP4A16 preset: `nvfp4-pack-quantized`, one config group for every Linear), its
+config that backend's. FP8 block-scaled dense linears beside the float-coded experts (DeepSeek's,
 compressed-tensors' FP8_BLOCK group) are copied as they are, their scale renamed `weight_scale_inv`.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from moeconv import casts
 from moeconv.backends.base import Numerics, with_fused_names
+from moeconv.backends.compressed_tensors import CompressedTensorsBackend
 from moeconv.backends.per_linear import PerLinearBackend, per_rank_refusal, projection_shapes
 from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight
+from moeconv.float_codes import DIVIDE, nvfp4
 from moeconv.spec import TensorSpec
 
 if TYPE_CHECKING:
     from moeconv.float_codes import FloatWeight
 
 FP8_BLOCK = casts.FP8_BLOCK_SHAPE[0]
+NVFP4_CAST = nvfp4(DIVIDE, False)  # what an NVFP4 cast writes: NVFP4A16, the global scale divided by
 
 
 class CastBackend(PerLinearBackend):
@@ -68,6 +77,8 @@ class CastBackend(PerLinearBackend):
         n, k = linear.out_features, linear.in_features
         if self.target == casts.BF16:
             return [TensorSpec("weight", (n, k), "BF16")]
+        if self.target == casts.NVFP4:
+            return CompressedTensorsBackend().linear_tensors(replace(linear, float_scheme=NVFP4_CAST))
         return [TensorSpec("weight", (n, k), "F8_E4M3"),
                 TensorSpec("weight_scale_inv", (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), "F32")]
 
@@ -78,9 +89,11 @@ class CastBackend(PerLinearBackend):
         return False
 
     def from_float(self, expert: dict[str, FloatWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
+        """Each projection's cast; an nvfp4 cast's gate and up under one global scale (casts.shared_exponents)."""
+        shared = casts.shared_exponents(expert, self.target)
         return {f"{name}.{suffix}": array
                 for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer))
-                for suffix, array in self.from_float_linear(expert[projection], linear).items()}
+                for suffix, array in casts.cast_arrays(expert[projection], self.target, shared[projection]).items()}
 
     def from_float_linear(self, weight: FloatWeight, linear: LinearShape) -> dict[str, np.ndarray]:
         return casts.cast_arrays(weight, self.target)
@@ -111,3 +124,17 @@ class Bf16Cast(CastBackend):
 class Fp8BlockCast(CastBackend):
     name = "fp8-block"
     target = casts.FP8_BLOCK
+
+
+class Nvfp4Cast(CastBackend):
+    name = "nvfp4"
+    target = casts.NVFP4
+    fp8_block_suffixes = CompressedTensorsBackend.fp8_block_suffixes
+
+    def checkpoint_quantization_config(self, layer: MoELayerShape, model_dtype: str | None,
+                                       unquantized_modules: list[str],
+                                       fp8_block_modules: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The compressed-tensors backend's config for NVFP4A16 experts (compressed-tensors' own
+        `QuantizationConfig`, what vLLM reads to pick its NVFP4 MoE method)."""
+        return CompressedTensorsBackend().checkpoint_quantization_config(
+            replace(layer, float_scheme=NVFP4_CAST), model_dtype, unquantized_modules, fp8_block_modules)

@@ -27,6 +27,7 @@ TARGETS = {
     # --cast outputs (backends/casts.py): its unquantized layers, or its own fp8 config (Fp8Config.from_config)
     "bf16": {"engine": "vllm==0.33.0 (unquantized; quant_method fp8 where FP8 block layers stay)"},
     "fp8-block": {"engine": "vllm==0.33.0 (quant_method fp8, weight_block_size [128, 128])"},
+    "nvfp4": {"engine": "vllm==0.33.0", "compressed-tensors": "0.17.0 (QuantizationConfig, nvfp4-pack-quantized)"},
 }
 CAST_BLOCK = 128  # vLLM's block-FP8 MoE: validate_fp8_block_shape_moe wants the intermediate size per rank a multiple
 
@@ -97,6 +98,10 @@ def answer(output: Output) -> Serving:
             return Serving(None, f"{NAME}'s loader refuses the expert zero_point of an asymmetric Humming checkpoint "
                                  "(Humming's own loader reads it); for vLLM use --backend compressed-tensors")
         served = Serving(f"{NAME} (quant_method humming)", serve(layer))
+    elif output.backend == "nvfp4":
+        served = Serving(f"stock {NAME} (its compressed-tensors NVFP4 MoE method: its loader took every tensor of MXFP4 "
+                         f"sources' NVFP4A16 casts on the CPU path, leaving unloaded only the input global scales it "
+                         f"leaves unloaded in llm-compressor's own NVFP4A16 checkpoint; no GPU run yet)", serve(layer))
     elif output.backend in ("bf16", "fp8-block"):
         if output.backend == "fp8-block" and layer.intermediate_per_rank % CAST_BLOCK:
             return Serving(None, f"{NAME}'s block-FP8 MoE method wants the expert intermediate size per rank a multiple "

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from moeconv import transform
+from moeconv import casts, transform
 from moeconv.audit import Audits
 from moeconv.backends import get_backend
 from moeconv.checkpoint.reader import TensorEntry, TensorReader
@@ -89,6 +89,10 @@ def _compared(job: ConvertJob, converted: dict[str, QuantizedWeight], source: di
     if cast is not None:
         for weight in source.values():
             audits.record_cast(weight.scales, *cast)
+    if any(isinstance(weight, casts.CastWeight) for weight in converted.values()):  # a cast: fused linears' γ
+        shared = casts.shared_exponents(source, converted[next(iter(converted))].target)
+        return [(key if isinstance(job, ExpertJob) else None, problem) for key, weight in source.items()
+                if (problem := converted[key].mismatch(weight, shared[key]))]
     return [(key if isinstance(job, ExpertJob) else None, problem) for key, weight in source.items()
             if (problem := converted[key].mismatch(weight))]
 
