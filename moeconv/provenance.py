@@ -142,11 +142,12 @@ def mismatches(folder: Path, anchor: Anchor, names: list[str],
     return [found[name] for name in names if found[name] is not None]
 
 
-def describe(anchor: Anchor | None, checked: int, problems: list[str]) -> str:
-    """verify's one line on where the source came from."""
+def describe(anchor: Anchor | None, checked: int, problems: list[str], stored: bool = False) -> str:
+    """verify's one line on where the source came from (`stored`: a source in an object store, not a folder)."""
     if anchor is None:
-        return ("source not anchored (a local folder): this proves the output equals the conversion of that "
-                "folder, not what its publisher published")
+        where = "an object store prefix" if stored else "a local folder"
+        return (f"source not anchored ({where}): this proves the output equals the conversion of that "
+                f"{'prefix' if stored else 'folder'}, not what its publisher published")
     if not checked:
         return f"source recorded as {anchor.repo}@{anchor.revision}; its bytes were not checked at this level"
     return (f"source anchored to {anchor.repo}@{anchor.revision}: {checked - len(problems)}/{checked} files match "

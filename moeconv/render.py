@@ -293,7 +293,7 @@ def verdict(report) -> str:
     anchor = report.source_anchor
     where = (f"source anchored to {anchor['repo']}@{anchor['revision']}" if anchor and report.published_files_checked
              else f"source recorded as {anchor['repo']}@{anchor['revision']}, not checked at this level" if anchor
-             else "source not anchored (a local folder)")
+             else report.provenance.split(":", 1)[0])  # "source not anchored (a local folder)", or a prefix
     level = "verify's default level" if report.kernel_sample else f"--level {report.level}"
     caveats = "".join(f"; caveat: {caveat}" for caveat in report.caveats())
     return f"verdict: ok ({', '.join(checked)}; {where}; {level}){caveats}"

@@ -259,6 +259,9 @@ def test_verify_reads_an_output_and_a_source_in_buckets(server, sources, bucket,
         assert sorted(report["proven"]) == ["lossless", "structure"] and report["source_files_checked"] > 0
         assert all(layer["experts_exact"] == layer["experts_checked"] == layer["experts"] == 4
                    for layer in report["layers"]) and report["passthrough_checked"] > 0
+        stored = (source or url).startswith("s3://")
+        assert report["provenance"].startswith("source not anchored (an object store prefix)" if stored
+                                               else "source not anchored (a local folder)"), report["provenance"]
     shard = sorted(name for name in listing(server, target) if name.endswith(".safetensors"))[-1]
     data = bytearray(downloaded(server, target, tmp_path)[shard])
     data[-1] ^= 1  # one bit of the last tensor

@@ -85,7 +85,7 @@ def run(report: VerifyReport, plan: Plan, checks: Checks, tensors: dict[str, Ten
         return replace(report, structure_problems=structure_problems, source_problems=[], source_files_checked=0,
                        passthrough_problems=[], passthrough_checked=0, dense_linear_problems=[],
                        dense_linears_checked=0, layers=[], provenance_problems=[], published_files_checked=0,
-                       provenance=provenance.describe(anchor, 0, []))
+                       provenance=provenance.describe(anchor, 0, []) if anchor is not None else report.provenance)
     return report
 
 

@@ -91,7 +91,7 @@ def report_of(opened: Opened, plan: Plan, level: str, phase_seconds: dict[str, f
     return VerifyReport(str(opened.output), str(opened.checkpoint.root), targets=opened.manifest.targets, level=level,
                         tolerance=max(layer_tolerance(plan.backend.numerics, layer.shape) for layer in plan.layers),
                         source_anchor={} if anchor is None else {"repo": anchor.repo, "revision": anchor.revision},
-                        provenance=provenance.describe(anchor, 0, []),
+                        provenance=provenance.describe(anchor, 0, [], is_object_url(str(opened.checkpoint.root))),
                         decided_by_user=list(plan.detection.decided_by_user) if plan.detection else [],
                         phase_seconds=phase_seconds)
 
