@@ -205,6 +205,21 @@ def test_a_shard_larger_than_a_part_goes_up_in_parts(server, larger, bucket, tmp
     same_output(Path(local.output), downloaded(server, target, tmp_path), folder, url)
 
 
+def converting(server, url: str, target: str, arguments: list[str], environment: dict[str, str], shards: int = 2,
+               **popen) -> subprocess.Popen:
+    """`moeconv convert url -o target` started in its own process (only the given store environment), returned once
+    `shards` of its shards are in the bucket, or it has ended, or 240 s have passed."""
+    clean = {key: value for key, value in os.environ.items() if not key.startswith("AWS_")}
+    process = subprocess.Popen([sys.executable, "-m", "moeconv", "convert", url, "-o", target, "-q", *arguments],
+                               env={**clean, **environment}, cwd=ROOT, **popen)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        if sum(name.endswith(".safetensors") for name in listing(server, target)) >= shards:
+            break
+        time.sleep(0.05)
+    return process
+
+
 def test_a_kill_during_the_upload_resumes_to_the_same_bytes(server, larger, bucket, tmp_path):
     """kill -9 of the CLI once some shards are in the bucket and before moeconv.json: the prefix is refused
     as unfinished; the same command again keeps the uploaded shards (checked by size and entity tag) and
@@ -213,16 +228,8 @@ def test_a_kill_during_the_upload_resumes_to_the_same_bytes(server, larger, buck
     environment = {**server.environment(), "XDG_CACHE_HOME": str(tmp_path / "cache")}
     arguments = ["--max-shard-size", "1MB", "--workers", "2"]
     target = f"s3://{bucket}/killed"
-    clean = {key: value for key, value in os.environ.items() if not key.startswith("AWS_")}
-    process = subprocess.Popen([sys.executable, "-m", "moeconv", "convert", url, "-o", target, "-q", *arguments],
-                               env={**clean, **environment}, cwd=ROOT, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and process.poll() is None:
-        shards = [name for name in listing(server, target) if name.endswith(".safetensors")]
-        if len(shards) >= 2:
-            break
-        time.sleep(0.05)
+    process = converting(server, url, target, arguments, environment, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     before = listing(server, target)
@@ -328,15 +335,8 @@ def test_an_interrupted_upload_says_where_its_shards_are_and_resumes(server, lar
     environment = {**server.environment(), "XDG_CACHE_HOME": str(tmp_path / "cache")}
     target = f"s3://{bucket}/interrupted"
     arguments = ["--max-shard-size", "1MB", "--workers", "2"]
-    clean = {key: value for key, value in os.environ.items() if not key.startswith("AWS_")}
-    process = subprocess.Popen([sys.executable, "-m", "moeconv", "convert", url, "-o", target, "-q", *arguments],
-                               env={**clean, **environment}, cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and process.poll() is None:
-        if sum(name.endswith(".safetensors") for name in listing(server, target)) >= 2:
-            break
-        time.sleep(0.05)
+    process = converting(server, url, target, arguments, environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
     if process.returncode == 0:

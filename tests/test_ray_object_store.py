@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from s3_server import S3Server, weed_binary
-from test_object_store_convert import ROOT, downloaded, listing, moeconv_cli, same_output
+from test_object_store_convert import converting, downloaded, listing, moeconv_cli, same_output
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.slow,
@@ -122,15 +121,8 @@ def test_a_killed_driver_resumes_to_the_same_bytes(server, source, cluster, tmp_
     folder, url = source
     environment = {**server.environment(), "XDG_CACHE_HOME": str(tmp_path / "cache")}
     target = "s3://converted/killed-on-ray"
-    clean = {key: value for key, value in os.environ.items() if not key.startswith("AWS_")}
-    driver = subprocess.Popen([sys.executable, "-m", "moeconv", "convert", url, "-o", target, *_arguments(cluster)],
-                              env={**clean, **environment}, cwd=ROOT, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and driver.poll() is None:
-        if any(name.endswith(".safetensors") for name in listing(server, target)):
-            break
-        time.sleep(0.05)
+    driver = converting(server, url, target, _arguments(cluster), environment, shards=1, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL, start_new_session=True)
     killed = driver.poll() is None
     os.killpg(driver.pid, signal.SIGKILL)
     driver.wait()
