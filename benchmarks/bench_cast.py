@@ -1,9 +1,10 @@
-"""`convert --cast` throughput against writing the same bytes (issue 41: a BF16 output is 4x its MXFP4 input).
+"""`convert --cast` throughput against writing the same bytes (issue 41: a BF16 output is 4x its MXFP4 input,
+fp8-block about 2x, nvfp4 about the same).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_cast.py [--size-gb 1] [--workdir bench-cast] [--workers 2]
 
 Builds a synthetic compressed-tensors MXFP4 Qwen3-MoE source (Qwen3-30B-A3B-like experts: H = 2048, I = 768,
-64 experts a layer; codes at random, scale bytes 122 .. 127, so every block of either cast is exact), then for
+64 experts a layer; codes at random, scale bytes 122 .. 127, so every block of each cast is exact), then for
 each cast runs `moeconv convert --cast` (a separate process, the census and the write) and, beside it, a plain
 write of as many bytes as the output holds (one file, written in 64 MiB pieces, fsync'd: what any tool writing
 that output pays at least). The source is read from the page cache after the first pass. Prints JSON.
@@ -102,7 +103,7 @@ def main() -> None:
     source_bytes = sum(path.stat().st_size for path in source.glob("*.safetensors"))
     subprocess.run(["cat", *map(str, source.glob("*.safetensors"))], stdout=subprocess.DEVNULL, check=True)
     results = {"source_bytes": source_bytes, "workers": args.workers, "casts": {}}
-    for cast in ("bf16", "fp8-block"):
+    for cast in ("bf16", "fp8-block", "nvfp4"):
         out = args.workdir / cast
         shutil.rmtree(out, ignore_errors=True)
         started = time.perf_counter()
