@@ -97,3 +97,48 @@ def test_sglang_line_for_nvfp4_outside_what_was_measured():
     assert refused.engine is None
     assert refused.how.startswith("not shown with SGLang 0.5.23: its compressed-tensors matcher tries the module "
                                   "class before the fused q/k/v names, so a fused qkv_proj takes the nvfp4 group's")
+
+
+CAST_SERVED = ("SGLang 0.5.23 ({} for the experts: its loader took every tensor of MXFP4 sources' casts, 128-wide, on "
+               "the CPU path; no GPU run yet)")
+
+
+def test_sglang_line_for_casts_is_what_sglang_did():
+    """What SGLang 0.5.23's own loader did with `convert --cast` of the two 128-wide MXFP4 sources (run_matrix_sglang.py
+    --only casts, 2026-12-07, docs/BENCHMARKS.md), as convert plans the fixtures' casts: bf16 under
+    UnquantizedFusedMoEMethod, nvfp4 under CompressedTensorsW4A16Nvfp4MoE; the fixtures' experts (intermediate 32) are
+    too narrow for its Fp8MoEMethod; an nvfp4 cast keeping FP8 block attention is refused at its fused qkv_proj."""
+    for fixture in ("ct-mxfp4a16", "ct-mxfp4-fp8block"):
+        assert make_plan(FLOAT / fixture, cast="bf16").sglang_serving == (
+            CAST_SERVED.format("UnquantizedFusedMoEMethod"), SGLANG_LAUNCH), fixture
+        assert make_plan(FLOAT / fixture, cast="fp8-block").sglang_serving == (
+            None, "SGLang 0.5.23's block-FP8 MoE method (Fp8MoEMethod) wants the expert intermediate size per rank a "
+                  "multiple of 128, not 32; --cast bf16 is served"), fixture
+    assert make_plan(FLOAT / "ct-mxfp4a16", cast="nvfp4").sglang_serving == (
+        CAST_SERVED.format("CompressedTensorsW4A16Nvfp4MoE"), SGLANG_LAUNCH)
+    engine, how = make_plan(FLOAT / "ct-mxfp4-fp8block", cast="nvfp4").sglang_serving
+    assert engine is None
+    assert how == ("SGLang 0.5.23's compressed-tensors matcher tries the module class before the fused q/k/v names, so "
+                   "a fused qkv_proj takes the NVFP4 group's `Linear` target instead of the FP8-block group this cast "
+                   "keeps, and loading the FP8 block weight_scale into its NVFP4 parameters fails; --cast bf16 is "
+                   "served, or serve this one with vLLM")
+
+
+def test_sglang_line_for_fp8_block_casts_follows_the_width_per_rank():
+    """A 128-wide fp8-block cast (the shape run_matrix_sglang.py loaded) is served by Fp8MoEMethod; split over two ranks
+    (64 each) it is not; another family says it was not shown there; a mixed nvfp4 cast 128 wide names fp8-block too."""
+    from dataclasses import replace
+
+    plan = make_plan(FLOAT / "ct-mxfp4-fp8block", cast="fp8-block")
+    wide = replace(plan.layers[0].shape, hidden=256, intermediate=128)
+    config = plan.checkpoint.quantization_config
+
+    def line(cast, layer, model_type="qwen3_moe"):
+        return engines.SGLANG.serving(engines.output_of(cast, layer, plan.source_format, True, config, model_type))
+
+    assert line("fp8-block", wide) == (CAST_SERVED.format("Fp8MoEMethod"), SGLANG_LAUNCH)
+    split = line("fp8-block", replace(wide, tp=2))
+    assert split.engine is None and "a multiple of 128, not 64; --cast bf16 is served" in split.how
+    mixtral = line("fp8-block", wide, "mixtral")
+    assert mixtral.engine == CAST_SERVED.format("Fp8MoEMethod") + ", not shown for mixtral"
+    assert line("nvfp4", wide).how.endswith("; --cast fp8-block or bf16 is served, or serve this one with vLLM")

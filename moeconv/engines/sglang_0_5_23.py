@@ -15,6 +15,12 @@ QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 FLOAT_SHOWN_FAMILIES = ("qwen3_moe",)  # the float-coded fixtures' family (tests/data/float)
 MIXED_PRECISION = "mixed-precision"  # a compressed-tensors config of several groups (its `format`)
 PLUGIN = "triton (moeconv's SGLang plugin)"
+CAST_BLOCK = 128  # its Fp8MoEMethod.create_weights wants the intermediate size per rank a multiple of block_n
+CAST_METHODS = {  # --cast output -> the MoE method this release picked for it (run_matrix_sglang.py --only casts)
+    "bf16": "UnquantizedFusedMoEMethod",
+    "fp8-block": "Fp8MoEMethod",
+    "nvfp4": "CompressedTensorsW4A16Nvfp4MoE",
+}
 
 # The backends whose serve line keeps the stored scale dtype: vLLM's (measured there, not apart here). Its
 # MoeWNA16Method casts the plugin's triton scales too (docs/SGLANG.md), which the line does not flag yet.
@@ -77,6 +83,33 @@ def float_codes(output: Output) -> Serving:
     return served
 
 
+def casts(output: Output) -> Serving:
+    """A `convert --cast` output (backends/casts.py), as this release's loader took the casts of run_matrix.py's two
+    128-wide MXFP4 sources on the CPU path (run_matrix_sglang.py --only casts, 2026-12-07; docs/BENCHMARKS.md): bf16
+    under no quantization (or its fp8 config where FP8 block attention stays), fp8-block under its fp8 config, and
+    nvfp4 under its compressed-tensors config, each with every tensor taken and every parameter loaded. Refused: an
+    fp8-block cast whose intermediate size per rank is no multiple of 128 (sglang/srt/layers/quantization/fp8.py,
+    Fp8MoEMethod.create_weights raises), and an nvfp4 cast that keeps FP8 block attention: its compressed-tensors
+    matcher (compressed_tensors/utils.py, `find_matched_target`) tries the module's class against the NVFP4 group's
+    `Linear` target before the fused q/k/v names, so qkv_proj gets NVFP4 parameters and loading the FP8 block
+    weight_scale into them fails ("start (0) + length (128) exceeds dimension size (1)" on the 128-wide source)."""
+    layer, cast = output.layer, output.backend
+    if cast == "fp8-block" and layer.intermediate_per_rank % CAST_BLOCK:
+        return Serving(None, f"{NAME}'s block-FP8 MoE method (Fp8MoEMethod) wants the expert intermediate size per rank "
+                             f"a multiple of {CAST_BLOCK}, not {layer.intermediate_per_rank}; --cast bf16 is served")
+    if cast == "nvfp4" and (output.source_config or {}).get("format") == MIXED_PRECISION:
+        instead = "--cast bf16" if layer.intermediate_per_rank % CAST_BLOCK else "--cast fp8-block or bf16"
+        return Serving(None, f"{NAME}'s compressed-tensors matcher tries the module class before the fused q/k/v names, "
+                             f"so a fused qkv_proj takes the NVFP4 group's `Linear` target instead of the FP8-block group "
+                             f"this cast keeps, and loading the FP8 block weight_scale into its NVFP4 parameters fails; "
+                             f"{instead} is served, or serve this one with vLLM")
+    served = Serving(f"{NAME} ({CAST_METHODS[cast]} for the experts: its loader took every tensor of MXFP4 sources' "
+                     f"casts, 128-wide, on the CPU path; no GPU run yet)", launch(layer))
+    if output.model_type not in FLOAT_SHOWN_FAMILIES:
+        return served._replace(engine=f"{served.engine}, not shown for {output.model_type}")
+    return served
+
+
 def answer(output: Output) -> Serving:
     """Which path serves the backend's output of this source, and how; engine None: why not, and the backend
     that SGLang does serve for it. Families its loader was not run on here get the command with that said."""
@@ -86,6 +119,8 @@ def answer(output: Output) -> Serving:
         return Serving(None, f"{NAME} builds every layer of {output.model_type} as MoE, ignoring its dense MLP layers "
                              f"({dense}): their tensors would load into nothing, from the source as from any output; "
                              f"serve it with vLLM")
+    if backend in CAST_METHODS:
+        return casts(output)
     mixtral, deepseek = output.model_type == "mixtral", output.model_type in DEEPSEEK
     int8 = layer.activation_bits == 8
     if backend == "cpu":

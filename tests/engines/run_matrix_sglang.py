@@ -20,12 +20,15 @@ SGLang 0.5.23 does not transpose the expert zero points of any standard compress
 
 `--only` runs only the named families of FAMILIES, e.g. `--only "deepseek_v3 (routed experts only)"`, or `float`:
 the float-coded fixtures (tests/data/float, written by llm-compressor and ModelOpt) and their outputs, held to what
-moeconv/engines/sglang_0_5_23.py says of them (`_float_checks`). Without `--only`, every family and `float`.
+moeconv/engines/sglang_0_5_23.py says of them (`_float_checks`), or `casts`: `convert --cast` (bf16, fp8-block, nvfp4)
+of run_matrix.py's two 128-wide MXFP4 sources, each held to what moeconv/engines/sglang_0_5_23.py says of it
+(`_cast_checks`). Without `--only`, every family, `float` and `casts`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -40,7 +43,7 @@ from moeconv.errors import MoeconvError  # noqa: E402
 from moeconv.formats import AWQ, GPTQ, CompressedTensors  # noqa: E402
 from moeconv.formats.gptq import V2  # noqa: E402
 from moeconv.synth import ROUTED_EXPERTS, SynthSpec, make_checkpoint  # noqa: E402
-from run_matrix import FLOAT, ROOT, command_line, not_consumed  # noqa: E402
+from run_matrix import FLOAT, ROOT, _mxfp4_source, command_line, not_consumed  # noqa: E402
 
 ENGINE_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 # label -> the synthetic sources' shapes. DeepSeek-V3 twice: as synth makes every family (attention and
@@ -80,13 +83,15 @@ def user_methods(fmt) -> tuple[str, ...]:
 
 
 def main() -> None:
-    args = command_line(__doc__, ENGINE_PYTHON, "make engines-sglang", groups=(*FAMILIES, FLOAT_GROUP),
+    args = command_line(__doc__, ENGINE_PYTHON, "make engines-sglang", groups=(*FAMILIES, FLOAT_GROUP, CASTS_GROUP),
                         only_help="run only these families")
     with tempfile.TemporaryDirectory(prefix="moeconv-sglang-") as scratch:
         base = args.keep or Path(scratch)
         cases, refusals = [], {}
         if not args.only or FLOAT_GROUP in args.only:
             _float(base / "float", cases, refusals)
+        if not args.only or CASTS_GROUP in args.only:
+            _casts(base / "casts", cases, refusals)
         for family in [family for family in args.only or FAMILIES if family in FAMILIES]:
             folder = family.replace(" ", "_").replace("(", "").replace(")", "")
             for source_name, fmt in SOURCES.items():
@@ -114,11 +119,72 @@ def main() -> None:
         if len(results) != len(cases):
             sys.exit(f"sglang_load.py answered {len(results)} of {len(cases)} checkpoints:\n{done.stderr[-3000:]}")
         failures = _report(cases, results, refusals)
-        failures += _float_checks(cases, results)
+        if not args.only or FLOAT_GROUP in args.only:
+            failures += _float_checks(cases, results)
+        if not args.only or CASTS_GROUP in args.only:
+            failures += _cast_checks(cases, results, refusals)
         failures += _plugin(cases, results)
         failures += _against_stock(cases, results)
         failures += _refused_outputs(base / "refused")
     sys.exit(1 if failures else 0)
+
+
+CASTS_GROUP = "casts"
+CASTS_FAMILY = "qwen3_moe (MXFP4, 128-wide)"
+
+
+def _casts(base: Path, cases: list, refusals: dict) -> None:
+    """`convert --cast` of run_matrix.py's MXFP4 sources shaped for the block-FP8 kernels (`_mxfp4_source`: all-MXFP4,
+    and FP8 block attention beside MXFP4 experts), each cast loaded as SGLang picks its method from the config."""
+    from moeconv.backends import CASTS
+
+    shutil.rmtree(base, ignore_errors=True)  # a --keep folder's earlier run
+    for fixture in ("ct-mxfp4a16", "ct-mxfp4-fp8block"):
+        source = _mxfp4_source(base / fixture / "src", fixture)
+        cases.append((CASTS_FAMILY, fixture, "(source)", source, None, None))
+        for cast in CASTS:
+            out = base / fixture / cast
+            try:
+                moeconv.convert(source, out, cast=cast)
+            except MoeconvError as refusal:
+                refusals[(CASTS_FAMILY, fixture, f"--cast {cast}")] = str(refusal)
+                continue
+            cases.append((CASTS_FAMILY, fixture, f"--cast {cast}", out, None, None))
+
+
+def _cast_checks(cases, results, refusals) -> list[str]:
+    """What moeconv/engines/sglang_0_5_23.py says of each cast (the plan's sglang_serving), held to what SGLang did:
+    a cast it serves loads with every tensor taken and every parameter loaded, under the MoE method its line names;
+    one it does not serve does not load so. A change in SGLang's answer fails here, to update the line."""
+    from moeconv.plan import make_plan
+
+    failures = [f"{CASTS_FAMILY} {fixture} {backend}: moeconv refused to write it: {reason[:160]}"
+                for (family, fixture, backend), reason in refusals.items() if family == CASTS_FAMILY]
+    print("\n| cast source | cast | SGLang 0.5.23 methods | loads (every tensor taken, every parameter loaded) | "
+          "moeconv says |\n|---|---|---|---|---|")
+    for case, result in zip(cases, results):
+        if case[0] != CASTS_FAMILY or case[2] == "(source)":
+            continue
+        source = next(other[3] for other in cases if other[:2] == case[:2] and other[2] == "(source)")
+        cast = case[2].removeprefix("--cast ")
+        serving = make_plan(source, cast=cast).sglang_serving
+        moe = sorted(name for name in result.get("methods", {}) if name.startswith("FusedMoE: "))
+        loads = result["loaded"] and not not_consumed(result) and not result["unloaded_parameters"]
+        detail = f"{moe}" if result["loaded"] else result.get("error", "")[:200]
+        taken = (f" (not consumed {not_consumed(result)[:2]}, unloaded {result['unloaded_parameters'][:2]})"
+                 if result["loaded"] else "")
+        print(f"| {case[1]} | {cast} | {detail} | {loads}{taken} | {serving.engine or serving.how[:100]} |")
+        # the method's innermost name (the scheme, where SGLang's compressed-tensors method names one) in the line
+        named = moe and all(re.findall(r"\w+", method)[-1] in serving.engine for method in moe)
+        if serving.engine is not None and not (loads and named):
+            failures.append(f"{CASTS_FAMILY} {case[1]} --cast {cast}: moeconv says {serving.engine!r}, SGLang: "
+                            f"loaded {result['loaded']}, MoE {moe}{taken}, {result.get('error', '')[:160]}")
+        if serving.engine is None and loads:
+            failures.append(f"{CASTS_FAMILY} {case[1]} --cast {cast}: moeconv says not served "
+                            f"({serving.how[:100]}), SGLang loaded it whole with {moe}")
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return failures
 
 
 FLOAT_GROUP = "float"
