@@ -35,7 +35,9 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def bf16(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    """BF16 bit patterns as float64 values (NaN patterns stay NaN: a signalling NaN's cast is not a fault here)."""
+    with np.errstate(invalid="ignore"):
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
 def e4m3(codes: np.ndarray) -> np.ndarray:
