@@ -78,6 +78,11 @@ def float_codes(output: Output) -> Serving:
             "CompressedTensorsW4A4Nvfp4MoE needs a Blackwell") if scheme.input_scale else ""
     served = Serving(f"{NAME} (compressed-tensors CompressedTensorsW4A16Nvfp4MoE for the experts{w4a4}; its loader "
                      f"took every tensor on the CPU path; no GPU run yet)", launch(layer))
+    return _shown_for(served, output)
+
+
+def _shown_for(served: Serving, output: Output) -> Serving:
+    """A float or cast output's answer, said to be measured on Qwen3-MoE only where the family is another."""
     if output.model_type not in FLOAT_SHOWN_FAMILIES:
         return served._replace(engine=f"{served.engine}, not shown for {output.model_type}")
     return served
@@ -105,9 +110,7 @@ def casts(output: Output) -> Serving:
                              f"{instead} is served, or serve this one with vLLM")
     served = Serving(f"{NAME} ({CAST_METHODS[cast]} for the experts: its loader took every tensor of MXFP4 sources' "
                      f"casts, 128-wide, on the CPU path; no GPU run yet)", launch(layer))
-    if output.model_type not in FLOAT_SHOWN_FAMILIES:
-        return served._replace(engine=f"{served.engine}, not shown for {output.model_type}")
-    return served
+    return _shown_for(served, output)
 
 
 def answer(output: Output) -> Serving:
