@@ -529,15 +529,21 @@ def convert_shard_alone(plan: Plan, index: int, staging: str) -> ShardDone:
     kept by a resume even when the driver died before it heard of it (checkpoint/journal.py)."""
     shard, folder = plan.shards[index], Path(staging)
     path = folder / shard.file_name
+    done, writer = _shard_alone(plan, shard, path)
+    write_record(folder, shard.file_name, {"bytes": writer.size, CURRENT.shard_key: done.digest,
+                                           "source": done.source, TENSOR_DIGESTS_KEY: done.tensor_digests})
+    os.replace(writer.path, path)
+    return done
+
+
+def _shard_alone(plan: Plan, shard: OutputShard, path: Path) -> tuple[ShardDone, ShardWriter]:
+    """One shard filled in this process (one worker) under a temporary name beside `path`, and sealed: what
+    its journal entry says, and its writer (the temporary file, not yet renamed)."""
     with Executor(1) as executor:
         audits = Audits()
         writer, hasher, fingerprints = _fill_shard(plan, shard, path, lambda nbytes: None, audits, executor)
     digest, tensors = _sealed(writer, hasher)
-    done = ShardDone(shard.file_name, digest, _source_fingerprint(shard, fingerprints), audits, tensors)
-    write_record(folder, shard.file_name, {"bytes": writer.size, CURRENT.shard_key: digest, "source": done.source,
-                                           TENSOR_DIGESTS_KEY: tensors})
-    os.replace(writer.path, path)
-    return done
+    return ShardDone(shard.file_name, digest, _source_fingerprint(shard, fingerprints), audits, tensors), writer
 
 
 def convert_shard_to_store(plan: Plan, index: int, location: str) -> ShardDone:
@@ -554,14 +560,10 @@ def convert_shard_to_store(plan: Plan, index: int, location: str) -> ShardDone:
     shard = plan.shards[index]
     with tempfile.TemporaryDirectory(prefix="moeconv-shard-") as folder:
         path = Path(folder) / shard.file_name
-        with Executor(1) as executor:
-            audits = Audits()
-            writer, hasher, fingerprints = _fill_shard(plan, shard, path, lambda nbytes: None, audits, executor)
-        digest, tensors = _sealed(writer, hasher)
+        done, writer = _shard_alone(plan, shard, path)
         os.replace(writer.path, path)
-        e_tag = ObjectStore(location).put_file(shard.file_name, path) or ""
-        return ShardDone(shard.file_name, digest, _source_fingerprint(shard, fingerprints), audits, tensors,
-                         size=path.stat().st_size, uploaded=e_tag)
+        done.size, done.uploaded = path.stat().st_size, ObjectStore(location).put_file(shard.file_name, path) or ""
+        return done
 
 
 def _check_free_space(plan: Plan, staging: Path, journal: Journal, side_bytes: int, sink: OutputSink) -> None:
