@@ -589,15 +589,17 @@ def test_a_full_disk_is_one_line_naming_the_output_and_the_space_needed(pristine
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data, offset)
 
+    # one worker: this process writes, so the patch holds however workers would start (a forkserver once an
+    # object store client exists in this process: storage.clients_started)
     monkeypatch.setattr(writer.os, "pwrite", pwrite)
-    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q", "--workers", "1")
     assert code == 2, err
     assert "out: no space left on the device; the conversion needs" in err
     assert re.search(r"needs [1-9]\d*\.\d\d (KB|MB) there", err), err  # a small output in its own unit, not 0.00 GB
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
     monkeypatch.setattr(writer.os, "pwrite", real)
-    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q")  # space freed: resumes
+    code, _, err = run_main(capsys, "convert", pristine, "-o", tmp_path / "out", "-q", "--workers", "1")  # space freed: resumes
     assert code == 0, err
 
 
