@@ -48,6 +48,7 @@ test-engines: $(STAMP) $(ENGINES_STAMP)
 	$(BIN)/python tests/engines/run_matrix.py
 	$(BIN)/python tests/engines/run_plugin.py
 	$(BIN)/python tests/engines/run_differential.py
+	$(BIN)/python tests/engines/gpt_oss_bf16.py
 
 # SGLang 0.5.23 beside moeconv's outputs, on the CPU (tests/engines/sglang_load.py): its own venv, its
 # pinned torch (2.14.1, the CUDA build PyPI serves; it imports without a GPU), the packages its model

@@ -146,6 +146,9 @@ class MoELayerShape:
     projection_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate/up/down as the output names them
     float_scheme: FloatScheme | None = None  # float-coded experts (float_codes.py); None: integer codes
     expert_biases: bool = False  # each expert linear stores a bias beside its codes (gpt-oss)
+    # experts stacked on disk, gate and up fused in one tensor with their rows in this order (models.INTERLEAVED:
+    # gpt-oss); None: one tensor per expert and projection
+    stacked_rows: str | None = None
 
     def group_size_for(self, in_features: int) -> int:
         return effective_group_size(in_features, self.group_size)

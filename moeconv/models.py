@@ -32,7 +32,7 @@ _HF_PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 # How a fused gate/up tensor holds its rows: gate row i at 2i and up row i at 2i + 1.
 INTERLEAVED = "interleaved"
-_ROW_ORDERS = {INTERLEAVED: {"gate": (0, 2), "up": (1, 2)}}  # projection -> (first row, step)
+ROW_ORDERS = {INTERLEAVED: {"gate": (0, 2), "up": (1, 2)}}  # projection -> (first row, step)
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class StackedExperts:
     def rows(self, tensor: str, projection: str) -> tuple[int, int]:
         """(first row, step) of `projection`'s rows in stacked `tensor`: (0, 1) where it holds one projection."""
         held = self.tensors[tensor]
-        return (0, 1) if len(held) == 1 else _ROW_ORDERS[self.gate_up_rows][projection]
+        return (0, 1) if len(held) == 1 else ROW_ORDERS[self.gate_up_rows][projection]
 
     def describe(self) -> dict[str, Any]:
         return {"tensors": {tensor: list(held) for tensor, held in self.tensors.items()},

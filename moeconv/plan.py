@@ -20,14 +20,14 @@ from moeconv._version import __version__
 from moeconv.backends import all_backends, auto_order, backend_name, get_backend, get_cast
 from moeconv.backends.base import Backend, LinearLayout
 from moeconv.canonical import MoELayerShape
-from moeconv.checkpoint.reader import Checkpoint, TensorReader, collection_paused, open_checkpoint
+from moeconv.checkpoint.reader import Checkpoint, TensorEntry, TensorReader, collection_paused, open_checkpoint
 from moeconv.detect import Detection
 from moeconv.errors import MoeconvError
 from moeconv.engines import Serving
 from moeconv.formats import SourceFormat
 from moeconv.models import Architecture
 from moeconv.spec import FLOAT_DTYPES
-from moeconv.survey import (MoELayer, check_dense_g_idx, check_global_scales, find_dense_linears,
+from moeconv.survey import (EXPERT_BIAS, ExpertSlice, MoELayer, check_dense_g_idx, check_global_scales, find_dense_linears,
                             fp8_block_linears, natural_key, survey)
 from moeconv.transform import Codec
 from moeconv.worklist import (CopyJob, ExpertJob, Job, LinearJob, OutputShard, Unit, assign_shards, copy_job, layer_unit,
@@ -360,14 +360,11 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     else:
         target, factor, skipped, choice = choose_backend(backend, layers, regroup, source_format,
                                                          checkpoint.quantization_config)
-    if source.architecture.stacked is not None:  # every backend refuses them today (expert biases, float codes)
-        raise MoeconvError(f"{checkpoint.root}: {source.architecture.model_type}'s stacked experts are read (inspect "
-                           f"describes them) but no job writes slices of a stacked tensor yet; backend "
-                           f"{target.name!r} took them, which this version does not convert")
     if factor > 1:
         layers = [replace(layer, shape=replace(layer.shape, group_size=layer.shape.group_size // factor))
                   for layer in layers]
-    expert_names = {entry.name for layer in layers for expert in layer.experts
+    layers = [_biases_apart(layer) for layer in layers]
+    expert_names = {_stored(entry).name for layer in layers for expert in layer.experts
                     for linear in expert.values() for entry in linear.values()}
     named = source.architecture.engine_name  # outputs carry the names the engine's model class maps (models.py)
     units: list[tuple[str, Unit]] = [(layer.module, layer_unit(target, layer, named(layer.module))) for layer in layers]
@@ -398,6 +395,21 @@ def _make_plan(checkpoint: Checkpoint, backend: str, max_shard_size: int, trust:
     return Plan(checkpoint, source.architecture, source_format, target, tuple(layers), shards, max_shard_size, trust,
                 source.detection, factor, tp, skipped, source.unquantized_experts, zero_format, choice, fp8_modules,
                 dense, cast, allow_inexact, float_modules)
+
+
+def _biases_apart(layer: MoELayer) -> MoELayer:
+    """Experts stacked on disk keep their stacked bias tensors as they are (gpt-oss's `gate_up_proj_bias [E, 2I]`,
+    rows interleaved like the codes): the only layout that takes them (the bf16 cast's stacked form, which every
+    engine reads beside the same biases) copies them, so the expert jobs read only the codes and scales."""
+    if layer.shape.stacked_rows is None or not layer.shape.expert_biases:
+        return layer
+    return replace(layer, experts=tuple({projection: {suffix: entry for suffix, entry in linear.items() if suffix != EXPERT_BIAS}
+                                         for projection, linear in expert.items()} for expert in layer.experts))
+
+
+def _stored(entry: TensorEntry | ExpertSlice) -> TensorEntry:
+    """The stored tensor a source slice reads."""
+    return entry.stored if isinstance(entry, ExpertSlice) else entry
 
 
 def _dense_layout(checkpoint: Checkpoint, target: Backend, source_format: SourceFormat, names: list[str],

@@ -33,6 +33,9 @@ from moeconv.packing import bf16_as_float32
 from moeconv.spec import DTYPE_SIZES, FLOAT_DTYPES, TensorSpec
 
 
+EXPERT_BIAS = "bias"  # the suffix of an expert linear's bias, stored beside its codes (gpt-oss)
+
+
 @dataclass(frozen=True)
 class ExpertSlice:
     """One expert's linear inside a tensor that stacks the experts on disk (gpt-oss): rows `first::step` of the
@@ -68,12 +71,21 @@ class ExpertSlice:
     def nbytes(self) -> int:
         return DTYPE_SIZES[self.dtype] * prod(self.shape)
 
+    @property
+    def begin(self) -> int:
+        """Where the expert's block (every row of it, which `read_raw` reads) starts in its file."""
+        return self.stored.begin + self.expert * (self.stored.nbytes // self.stored.shape[0])
+
+    @property
+    def end(self) -> int:
+        return self.begin + self.stored.nbytes // self.stored.shape[0]
+
     def read_raw(self, reader: TensorReader) -> np.ndarray:
-        """The linear's stored values (BF16 as its uint16 bit patterns), as `TensorReader.read_raw` gives a tensor."""
+        """The linear's stored values (BF16 as its uint16 bit patterns), as `TensorReader.read_raw` gives a tensor;
+        the expert's block fingerprinted under this slice's name where the reader takes fingerprints (resume)."""
         rows, tail = self.stored.shape[1], self.stored.shape[2:]
         block = (rows, prod(tail)) if tail else (rows,)
-        expert_bytes = self.stored.nbytes // self.stored.shape[0]
-        values = reader.read_raw_slice(self.stored, self.expert * expert_bytes, block)
+        values = reader.read_raw_slice(self.stored, self.begin - self.stored.begin, block, fingerprint_as=self.name)
         return np.ascontiguousarray(values[self.first::self.step])
 
     def read_array(self, reader: TensorReader) -> np.ndarray:
@@ -297,7 +309,8 @@ def find_moe_layers(checkpoint: Checkpoint, architecture: Architecture, source_f
             activation_bits=source_format.activation_bits,
             projection_names=_projection_names(architecture, ordered[0]),
             float_scheme=scheme,
-            expert_biases=any(suffix == "bias" for expert in ordered for linear in expert.values() for suffix in linear),
+            expert_biases=any(suffix == EXPERT_BIAS for expert in ordered for linear in expert.values() for suffix in linear),
+            stacked_rows=None if architecture.stacked is None else architecture.stacked.gate_up_rows,
         )
         layers.append(MoELayer(module, shape, ordered))
     if not layers and unquantized:

@@ -27,6 +27,7 @@ from moeconv.checkpoint.reader import TensorReader
 from moeconv.packing import bf16_as_float32
 from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat
+from moeconv.survey import ExpertSlice
 from moeconv.worklist import ConvertJob, ExpertJob, SourceSlice
 
 Audit = tuple[str, dict[str, int]]  # (source linear, audit counts)
@@ -155,8 +156,16 @@ def _sources(job: ConvertJob) -> dict[str, dict[str, SourceSlice]]:
 
 def _read_sources(job: ConvertJob, reader: TensorReader) -> dict[str, Stored]:
     """Each source linear's stored arrays (`TensorReader.read_raw`), by suffix."""
-    return {projection: {suffix: reader.read_raw(piece.entry) for suffix, piece in linear.items()}
+    return {projection: {suffix: read_source(piece, reader) for suffix, piece in linear.items()}
             for projection, linear in _sources(job).items()}
+
+
+def read_source(piece: SourceSlice, reader: TensorReader) -> np.ndarray:
+    """One source slice's stored values: a whole stored tensor, or one expert's rows of a tensor that stacks
+    the experts on disk (survey.ExpertSlice: gpt-oss)."""
+    if isinstance(piece.entry, ExpertSlice):
+        return piece.entry.read_raw(reader)
+    return reader.read_raw(piece.entry)
 
 
 def _canonical(job: ConvertJob, codec: Codec, stored: dict[str, Stored]) -> dict[str, QuantizedWeight]:

@@ -18,17 +18,15 @@ if TYPE_CHECKING:
     from moeconv.backends.base import Backend, LinearLayout
     from moeconv.canonical import LinearShape, MoELayerShape
     from moeconv.checkpoint.reader import TensorEntry
-    from moeconv.survey import DenseLinear, MoELayer
+    from moeconv.survey import DenseLinear, ExpertSlice, MoELayer
 
 
 @dataclass(frozen=True)
 class SourceSlice:
-    """Where a job's input bytes are: a stored tensor. (The slice of a tensor that stacks experts on
-    disk would be one expert's block: gpt-oss's MXFP4 experts are stacked, and survey.ExpertSlice reads them,
-    but no job takes a slice yet (the plan refuses them); llm-compressor unfuses fused experts before
-    quantizing, tests/packers/make_llmc_fused.py.)"""
+    """Where a job's input bytes are: a stored tensor, or one expert's rows of a tensor that stacks the experts
+    on disk (survey.ExpertSlice: gpt-oss's; `transform.read_source` reads either)."""
 
-    entry: TensorEntry
+    entry: TensorEntry | ExpertSlice
 
     @property
     def key(self) -> str:

@@ -7,7 +7,8 @@ float64, and the parameters of `GptOssForCausalLM.from_pretrained(..., Mxfp4Conf
 moeconv. Here: the fixture is what the doc says (numpy alone); moeconv reads every expert's gate, up and down
 exactly as transformers does, bit for bit, with the rows the naming scheme declares (a contiguous split does not
 reproduce it); inspect describes the source; every backend refuses it, convert in one line saying why and what
-serves it; what cannot be read (a reserved scale byte, a stacked tensor of another expert count, a checkpoint that
+serves it; `--cast bf16` writes gpt-oss's own stacked BF16 form, whose experts hold what transformers itself loads
+(tests/engines/gpt_oss_bf16.py shows vLLM 0.33's own loader holding the same values); what cannot be read (a reserved scale byte, a stacked tensor of another expert count, a checkpoint that
 claims MXFP4 over bf16 experts) is refused naming the tensor."""
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import run_main
+from helpers import reseal, run_main
 from moeconv import inspect
+from moeconv.api import convert, verify
 from moeconv.checkpoint.reader import TensorReader, open_checkpoint
 from moeconv.errors import MoeconvError
 from moeconv.float_codes import UE8M0
@@ -200,3 +203,88 @@ def test_an_expert_slice_is_its_rows_of_the_experts_block():
                 piece = ExpertSlice(stored, expert, first, 2)
                 assert piece.name == f"{stored.name}[{expert}, {first}::2]" and piece.shape == (INTERMEDIATE, 3)
                 assert np.array_equal(piece.read_raw(reader), whole[expert, first::2])
+
+
+def bf16_of(values: np.ndarray) -> np.ndarray:
+    """float32 values as BF16 bit patterns, round to nearest even (numpy; exact for BF16 values, inf kept)."""
+    bits = values.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def test_the_bf16_cast_is_refused_where_the_census_finds_blocks_bf16_cannot_hold(capsys, tmp_path, truth):
+    """The fixture's UE8M0 edge bytes make some values overflow BF16 (transformers loads them as inf); the
+    count of such blocks comes from transformers' float64 dequantization, not from moeconv."""
+    inexact = 0
+    for layer in range(LAYERS):
+        for tensor in STACKED:
+            exact = truth[f"model.layers.{layer}.mlp.experts.{tensor}.weight"]  # [E, K, N] float64
+            with np.errstate(over="ignore"):  # the overflowing values: inf in float32, which is the point
+                held = bf16_as_float32(bf16_of(exact.astype(np.float32))).astype(np.float64)
+            lost = (held != exact).transpose(0, 2, 1)  # [E, N, K]
+            inexact += int(lost.reshape(*lost.shape[:2], -1, 32).any(axis=-1).sum())
+    assert inexact > 0
+    code, _, err = run_main(capsys, "convert", DATA / NAME, "-o", tmp_path / "out", "--cast", "bf16")
+    (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and "Traceback" not in err and not (tmp_path / "out").exists()
+    assert f"MXFP4 -> BF16: {inexact} of {LAYERS * EXPERTS * 3 * HIDDEN * INTERMEDIATE // 32} blocks inexact" in line
+
+
+@pytest.fixture(scope="module")
+def bf16_cast(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gptoss") / "bf16"
+    convert(DATA / NAME, out, cast="bf16", allow_inexact=True, workers=1)
+    return out
+
+
+def test_the_bf16_cast_holds_what_transformers_loads_in_gpt_oss_own_stacked_form(bf16_cast, truth):
+    """Every expert tensor equals the parameter transformers' GptOssForCausalLM loads from the MXFP4 source
+    (`.loaded`, infinities included), in its own layout ([E, H, 2I], gate and up interleaved: `GptOssExperts`);
+    the biases, router and every other tensor are the source's bytes; no quantization_config is left."""
+    tensors, _ = read_checkpoint(bf16_cast)
+    source, _ = read_checkpoint(DATA / NAME)
+    for layer in range(LAYERS):
+        experts = f"model.layers.{layer}.mlp.experts"
+        for tensor in STACKED:
+            dtype, values = tensors[f"{experts}.{tensor}"]
+            loaded = truth[f"{experts}.{tensor}.loaded"]
+            assert dtype == "BF16" and values.shape == loaded.shape
+            assert np.array_equal(values, bf16_of(loaded)), (layer, tensor)
+            assert tensors[f"{experts}.{tensor}_bias"][0] == "BF16"
+            assert np.array_equal(tensors[f"{experts}.{tensor}_bias"][1], source[f"{experts}.{tensor}_bias"][1])
+            assert f"{experts}.{tensor}_blocks" not in tensors and f"{experts}.{tensor}_scales" not in tensors
+    passed = {name for name in source if not name.endswith(("_blocks", "_scales"))}
+    assert passed | {f"model.layers.{layer}.mlp.experts.{tensor}" for layer in range(LAYERS) for tensor in STACKED} \
+        == set(tensors)
+    for name in passed:
+        assert np.array_equal(tensors[name][1], source[name][1]), name
+    config = json.loads((bf16_cast / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "gpt_oss"
+
+
+def test_verify_passes_the_bf16_cast_and_fails_one_flipped_expert_value(bf16_cast, tmp_path):
+    assert verify(bf16_cast, level="lossless", workers=1).ok
+    flipped = tmp_path / "flipped"
+    shutil.copytree(bf16_cast, flipped)
+    entry = open_checkpoint(flipped).tensors["model.layers.1.mlp.experts.down_proj"]  # [E, I, H] BF16
+    position = entry.begin + 2 * (INTERMEDIATE * HIDDEN + 3) + 1  # expert 1's down, one value's high byte
+    with open(entry.file, "r+b") as handle:
+        handle.seek(position)
+        value = handle.read(1)[0]
+        handle.seek(position)
+        handle.write(bytes([value ^ 0x01]))
+    reseal(flipped, entry.file)
+    report = verify(flipped, level="lossless", workers=1)
+    layer = next(layer for layer in report.layers if layer.module == "model.layers.1.mlp.experts")
+    assert not report.ok
+    # stacked [i, h] = [0, 3] is row 3, column 0 of the (N = H, K = I) down projection
+    (failure,) = [failure for failure in layer.lossless_failures if failure.startswith("expert")]
+    assert failure.startswith("expert 1 down: 1 value(s) differ") and "first at [3, 0]" in failure, failure
+
+
+@pytest.mark.parametrize("cast", ["fp8-block", "nvfp4"])
+def test_the_other_casts_refuse_stacked_experts_in_one_line(capsys, tmp_path, cast):
+    code, _, err = run_main(capsys, "convert", DATA / NAME, "-o", tmp_path / "out", "--cast", cast)
+    (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and "Traceback" not in err and not (tmp_path / "out").exists()
+    assert line.endswith("experts stacked on disk (gate and up interleaved) are written in their stacked BF16 form "
+                         "only (--cast bf16), the float form their model class and the engines read")

@@ -10,6 +10,15 @@ the layout and the config an engine reads:
   (MXFP4      weight_scale         F8_E4M3 (N, K/16), 2^(b - 127) / G for the group's UE8M0 byte b
    sources)   weight_global_scale  F32 (1,), 1 / G with G = 2^γ, divided by
 
+Experts stacked on disk (gpt-oss: `mlp.experts.gate_up_proj_blocks [E, 2I, H/32, 16]`) are cast to BF16 only,
+and written stacked in the float form that family's own model class holds and every engine's loader of it reads
+(transformers' `GptOssExperts`, vLLM's and SGLang's `GptOssForCausalLM` with no quantization_config), their
+stacked biases copied as they are by the plan:
+
+  bf16 (stacked)  <gate_up>  BF16 (E, H, 2I): expert e's gate and up, input-first, their columns in the
+                             source's row order (interleaved: gate column i at 2i, up at 2i + 1)
+                  <down>     BF16 (E, I, H): expert e's down, input-first
+
 The config is the one the engines' own FP8 block checkpoints carry (vLLM's `Fp8Config.from_config`:
 quant_method fp8, activation_scheme dynamic, weight_block_size [128, 128]) with the linears left in BF16 in
 `ignored_layers`; a BF16 cast of a source with nothing else quantized is a plain checkpoint with no
@@ -27,11 +36,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moeconv import casts
-from moeconv.backends.base import Numerics, with_fused_names
+from moeconv.backends.base import ExpertWeights, Numerics, with_fused_names
 from moeconv.backends.compressed_tensors import CompressedTensorsBackend
 from moeconv.backends.per_linear import PerLinearBackend, per_rank_refusal, projection_shapes
 from moeconv.canonical import PROJECTIONS, LinearShape, MoELayerShape, QuantizedWeight
 from moeconv.float_codes import DIVIDE, nvfp4
+from moeconv.models import ROW_ORDERS
 from moeconv.spec import TensorSpec
 
 if TYPE_CHECKING:
@@ -63,7 +73,11 @@ class CastBackend(PerLinearBackend):
         if self.target not in casts.TARGETS[scheme.name]:
             return (f"no {self.target} cast of {scheme.name} codes is decided (from {scheme.name}: "
                     f"{', '.join(target for target in casts.TARGETS[scheme.name] if target in casts.CASTS)})")
-        if layer.expert_biases:
+        if layer.stacked_rows is not None:
+            if self.target != casts.BF16 or layer.stacked_rows not in ROW_ORDERS:
+                return (f"experts stacked on disk (gate and up {layer.stacked_rows}) are written in their stacked "
+                        f"BF16 form only (--cast bf16), the float form their model class and the engines read")
+        elif layer.expert_biases:
             return "its experts carry biases, which no cast writes yet"
         return per_rank_refusal(layer, lambda what, size: None)
 
@@ -82,6 +96,14 @@ class CastBackend(PerLinearBackend):
         return [TensorSpec("weight", (n, k), "F8_E4M3"),
                 TensorSpec("weight_scale_inv", (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), "F32")]
 
+    def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:
+        if layer.stacked_rows is None:
+            return super().layer_tensors(layer)
+        gate_up, _, down = layer.projection_names
+        experts, hidden, intermediate = layer.experts, layer.hidden, layer.intermediate
+        return [TensorSpec(gate_up, (experts, hidden, 2 * intermediate), "BF16", derives_from=("gate", "up")),
+                TensorSpec(down, (experts, intermediate, hidden), "BF16", derives_from=("down",))]
+
     def encode_linear(self, weight: QuantizedWeight, linear: LinearShape) -> dict[str, np.ndarray]:
         raise NotImplementedError(f"--cast {self.target} writes float codes only (its refusal says so)")
 
@@ -90,6 +112,9 @@ class CastBackend(PerLinearBackend):
 
     def from_float(self, expert: dict[str, FloatWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
         """Each projection's cast; an nvfp4 cast's gate and up under one global scale (casts.shared_exponents)."""
+        if layer.stacked_rows is not None:
+            return _stacked(layer, {projection: casts.cast_arrays(expert[projection], casts.BF16)["weight"]
+                                    for projection in PROJECTIONS})
         shared = casts.shared_exponents(expert, self.target)
         return {f"{name}.{suffix}": array
                 for name, projection, linear in zip(layer.projection_names, PROJECTIONS, projection_shapes(layer))
@@ -100,6 +125,18 @@ class CastBackend(PerLinearBackend):
 
     def decode_linear(self, tensors: dict[str, np.ndarray], linear: LinearShape) -> casts.CastWeight:
         return casts.CastWeight.of(self.target, tensors)
+
+    def decode_expert(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
+        if layer.stacked_rows is None:
+            return super().decode_expert(slices, layer)
+        gate_up, _, down = layer.projection_names
+        columns = {projection: slice(first, None, step)
+                   for projection, (first, step) in ROW_ORDERS[layer.stacked_rows].items()}
+        weights = {projection: np.ascontiguousarray(slices[gate_up][:, columns[projection]].T)
+                   for projection in ("gate", "up")}
+        weights["down"] = np.ascontiguousarray(slices[down].T)
+        return ExpertWeights(**{projection: casts.CastWeight.of(casts.BF16, {"weight": weight})
+                                for projection, weight in weights.items()})
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
         return self.checkpoint_quantization_config(layer, None, [])
@@ -114,6 +151,16 @@ class CastBackend(PerLinearBackend):
             return {}
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "ignored_layers": with_fused_names(unquantized_modules)}
+
+
+def _stacked(layer: MoELayerShape, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Expert e's block of each stacked tensor from its projections' BF16 (N, K) bit patterns: input-first,
+    gate and up in the columns their rows held in the source (models.ROW_ORDERS)."""
+    gate_up_name, _, down_name = layer.projection_names
+    gate_up = np.empty((layer.hidden, 2 * layer.intermediate), dtype=weights["gate"].dtype)
+    for projection, (first, step) in ROW_ORDERS[layer.stacked_rows].items():
+        gate_up[:, first::step] = weights[projection].T
+    return {gate_up_name: gate_up, down_name: np.ascontiguousarray(weights["down"].T)}
 
 
 class Bf16Cast(CastBackend):

@@ -113,12 +113,14 @@ def load(checkpoint: Path) -> dict:
 
 
 def build_and_load(checkpoint: Path, moe_backend: str = "auto", tp: int = 1, rank: int = 0,
-                   port: int = 29533, expert_parallel: bool = False) -> tuple[torch.nn.Module, dict]:
+                   port: int = 29533, expert_parallel: bool = False,
+                   dtype: str = "float16") -> tuple[torch.nn.Module, dict]:
     """The model vLLM builds for the checkpoint (`moe_backend`: vLLM's --moe-backend), after its own
     loader ran twice (two sentinels), and what the loading showed; `load_seconds` is the faster of the
     two `load_weights` passes. `tp` > 1: this process is tensor-parallel rank `rank` of `tp` (gloo, the
     ranks meeting at 127.0.0.1:`port`), and the model holds that rank's part, as vLLM builds it
-    (`expert_parallel`: vLLM's --enable-expert-parallel, the experts split over the ranks)."""
+    (`expert_parallel`: vLLM's --enable-expert-parallel, the experts split over the ranks); `dtype`: vLLM's
+    --dtype."""
     import time
 
     from vllm.config import (
@@ -128,7 +130,7 @@ def build_and_load(checkpoint: Path, moe_backend: str = "auto", tp: int = 1, ran
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    model_config = ModelConfig(model=str(checkpoint), dtype="float16", enforce_eager=True)
+    model_config = ModelConfig(model=str(checkpoint), dtype=dtype, enforce_eager=True)
     # Expert parallelism: vLLM's MoE layers read the flag from the parallel config and their sizes from
     # the process groups (initialized below with `tp` ranks); the config's own tensor-parallel size stays 1,
     # because a larger one sends VllmConfig into compile-pass set-up that needs vLLM's CUDA ops.
