@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,8 @@ from moeconv.float_codes import UE8M0
 from moeconv.formats.gpt_oss_mxfp4 import GptOssMxfp4
 from moeconv.packing import bf16_as_float32
 from moeconv.survey import ExpertSlice, survey
+from moeconv.transform import read_source
+from moeconv.worklist import SourceSlice
 from test_float_fixtures import DATA, E2M1, read_checkpoint, read_safetensors
 
 NAME = "gptoss-mxfp4-bytes"
@@ -288,3 +291,18 @@ def test_the_other_casts_refuse_stacked_experts_in_one_line(capsys, tmp_path, ca
     assert code == 2 and "Traceback" not in err and not (tmp_path / "out").exists()
     assert line.endswith("experts stacked on disk (gate and up interleaved) are written in their stacked BF16 form "
                          "only (--cast bf16), the float form their model class and the engines read")
+
+
+def test_a_job_reads_an_expert_slice_with_its_block_fingerprinted_for_resume():
+    """A conversion job's source slice of a stacked tensor: its rows, and the CRC-32 of the expert's whole block
+    (what resume compares: a changed byte anywhere in the block is a changed source) under the slice's name."""
+    checkpoint = open_checkpoint(DATA / NAME)
+    stored = checkpoint.tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"]
+    tensors, _ = read_checkpoint(DATA / NAME)
+    whole = tensors[stored.name][1]  # [E, 2I, H/32, 16] U8
+    with TensorReader(fingerprints={}) as reader:
+        piece = SourceSlice(ExpertSlice(stored, 2, 1, 2))
+        values = read_source(piece, reader)
+        assert np.array_equal(values, whole[2, 1::2].reshape(INTERMEDIATE, -1))
+        assert reader.fingerprints == {piece.key: zlib.crc32(whole[2].tobytes()).to_bytes(4, "little")}
+        assert piece.key == "model.layers.0.mlp.experts.gate_up_proj_blocks[2, 1::2]"
