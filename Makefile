@@ -48,7 +48,7 @@ test-engines: $(STAMP) $(ENGINES_STAMP)
 	$(BIN)/python tests/engines/run_matrix.py
 	$(BIN)/python tests/engines/run_plugin.py
 	$(BIN)/python tests/engines/run_differential.py
-	$(BIN)/python tests/engines/gpt_oss_bf16.py
+	$(BIN)/python tests/engines/gpt_oss_bf16.py vllm
 
 # SGLang 0.5.23 beside moeconv's outputs, on the CPU (tests/engines/sglang_load.py): its own venv, its
 # pinned torch (2.14.1, the CUDA build PyPI serves; it imports without a GPU), the packages its model
@@ -69,6 +69,7 @@ engines-sglang: $(SGLANG_STAMP)
 
 test-engines-sglang: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python tests/engines/run_matrix_sglang.py
+	$(BIN)/python tests/engines/gpt_oss_bf16.py sglang
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_convert.py

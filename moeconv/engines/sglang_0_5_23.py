@@ -97,7 +97,8 @@ def casts(output: Output) -> Serving:
     Fp8MoEMethod.create_weights raises), and an nvfp4 cast that keeps FP8 block attention: its compressed-tensors
     matcher (compressed_tensors/utils.py, `find_matched_target`) tries the module's class against the NVFP4 group's
     `Linear` target before the fused q/k/v names, so qkv_proj gets NVFP4 parameters and loading the FP8 block
-    weight_scale into them fails ("start (0) + length (128) exceeds dimension size (1)" on the 128-wide source)."""
+    weight_scale into them fails ("start (0) + length (128) exceeds dimension size (1)" on the 128-wide source).
+    gpt-oss's stacked BF16 cast: its GptOssForCausalLM loader held transformers' own values (gpt_oss_bf16.py)."""
     layer, cast = output.layer, output.backend
     if cast == "fp8-block" and layer.intermediate_per_rank % CAST_BLOCK:
         return Serving(None, f"{NAME}'s block-FP8 MoE method (Fp8MoEMethod) wants the expert intermediate size per rank "
@@ -108,6 +109,9 @@ def casts(output: Output) -> Serving:
                              f"so a fused qkv_proj takes the NVFP4 group's `Linear` target instead of the FP8-block group "
                              f"this cast keeps, and loading the FP8 block weight_scale into its NVFP4 parameters fails; "
                              f"{instead} is served, or serve this one with vLLM")
+    if layer.stacked_rows is not None:  # gpt-oss's stacked BF16 form (tests/engines/gpt_oss_bf16.py)
+        return Serving(f"{NAME} (its GptOssForCausalLM loader, {CAST_METHODS[cast]}, held transformers' own values in "
+                       f"every expert parameter on the CPU path; no GPU run yet)", launch(layer))
     served = Serving(f"{NAME} ({CAST_METHODS[cast]} for the experts: its loader took every tensor of MXFP4 sources' "
                      f"casts, 128-wide, on the CPU path; no GPU run yet)", launch(layer))
     return _shown_for(served, output)

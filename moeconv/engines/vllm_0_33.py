@@ -107,9 +107,13 @@ def answer(output: Output) -> Serving:
             return Serving(None, f"{NAME}'s block-FP8 MoE method wants the expert intermediate size per rank a multiple "
                                  f"of {CAST_BLOCK} (validate_fp8_block_shape_moe), not {layer.intermediate_per_rank}; "
                                  f"--cast bf16 is served")
-        served = Serving(f"stock {NAME} (its loader took every tensor of MXFP4 sources' casts, 128-wide, on the CPU path "
-                         f"with its {'fp8 block' if output.backend == 'fp8-block' else 'unquantized'} MoE method; no GPU "
-                         f"run yet)", serve(layer))
+        if layer.stacked_rows is not None:  # gpt-oss's stacked BF16 form (tests/engines/gpt_oss_bf16.py)
+            served = Serving(f"stock {NAME} (its GptOssForCausalLM loader, unquantized MoE method, held transformers' own "
+                             f"values in every expert parameter on the CPU path; no GPU run yet)", serve(layer))
+        else:
+            served = Serving(f"stock {NAME} (its loader took every tensor of MXFP4 sources' casts, 128-wide, on the CPU "
+                             f"path with its {'fp8 block' if output.backend == 'fp8-block' else 'unquantized'} MoE method; "
+                             f"no GPU run yet)", serve(layer))
     elif output.backend == "cpu":
         return Serving(None, f"no engine loads this layout from disk yet ({NAME}'s CPU experts build it at load "
                              "time from the source); for vLLM use --backend compressed-tensors")
