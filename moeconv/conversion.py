@@ -247,7 +247,7 @@ def _check_unchanged_source(plan: Plan, shard: OutputShard, finished: Path | Sto
     changed = None
     with TensorReader(fingerprints={}) as reader:
         for piece in _converted_inputs(shard):
-            transform.read_source(piece, reader)
+            transform.read_source(piece.entry, reader)
         if _source_fingerprint(shard, reader.fingerprints) != journal.done[shard.file_name]["source"]:
             changed = "a converted tensor"
     if changed is None:

@@ -15,7 +15,8 @@ from moeconv.checkpoint.reader import Checkpoint, TensorReader, file_size, open_
 from moeconv.errors import MoeconvError
 from moeconv.plan import attention_quantized, choose_backend, converts_dense, eligibility
 from moeconv.spec import FLOAT_DTYPES
-from moeconv.survey import ExpertSlice, check_global_scales, survey
+from moeconv.survey import ExpertSlice, check_global_scales, linear_name, survey
+from moeconv.transform import read_source
 
 
 def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1, casts: bool = False) -> dict[str, Any]:
@@ -162,8 +163,7 @@ def cast_census(source_format, layers) -> dict[str, Any]:
                 weights = {}
                 for projection, linear in expert.items():
                     name = _linear_name(linear)
-                    stored = {suffix: entry.read_raw(reader) if isinstance(entry, ExpertSlice) else reader.read_raw(entry)
-                              for suffix, entry in linear.items()}
+                    stored = {suffix: read_source(entry, reader) for suffix, entry in linear.items()}
                     try:
                         weights[projection] = (name, source_format.decode(stored))
                     except MoeconvError as refusal:
@@ -178,4 +178,4 @@ def cast_census(source_format, layers) -> dict[str, Any]:
 def _linear_name(linear) -> str:
     """One expert linear's module path (a stacked slice: the slice of its codes, which names the rows)."""
     first = next(entry for suffix, entry in sorted(linear.items()) if not suffix.endswith("bias"))
-    return first.name if isinstance(first, ExpertSlice) else first.name.rsplit(".", 1)[0]
+    return linear_name(first)

@@ -93,6 +93,12 @@ class ExpertSlice:
         return bf16_as_float32(values) if self.dtype == "BF16" else values
 
 
+def linear_name(entry: TensorEntry | ExpertSlice) -> str:
+    """The source linear one of its tensors belongs to, as reports name it: a stored tensor's module path, or an
+    expert slice's own name (which rows of which stacked tensor)."""
+    return entry.name if isinstance(entry, ExpertSlice) else entry.name.rsplit(".", 1)[0]
+
+
 @dataclass(frozen=True)
 class MoELayer:
     """One MoE layer's routed experts: experts[e][projection][suffix] -> source tensor."""

@@ -23,11 +23,11 @@ from moeconv.backends.base import Backend, ExpertWeights
 from moeconv.canonical import QuantizedWeight, regroup
 from moeconv.casts import Census
 from moeconv.executor import in_batches, worker_reader
-from moeconv.checkpoint.reader import TensorReader
+from moeconv.checkpoint.reader import TensorEntry, TensorReader
 from moeconv.packing import bf16_as_float32
 from moeconv.errors import MoeconvError
 from moeconv.formats import SourceFormat
-from moeconv.survey import ExpertSlice
+from moeconv.survey import ExpertSlice, linear_name
 from moeconv.worklist import ConvertJob, ExpertJob, SourceSlice
 
 Audit = tuple[str, dict[str, int]]  # (source linear, audit counts)
@@ -156,16 +156,16 @@ def _sources(job: ConvertJob) -> dict[str, dict[str, SourceSlice]]:
 
 def _read_sources(job: ConvertJob, reader: TensorReader) -> dict[str, Stored]:
     """Each source linear's stored arrays (`TensorReader.read_raw`), by suffix."""
-    return {projection: {suffix: read_source(piece, reader) for suffix, piece in linear.items()}
+    return {projection: {suffix: read_source(piece.entry, reader) for suffix, piece in linear.items()}
             for projection, linear in _sources(job).items()}
 
 
-def read_source(piece: SourceSlice, reader: TensorReader) -> np.ndarray:
-    """One source slice's stored values: a whole stored tensor, or one expert's rows of a tensor that stacks
-    the experts on disk (survey.ExpertSlice: gpt-oss)."""
-    if isinstance(piece.entry, ExpertSlice):
-        return piece.entry.read_raw(reader)
-    return reader.read_raw(piece.entry)
+def read_source(entry: TensorEntry | ExpertSlice, reader: TensorReader) -> np.ndarray:
+    """One source tensor's stored values: a whole stored tensor, or one expert's rows of a tensor that stacks the
+    experts on disk (survey.ExpertSlice: gpt-oss)."""
+    if isinstance(entry, ExpertSlice):
+        return entry.read_raw(reader)
+    return reader.read_raw(entry)
 
 
 def _canonical(job: ConvertJob, codec: Codec, stored: dict[str, Stored]) -> dict[str, QuantizedWeight]:
@@ -197,7 +197,7 @@ def _readable_linear(sources: dict[str, SourceSlice], stored: Stored) -> Stored:
 
 def _linear_name(linear: dict[str, SourceSlice]) -> str:
     """The module path of one source linear (its tensors' names without the suffix)."""
-    return next(iter(linear.values())).key.rsplit(".", 1)[0]
+    return linear_name(next(iter(linear.values())).entry)
 
 
 def _decoded(decode_one: Callable[[Stored], Any], sources: dict[str, SourceSlice], tensors: Stored) -> Any:

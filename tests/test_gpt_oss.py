@@ -302,7 +302,7 @@ def test_a_job_reads_an_expert_slice_with_its_block_fingerprinted_for_resume():
     whole = tensors[stored.name][1]  # [E, 2I, H/32, 16] U8
     with TensorReader(fingerprints={}) as reader:
         piece = SourceSlice(ExpertSlice(stored, 2, 1, 2))
-        values = read_source(piece, reader)
+        values = read_source(piece.entry, reader)
         assert np.array_equal(values, whole[2, 1::2].reshape(INTERMEDIATE, -1))
         assert reader.fingerprints == {piece.key: zlib.crc32(whole[2].tobytes()).to_bytes(4, "little")}
         assert piece.key == "model.layers.0.mlp.experts.gate_up_proj_blocks[2, 1::2]"
