@@ -22,7 +22,8 @@ from s3_server import S3Server, weed_binary
 
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).parents[1]
-REAL = {"gptq_asym": DATA / "gptq_asym" / "b4_g32" / "v1", "modelopt": DATA / "modelopt" / "int4-g32"}
+REAL = {"gptq_asym": DATA / "gptq_asym" / "b4_g32" / "v1", "modelopt": DATA / "modelopt" / "int4-g32",
+        "gptoss": DATA / "float" / "gptoss-mxfp4-bytes"}
 # The backends each source fits (the others refuse it the same way from a folder and from a bucket).
 BACKENDS = {"synthetic": ["triton", "humming", "cpu", "compressed-tensors"], "gptq_asym": ["triton", "cpu"],
             "modelopt": ["triton"]}
@@ -86,6 +87,18 @@ def test_a_source_in_a_bucket_converts_to_the_folders_bytes(server, sources, tmp
     assert server.secret not in stored.stdout + stored.stderr
     for path in (tmp_path / "stored").iterdir():
         assert server.secret.encode() not in path.read_bytes(), path.name
+
+
+def test_gpt_oss_in_a_bucket_casts_to_the_folders_bytes(server, sources, tmp_path):
+    """Experts stacked on disk: each job's slice of a stacked tensor (one expert's block) fetched by range."""
+    folder, url = sources["gptoss"]
+    arguments = ["--cast", "bf16", "--allow-inexact", "-q", "--workers", "2"]
+    local = moeconv_cli("convert", str(folder), "-o", str(tmp_path / "local"), *arguments,
+                        environment=server.environment())
+    assert local.returncode == 0, local.stderr
+    stored = moeconv_cli("convert", url, "-o", str(tmp_path / "stored"), *arguments, environment=server.environment())
+    assert stored.returncode == 0, stored.stderr
+    same_output(tmp_path / "local", files_of(tmp_path / "stored"), folder, url)
 
 
 def test_workers_read_the_source_by_ranges_no_larger_than_a_tensor(server, sources, tmp_path, monkeypatch):
