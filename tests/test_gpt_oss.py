@@ -262,6 +262,11 @@ def test_the_bf16_cast_holds_what_transformers_loads_in_gpt_oss_own_stacked_form
         assert np.array_equal(tensors[name][1], source[name][1]), name
     config = json.loads((bf16_cast / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "gpt_oss"
+    # the manifest names the rows each expert block came from: gate and up interleaved, never guessed
+    sources = json.loads((bf16_cast / "moeconv.json").read_text())["tensors"]["model.layers.1.mlp.experts.gate_up_proj"]
+    assert sources["transform"] == "mxfp4->bf16" and sources["sources"][:4] == [
+        "model.layers.1.mlp.experts.gate_up_proj_blocks[0, 0::2]", "model.layers.1.mlp.experts.gate_up_proj_scales[0, 0::2]",
+        "model.layers.1.mlp.experts.gate_up_proj_blocks[0, 1::2]", "model.layers.1.mlp.experts.gate_up_proj_scales[0, 1::2]"]
 
 
 def test_verify_passes_the_bf16_cast_and_fails_one_flipped_expert_value(bf16_cast, tmp_path):
