@@ -51,26 +51,10 @@ def write_safetensors(path: Path, tensors: dict) -> None:
 
 
 def make_source(folder: Path, size_gb: float) -> Path:
-    per_layer = 3 * EXPERTS * H * I * (0.5 + 1 / 32)
-    layers = max(1, round(size_gb * 1e9 / per_layer))
-    if (folder / "config.json").exists():
-        return folder
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    config = json.loads((FIXTURE / "config.json").read_text())
-    config.update(hidden_size=H, moe_intermediate_size=I, intermediate_size=I, num_local_experts=EXPERTS,
-                  num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=1024)
-    bf16 = lambda shape: ("BF16", (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16))  # noqa: E731
-    weight_map = {}
-    for layer in range(layers):
-        at, tensors = f"model.layers.{layer}", {}
-        if layer == 0:
-            tensors.update({"model.embed_tokens.weight": bf16((1024, H)), "lm_head.weight": bf16((1024, H)),
-                            "model.norm.weight": bf16((H,))})
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            tensors[f"{at}.{name}.weight"] = bf16((H,))
-        for name in ("q_norm", "k_norm"):
-            tensors[f"{at}.self_attn.{name}.weight"] = bf16((128,))
+    layers = max(1, round(size_gb * 1e9 / (3 * EXPERTS * H * I * (0.5 + 1 / 32))))
+
+    def layer_tensors(at: str, bf16, rng) -> dict:
+        tensors = {f"{at}.self_attn.{name}.weight": bf16((128,)) for name in ("q_norm", "k_norm")}
         tensors[f"{at}.mlp.gate.weight"] = bf16((EXPERTS, H))
         linears = [(f"{at}.self_attn.{name}", n, k) for name, n, k in
                    (("q_proj", 2048, H), ("k_proj", 512, H), ("v_proj", 512, H), ("o_proj", H, 2048))]
@@ -79,36 +63,20 @@ def make_source(folder: Path, size_gb: float) -> Path:
         for prefix, n, k in linears:
             tensors[f"{prefix}.weight_packed"] = ("U8", rng.integers(0, 256, (n, k // 2), dtype=np.uint8))
             tensors[f"{prefix}.weight_scale"] = ("U8", rng.integers(122, 128, (n, k // 32), dtype=np.uint8))
-        shard = f"model-{layer + 1:05d}-of-{layers:05d}.safetensors"
-        write_safetensors(folder / shard, tensors)
-        weight_map.update(dict.fromkeys(tensors, shard))
-    (folder / "config.json").write_text(json.dumps(config))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return folder
+        return tensors
+
+    return _write_source(folder, FIXTURE, {"hidden_size": H, "moe_intermediate_size": I, "intermediate_size": I,
+                                           "num_local_experts": EXPERTS, "num_attention_heads": 16,
+                                           "num_key_value_heads": 4, "head_dim": 128}, layers, H, layer_tensors)
 
 
 def make_gpt_oss_source(folder: Path, size_gb: float) -> Path:
     h, i, experts = GPT_OSS["hidden"], GPT_OSS["intermediate"], GPT_OSS["experts"]
     q, kv = GPT_OSS["heads"] * GPT_OSS["head_dim"], GPT_OSS["kv_heads"] * GPT_OSS["head_dim"]
     layers = max(1, round(size_gb * 1e9 / (3 * experts * h * i * (0.5 + 1 / 32))))
-    if (folder / "config.json").exists():
-        return folder
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    config = json.loads((GPT_OSS_FIXTURE / "config.json").read_text())
-    config.update(hidden_size=h, intermediate_size=i, num_local_experts=experts, num_hidden_layers=layers,
-                  num_attention_heads=GPT_OSS["heads"], num_key_value_heads=GPT_OSS["kv_heads"],
-                  head_dim=GPT_OSS["head_dim"], vocab_size=1024, num_experts_per_tok=4,
-                  layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2))
-    bf16 = lambda shape: ("BF16", (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16))  # noqa: E731
-    weight_map = {}
-    for layer in range(layers):
-        at, tensors = f"model.layers.{layer}", {}
-        if layer == 0:
-            tensors.update({"model.embed_tokens.weight": bf16((1024, h)), "lm_head.weight": bf16((1024, h)),
-                            "model.norm.weight": bf16((h,))})
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            tensors[f"{at}.{name}.weight"] = bf16((h,))
+
+    def layer_tensors(at: str, bf16, rng) -> dict:
+        tensors = {}
         for name, n, k in (("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q)):
             tensors[f"{at}.self_attn.{name}.weight"], tensors[f"{at}.self_attn.{name}.bias"] = bf16((n, k)), bf16((n,))
         tensors[f"{at}.self_attn.sinks"] = bf16((GPT_OSS["heads"],))
@@ -119,6 +87,35 @@ def make_gpt_oss_source(folder: Path, size_gb: float) -> Path:
             tensors[f"{at}.mlp.experts.{name}_scales"] = ("U8", rng.integers(118, 127, (experts, n, k // 32),
                                                                                 dtype=np.uint8))
             tensors[f"{at}.mlp.experts.{name}_bias"] = bf16((experts, n))
+        return tensors
+
+    return _write_source(folder, GPT_OSS_FIXTURE, {
+        "hidden_size": h, "intermediate_size": i, "num_local_experts": experts, "num_experts_per_tok": 4,
+        "num_attention_heads": GPT_OSS["heads"], "num_key_value_heads": GPT_OSS["kv_heads"],
+        "head_dim": GPT_OSS["head_dim"],
+        "layer_types": ["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2)},
+        layers, h, layer_tensors)
+
+
+def _write_source(folder: Path, fixture: Path, sizes: dict, layers: int, hidden: int, layer_tensors) -> Path:
+    """A synthetic source of `layers` layers, one shard each, its config the fixture's with `sizes`: the embeddings
+    and norms every family has, and `layer_tensors(prefix, bf16, rng)`'s tensors in each layer. Kept if there."""
+    if (folder / "config.json").exists():
+        return folder
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    config = {**json.loads((fixture / "config.json").read_text()), **sizes, "num_hidden_layers": layers,
+              "vocab_size": 1024}
+    bf16 = lambda shape: ("BF16", (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16))  # noqa: E731
+    weight_map = {}
+    for layer in range(layers):
+        at, tensors = f"model.layers.{layer}", {}
+        if layer == 0:
+            tensors.update({"model.embed_tokens.weight": bf16((1024, hidden)), "lm_head.weight": bf16((1024, hidden)),
+                            "model.norm.weight": bf16((hidden,))})
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{at}.{name}.weight"] = bf16((hidden,))
+        tensors.update(layer_tensors(at, bf16, rng))
         shard = f"model-{layer + 1:05d}-of-{layers:05d}.safetensors"
         write_safetensors(folder / shard, tensors)
         weight_map.update(dict.fromkeys(tensors, shard))
