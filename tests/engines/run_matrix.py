@@ -60,7 +60,11 @@ def expected_to_load(backend: str, source_format) -> bool:
         if source_format.method == "modelopt":  # the dense linears stay ModelOpt's int4, which vLLM 0.33 does not read
             return False
         return source_format.method != "gptq" or source_format.symmetric
-    return backend == "humming" and source_format.symmetric
+    if backend == "humming" and source_format is not None and source_format.float_scheme is not None:
+        # Humming's FP4 schema: MXFP4 loads; NVFP4's per-expert weight_scale_2 does not (vLLM's Humming MoE method
+        # keeps one a expert and its per-tensor loader indexes it by shard: engines/vllm_0_33.humming_float)
+        return source_format.float_scheme.global_convention is None
+    return backend == "humming" and source_format is not None and source_format.symmetric
 
 
 def not_consumed(result: dict) -> list[str]:
@@ -235,6 +239,28 @@ def _float(base: Path, cases: list, refusals: dict) -> None:
             fmt = None  # moeconv refuses the config itself (gpt-oss's CPU save: bf16 under quant_method mxfp4)
         _convert_all(base, cases, refusals, "float", "qwen3_moe (float codes)", fixture.name, fixture,
                      None if fixture.name in FLOAT_SOURCES_REFUSED_ON_CPU else fmt, list(REGISTRY))
+    # The one NVFP4 source Humming's multiplied weight_scale_2 holds exactly: llm-compressor's NVFP4A16 with every
+    # weight_global_scale moved down to a power of two (its reciprocal a float32)
+    powers = _global_scales_to_powers_of_two(FLOAT / "ct-nvfp4a16", base / "float" / "ct-nvfp4a16-powers" / "src")
+    fmt = format_from_config(json.loads((powers / "config.json").read_text())["quantization_config"], str(powers))
+    _convert_all(base, cases, refusals, "float", "qwen3_moe (float codes)", "ct-nvfp4a16, global scales 2^n", powers,
+                 fmt, ["humming", "compressed-tensors"])
+
+
+def _global_scales_to_powers_of_two(fixture: Path, folder: Path) -> Path:
+    import numpy as np
+
+    from moeconv.checkpoint.reader import open_checkpoint
+
+    shutil.copytree(fixture, folder)
+    for name, entry in open_checkpoint(folder).tensors.items():
+        if name.endswith(".weight_global_scale"):
+            with open(entry.file, "r+b") as handle:
+                handle.seek(entry.begin)
+                value = float(np.frombuffer(handle.read(4), np.float32)[0])
+                handle.seek(entry.begin)
+                handle.write(np.array([2.0 ** np.floor(np.log2(value))], np.float32).tobytes())
+    return folder
 
 
 def _mxfp4_source(folder: Path, fixture: str) -> Path:
