@@ -230,6 +230,12 @@ def test_inspect_says_humming_takes_mxfp4_and_how_each_engine_serves_it():
     assert verdicts["eligible"], verdicts
     refused = inspect(DATA / "modelopt-nvfp4")["backends"]["humming"]
     assert not refused["eligible"] and "static input global scale" in refused["reason"]
+    # what convert refuses beyond the experts' shapes, inspect says too: the reciprocal, the FP8 linears
+    reciprocal = inspect(DATA / "ct-nvfp4a16")["backends"]["humming"]
+    assert not reciprocal["eligible"] and "is no float32" in reciprocal["reason"]
+    fp8 = inspect(DATA / "ct-mxfp4-fp8block")["backends"]
+    assert not fp8["humming"]["eligible"] and "cannot describe FP8 linears" in fp8["humming"]["reason"]
+    assert fp8["compressed-tensors"]["eligible"], fp8["compressed-tensors"]
 
 
 def test_the_engines_answers_for_humming_float_outputs(outputs):
