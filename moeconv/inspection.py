@@ -15,7 +15,7 @@ from moeconv.checkpoint.reader import Checkpoint, TensorReader, file_size, open_
 from moeconv.errors import MoeconvError
 from moeconv.plan import attention_quantized, choose_backend, converts_dense, eligibility
 from moeconv.spec import FLOAT_DTYPES
-from moeconv.survey import ExpertSlice, check_global_scales, linear_name, survey
+from moeconv.survey import ExpertSlice, check_global_scales, fp8_block_linears, linear_name, survey
 from moeconv.transform import read_source
 
 
@@ -56,7 +56,7 @@ def inspect_checkpoint(source: Path | Checkpoint, tp: int = 1, casts: bool = Fal
         "tp": tp,
         "backends": {name: _verdict(backend, layers, source_format, checkpoint.quantization_config,
                                     found.architecture.model_type, attention_quantized(checkpoint, source_format),
-                                    checkpoint.config)
+                                    checkpoint.config, _fp8_refusal(backend, checkpoint, layers))
                      for name, backend in all_backends().items()},
         "auto": _auto(layers, source_format, checkpoint.quantization_config),
     }
@@ -88,11 +88,12 @@ def _stacked(checkpoint: Checkpoint, architecture, layers) -> dict[str, Any]:
 
 
 def _verdict(backend, layers, source_format, source_config, model_type, attention_is_quantized,
-             model_config) -> dict[str, Any]:
+             model_config, fp8_refusal: str | None = None) -> dict[str, Any]:
     """Whether the backend takes the checkpoint (as it is, or after --regroup), with each layer's reason,
     and how each engine (vLLM, SGLang) would serve its output."""
     factor, reason = eligibility(backend, layers, allow_regroup=True)
-    reason = reason or _global_scale_refusal(backend, layers, source_format) or source_format.unconverted
+    reason = (reason or _global_scale_refusal(backend, layers, source_format) or source_format.unconverted
+              or fp8_refusal)
     refusals = {layer.module: backend.refusal(layer.shape) for layer in layers}
     first = layers[0].shape
     shape = replace(first, group_size=first.group_size // factor)
@@ -107,6 +108,20 @@ def _verdict(backend, layers, source_format, source_config, model_type, attentio
         "serving": engines.VLLM.serving(output)._asdict(),
         "sglang_serving": engines.SGLANG.serving(output)._asdict(),
     }
+
+
+def _fp8_refusal(backend, checkpoint: Checkpoint, layers) -> str | None:
+    """Why a whole-checkpoint backend cannot describe the FP8 block-scaled linears beside the experts
+    (survey.fp8_block_linears, as the plan asks it), or None."""
+    if backend.linear_layout is None:
+        return None
+    experts = {entry.name for layer in layers for expert in layer.experts for linear in expert.values()
+               for entry in linear.values()}
+    try:
+        fp8_block_linears(checkpoint, backend.linear_layout, [name for name in checkpoint.tensors if name not in experts])
+    except MoeconvError as refusal:
+        return str(refusal)
+    return None
 
 
 def _global_scale_refusal(backend, layers, source_format) -> str | None:

@@ -527,7 +527,7 @@ def fp8_block_linears(checkpoint: Checkpoint, layout: LinearLayout, others: list
     if suffixes is None:
         raise MoeconvError(f"{fp8[0].file}: tensor {fp8[0].name} is {fp8[0].dtype}: backend {layout.name!r} writes "
                            f"one quantization scheme for the whole checkpoint and cannot describe FP8 linears beside "
-                           f"the integer experts; --backend compressed-tensors writes them as a config group of their "
+                           f"the quantized experts; --backend compressed-tensors writes them as a config group of their "
                            f"own, --backend triton converts the experts and copies the rest")
     renames = {}
     for weight in fp8:
@@ -555,7 +555,7 @@ def check_global_scales(entries: list[TensorEntry], source_format: SourceFormat,
     compressed-tensors' divided weight_global_scale): every global scale of `entries` (the float32 scalars of
     the float-coded linears: weight and input global scales) is read, and the first whose reciprocal is not a
     float32 refused, since the output would decode to other weights (float_codes.exact_reciprocal)."""
-    from moeconv.float_codes import exact_reciprocal
+    from moeconv.float_codes import DIVIDE, MULTIPLY, exact_reciprocal
 
     scheme, wanted = source_format.float_scheme, backend.float_global_convention
     if scheme is None or scheme.global_convention in (None, wanted):
@@ -565,9 +565,11 @@ def check_global_scales(entries: list[TensorEntry], source_format: SourceFormat,
             continue
         value = reader.read_array(entry).reshape(())
         if exact_reciprocal(value) is None:
+            verbs = {DIVIDE: "divides by it", MULTIPLY: "multiplies by it"}
             raise MoeconvError(
-                f"{entry.file}: tensor {entry.name} is {float(value)!r}: {source_format.method} multiplies by it, "
-                f"backend {backend.name!r} writes the reciprocal that is divided by, and 1/{float(value)!r} is no "
+                f"{entry.file}: tensor {entry.name} is {float(value)!r}: {source_format.method} "
+                f"{verbs[scheme.global_convention]}, backend {backend.name!r} writes the reciprocal that is "
+                f"{'divided' if wanted == DIVIDE else 'multiplied'} by, and 1/{float(value)!r} is no "
                 f"float32 (only a power of two's reciprocal is), so the output would not decode to the source's values; "
                 f"refusing rather than rounding it (docs/FLOAT_SOURCES.md, section 4)")
 

@@ -1,8 +1,8 @@
 """Float-coded sources converted into the compressed-tensors layout (nvfp4/mxfp4-pack-quantized, the form llm-compressor
 writes) and verified: a compressed-tensors source comes out byte for byte as it went in, its FP8-block attention
 described as it was; a ModelOpt source is written with the reciprocal of each global scale where that is exact and
-refused otherwise; verify is lossless and fails a flipped code byte, a flipped scale byte and swapped experts; every
-other backend refuses float codes, in `inspect` and in `--backend auto`; a scale byte or a global scale that cannot
+refused otherwise; verify is lossless and fails a flipped code byte, a flipped scale byte and swapped experts; the
+integer-only backends (triton, cpu) refuse float codes, in `inspect` and in `--backend auto`; a scale byte or a global scale that cannot
 be read stops `convert` in one line naming the file and the tensor."""
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def test_verify_fails_swapped_experts(damaged):
 
 @pytest.mark.parametrize("name", [*CT, "modelopt-nvfp4"])
 def test_every_integer_backend_refuses_float_codes_with_the_reason(name):
-    """And inspect describes the float source: its codes, block, scale encoding and global-scale convention."""
+    """(humming writes Humming's FP4 schema: tests/test_humming_float.py.) And inspect describes the float source: its codes, block, scale encoding and global-scale convention."""
     report = inspect(DATA / name)
     verdicts = report["backends"]
     mx = "mxfp4" in name
@@ -262,8 +262,7 @@ def test_every_integer_backend_refuses_float_codes_with_the_reason(name):
         convention = "multiplied" if name.startswith("modelopt") else "divided"
         assert f"global scale {convention} by" in report["format"]["codes"]
     for backend, said in (("triton", "moe_wna16 Triton layout holds integer codes"),
-                          ("cpu", "x86 CPU kernels' layouts (blocked INT4, VNNI INT8) hold integer codes"),
-                          ("humming", "Humming's integer schema only")):
+                          ("cpu", "x86 CPU kernels' layouts (blocked INT4, VNNI INT8) hold integer codes")):
         assert not verdicts[backend]["eligible"] and said in verdicts[backend]["reason"], backend
         with pytest.raises(MoeconvError, match=f"backend '{backend}' does not support this checkpoint: .*{re.escape(said)}"):
             make_plan(DATA / name, backend=backend)

@@ -165,6 +165,9 @@ def answer(output: Output) -> Serving:
         else:
             served = Serving(NAME, launch(layer))
     elif backend == "humming":
+        if layer.float_scheme is not None:
+            return Serving(None, f"{NAME}'s loader was not run on Humming's FP4 schema (no {NAME} environment where it "
+                                 f"was written); for SGLang use --backend compressed-tensors")
         if not layer.symmetric and not mixtral:
             return Serving(None, f"{NAME}'s loader refuses the expert zero_point of an asymmetric Humming "
                                  f"checkpoint; for SGLang use --backend {PLUGIN}")

@@ -94,6 +94,8 @@ def answer(output: Output) -> Serving:
                            f"every tensor of NVFP4A16 and MXFP4A16 outputs on the CPU path; no GPU run yet)", serve(layer))
         served = Serving(f"stock {NAME}", serve(layer))
     elif output.backend == "humming":
+        if layer.float_scheme is not None:
+            return humming_float(layer)
         if not layer.symmetric:
             return Serving(None, f"{NAME}'s loader refuses the expert zero_point of an asymmetric Humming checkpoint "
                                  "(Humming's own loader reads it); for vLLM use --backend compressed-tensors")
@@ -123,6 +125,21 @@ def answer(output: Output) -> Serving:
         return Serving(None, f"{output.dense_refusal} (moeconv's vLLM plugin refuses this output at start-up); for "
                              "vLLM use --backend compressed-tensors")
     return served
+
+
+def humming_float(layer: MoELayerShape) -> Serving:
+    """Humming's FP4 schema (backends/humming.py). MXFP4: its loader took every tensor on the CPU path
+    (tests/engines/run_matrix.py --only float). NVFP4: HummingMoEMethod.create_weights registers each GEMM's
+    weight_scale_2 as one float32 a expert (`may_add_expert_dim`: (1,) -> (E,)) with scale type "tensor", and
+    RoutedExperts._load_per_tensor_weight_scale stores gate's and up's at `param[expert][shard]`, which indexes a
+    0-d tensor (IndexError): no per-expert NVFP4 checkpoint loads through it, the source itself under
+    --quantization humming included."""
+    if layer.float_scheme.global_convention is not None:
+        return Serving(None, f"{NAME}'s Humming MoE method keeps one weight_scale_2 per expert and its loader indexes "
+                             f"it by gate/up shard (RoutedExperts._load_per_tensor_weight_scale: IndexError), so it does "
+                             f"not load NVFP4 experts in Humming's schema; for vLLM use --backend compressed-tensors")
+    return Serving(f"stock {NAME} (quant_method humming, MXFP4 weights: its loader took every tensor on the CPU path; "
+                   f"no GPU run yet)", serve(layer))
 
 
 RELEASE = EngineRelease("vLLM", VERSION, answer, CASTS_SCALES_OF, TARGETS)

@@ -90,6 +90,37 @@ def _run_triton_fp4(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: t
                          topk_ids.to(device), scheme=scheme).cpu()
 
 
+def _run_humming_fp4(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The FP4 kernel (kernels/fp4_moe.py) on Humming's float layout: each projection's int32 `weight` words
+    split back into their bytes, least significant first (the codes two a byte), its `weight_scale` bytes (F8_E8M0 or F8_E4M3,
+    read as bytes), gate and up stacked into w13, each linear's `weight_scale_2` one segment of its GEMM's global
+    scale (NVFP4), multiplied by."""
+    import torch
+
+    from moeconv.kernels.fp4_moe import Fp4Experts, fp4_fused_moe
+    from moeconv.packing import unpack_array
+
+    from moeconv.backends.humming import WEIGHT_SCALE_2, HummingBackend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    scheme = shape.float_scheme.in_convention(HummingBackend.float_global_convention)
+
+    def code_bytes(words: torch.Tensor) -> torch.Tensor:  # (E, N, K/8) int32 -> (E, N, K/2) uint8, by shifts
+        return torch.from_numpy(unpack_array(words.numpy(), 8, axis=-1))
+
+    def experts(*names: str) -> Fp4Experts:
+        codes = torch.cat([code_bytes(tensors[f"{name}.weight"]) for name in names], dim=1).to(device)
+        scales = torch.cat([tensors[f"{name}.weight_scale"] for name in names], dim=1).to(device)
+        globals_ = (None if scheme.global_convention is None else
+                    torch.cat([tensors[f"{name}.{WEIGHT_SCALE_2}"].reshape(-1, 1) for name in names], dim=1).to(device))
+        return Fp4Experts(codes, scales, globals_)
+
+    gate, up, down = shape.projection_names
+    return fp4_fused_moe(x.to(device), experts(gate, up), experts(down), topk_weights.to(device),
+                         topk_ids.to(device), scheme=scheme).cpu()
+
+
 def _run_cpu(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch.Tensor,
              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """The x86 kernels' semantics (W4A8 or W8A8: activations rounded to uint8 per row), read from the
@@ -127,6 +158,8 @@ LAYER_KERNELS: dict[str, LayerKernel] = {
     # weights' bytes), so the W4A16 bound holds: measured 2.3e-4 to 5e-4 with fp16 activations on random layers
     # (tests/test_fp4_kernel.py), 3.7e-4 to 4.3e-4 on the producers' fixtures (tests/test_float_conversion.py)
     "triton-fp4": LayerKernel(_run_triton_fp4, _triton_device, lambda shape: NUMERICS_TOLERANCE),
+    # the same kernel and bound, fed from Humming's float layout (int32 words, F8 scale bytes, multiplied scales)
+    "humming-fp4": LayerKernel(_run_humming_fp4, _triton_device, lambda shape: NUMERICS_TOLERANCE),
     "cpu": LayerKernel(_run_cpu, lambda: "cpu (torch model of the x86 W4A8 / W8A8 kernels)",
                        lambda shape: W8A8_NUMERICS_TOLERANCE),
 }

@@ -4,7 +4,9 @@ Runs in the main venv; tests/engines/vllm_load.py runs in .venv-engines (vllm==0
 architecture × source format, a synthetic source checkpoint is converted to every backend that takes
 it; the sources and all outputs are then loaded by vLLM on the CPU in one process. Prints the matrix
 (markdown) and exits 1 when an output that should load (compressed-tensors; humming from symmetric
-sources) does not, or leaves a checkpoint tensor unconsumed or a parameter unloaded.
+sources) does not, or leaves a checkpoint tensor unconsumed or a parameter unloaded. The humming outputs of
+float-coded sources are also read by Humming's own loader (tests/engines/humming_load.py: the parameters are the
+file's bytes and Humming's own conversion of the source), a second table that fails on any difference.
 
     .venv/bin/python tests/engines/run_matrix.py [--keep DIR] [--only GROUP ...]
 
@@ -60,7 +62,11 @@ def expected_to_load(backend: str, source_format) -> bool:
         if source_format.method == "modelopt":  # the dense linears stay ModelOpt's int4, which vLLM 0.33 does not read
             return False
         return source_format.method != "gptq" or source_format.symmetric
-    return backend == "humming" and source_format.symmetric
+    if backend == "humming" and source_format is not None and source_format.float_scheme is not None:
+        # Humming's FP4 schema: MXFP4 loads; NVFP4's per-expert weight_scale_2 does not (vLLM's Humming MoE method
+        # keeps one a expert and its per-tensor loader indexes it by shard: engines/vllm_0_33.humming_float)
+        return source_format.float_scheme.global_convention is None
+    return backend == "humming" and source_format is not None and source_format.symmetric
 
 
 def not_consumed(result: dict) -> list[str]:
@@ -104,7 +110,45 @@ def main() -> None:
         if len(results) != len(cases):
             sys.exit(f"vllm_load.py answered {len(results)} of {len(cases)} checkpoints:\n{done.stderr[-3000:]}")
         failures = _report(cases, results, refusals)
+        failures += _humming_own_loader(cases)
     sys.exit(1 if failures else 0)
+
+
+def _humming_own_loader(cases) -> list[str]:
+    """Humming's own loader (tests/engines/humming_load.py) on every humming output of a float-coded source: each
+    linear's parameters are the file's bytes and equal Humming's own conversion of the source. Prints a second
+    table; a problem or an error is a failure."""
+    sources = {(architecture, name): path for architecture, name, backend, path, _ in cases if backend == "(source)"}
+    pairs = [(sources[(architecture, name)], path) for architecture, name, backend, path, fmt in cases
+             if backend == "humming" and fmt is not None and fmt.float_scheme is not None]
+    if not pairs:
+        return []
+    done = subprocess.run([str(ENGINE_PYTHON), str(ROOT / "tests" / "engines" / "humming_load.py"),
+                           *[str(path) for pair in pairs for path in pair]], capture_output=True, text=True,
+                          timeout=1800)
+    answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if len(answers) != len(pairs):
+        return [f"humming_load.py answered {len(answers)} of {len(pairs)} outputs: {done.stderr[-2000:]}"]
+    print("\n| humming output of | Humming 0.1.19's own loader (HummingLayer.from_safetensors) | its conversion of the "
+          "source (convert_humming) | vLLM's expert parameters against the file's bytes |")
+    print("|---|---|---|---|")
+    failures = []
+    for answer in answers:
+        if "error" in answer:
+            failures.append(f"{answer['output']}: {answer['error']}")
+            print(f"| {answer['source']} | error: {answer['error'][:140]} | |")
+            continue
+        vllm = answer["vllm"]
+        held = (f"{vllm['expert_tensors_compared']} expert tensors, the same bytes and dtypes" if vllm["loaded"]
+                else f"not loaded: {vllm['error'][:80]}")
+        print(f"| {answer['source']} | {answer['linears']} linears, {answer['problem_count']} problem(s) "
+              f"{answer['problems'][:1]} | equal on {answer['equal_to_humming_conversion']} of {answer['linears']} | "
+              f"{held} |")
+        if answer["problem_count"]:
+            failures.append(f"{answer['output']}: {answer['problems']}")
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return failures
 
 
 MODELOPT = ROOT / "tests" / "data" / "modelopt" / "int4-g32"  # exported by the real ModelOpt 0.47.0
@@ -235,6 +279,28 @@ def _float(base: Path, cases: list, refusals: dict) -> None:
             fmt = None  # moeconv refuses the config itself (gpt-oss's CPU save: bf16 under quant_method mxfp4)
         _convert_all(base, cases, refusals, "float", "qwen3_moe (float codes)", fixture.name, fixture,
                      None if fixture.name in FLOAT_SOURCES_REFUSED_ON_CPU else fmt, list(REGISTRY))
+    # The one NVFP4 source Humming's multiplied weight_scale_2 holds exactly: llm-compressor's NVFP4A16 with every
+    # weight_global_scale moved down to a power of two (its reciprocal a float32)
+    powers = _global_scales_to_powers_of_two(FLOAT / "ct-nvfp4a16", base / "float" / "ct-nvfp4a16-powers" / "src")
+    fmt = format_from_config(json.loads((powers / "config.json").read_text())["quantization_config"], str(powers))
+    _convert_all(base, cases, refusals, "float", "qwen3_moe (float codes)", "ct-nvfp4a16, global scales 2^n", powers,
+                 fmt, ["humming", "compressed-tensors"])
+
+
+def _global_scales_to_powers_of_two(fixture: Path, folder: Path) -> Path:
+    import numpy as np
+
+    from moeconv.checkpoint.reader import open_checkpoint
+
+    shutil.copytree(fixture, folder)
+    for name, entry in open_checkpoint(folder).tensors.items():
+        if name.endswith(".weight_global_scale"):
+            with open(entry.file, "r+b") as handle:
+                handle.seek(entry.begin)
+                value = float(np.frombuffer(handle.read(4), np.float32)[0])
+                handle.seek(entry.begin)
+                handle.write(np.array([2.0 ** np.floor(np.log2(value))], np.float32).tobytes())
+    return folder
 
 
 def _mxfp4_source(folder: Path, fixture: str) -> Path:
