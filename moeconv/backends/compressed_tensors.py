@@ -71,7 +71,7 @@ EXPERT_BIASES_REFUSAL = (
     "its experts carry biases (gpt-oss's gate_up_proj_bias, down_proj_bias) and vLLM's compressed-tensors "
     "MXFP4 MoE method registers none (CompressedTensorsW4A4Mxfp4MoEMethod.create_weights), so its GptOssForCausalLM "
     "would have no parameter to load them into; vLLM serves the gpt-oss checkpoint as it is with its own mxfp4 method "
-    "(GptOssMxfp4MoEMethod, which takes w13_bias and w2_bias)")
+    "(GptOssMxfp4MoEMethod, which takes w13_bias and w2_bias), and --cast bf16 writes gpt-oss's own BF16 form")
 
 
 def _format(activation_bits: int, scheme: FloatScheme | None = None) -> str:

@@ -69,7 +69,7 @@ class HummingBackend(PerLinearBackend):
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.expert_biases:
             return ("its experts carry biases (gpt-oss), which moeconv does not write into Humming's schema; vLLM "
-                    "serves the gpt-oss checkpoint as it is (--moe-backend humming)")
+                    "serves the gpt-oss checkpoint as it is (--moe-backend humming), and --cast bf16 writes gpt-oss's own BF16 form")
         if layer.float_scheme is not None:
             return _input_scale_refusal(layer.float_scheme) or per_rank_refusal(layer, _pack_refusal)
         return per_rank_refusal(layer, lambda what, size: _pack_refusal(what, size)
