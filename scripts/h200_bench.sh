@@ -52,7 +52,11 @@ case $phase in
       python3 -m moeconv convert tests/data/float/$fixture -o /tmp/out-$fixture --backend compressed-tensors -q > /dev/null
       rc=0; python3 -m moeconv verify /tmp/out-$fixture --json > "$out/verify-$fixture.json" || rc=$?
       echo "$fixture: verify rc=$rc $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['ok'], r['level'], r['numerics_device'], [(l['module'], l.get('experts_routed'), l.get('relative_error')) for l in r['layers']])" "$out/verify-$fixture.json")"
-    done ;;
+    done
+    # Humming's FP4 schema (the MXFP4 fixture): its own words and scale bytes through the FP4 kernel on the GPU
+    python3 -m moeconv convert tests/data/float/ct-mxfp4a16 -o /tmp/out-humming --backend humming -q > /dev/null
+    rc=0; python3 -m moeconv verify /tmp/out-humming --json > "$out/verify-humming.json" || rc=$?
+    echo "ct-mxfp4a16 -> humming: verify rc=$rc $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['ok'], r['numerics_device'], [(l['module'], l.get('relative_error')) for l in r['layers']])" "$out/verify-humming.json")" ;;
   final10|large10)
     # The blake3 and google-re2 wheels (cp312) in .whl carried: the image has neither.
     python3 -m pip install -q --no-deps .whl/*.whl
