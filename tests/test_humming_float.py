@@ -245,8 +245,9 @@ def test_the_engines_answers_for_humming_float_outputs(outputs):
     nv = make_plan(outputs["ct-nvfp4a16 (powers of two)"][0], backend="humming")
     assert mx.serving.engine.startswith("stock vLLM 0.33 (quant_method humming, MXFP4 weights")
     assert nv.serving.engine is None and "RoutedExperts._load_per_tensor_weight_scale: IndexError" in nv.serving.how
-    for plan in (mx, nv):
-        assert plan.sglang_serving.engine is None and "--backend compressed-tensors" in plan.sglang_serving.how
+    # SGLang 0.5.23's HummingMoEMethod held the MXFP4 output's bytes (run_matrix_sglang.py --only float); NVFP4 not run
+    assert mx.sglang_serving.engine.startswith("SGLang 0.5.23 (quant_method humming, HummingMoEMethod")
+    assert nv.sglang_serving.engine is None and "--backend compressed-tensors" in nv.sglang_serving.how
     assert engines.VLLM.name in mx.serving.engine
 
 

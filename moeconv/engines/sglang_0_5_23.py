@@ -165,9 +165,14 @@ def answer(output: Output) -> Serving:
         else:
             served = Serving(NAME, launch(layer))
     elif backend == "humming":
-        if layer.float_scheme is not None:
-            return Serving(None, f"{NAME}'s loader was not run on Humming's FP4 schema (no {NAME} environment where it "
-                                 f"was written); for SGLang use --backend compressed-tensors")
+        if layer.float_scheme is not None:  # MXFP4 only: the plan refuses NVFP4 into Humming with a W4A4 input scale
+            if layer.float_scheme.name != "mxfp4":
+                return Serving(None, f"{NAME}'s loader was not run on Humming's NVFP4 schema (moeconv wrote no fixture's "
+                                     f"NVFP4 into it exactly: tests/engines/run_matrix_sglang.py --only float); for "
+                                     f"SGLang use --backend compressed-tensors")
+            return _shown_for(Serving(f"{NAME} (quant_method humming, HummingMoEMethod: its loader held the file's bytes "
+                                      f"in every expert parameter of the MXFP4 fixture's output on the CPU path; no GPU "
+                                      f"run yet)", launch(layer)), output)
         if not layer.symmetric and not mixtral:
             return Serving(None, f"{NAME}'s loader refuses the expert zero_point of an asymmetric Humming "
                                  f"checkpoint; for SGLang use --backend {PLUGIN}")

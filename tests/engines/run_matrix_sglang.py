@@ -192,7 +192,9 @@ FLOAT_FAMILY = "float codes (tests/data/float)"
 PROBE = "(experts only)"  # sglang_float_probe.py's copy of an MXFP4 checkpoint: its attention decompressed
 # What moeconv writes of the llm-compressor fixtures, each held to its line in moeconv/engines/sglang_0_5_23.py
 CT_OUTPUTS = (*((name, "compressed-tensors") for name in ("ct-mxfp4-fp8block", "ct-mxfp4a16", "ct-nvfp4", "ct-nvfp4a16")),
-              *((f"ct-mxfp4a16 {PROBE}", backend) for backend in ("(source)", "compressed-tensors")))
+              *((f"ct-mxfp4a16 {PROBE}", backend) for backend in ("(source)", "compressed-tensors")),
+              ("ct-mxfp4a16", "humming"))
+HUMMING_MOE = "FusedMoE: HummingMoEMethod"
 
 
 def _float(base: Path, cases: list, refusals: dict) -> None:
@@ -249,6 +251,14 @@ def _float_checks(cases, results) -> list[str]:
                 failures.append(f"{label}: SGLang no longer skips exactly the experts' weight_packed under "
                                 f"Mxfp4MoEMethod ({moe}, not consumed {result.get('not_consumed', [])[:2]}, "
                                 f"{result.get('error', '')[:120]}): update moeconv/engines/sglang_0_5_23.py")
+            continue
+        if backend == "humming":  # Humming's FP4 schema: SGLang's humming method, every tensor taken
+            serving = make_plan(FLOAT / source_name, backend="humming").sglang_serving
+            loads = result["loaded"] and not not_consumed(result) and not result["unloaded_parameters"]
+            if (serving.engine is not None) != (loads and moe == [HUMMING_MOE]):
+                failures.append(f"{label}: moeconv says {serving.engine or serving.how[:80]!r}, SGLang: loaded "
+                                f"{result['loaded']}, MoE {moe}, not consumed {result.get('not_consumed', [])[:2]}, "
+                                f"{result.get('error', '')[:120]}")
             continue
         if backend != "compressed-tensors":
             continue

@@ -55,7 +55,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_load import SENTINELS, one_line  # noqa: E402  (no vLLM import: plain helpers)
+from vllm_load import SENTINELS, one_line, sentinel_of, sentinel_view  # noqa: E402  (no vLLM import: plain helpers)
 
 H200_CAPABILITY = (9, 0)
 
@@ -146,7 +146,7 @@ def build_and_load(checkpoint: Path, quantization: str | None = None, rank: int 
     for sentinel in SENTINELS:
         for parameter in model.parameters():
             with torch.no_grad():
-                parameter.data.fill_(sentinel if parameter.dtype.is_floating_point else int(sentinel))
+                sentinel_view(parameter).fill_(sentinel_of(parameter, sentinel))
         yielded: dict[int, str] = {}
         held: dict[str, torch.Tensor] = {}
         _wrap_loaders(model, yielded, held, consumed)
@@ -161,8 +161,8 @@ def build_and_load(checkpoint: Path, quantization: str | None = None, rank: int 
         DefaultModelLoader.load_weights_only(model, weights(), torch.device("cpu"))
         seconds.append(time.perf_counter() - started)
         unloaded_per_pass.append({name for name, parameter in model.named_parameters()
-                                  if parameter.numel() and bool((parameter.data == (
-                                      sentinel if parameter.dtype.is_floating_point else int(sentinel))).all())})
+                                  if parameter.numel() and bool((sentinel_view(parameter) == sentinel_of(
+                                      parameter, sentinel)).all())})
         checkpoint_names = set(yielded.values())
     unloaded = sorted(set.intersection(*unloaded_per_pass))
     not_consumed = sorted(checkpoint_names - consumed)

@@ -151,7 +151,7 @@ def build_and_load(checkpoint: Path, moe_backend: str = "auto", tp: int = 1, ran
         for sentinel in SENTINELS:
             for parameter in model.parameters():
                 with torch.no_grad():
-                    _sentinel_view(parameter).fill_(_sentinel_of(parameter, sentinel))
+                    sentinel_view(parameter).fill_(sentinel_of(parameter, sentinel))
             yielded: dict[int, str] = {}
             held = []
             _wrap_loaders(model, yielded, consumed)
@@ -169,7 +169,7 @@ def build_and_load(checkpoint: Path, moe_backend: str = "auto", tp: int = 1, ran
             loader.load_weights(model, model_config)
             seconds.append(time.perf_counter() - started)
             unloaded_per_pass.append({name for name, parameter in model.named_parameters()
-                                      if parameter.numel() and bool((_sentinel_view(parameter) == _sentinel_of(
+                                      if parameter.numel() and bool((sentinel_view(parameter) == sentinel_of(
                                           parameter, sentinel)).all())})
             checkpoint_names = set(yielded.values())
     unloaded = sorted(set.intersection(*unloaded_per_pass))
@@ -179,13 +179,13 @@ def build_and_load(checkpoint: Path, moe_backend: str = "auto", tp: int = 1, ran
                    "unloaded_count": len(unloaded), "load_seconds": round(min(seconds), 4)}
 
 
-def _sentinel_view(parameter: torch.Tensor) -> torch.Tensor:
+def sentinel_view(parameter: torch.Tensor) -> torch.Tensor:
     """The parameter's data as the sentinel is written and read: a float8_e8m0fnu parameter (Humming's MXFP4
     scales) holds no negative number, so its bytes are filled instead."""
     return parameter.data.view(torch.uint8) if parameter.dtype == torch.float8_e8m0fnu else parameter.data
 
 
-def _sentinel_of(parameter: torch.Tensor, sentinel: float) -> float | int:
+def sentinel_of(parameter: torch.Tensor, sentinel: float) -> float | int:
     if parameter.dtype == torch.float8_e8m0fnu:
         return int(abs(sentinel))
     return sentinel if parameter.dtype.is_floating_point else int(sentinel)
