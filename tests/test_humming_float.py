@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from moeconv.backends import get_backend
 from moeconv.canonical import LinearShape
 from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.float_codes import DIVIDE, MULTIPLY, MXFP4, FloatWeight, nvfp4
+from test_float_conversion import _xor, overwrite, raw_tensors as raw, stored
 from test_float_fixtures import (DATA, E2M1, decode_ct_mxfp4, decode_ct_nvfp4, e4m3fn, expert_prefixes,
                                  f32_to_bf16_rne, per_block, read_safetensors)
 
@@ -33,41 +33,11 @@ HUMMING = get_backend("humming")
 EXPERT = "model.layers.1.mlp.experts.{}.up_proj.{}"
 
 
-def raw(folder: Path) -> dict[str, tuple[str, list[int], bytes]]:
-    """name -> (dtype, shape, bytes) of every tensor of a checkpoint, from the safetensors headers."""
-    found = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        data = path.read_bytes()
-        (length,) = struct.unpack("<Q", data[:8])
-        for name, info in json.loads(data[8:8 + length]).items():
-            if name != "__metadata__":
-                begin, end = info["data_offsets"]
-                found[name] = (info["dtype"], info["shape"], data[8 + length + begin:8 + length + end])
-    return found
-
-
 def humming_codes(words: bytes, shape: list[int]) -> np.ndarray:
     """Humming's `weight` (N, K/8) int32, little-endian as safetensors stores it -> (N, K) E2M1 codes: code i of each
     word at bits [4i, 4i + 4) (Humming's packing: value i of every 32 / b at bits [i·b, i·b + b))."""
     values = np.frombuffer(words, "<i4").reshape(shape).astype(np.int64) & 0xFFFFFFFF
     return np.stack([(values >> (4 * i)) & 0xF for i in range(8)], axis=-1).reshape(shape[0], shape[1] * 8)
-
-
-def overwrite(folder: Path, name: str, values: np.ndarray) -> Path:
-    entry = open_checkpoint(folder).tensors[name]
-    data = np.ascontiguousarray(values).tobytes()
-    assert len(data) == entry.nbytes
-    with open(entry.file, "r+b") as handle:
-        handle.seek(entry.begin)
-        handle.write(data)
-    return entry.file
-
-
-def stored(folder: Path, name: str, dtype) -> np.ndarray:
-    entry = open_checkpoint(folder).tensors[name]
-    with open(entry.file, "rb") as handle:
-        handle.seek(entry.begin)
-        return np.frombuffer(handle.read(entry.nbytes), dtype).reshape(entry.shape)
 
 
 @pytest.fixture(scope="module")
@@ -168,16 +138,6 @@ def test_verify_is_lossless_and_runs_the_fp4_kernel_on_humming_s_own_words(outpu
 @pytest.fixture
 def damaged(tmp_path, nvfp4_powers) -> Path:
     return convert(nvfp4_powers, tmp_path / "out", backend="humming", workers=1).output
-
-
-def _xor(folder: Path, name: str, offset: int, mask: int) -> None:
-    entry = open_checkpoint(folder).tensors[name]
-    with open(entry.file, "r+b") as handle:
-        handle.seek(entry.begin + offset)
-        value = handle.read(1)[0]
-        handle.seek(entry.begin + offset)
-        handle.write(bytes([value ^ mask]))
-    reseal(folder, entry.file)
 
 
 @pytest.mark.parametrize("suffix, offset, mask, said", [("weight", 5, 0x80, "up: codes: 1 byte(s) differ"),
