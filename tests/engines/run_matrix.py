@@ -231,12 +231,7 @@ def _autoround(base: Path, cases: list, refusals: dict) -> None:
     """Every checkpoint the real AutoRound 0.16.1 wrote (tests/data/autoround: its own format in each
     packing, its AWQ export, extra_config overrides, a partial last group) and its outputs; those moeconv
     refuses (per-layer bits, K % g != 0) are loaded as sources only, to show what vLLM makes of them."""
-    for fixture in sorted(path for path in AUTOROUND.iterdir() if (path / "config.json").exists()):
-        config = json.loads((fixture / "config.json").read_text())["quantization_config"]
-        try:
-            fmt = format_from_config(config, str(fixture / "config.json"))
-        except MoeconvError:
-            fmt = None  # moeconv refuses the config itself: every backend says so
+    for fixture, _, fmt in fixtures_in(AUTOROUND):  # a config moeconv refuses: every backend says so
         _convert_all(base, cases, refusals, "autoround", "qwen3_moe (AutoRound 0.16.1)", fixture.name, fixture,
                      fmt, list(REGISTRY))
 
@@ -268,15 +263,23 @@ FLOAT = ROOT / "tests" / "data" / "float"  # written by the real llm-compressor 
 FLOAT_SOURCES_REFUSED_ON_CPU = ("ct-nvfp4", "ct-mxfp4-fp8block")
 
 
-def _float(base: Path, cases: list, refusals: dict) -> None:
-    """The float-coded fixtures (tests/data/float) and their outputs: compressed-tensors is expected to load
-    where vLLM's CPU path loads the producer's own checkpoint; the others are shown beside their source."""
-    for fixture in sorted(path for path in FLOAT.iterdir() if (path / "config.json").exists()):
+def fixtures_in(folder: Path):
+    """Each checkpoint folder under `folder`, its quantization_config, and the format moeconv reads it as (None where
+    moeconv refuses the config itself: gpt-oss's CPU save, bf16 under quant_method mxfp4; an AutoRound config of
+    per-layer bits)."""
+    for fixture in sorted(path for path in folder.iterdir() if (path / "config.json").exists()):
         config = json.loads((fixture / "config.json").read_text()).get("quantization_config", {})
         try:
             fmt = format_from_config(config, str(fixture / "config.json"))
         except MoeconvError:
-            fmt = None  # moeconv refuses the config itself (gpt-oss's CPU save: bf16 under quant_method mxfp4)
+            fmt = None
+        yield fixture, config, fmt
+
+
+def _float(base: Path, cases: list, refusals: dict) -> None:
+    """The float-coded fixtures (tests/data/float) and their outputs: compressed-tensors is expected to load
+    where vLLM's CPU path loads the producer's own checkpoint; the others are shown beside their source."""
+    for fixture, _, fmt in fixtures_in(FLOAT):
         _convert_all(base, cases, refusals, "float", "qwen3_moe (float codes)", fixture.name, fixture,
                      None if fixture.name in FLOAT_SOURCES_REFUSED_ON_CPU else fmt, list(REGISTRY))
     # The one NVFP4 source Humming's multiplied weight_scale_2 holds exactly: llm-compressor's NVFP4A16 with every

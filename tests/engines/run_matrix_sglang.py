@@ -43,7 +43,7 @@ from moeconv.errors import MoeconvError  # noqa: E402
 from moeconv.formats import AWQ, GPTQ, CompressedTensors  # noqa: E402
 from moeconv.formats.gptq import V2  # noqa: E402
 from moeconv.synth import ROUTED_EXPERTS, SynthSpec, make_checkpoint  # noqa: E402
-from run_matrix import FLOAT, ROOT, _mxfp4_source, command_line, not_consumed  # noqa: E402
+from run_matrix import FLOAT, ROOT, _mxfp4_source, command_line, fixtures_in, not_consumed  # noqa: E402
 
 ENGINE_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 # label -> the synthetic sources' shapes. DeepSeek-V3 twice: as synth makes every family (attention and
@@ -200,14 +200,7 @@ HUMMING_MOE = "FusedMoE: HummingMoEMethod"
 def _float(base: Path, cases: list, refusals: dict) -> None:
     """The float-coded fixtures, stock, and every output moeconv writes of them; for each MXFP4 one whose attention is
     MXFP4 too (SGLang stops at it before any MoE layer), also its experts-only probe (sglang_float_probe.py)."""
-    from moeconv.formats import format_from_config
-
-    for fixture in sorted(path for path in FLOAT.iterdir() if (path / "config.json").exists()):
-        config = json.loads((fixture / "config.json").read_text()).get("quantization_config", {})
-        try:
-            fmt = format_from_config(config, str(fixture / "config.json"))
-        except MoeconvError:
-            fmt = None  # moeconv refuses the config itself (gpt-oss's CPU save: bf16 under quant_method mxfp4)
+    for fixture, config, fmt in fixtures_in(FLOAT):
         cases.append((FLOAT_FAMILY, fixture.name, "(source)", fixture, fmt, None))
         probes = [("(source)", fixture)] if config.get("format") == "mxfp4-pack-quantized" else []
         shutil.rmtree(base / fixture.name, ignore_errors=True)  # a --keep folder's earlier run
