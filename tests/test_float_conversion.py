@@ -2,7 +2,7 @@
 writes) and verified: a compressed-tensors source comes out byte for byte as it went in, its FP8-block attention
 described as it was; a ModelOpt source is written with the reciprocal of each global scale where that is exact and
 refused otherwise; verify is lossless and fails a flipped code byte, a flipped scale byte and swapped experts; the
-integer-only backends (triton, cpu) refuse float codes, in `inspect` and in `--backend auto`; a scale byte or a global scale that cannot
+integer-only backend (cpu) refuses float codes, in `inspect` and in `--backend auto`; a scale byte or a global scale that cannot
 be read stops `convert` in one line naming the file and the tensor."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def raw_tensors(folder: Path) -> dict[str, tuple[str, list[int], bytes]]:
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("float-out")
-    return {name: convert(DATA / name, root / name, backend="auto", workers=1).output for name in CT}
+    return {name: convert(DATA / name, root / name, backend="compressed-tensors", workers=1).output for name in CT}
 
 
 @pytest.mark.parametrize("name", CT)
@@ -103,7 +103,7 @@ def test_numerics_reads_gate_and_up_with_their_own_global_scales(tmp_path):
     ups = [name for name in open_checkpoint(folder).tensors if name.endswith("up_proj.weight_global_scale")]
     for name in ups:
         overwrite(folder, name, stored(folder, name, np.float32) * 2)
-    report = verify(convert(folder, tmp_path / "out", backend="auto", workers=1).output, level="numerics")
+    report = verify(convert(folder, tmp_path / "out", backend="compressed-tensors", workers=1).output, level="numerics")
     assert len(ups) == 8 and report.ok, report.failures()
     assert all(layer.relative_error < 1e-3 for layer in report.layers)
 
@@ -154,7 +154,7 @@ def test_a_modelopt_source_whose_global_scales_have_no_exact_reciprocal_is_refus
 def test_a_modelopt_source_with_exact_reciprocals_converts_and_decodes_to_the_same_reals(modelopt_powers, tmp_path):
     """Every expert and attention linear: E2M1(c) * s / g of the output equals E2M1(c) * s * s2 of the source as a
     real (float64 holds both exactly), g = 1 / s2 exactly, the codes and scale bytes the same bytes; verify passes."""
-    output = convert(modelopt_powers, tmp_path / "ct", backend="auto", workers=1).output
+    output = convert(modelopt_powers, tmp_path / "ct", backend="compressed-tensors", workers=1).output
     config = json.loads((output / "config.json").read_text())["quantization_config"]
     assert config["config_groups"]["group_0"]["format"] == "nvfp4-pack-quantized"
     assert config["config_groups"]["group_0"]["input_activations"]["dynamic"] == "local"
@@ -250,8 +250,9 @@ def test_verify_fails_swapped_experts(damaged):
 
 
 @pytest.mark.parametrize("name", [*CT, "modelopt-nvfp4"])
-def test_every_integer_backend_refuses_float_codes_with_the_reason(name):
-    """(humming writes Humming's FP4 schema: tests/test_humming_float.py.) And inspect describes the float source: its codes, block, scale encoding and global-scale convention."""
+def test_the_integer_only_backend_refuses_float_codes_with_the_reason(name):
+    """(humming writes Humming's FP4 schema: tests/test_humming_float.py; triton its stacked float layouts:
+    tests/test_triton_float.py.) And inspect describes the float source: its codes, block, scale encoding and global-scale convention."""
     report = inspect(DATA / name)
     verdicts = report["backends"]
     mx = "mxfp4" in name
@@ -261,8 +262,7 @@ def test_every_integer_backend_refuses_float_codes_with_the_reason(name):
     if not mx:
         convention = "multiplied" if name.startswith("modelopt") else "divided"
         assert f"global scale {convention} by" in report["format"]["codes"]
-    for backend, said in (("triton", "moe_wna16 Triton layout holds integer codes"),
-                          ("cpu", "x86 CPU kernels' layouts (blocked INT4, VNNI INT8) hold integer codes")):
+    for backend, said in (("cpu", "x86 CPU kernels' layouts (blocked INT4, VNNI INT8) hold integer codes"),):
         assert not verdicts[backend]["eligible"] and said in verdicts[backend]["reason"], backend
         with pytest.raises(MoeconvError, match=f"backend '{backend}' does not support this checkpoint: .*{re.escape(said)}"):
             make_plan(DATA / name, backend=backend)

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeconv.backends.base import ExpertWeights
-from moeconv.backends.triton import TritonBackend
+from moeconv.backends.triton import INT8_LAYOUT, WNA16_LAYOUT, TritonBackend
 from moeconv.canonical import MoELayerShape, QuantizedWeight
 from moeconv.formats import CompressedTensors
 from moeconv.engines.vllm_plugin.shards import PARAMETERS, fill
@@ -66,7 +66,7 @@ def test_each_rank_fills_the_compressed_tensors_parameters_of_its_slice(bits, sy
         for name, tensor in full.items():
             want = expected[PARAMETERS[name]]
             parameter = torch.full((1, *want.shape), -1, dtype=want.dtype)  # the sentinel must all be overwritten
-            fill(name, tensor, parameter, intermediate, bits, group_size, tp, rank)
+            fill(WNA16_LAYOUT, name, tensor, parameter, intermediate, bits, group_size, tp, rank)
             assert torch.equal(parameter[0], want), (name, rank)
 
 
@@ -87,7 +87,7 @@ def test_the_split_is_possible_exactly_when_the_backend_check_says_so(intermedia
             for rank in range(tp):
                 part = torch.full(rank_spec.shape, -1, dtype=torch.int64)
                 if not spec.name.endswith(("_qweight", "_qzeros")):  # (the packed ones view their int32 as bytes)
-                    fill(spec.name, tensor, part, intermediate, 4, group_size, tp, rank)
+                    fill(WNA16_LAYOUT, spec.name, tensor, part, intermediate, 4, group_size, tp, rank)
                     parts.append(part)
             if parts:
                 assert sorted(torch.cat([p.reshape(-1) for p in parts]).tolist()) == list(range(tensor.numel()))
@@ -97,7 +97,7 @@ def test_zero_points_that_do_not_fill_whole_words_per_rank_are_refused():
     """4-bit, I/T = 4: one rank's gate zero points are 2 bytes, half an int32 word of the parameter."""
     stored = torch.zeros(1, 2 * 8 // 2, 1, dtype=torch.uint8)  # w13_qzeros of I = 8, one group
     with pytest.raises(ValueError, match="not whole int32 words"):
-        fill("w13_qzeros", stored, torch.zeros(1, 1, 1, dtype=torch.int32), 8, 4, 64, 2, 0)
+        fill(WNA16_LAYOUT, "w13_qzeros", stored, torch.zeros(1, 1, 1, dtype=torch.int32), 8, 4, 64, 2, 0)
 
 
 def test_the_plugin_is_an_entry_point_and_imports_no_vllm():
@@ -137,7 +137,7 @@ def test_each_rank_holds_its_slice_of_a_w8a8_expert(tp, seed):
         for name, tensor in full.items():
             assert PARAMETERS[name] == name  # the W8A8 method's parameters carry the stacked names
             parameter = torch.full((1, *expected[name].shape), -1, dtype=expected[name].dtype)
-            fill(name, tensor, parameter, intermediate, 8, -1, tp, rank)
+            fill(INT8_LAYOUT, name, tensor, parameter, intermediate, 8, -1, tp, rank)
             assert torch.equal(parameter[0], expected[name]), (name, rank)
 
 
@@ -147,7 +147,52 @@ def test_expert_parallel_slots_hold_their_global_experts(experts):
     tensor, whole (a consecutive run, or any order vLLM's expert map places)."""
     stored = torch.arange(4 * 6 * 2, dtype=torch.int64).reshape(4, 6, 2)
     parameter = torch.full((2, 6, 2), -1, dtype=torch.int64)
-    fill("w13_scales", stored, parameter, 3, 4, 32, 1, 0, torch.tensor(experts))
+    fill(WNA16_LAYOUT, "w13_scales", stored, parameter, 3, 4, 32, 1, 0, torch.tensor(experts))
     assert parameter.tolist() == [stored[e].tolist() for e in experts]
     with pytest.raises(ValueError, match="are not among the 4 stored"):
-        fill("w13_scales", stored, parameter, 3, 4, 32, 1, 0, torch.tensor([3, 4]))
+        fill(WNA16_LAYOUT, "w13_scales", stored, parameter, 3, 4, 32, 1, 0, torch.tensor([3, 4]))
+
+
+@settings(max_examples=20, deadline=None)
+@given(scheme=st.sampled_from(["mxfp4", "nvfp4", "nvfp4 w4a4"]), tp=st.sampled_from([1, 2, 4]),
+       seed=st.integers(0, 2**31 - 1))
+def test_each_rank_holds_its_slice_of_a_float_coded_expert(scheme, tp, seed):
+    """The float layouts: rank r's parameters of vLLM's compressed-tensors MXFP4 / NVFP4 MoE method hold gate's and
+    up's rows [r·I/T, (r+1)·I/T) and down's input columns likewise (codes two a byte, one scale a block), sliced
+    here from each projection's own bytes; the global scales whole on every rank."""
+    from moeconv.float_codes import DIVIDE, MXFP4, FloatWeight, nvfp4
+
+    float_scheme = MXFP4 if scheme == "mxfp4" else nvfp4(DIVIDE, scheme.endswith("w4a4"))
+    block, rng = float_scheme.block, np.random.default_rng(seed)
+    hidden, intermediate = 64, 2 * block * tp
+
+    def weight(n: int, k: int) -> FloatWeight:
+        scalar = (lambda: rng.uniform(1, 500, ()).astype(np.float32))
+        return FloatWeight(rng.integers(0, 256, (n, k // 2), dtype=np.uint8),
+                           rng.integers(0, 127, (n, k // block), dtype=np.uint8), float_scheme,
+                           scalar() if float_scheme.global_convention else None,
+                           scalar() if float_scheme.input_scale else None)
+
+    gate, up, down = weight(intermediate, hidden), weight(intermediate, hidden), weight(hidden, intermediate)
+    shape = MoELayerShape(1, hidden, intermediate, 4, block, True, float_scheme.scale_dtype, tp=tp,
+                          float_scheme=float_scheme)
+    assert TritonBackend().refusal(shape) is None
+    full = {name: torch.from_numpy(np.ascontiguousarray(array))[None]
+            for name, array in TritonBackend().from_float({"gate": gate, "up": up, "down": down}, shape).items()}
+    per = intermediate // tp
+    for rank in range(tp):
+        rows, columns = slice(rank * per, (rank + 1) * per), slice(rank * per // 2, (rank + 1) * per // 2)
+        groups = slice(rank * per // block, (rank + 1) * per // block)
+        expected = {"w13_weight_packed": np.concatenate([gate.packed[rows], up.packed[rows]]),
+                    "w13_weight_scale": np.concatenate([gate.scales[rows], up.scales[rows]]),
+                    "w2_weight_packed": down.packed[:, columns], "w2_weight_scale": down.scales[:, groups]}
+        for field, suffix in (("global_scale", "weight_global_scale"), ("input_scale", "input_global_scale")):
+            if getattr(gate, field) is not None:
+                expected[f"w13_{suffix}"] = np.array([getattr(gate, field), getattr(up, field)])
+                expected[f"w2_{suffix}"] = getattr(down, field)
+        assert sorted(expected) == sorted(full) and all(PARAMETERS[name] == name for name in full)
+        for name, tensor in full.items():
+            want = torch.from_numpy(np.ascontiguousarray(expected[name]))
+            parameter = torch.full((1, *want.shape), 7, dtype=want.dtype)
+            fill(scheme.split()[0], name, tensor, parameter, intermediate, 4, block, tp, rank)
+            assert torch.equal(parameter[0], want), (name, rank)

@@ -40,7 +40,8 @@ class BackendEntry:
 
 REGISTRY: dict[str, BackendEntry] = {
     "triton": BackendEntry("moeconv.backends.triton:TritonBackend",
-                           "stacked tensors of vLLM's Triton fused-MoE kernels (moe_wna16, W8A8)", 0),
+                           "stacked experts moeconv's vLLM plugin loads by copy: vLLM's Triton layouts (moe_wna16, "
+                           "W8A8), its MXFP4 / NVFP4 MoE methods' parameters", 0),
     "humming": BackendEntry("moeconv.backends.humming:HummingBackend",
                             "per-expert Humming schema (quant_method humming; vLLM loads it from symmetric sources only)", 2),
     "cpu": BackendEntry("moeconv.backends.cpu:CpuBackend",

@@ -11,6 +11,15 @@ W8A8 INT8 schemes (activation_bits 8) take the int8 layout of vLLM `TritonExpert
   w13_weight_scale fp32 (E, 2I, 1): per-channel scale; fp16/bf16 -> fp32 is exact, and decoding
                    casts back to the source dtype (MoELayerShape.scale_dtype), so it round-trips
   w2_weight, w2_weight_scale likewise with N = H, K = I. Activations: dynamic per-token int8.
+
+Float-coded experts (float_codes.py: MXFP4, NVFP4) take the float layouts (`layout` "mxfp4" / "nvfp4"): the
+parameters of vLLM's compressed-tensors MXFP4 / NVFP4 MoE methods, stacked, which the vLLM plugin fills by copy
+(compressed_tensors_moe_w4a4_mxfp4.py, compressed_tensors_moe_w4a4_nvfp4.py :: create_weights):
+  w13_weight_packed        uint8 (E, 2I, H/2): the E2M1 codes two a byte, element 2j in the low nibble of byte j
+  w13_weight_scale         (E, 2I, H/block): the block scale bytes, U8 (UE8M0, MXFP4) or F8_E4M3 (NVFP4)
+  w13_weight_global_scale  NVFP4: F32 (E, 2), gate's and up's, divided by (compressed-tensors' convention)
+  w13_input_global_scale   NVFP4 W4A4: F32 (E, 2), the static input global scales, divided by
+  w2_* likewise with N = H, K = I; w2's global scales F32 (E,).
 """
 
 from __future__ import annotations
@@ -20,9 +29,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from moeconv import packing
+from moeconv.backends.compressed_tensors import EXPERT_BIASES_REFUSAL
 from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics
 from moeconv.spec import TORCH_NAMES, TensorSpec
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
+from moeconv.float_codes import DIVIDE, FloatWeight
 
 if TYPE_CHECKING:
     from moeconv.packed import PackedWeight
@@ -43,27 +54,60 @@ class Int8Names(NamedTuple):
     weight_scale: str
 
 
+class FloatNames(NamedTuple):
+    """The float-coded tensors of one fused GEMM (the global scales: NVFP4 only, the input's: W4A4 only)."""
+
+    weight_packed: str
+    weight_scale: str
+    weight_global_scale: str
+    input_global_scale: str
+
+
 # The layout's tensor names, declared once (the backend, kernels/runners.py and the vLLM
 # plugin read them here): <gemm>_<part>, e.g. w13_qweight, w2_weight_scale.
 WNA16 = {gemm: WNA16Names(*(f"{gemm}_{part}" for part in WNA16Names._fields)) for gemm in FUSED_GEMMS}
 INT8 = {gemm: Int8Names(*(f"{gemm}_{part}" for part in Int8Names._fields)) for gemm in FUSED_GEMMS}
+FLOAT = {gemm: FloatNames(*(f"{gemm}_{part}" for part in FloatNames._fields)) for gemm in FUSED_GEMMS}
+
+# The `layout` values of the config: the integer ones, and a float scheme's name (float_codes.FloatScheme.name).
+WNA16_LAYOUT, INT8_LAYOUT = "moe_wna16", "int8_w8a8"
+FLOAT_LAYOUTS = ("mxfp4", "nvfp4")
+
+
+def layout_of(layer: MoELayerShape) -> str:
+    if layer.float_scheme is not None:
+        return layer.float_scheme.name
+    return INT8_LAYOUT if layer.activation_bits == 8 else WNA16_LAYOUT
 
 # What one tensor-parallel rank's share of the intermediate size I is in each tensor's split dimension
 # (the vLLM plugin's shards.py): "rows" (output channels), "bytes" (b-bit codes packed along I), "groups"
 # (scale or zero groups along I), or None (not split: whole on every rank).
-SPLITS = {
-    WNA16["w13"].qweight: "rows", WNA16["w13"].scales: "rows", WNA16["w13"].qzeros: "bytes",
-    WNA16["w2"].qweight: "bytes", WNA16["w2"].scales: "groups", WNA16["w2"].qzeros: "groups",
-    INT8["w13"].weight: "rows", INT8["w13"].weight_scale: "rows",
-    INT8["w2"].weight: "rows", INT8["w2"].weight_scale: None,
+# By layout: the int8 and float layouts share the name w2_weight_scale, split differently.
+_FLOAT_SPLITS = {
+    FLOAT["w13"].weight_packed: "rows", FLOAT["w13"].weight_scale: "rows",
+    FLOAT["w2"].weight_packed: "bytes", FLOAT["w2"].weight_scale: "groups",
+    **{names.weight_global_scale: None for names in FLOAT.values()},
+    **{names.input_global_scale: None for names in FLOAT.values()},
 }
-GEMM_OF = {name: gemm for gemm in FUSED_GEMMS for name in (*WNA16[gemm], *INT8[gemm])}  # tensor -> its GEMM
+SPLITS = {
+    WNA16_LAYOUT: {
+        WNA16["w13"].qweight: "rows", WNA16["w13"].scales: "rows", WNA16["w13"].qzeros: "bytes",
+        WNA16["w2"].qweight: "bytes", WNA16["w2"].scales: "groups", WNA16["w2"].qzeros: "groups",
+    },
+    INT8_LAYOUT: {
+        INT8["w13"].weight: "rows", INT8["w13"].weight_scale: "rows",
+        INT8["w2"].weight: "rows", INT8["w2"].weight_scale: None,
+    },
+    **{layout: _FLOAT_SPLITS for layout in FLOAT_LAYOUTS},
+}
+GEMM_OF = {name: gemm for gemm in FUSED_GEMMS for name in (*WNA16[gemm], *INT8[gemm], *FLOAT[gemm])}  # tensor -> GEMM
 
 
 class TritonBackend(BackendDefaults):
     name = "triton"
     layout_version = 1
-    numerics = Numerics("triton")
+    float_global_convention = DIVIDE  # the float layouts' global scales: vLLM's compressed-tensors methods'
+    numerics = Numerics("triton", float_kernel="triton-fp4-stacked")
 
     def dense_linear_backend(self, source_format: Any) -> str | None:
         """vLLM's GPTQ is symmetric only (`AutoGPTQConfig`; the release's `dense_refusal`, engines/), so an
@@ -74,9 +118,7 @@ class TritonBackend(BackendDefaults):
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.float_scheme is not None:
-            return (f"vLLM's moe_wna16 Triton layout holds integer codes (code - zero) * scale; {layer.float_scheme.name} "
-                    f"E2M1 codes with {layer.float_scheme.scale_encoding.upper()} block scales are no integer-affine "
-                    f"code (--backend compressed-tensors writes them)")
+            return _float_refusal(layer)
         if layer.activation_bits == 8:
             return _int8_refusal(layer)
         if layer.bits not in (4, 8):
@@ -93,6 +135,8 @@ class TritonBackend(BackendDefaults):
         return None
 
     def layer_tensors(self, layer: MoELayerShape) -> list[TensorSpec]:
+        if layer.float_scheme is not None:
+            return _float_layer_tensors(layer)
         if layer.activation_bits == 8:
             return _int8_layer_tensors(layer)
         specs = []
@@ -129,6 +173,20 @@ class TritonBackend(BackendDefaults):
                 slices[names.qzeros] = packing.pack_array(zeros, rows[0].bits, axis=0, container=np.uint8)
         return slices
 
+    def from_float(self, expert: dict[str, FloatWeight], layer: MoELayerShape) -> dict[str, np.ndarray]:
+        """Each GEMM's projections' bytes stacked (gate rows first), the global scales divided by (the plan
+        refused a source whose reciprocal is not exact before a byte was written)."""
+        slices = {}
+        for prefix, projections in FUSED_GEMMS.items():
+            names, rows = FLOAT[prefix], [expert[projection].in_convention(DIVIDE) for projection in projections]
+            slices[names.weight_packed] = np.concatenate([weight.packed for weight in rows])
+            slices[names.weight_scale] = np.concatenate([weight.scales for weight in rows])
+            for name, field in ((names.weight_global_scale, "global_scale"), (names.input_global_scale, "input_scale")):
+                values = [getattr(weight, field) for weight in rows]
+                if values[0] is not None:  # w13: (2,), gate's then up's; w2: one value, ()
+                    slices[name] = np.stack(values) if len(values) > 1 else values[0]
+        return slices
+
     def takes_packed(self, layer: MoELayerShape | LinearShape) -> bool:
         return layer.activation_bits == 16  # the int8 layout's codes are not packed
 
@@ -145,6 +203,8 @@ class TritonBackend(BackendDefaults):
         return slices
 
     def decode_expert(self, slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
+        if layer.float_scheme is not None:
+            return _float_decode(slices, layer)
         decoded = {}
         for prefix in ("w13", "w2"):
             if layer.activation_bits == 8:
@@ -165,6 +225,13 @@ class TritonBackend(BackendDefaults):
         return ExpertWeights(gate=gate, up=up, down=decoded["w2"])
 
     def quantization_config(self, layer: MoELayerShape) -> dict[str, Any]:
+        scheme = layer.float_scheme
+        if scheme is not None:
+            return {"bits": 4, "group_size": scheme.block, "has_zp": False, "layout": scheme.name,
+                    "weight_bits_order": "even k in the low nibble", "scale_dtype": scheme.scale_dtype,
+                    "scale_encoding": scheme.scale_encoding,
+                    "global_scale": None if scheme.global_convention is None else DIVIDE,
+                    "input_global_scale": scheme.input_scale}
         if layer.activation_bits == 8:
             return {"bits": 8, "group_size": -1, "has_zp": False, "layout": "int8_w8a8",
                     "weight_scale_dtype": "float32", "activations": "dynamic per-token symmetric int8"}
@@ -222,3 +289,50 @@ def _int8_decode(prefix: str, slices: dict[str, np.ndarray], layer: MoELayerShap
     codes = packing.int8_array_to_offset_codes(slices[names.weight])
     return QuantizedWeight(codes=codes, zeros=None, bits=8, group_size=codes.shape[1],
                            scales=packing.float32_cast(slices[names.weight_scale], TORCH_NAMES[layer.scale_dtype]))
+
+
+def _float_refusal(layer: MoELayerShape) -> str | None:
+    if layer.expert_biases:  # vLLM's compressed-tensors float MoE methods register no expert bias
+        return EXPERT_BIASES_REFUSAL
+    block = layer.float_scheme.block
+    if layer.intermediate % layer.tp:
+        return f"intermediate size {layer.intermediate} does not split over tp={layer.tp}"
+    for what, size in (("hidden size", layer.hidden), ("intermediate size per rank", layer.intermediate_per_rank)):
+        if size % block:
+            return f"the {what} {size} is not a multiple of the {block}-element block"
+    return None
+
+
+def _float_layer_tensors(layer: MoELayerShape) -> list[TensorSpec]:
+    scheme, e = layer.float_scheme, layer.experts
+    specs = []
+    for prefix, out_features, in_features in (("w13", 2 * layer.intermediate, layer.hidden),
+                                              ("w2", layer.hidden, layer.intermediate)):
+        names, made_of = FLOAT[prefix], FUSED_GEMMS[prefix]
+        per_expert = (e, len(made_of)) if len(made_of) > 1 else (e,)
+        specs.append(TensorSpec(names.weight_packed, (e, out_features, in_features // 2), "U8", derives_from=made_of))
+        specs.append(TensorSpec(names.weight_scale, (e, out_features, in_features // scheme.block), scheme.scale_dtype,
+                                derives_from=made_of))
+        if scheme.global_convention is not None:
+            specs.append(TensorSpec(names.weight_global_scale, per_expert, "F32", derives_from=made_of))
+        if scheme.input_scale:
+            specs.append(TensorSpec(names.input_global_scale, per_expert, "F32", derives_from=made_of))
+    return specs
+
+
+def _float_decode(slices: dict[str, np.ndarray], layer: MoELayerShape) -> ExpertWeights:
+    """The float layouts' slices back to one FloatWeight a projection (global scales divided by)."""
+    scheme = layer.float_scheme.in_convention(DIVIDE)
+    weights = {}
+    for prefix, projections in FUSED_GEMMS.items():
+        names, rows = FLOAT[prefix], layer.intermediate if prefix == "w13" else layer.hidden
+        scalars = {field: slices[name].reshape(-1) for field, name in
+                   (("global_scale", names.weight_global_scale), ("input_scale", names.input_global_scale))
+                   if name in slices}
+        for index, projection in enumerate(projections):
+            part = slice(index * rows, (index + 1) * rows)
+            weights[projection] = FloatWeight(
+                np.ascontiguousarray(slices[names.weight_packed][part]),
+                np.ascontiguousarray(slices[names.weight_scale][part]).view(np.uint8), scheme,
+                **{field: values[index].astype(np.float32).reshape(()).copy() for field, values in scalars.items()})
+    return ExpertWeights(**weights)

@@ -23,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from moeconv.backends.triton import INT8, WNA16, TritonBackend
+from moeconv.backends.triton import FLOAT, FLOAT_LAYOUTS, INT8, INT8_LAYOUT, WNA16, WNA16_LAYOUT, TritonBackend
 from moeconv.canonical import CHANNELWISE, MoELayerShape
+from moeconv.float_codes import DIVIDE, MXFP4, FloatScheme, nvfp4
 from moeconv.checkpoint.reader import Checkpoint, TensorEntry
 from moeconv.errors import MoeconvError
 from moeconv.formats.base import checked_group_size, config_bool, config_int
@@ -32,8 +33,6 @@ from moeconv.spec import FLOAT_DTYPES
 
 QUANT_METHOD = "moeconv"  # the quant_method of a triton output's config, the name both plugins register
 
-WNA16_LAYOUT = "moe_wna16"
-INT8_LAYOUT = "int8_w8a8"
 WNA16_BITS = (4, 8)
 MAX_GROUP_SIZE = 1 << 20  # wider than any hidden or intermediate size; a larger one is not a group size
 WHERE = "the output's quantization_config"
@@ -51,7 +50,7 @@ class PluginRefusal(MoeconvError, ValueError):
 class StackedLayout:
     """What the stacked expert tensors of a `triton` output are, as the plugin reads them."""
 
-    layout: str  # WNA16_LAYOUT or INT8_LAYOUT
+    layout: str  # WNA16_LAYOUT, INT8_LAYOUT or one of FLOAT_LAYOUTS
     bits: int
     group_size: int  # a power of two, or CHANNELWISE
     has_zp: bool
@@ -60,6 +59,7 @@ class StackedLayout:
     # the dense linears' config when moeconv converted them (an asymmetric GPTQ source's, in
     # compressed-tensors: `dense_quantization_config`); None: they are the source's, copied
     dense: dict[str, Any] | None = None
+    float_scheme: FloatScheme | None = None  # the float layouts' codes (global scales divided by); else None
 
     @property
     def channelwise(self) -> bool:
@@ -91,8 +91,9 @@ def _parse(config: Any) -> StackedLayout:
         raise PluginRefusal(f"layout version {version!r}; this plugin reads triton layout "
                             f"v{TritonBackend.layout_version} (reconvert with this moeconv)")
     layout = config.get("layout")
-    if layout not in (WNA16_LAYOUT, INT8_LAYOUT):
-        raise PluginRefusal(f"triton layout {layout!r} is not one this plugin knows ({WNA16_LAYOUT}, {INT8_LAYOUT})")
+    known = (WNA16_LAYOUT, INT8_LAYOUT, *FLOAT_LAYOUTS)
+    if layout not in known:
+        raise PluginRefusal(f"triton layout {layout!r} is not one this plugin knows ({', '.join(known)})")
     for key in ("bits", "group_size", "has_zp"):
         if key not in config:
             raise PluginRefusal(f"{WHERE} has no {key}: reconvert")
@@ -108,6 +109,13 @@ def _parse(config: Any) -> StackedLayout:
     if group_size < 0 and group_size != CHANNELWISE:
         raise PluginRefusal(f"{WHERE}: group_size {group_size} is negative (-1 means channel-wise)")
     group_size = checked_group_size(group_size, WHERE)
+    if layout in FLOAT_LAYOUTS:
+        scheme = _float_scheme(config, layout)
+        if (bits, group_size, has_zp) != (4, scheme.block, False):
+            raise PluginRefusal(f"{WHERE}: the {layout} layout holds 4-bit E2M1 codes in blocks of {scheme.block} "
+                                f"without zero points, not bits {bits}, group_size {group_size}, has_zp {has_zp}")
+        return StackedLayout(layout, bits, group_size, has_zp, scheme.scale_dtype, _source_config(config),
+                             _dense_config(config), scheme)
     if layout == INT8_LAYOUT:
         if bits != 8 or has_zp or group_size != CHANNELWISE:
             raise PluginRefusal(f"{WHERE}: the {INT8_LAYOUT} layout is symmetric 8-bit with one scale per channel, "
@@ -122,6 +130,21 @@ def _parse(config: Any) -> StackedLayout:
         if not isinstance(scale_dtype, str) or scale_dtype not in FLOAT_DTYPES:
             raise PluginRefusal(f"{WHERE}: scale_dtype {scale_dtype!r} is not one of {', '.join(FLOAT_DTYPES)}")
     return StackedLayout(layout, bits, group_size, has_zp, scale_dtype, _source_config(config), _dense_config(config))
+
+
+def _float_scheme(config: dict[str, Any], layout: str) -> FloatScheme:
+    """The float scheme the config states, each key exactly as the triton backend writes it for `layout`."""
+    inputs = config.get("input_global_scale")
+    if not isinstance(inputs, bool) or (inputs and layout != "nvfp4"):
+        raise PluginRefusal(f"{WHERE}: input_global_scale {inputs!r}; the {layout} layout says true or false "
+                            f"(true for NVFP4 W4A4 only)")
+    scheme = MXFP4 if layout == MXFP4.name else nvfp4(DIVIDE, inputs)
+    stated = {key: config.get(key) for key in ("scale_dtype", "scale_encoding", "global_scale")}
+    expected = {"scale_dtype": scheme.scale_dtype, "scale_encoding": scheme.scale_encoding,
+                "global_scale": scheme.global_convention}
+    if stated != expected:
+        raise PluginRefusal(f"{WHERE}: {stated}; the {layout} layout says {expected} (reconvert)")
+    return scheme
 
 
 DENSE_BACKEND = "compressed-tensors"  # the one layout moeconv converts a triton output's dense linears to
@@ -157,7 +180,7 @@ def _source_config(config: dict[str, Any]) -> dict[str, Any]:
     return source
 
 
-STACKED_NAMES = {name for names in (*WNA16.values(), *INT8.values()) for name in names}
+STACKED_NAMES = {name for names in (*WNA16.values(), *INT8.values(), *FLOAT.values()) for name in names}
 QZEROS_NAMES = {names.qzeros for names in WNA16.values()}
 SCALES_NAMES = {names.scales for names in WNA16.values()}
 FP8_BLOCK_SCALE = "weight_scale_inv"  # DeepSeek's and MiniMax's FP8 block linears, which triton outputs copy
@@ -192,7 +215,9 @@ def check_files(stacked: StackedLayout, checkpoint: Checkpoint) -> None:
 
 def _check_layer(stacked: StackedLayout, owner: str, held: dict[str, TensorEntry]) -> None:
     int8 = stacked.layout == INT8_LAYOUT
-    anchors = (INT8["w13"].weight, INT8["w2"].weight) if int8 else (WNA16["w13"].qweight, WNA16["w2"].qweight)
+    anchors = {INT8_LAYOUT: (INT8["w13"].weight, INT8["w2"].weight),
+               WNA16_LAYOUT: (WNA16["w13"].qweight, WNA16["w2"].qweight)}.get(
+        stacked.layout, (FLOAT["w13"].weight_packed, FLOAT["w2"].weight_packed))
     for anchor in anchors:
         if anchor not in held or len(held[anchor].shape) != 3:
             any_entry = next(iter(held.values()))
@@ -201,7 +226,8 @@ def _check_layer(stacked: StackedLayout, owner: str, held: dict[str, TensorEntry
     w13, w2 = held[anchors[0]], held[anchors[1]]
     shape = MoELayerShape(experts=w13.shape[0], hidden=w2.shape[1], intermediate=w13.shape[1] // 2, bits=stacked.bits,
                           group_size=stacked.group_size, symmetric=not stacked.has_zp,
-                          scale_dtype=stacked.scale_dtype, activation_bits=8 if int8 else 16)
+                          scale_dtype=stacked.scale_dtype, activation_bits=8 if int8 else 16,
+                          float_scheme=stacked.float_scheme)
     specs = {spec.name: spec for spec in TritonBackend().layer_tensors(shape)}
     for name, entry in sorted(held.items()):
         if name not in specs:

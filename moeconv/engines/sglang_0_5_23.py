@@ -138,6 +138,10 @@ def answer(output: Output) -> Serving:
                              "attention is quantized"
                              + ("; for SGLang use --backend humming" if layer.symmetric else ""))
     if backend == "triton":
+        if layer.float_scheme is not None:
+            return Serving(None, f"moeconv's SGLang plugin does not serve the {layer.float_scheme.name} stacked layout "
+                                 "(it fills SGLang's MoeWNA16Method, which holds integer codes); for SGLang use "
+                                 "--backend compressed-tensors")
         if int8:
             return Serving(None, "moeconv's SGLang plugin does not serve the int8 layout; for SGLang use --backend "
                                  "compressed-tensors, served with --quantization w8a8_int8")

@@ -85,6 +85,11 @@ def answer(output: Output) -> Serving:
         if layer.activation_bits != 8 and is_channelwise(layer.group_size):
             return Serving(None, "moeconv's vLLM plugin does not serve channel-wise moe_wna16 scales yet; "
                                  "for vLLM use --backend compressed-tensors")
+        if layer.float_scheme is not None:  # tests/engines/run_matrix.py --only float, the triton outputs
+            return Serving(f"{NAME} through moeconv's plugin (vLLM's compressed-tensors {layer.float_scheme.name} MoE "
+                           f"method, its parameters filled by one copy each: they held the file's bytes on the CPU "
+                           f"path; no GPU run yet)", f"install moeconv into vLLM's environment (docs/SERVING.md; it "
+                                                     f"registers the plugin), then {serve(layer)}")
         served = Serving(f"{NAME} through moeconv's plugin",
                          f"install moeconv into vLLM's environment (docs/SERVING.md; it registers the plugin), "
                          f"then {serve(layer)}")

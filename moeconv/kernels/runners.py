@@ -90,6 +90,29 @@ def _run_triton_fp4(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: t
                          topk_ids.to(device), scheme=scheme).cpu()
 
 
+def _run_triton_fp4_stacked(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch.Tensor,
+                            topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The FP4 kernel (kernels/fp4_moe.py) on the triton backend's float layouts: the stacked tensors are the
+    kernel's own (`w13_weight_packed`, `w13_weight_scale`, `w13_weight_global_scale` (E, 2) gate's and up's)."""
+    import torch
+
+    from moeconv.kernels.fp4_moe import Fp4Experts, fp4_fused_moe
+
+    from moeconv.backends.triton import FLOAT, TritonBackend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    scheme = shape.float_scheme.in_convention(TritonBackend.float_global_convention)
+
+    def experts(gemm: str) -> Fp4Experts:
+        names = FLOAT[gemm]
+        globals_ = tensors.get(names.weight_global_scale)
+        return Fp4Experts(tensors[names.weight_packed].to(device), tensors[names.weight_scale].to(device),
+                          None if globals_ is None else globals_.reshape(globals_.shape[0], -1).to(device))
+
+    return fp4_fused_moe(x.to(device), experts("w13"), experts("w2"), topk_weights.to(device),
+                         topk_ids.to(device), scheme=scheme).cpu()
+
+
 def _run_humming_fp4(tensors: dict[str, torch.Tensor], shape: MoELayerShape, x: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """The FP4 kernel (kernels/fp4_moe.py) on Humming's float layout: each projection's int32 `weight` words
@@ -158,6 +181,8 @@ LAYER_KERNELS: dict[str, LayerKernel] = {
     # weights' bytes), so the W4A16 bound holds: measured 2.3e-4 to 5e-4 with fp16 activations on random layers
     # (tests/test_fp4_kernel.py), 3.7e-4 to 4.3e-4 on the producers' fixtures (tests/test_float_conversion.py)
     "triton-fp4": LayerKernel(_run_triton_fp4, _triton_device, lambda shape: NUMERICS_TOLERANCE),
+    # the same kernel and bound, fed from the triton backend's stacked float layouts
+    "triton-fp4-stacked": LayerKernel(_run_triton_fp4_stacked, _triton_device, lambda shape: NUMERICS_TOLERANCE),
     # the same kernel and bound, fed from Humming's float layout (int32 words, F8 scale bytes, multiplied scales)
     "humming-fp4": LayerKernel(_run_humming_fp4, _triton_device, lambda shape: NUMERICS_TOLERANCE),
     "cpu": LayerKernel(_run_cpu, lambda: "cpu (torch model of the x86 W4A8 / W8A8 kernels)",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from moeconv.backends.triton import GEMM_OF, SPLITS, WNA16
+from moeconv.backends.triton import GEMM_OF, SPLITS, WNA16, WNA16_LAYOUT
 
 STACKED = tuple(name for names in WNA16.values() for name in names)  # the stacked moe_wna16 tensor names
 
@@ -24,7 +24,7 @@ def fill(name: str, stored: torch.Tensor, parameter: torch.Tensor, intermediate:
          tp_size: int, rank: int) -> None:
     """Copies rank `rank`'s part of the stacked tensor `name` (the file's, whole) into `parameter`, every
     element once. Raises ValueError when the part and the parameter differ in shape."""
-    gemm, unit = GEMM_OF[name], SPLITS[name]
+    gemm, unit = GEMM_OF[name], SPLITS[WNA16_LAYOUT][name]
     if tp_size == 1:
         _copy(parameter, stored)
         return

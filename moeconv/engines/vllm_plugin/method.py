@@ -8,6 +8,9 @@ That method's `__init__` asks vLLM's own MoE oracle which backend serves the lay
 (`fused_moe/oracle/int_wna16.py`, `oracle/int8.py`: Humming on compute capability 9.0, Marlin or
 FlashInfer elsewhere, Triton when nothing better takes it, vLLM's CPU experts on a CPU build; `--moe-backend`
 overrides it), and its own `process_weights_after_loading` then repacks for that backend, unchanged.
+A MoE layer of a float layout (MXFP4, NVFP4) likewise gets vLLM's compressed-tensors MXFP4 / NVFP4 MoE method
+(`CompressedTensorsW4A4Mxfp4MoEMethod`: Marlin on SM90, CUTLASS where it runs; `CompressedTensorsW4A4Nvfp4MoEMethod`,
+whose `__init__` runs `oracle/nvfp4.py`), its parameters filled by one copy each, its own repack after.
 The chosen backend is logged once per layer kind with the oracle's reason. The dense layers load
 through the source's own quantization method, which the config records.
 """
@@ -28,6 +31,12 @@ from vllm.model_executor.layers.fused_moe.oracle import int_wna16
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w4a4_mxfp4 import (  # noqa: E501
+    CompressedTensorsW4A4Mxfp4MoEMethod,
+)
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w4a4_nvfp4 import (  # noqa: E501
+    CompressedTensorsW4A4Nvfp4MoEMethod,
+)
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_int8 import (  # noqa: E501
     CompressedTensorsW8A8Int8MoEMethod,
 )
@@ -37,7 +46,8 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 
 from moeconv.backends.compressed_tensors import CompressedTensorsBackend
 from moeconv.backends.triton import GEMM_OF, WNA16, TritonBackend
-from moeconv.backends.triton_config import INT8_LAYOUT, QUANT_METHOD, PluginRefusal, StackedLayout, check_files, parse
+from moeconv.backends.triton_config import (FLOAT_LAYOUTS, INT8_LAYOUT, QUANT_METHOD, PluginRefusal, StackedLayout,
+                                            check_files, parse)
 from moeconv.canonical import MoELayerShape
 from moeconv.checkpoint.reader import open_checkpoint
 from moeconv.engines import VLLM
@@ -196,7 +206,8 @@ def _vllm_method(method: str, source: dict[str, Any]) -> str:
 def _layer_shape(stacked: StackedLayout, experts: int, hidden: int, intermediate: int, tp: int) -> MoELayerShape:
     return MoELayerShape(experts=experts, hidden=hidden, intermediate=intermediate, bits=stacked.bits,
                          group_size=stacked.group_size, symmetric=not stacked.has_zp, scale_dtype=stacked.scale_dtype,
-                         activation_bits=8 if stacked.layout == INT8_LAYOUT else 16, tp=tp)
+                         activation_bits=8 if stacked.layout == INT8_LAYOUT else 16, tp=tp,
+                         float_scheme=stacked.float_scheme)
 
 
 def _quantization_args(stacked: StackedLayout) -> tuple[QuantizationArgs, QuantizationArgs | None]:
@@ -211,6 +222,8 @@ def _quantization_args(stacked: StackedLayout) -> tuple[QuantizationArgs, Quanti
 def _experts_method(config: MoeconvConfig, layer: RoutedExperts, prefix: str) -> QuantizeMethodBase:
     """vLLM's compressed-tensors MoE method for the layer, built as vLLM's compressed-tensors config
     builds it (`CompressedTensorsMoEMethod.get_moe_method`), whose `__init__` runs the oracle."""
+    if config.stacked.layout in FLOAT_LAYOUTS:
+        return _float_experts_method(config, layer, prefix)
     weights, activations = _quantization_args(config.stacked)
     try:
         if config.stacked.layout == INT8_LAYOUT:
@@ -227,6 +240,25 @@ def _experts_method(config: MoeconvConfig, layer: RoutedExperts, prefix: str) ->
         raise PluginRefusal(f"{prefix}: vLLM's MoE oracle serves no backend for this layer: "
                             f"{(str(error).splitlines() or [''])[0]}") from None
     logger.info_once("moeconv: MoE layers on vLLM's %s backend (%s)", backend, reason, scope="local")
+    return method
+
+
+def _float_experts_method(config: MoeconvConfig, layer: RoutedExperts, prefix: str) -> QuantizeMethodBase:
+    """vLLM's compressed-tensors MXFP4 or NVFP4 MoE method for the layer, built as vLLM's compressed-tensors config
+    builds it for the same scheme (`CompressedTensorsMoEMethod.get_moe_method`: NVFP4A16 when no input scale)."""
+    scheme = config.stacked.float_scheme
+    try:
+        if scheme.name == "mxfp4":
+            method = StackedMxfp4Method(config, layer.moe_config)
+            backend = method.mxfp4_backend.value
+        else:
+            method = StackedNvfp4Method(config, layer.moe_config, prefix, use_a16=not scheme.input_scale)
+            backend = method.nvfp4_backend.value
+    except (ValueError, NotImplementedError) as error:
+        raise PluginRefusal(f"{prefix}: vLLM serves no {scheme.name} MoE backend for this layer here: "
+                            f"{(str(error).splitlines() or [''])[0]}") from None
+    logger.info_once("moeconv: %s MoE layers on vLLM's %s backend (vLLM's compressed-tensors %s MoE method's choice)",
+                     scheme.name, backend, scheme.name, scope="local")
     return method
 
 
@@ -327,7 +359,7 @@ def _stacked_loader(layer: RoutedExperts, name: str, spec, shape: MoELayerShape,
             raise PluginRefusal(f"{layer.layer_name}.{name}: the file holds {loaded_weight.dtype}"
                                 f"{list(loaded_weight.shape)}, this layer expects {expected}{list(spec.shape)}")
         try:
-            fill(name, loaded_weight, param.data, shape.intermediate, stacked.bits, stacked.group_size, shape.tp, rank,
+            fill(stacked.layout, name, loaded_weight, param.data, shape.intermediate, stacked.bits, stacked.group_size, shape.tp, rank,
                  _local_experts(layer))
         except ValueError as error:
             raise PluginRefusal(f"{layer.layer_name}.{name}: {error} (rank {rank} of {shape.tp})") from None
@@ -372,7 +404,31 @@ class StackedInt8Method(_StackedLoading, CompressedTensorsW8A8Int8MoEMethod):
         self._create_stacked(super().create_weights, layer, *args, **kwargs)
 
 
-STACKED_METHODS = (StackedWNA16Method, StackedInt8Method)
+class StackedMxfp4Method(_StackedLoading, CompressedTensorsW4A4Mxfp4MoEMethod):
+    """vLLM's compressed-tensors MXFP4 MoE method (its backend choice, its own post-load repack), its parameters
+    filled from moeconv's stacked mxfp4 layout."""
+
+    def __init__(self, config: MoeconvConfig, moe) -> None:
+        super().__init__(moe)
+        self.moeconv_config = config
+
+    def create_weights(self, layer: RoutedExperts, *args: Any, **kwargs: Any) -> None:
+        self._create_stacked(super().create_weights, layer, *args, **kwargs)
+
+
+class StackedNvfp4Method(_StackedLoading, CompressedTensorsW4A4Nvfp4MoEMethod):
+    """vLLM's compressed-tensors NVFP4 MoE method (W4A16 or W4A4; the oracle's backend, its own post-load repack),
+    its parameters filled from moeconv's stacked nvfp4 layout."""
+
+    def __init__(self, config: MoeconvConfig, moe, layer_name: str, use_a16: bool) -> None:
+        super().__init__(moe, layer_name, use_a16=use_a16)
+        self.moeconv_config = config
+
+    def create_weights(self, layer: RoutedExperts, *args: Any, **kwargs: Any) -> None:
+        self._create_stacked(super().create_weights, layer, *args, **kwargs)
+
+
+STACKED_METHODS = (StackedWNA16Method, StackedInt8Method, StackedMxfp4Method, StackedNvfp4Method)
 
 
 def route_stacked_tensors() -> None:

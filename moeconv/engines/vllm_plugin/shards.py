@@ -11,7 +11,10 @@ tensor (E experts on dim 0; packed dimensions in bytes, b bits a code):
               [r·I/T/g, ...), or, channel-wise (one group over I), the whole tensor on every rank (each
               rank's down projection keeps the one scale of each output channel, as vLLM loads it);
   the int8 W8A8 layout: w13_weight (E, 2I, H) and w13_weight_scale (E, 2I, 1) the two row ranges,
-              w2_weight (E, H, I) its columns, w2_weight_scale (E, H, 1) whole on every rank.
+              w2_weight (E, H, I) its columns, w2_weight_scale (E, H, 1) whole on every rank;
+  the float layouts: w13_weight_packed (E, 2I, H/2) and w13_weight_scale (E, 2I, H/block) the two row
+              ranges, w2_weight_packed (E, H, I/2) columns [r·I/T/2, ...), w2_weight_scale (E, H, I/block)
+              groups [r·I/T/block, ...), the global scales (E, 2) and (E,) whole on every rank.
 
 Under expert parallelism (vLLM's --enable-expert-parallel) I is not split; each rank's parameters hold
 its share of the experts on dim 0, whole, in the order vLLM's expert map gives (`fill`'s `experts`).
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from moeconv.backends.triton import GEMM_OF, INT8, SPLITS, WNA16
+from moeconv.backends.triton import FLOAT, GEMM_OF, INT8, SPLITS, WNA16
 from moeconv.canonical import is_channelwise
 
 
@@ -34,25 +37,27 @@ from moeconv.canonical import is_channelwise
 #       packed along K, LSB first, 32/b to a word (little-endian, which vLLM's own moe_wna16 view assumes);
 #   w13_weight_scale (E, 2I, G) is w13_scales, cast to the parameter's dtype as vLLM's loader casts;
 #   w13_weight_zero_point int32 (E, 2I·b/32, G) packs N: byte j of word [e, w, g] is w13_qzeros[e, 4w + j, g];
-#   the int8 layout's tensors are the W8A8 method's parameters under the same names.
+#   the int8 layout's tensors are the W8A8 method's parameters under the same names, and the float layouts'
+#   those of vLLM's compressed-tensors MXFP4 / NVFP4 MoE methods (uint8 codes, the scale bytes in the
+#   parameter's own dtype: uint8, float8_e4m3fn; float32 global scales).
 PARAMETERS = {
     **{stored: f"{gemm}_{parameter}" for gemm, names in WNA16.items()
        for stored, parameter in zip(names, ("weight_packed", "weight_scale", "weight_zero_point"))},
-    **{stored: stored for names in INT8.values() for stored in names},
+    **{stored: stored for names in (*INT8.values(), *FLOAT.values()) for stored in names},
 }
 QWEIGHTS = {names.qweight for names in WNA16.values()}
 QZEROS = {names.qzeros for names in WNA16.values()}
 WORD_BYTES = 4
 
 
-def fill(name: str, stored: torch.Tensor, parameter: torch.Tensor, intermediate: int, bits: int, group_size: int,
-         tp_size: int, rank: int, experts: torch.Tensor | None = None) -> None:
-    """Copies rank `rank`'s part of the stacked tensor `name` (the file's, whole) into `parameter` (the
+def fill(layout: str, name: str, stored: torch.Tensor, parameter: torch.Tensor, intermediate: int, bits: int,
+         group_size: int, tp_size: int, rank: int, experts: torch.Tensor | None = None) -> None:
+    """Copies rank `rank`'s part of the stacked tensor `name` of `layout` (the file's, whole) into `parameter` (the
     compressed-tensors parameter of `PARAMETERS`, this rank's): every element copied once, no
     intermediate tensor. `experts` (expert parallelism): the global index of the expert each of the
     parameter's slots holds, in slot order; a run of consecutive experts is a view, any other choice one
     gather of those experts. Raises ValueError when the part and the parameter differ in shape."""
-    gemm, unit = GEMM_OF[name], SPLITS[name]
+    gemm, unit = GEMM_OF[name], SPLITS[layout][name]
     if experts is not None:
         stored = _experts(stored, experts)
     source, target = stored, parameter
