@@ -17,7 +17,8 @@ DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0
                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 FLOAT_DTYPES = ("F16", "BF16", "F32")  # the dtypes scales come in
 TORCH_NAMES = {"U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "F16": "float16",
-               "BF16": "bfloat16", "F32": "float32", "F64": "float64", "BOOL": "bool"}  # code -> torch dtype name
+               "BF16": "bfloat16", "F32": "float32", "F64": "float64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
+               "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}  # code -> torch dtype name
 
 
 def __getattr__(name: str) -> Any:

@@ -90,7 +90,8 @@ def _moe_parameters(model) -> dict[str, tuple[str, torch.Tensor]]:
     for path, module in model.named_modules():
         if isinstance(module, RoutedExperts):
             method = module.quant_method
-            backend = str(getattr(method, "wna16_backend", getattr(method, "int8_backend", None)))
+            backend = str(next((getattr(method, kind) for kind in ("wna16_backend", "int8_backend", "mxfp4_backend",
+                                                                   "nvfp4_backend") if hasattr(method, kind)), None))
             for name, parameter in module.named_parameters(recurse=False):
                 found[f"{path}.{name}"] = (backend, parameter.data)
     return found

@@ -45,7 +45,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 )
 
 from moeconv.backends.compressed_tensors import CompressedTensorsBackend
-from moeconv.backends.triton import GEMM_OF, WNA16, TritonBackend
+from moeconv.backends.triton import FLOAT, GEMM_OF, WNA16, TritonBackend
 from moeconv.backends.triton_config import (FLOAT_LAYOUTS, INT8_LAYOUT, QUANT_METHOD, PluginRefusal, StackedLayout,
                                             check_files, parse)
 from moeconv.canonical import MoELayerShape
@@ -286,6 +286,10 @@ class _StackedLoading:
     the backend's own refusals and the files' headers (so nothing is allocated that the files do not
     hold); after, each parameter a stacked tensor fills gets a loader that copies this rank's part."""
 
+    # Parameters vLLM's method creates that its kernels never read for this scheme, which no checkpoint of it
+    # holds and stock vLLM leaves unloaded too (the load's ledger does not ask for them).
+    unused_parameters: tuple[str, ...] = ()
+
     def _create_stacked(self, create, layer: RoutedExperts, num_experts: int, hidden_size: int,
                         intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
         config: MoeconvConfig = self.moeconv_config
@@ -297,7 +301,8 @@ class _StackedLoading:
         for backend in (TritonBackend(), CompressedTensorsBackend()):  # the file's layout, then the method's packing
             reason = backend.refusal(shape)
             if reason:
-                raise PluginRefusal(f"{layer.layer_name}: {reason} (convert with --tp {tp_size} to check, or --regroup)")
+                way_out = "" if shape.float_scheme is not None else ", or --regroup"  # a float block is the codes'
+                raise PluginRefusal(f"{layer.layer_name}: {reason} (convert with --tp {tp_size} to check{way_out})")
         specs = {spec.name: spec for spec in TritonBackend().layer_tensors(shape)}
         _check_files(config, layer, specs)
         create(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra_weight_attrs)
@@ -423,6 +428,10 @@ class StackedNvfp4Method(_StackedLoading, CompressedTensorsW4A4Nvfp4MoEMethod):
     def __init__(self, config: MoeconvConfig, moe, layer_name: str, use_a16: bool) -> None:
         super().__init__(moe, layer_name, use_a16=use_a16)
         self.moeconv_config = config
+        # NVFP4A16: the method registers the input global scales all the same, and its W4A16 kernels take none
+        # (llm-compressor's own NVFP4A16 checkpoints hold none; stock vLLM leaves them unloaded as well)
+        if use_a16:
+            self.unused_parameters = tuple(FLOAT[gemm].input_global_scale for gemm in FLOAT)
 
     def create_weights(self, layer: RoutedExperts, *args: Any, **kwargs: Any) -> None:
         self._create_stacked(super().create_weights, layer, *args, **kwargs)
@@ -450,12 +459,13 @@ def route_stacked_tensors() -> None:
         stacked = {}  # every name a checkpoint may give a stacked tensor: the module's path (MiniMax's
         # `block_sparse_moe.experts`, whose layer_name says mlp) and its layer_name
         digests = None
-        companions = {}
+        companions, unused = {}, []
         for path, module in model.named_modules():
             method = getattr(module, "quant_method", None)
             if isinstance(method, STACKED_METHODS):
                 digests = method.moeconv_config.tensor_digests()
                 companions.update(method.companions)
+                unused += [f"{path}.{name}" for name in method.unused_parameters]
                 for name, parameter in method.stacked_parameters.items():
                     for owner in (path.removesuffix(".routed_experts"), module.layer_name):
                         stacked[f"{owner}.{name}"] = parameter
@@ -486,7 +496,7 @@ def route_stacked_tensors() -> None:
                         parameter.weight_loader(parameter, tensor)
                         loaded.add(name)
 
-            with LoadLedger(model, _loader_of, _set_loader, optional_parameters=KV_CACHE_SCALES, skipped=skipped,
+            with LoadLedger(model, _loader_of, _set_loader, optional_parameters=(*KV_CACHE_SCALES, *unused), skipped=skipped,
                             also_writes=companions) as ledger:
                 result = by_model(others(ledger.weights(weights)))
             refusal = ledger.refusal()
