@@ -7,6 +7,11 @@ forced as tests/engines/differential_check.py forces it:
 
     .venv/bin/python tests/engines/load_memory.py [--hidden 256] [--intermediate 256] [--runs 5] [--keep DIR]
 
+--float (issue 40): the source is instead a compressed-tensors MXFP4 checkpoint of `--layers` layers x 128 experts
+(benchmarks/float_source.py, the layout llm-compressor's MXFP4A16 writes), loaded by stock vLLM, against its
+`triton` output (the stacked mxfp4 layout) through the plugin; both MoE methods are vLLM's
+CompressedTensorsW4A4Mxfp4MoEMethod (Marlin at capability 9.0).
+
 --one CHECKPOINT (in .venv-engines): vLLM's model class built as in vllm_load.py, then ONE pass of vLLM's
 DefaultModelLoader.load_weights, timed (every parameter zero-filled first, so its pages are not first
 touched inside the pass: on a GPU host they would be device memory). --sample: RssAnon and RssFile read
@@ -80,8 +85,8 @@ def one(checkpoint: str, sample: bool = False) -> dict:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
 
     methods = [module.quant_method for module in model.modules() if isinstance(module, RoutedExperts)]
-    backends = sorted({f"{type(method).__name__} "
-                       f"{getattr(method, 'wna16_backend', None) or getattr(method, 'wna16_moe_backend', None)}"
+    kinds = ("wna16_backend", "wna16_moe_backend", "mxfp4_backend")
+    backends = sorted({f"{type(method).__name__} {next((getattr(method, k) for k in kinds if hasattr(method, k)), None)}"
                        for method in methods})
     return {"checkpoint": checkpoint, "seconds": round(seconds, 4), "tensors": len(names), "backends": backends,
             "before": before, "after": after, "peak_growth_mib": round(after["VmHWM"] - before["VmRSS"], 1),
@@ -97,6 +102,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--keep", type=Path)
+    parser.add_argument("--float", action="store_true", help="an MXFP4 source and its triton output (issue 40)")
+    parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
     if args.one:
         sys.path.insert(0, str(ENGINES))
@@ -109,13 +116,23 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="moeconv-load-memory-") as scratch:
         base = args.keep or Path(scratch)
-        spec = SynthSpec(architecture="qwen3_moe", source_format=GPTQ(4, args.group_size, sym=True), layers=4,
-                         experts=128, hidden=args.hidden, intermediate=args.intermediate)
-        source = make_checkpoint(base / "src", spec)
-        cases = {"GPTQ source, stock vLLM": source,
-                 "compressed-tensors output, stock vLLM": moeconv.convert(
-                     source, base / "ct", backend="compressed-tensors").output,
-                 "triton output, plugin": moeconv.convert(source, base / "triton", backend="triton").output}
+        if args.float:
+            source = base / "src"
+            if not (source / "config.json").exists():
+                subprocess.run([sys.executable, str(ENGINES.parents[1] / "benchmarks" / "float_source.py"), str(source),
+                                "--layers", str(args.layers), "--hidden", str(args.hidden), "--intermediate",
+                                str(args.intermediate), "--vocab", "1024"], check=True)
+            cases = {"compressed-tensors MXFP4 source, stock vLLM": source,
+                     "triton output (stacked mxfp4), plugin": moeconv.convert(source, base / "triton",
+                                                                              backend="triton").output}
+        else:
+            spec = SynthSpec(architecture="qwen3_moe", source_format=GPTQ(4, args.group_size, sym=True),
+                             layers=args.layers, experts=128, hidden=args.hidden, intermediate=args.intermediate)
+            source = make_checkpoint(base / "src", spec)
+            cases = {"GPTQ source, stock vLLM": source,
+                     "compressed-tensors output, stock vLLM": moeconv.convert(
+                         source, base / "ct", backend="compressed-tensors").output,
+                     "triton output, plugin": moeconv.convert(source, base / "triton", backend="triton").output}
         runs = {label: [] for label in cases}
         for _ in range(args.runs):
             for label, path in cases.items():
@@ -126,7 +143,8 @@ def main() -> None:
                     sys.exit(f"{label}: {done.stderr[-3000:]}")
                 runs[label].append(json.loads(lines[-1]))
                 print(json.dumps({"case": label, **runs[label][-1]}), flush=True)
-    print(f"\n4 layers x 128 experts, H = {args.hidden}, I = {args.intermediate}, g = {args.group_size}\n")
+    scheme = "MXFP4 (block 32)" if args.float else f"GPTQ 4-bit g = {args.group_size}"
+    print(f"\n{args.layers} layers x 128 experts, H = {args.hidden}, I = {args.intermediate}, {scheme}\n")
     print("| checkpoint | backend | tensors | `load_weights` s, median (all) | peak RSS growth MiB, median (all) | "
           "VmHWM before -> after MiB (median) |\n|---|---|---|---|---|---|")
     for label, results in runs.items():
