@@ -18,7 +18,8 @@
 # 25 GB GPTQ source into triton, humming and compressed-tensors, verified), `anchor11` and `anchor11-large`
 # (issue 42's provenance cost: the grown 7.2 GB GPTQ source into three backends, then the 25 GB one into
 # triton, each converted and verified as a plain folder and then as a Hub cache snapshot), `gpu49` (the GPU tests,
-# then every float fixture converted and verified on the GPU).
+# then every float fixture converted and verified on the GPU), `gpu51` (the float fixtures into the triton backend's
+# stacked float layouts, verified on the GPU).
 set -e
 phase=$1
 out=${OUT:-/tmp}
@@ -57,6 +58,17 @@ case $phase in
     python3 -m moeconv convert tests/data/float/ct-mxfp4a16 -o /tmp/out-humming --backend humming -q > /dev/null
     rc=0; python3 -m moeconv verify /tmp/out-humming --json > "$out/verify-humming.json" || rc=$?
     echo "ct-mxfp4a16 -> humming: verify rc=$rc $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['ok'], r['numerics_device'], [(l['module'], l.get('relative_error')) for l in r['layers']])" "$out/verify-humming.json")" ;;
+  gpu51)
+    # The triton backend's stacked float layouts (issue 40): every float fixture that converts into them, verified
+    # with verify's GPU default (the compiled FP4 kernel on the stacked bytes, every layer and expert).
+    python3 -m pip install -q --no-deps .whl/*.whl
+    nvidia-smi --query-gpu=name,memory.total --format=csv
+    timeout 300 python3 -m pytest -q -ra -p no:cacheprovider tests/test_fp4_kernel_gpu.py 2>&1 | tail -5 | tee "$out/gpu-tests.txt"
+    for fixture in ct-nvfp4a16 ct-mxfp4a16 ct-nvfp4 ct-mxfp4-fp8block; do
+      python3 -m moeconv convert tests/data/float/$fixture -o /tmp/out-$fixture --backend triton -q > /dev/null
+      rc=0; python3 -m moeconv verify /tmp/out-$fixture --json > "$out/verify-$fixture.json" || rc=$?
+      echo "$fixture -> triton: verify rc=$rc $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['ok'], r['level'], r['numerics_device'], [(l['module'], l.get('experts_routed'), l.get('blocks_checked'), l.get('relative_error')) for l in r['layers']])" "$out/verify-$fixture.json")"
+    done ;;
   final10|large10)
     # The blake3 and google-re2 wheels (cp312) in .whl carried: the image has neither.
     python3 -m pip install -q --no-deps .whl/*.whl

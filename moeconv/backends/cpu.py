@@ -111,7 +111,7 @@ class CpuBackend(BackendDefaults):
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.float_scheme is not None:
             return (f"the x86 CPU kernels' layouts (blocked INT4, VNNI INT8) hold integer codes; {layer.float_scheme.name} "
-                    f"E2M1 codes are no integer-affine code (--backend compressed-tensors writes them)")
+                    f"E2M1 codes are no integer-affine code (--backend triton or compressed-tensors writes them)")
         if layer.intermediate % layer.tp:
             return f"intermediate size {layer.intermediate} does not split over tp={layer.tp}"
         if layer.tp > 1:  # every check below is about what one rank holds

@@ -74,11 +74,6 @@ WNA16_LAYOUT, INT8_LAYOUT = "moe_wna16", "int8_w8a8"
 FLOAT_LAYOUTS = ("mxfp4", "nvfp4")
 
 
-def layout_of(layer: MoELayerShape) -> str:
-    if layer.float_scheme is not None:
-        return layer.float_scheme.name
-    return INT8_LAYOUT if layer.activation_bits == 8 else WNA16_LAYOUT
-
 # What one tensor-parallel rank's share of the intermediate size I is in each tensor's split dimension
 # (the vLLM plugin's shards.py): "rows" (output channels), "bytes" (b-bit codes packed along I), "groups"
 # (scale or zero groups along I), or None (not split: whole on every rank).

@@ -87,8 +87,8 @@ def answer(output: Output) -> Serving:
                                  "for vLLM use --backend compressed-tensors")
         if layer.float_scheme is not None:  # tests/engines/run_matrix.py --only float, the triton outputs
             return Serving(f"{NAME} through moeconv's plugin (vLLM's compressed-tensors {layer.float_scheme.name} MoE "
-                           f"method, its parameters filled by one copy each: they held the file's bytes on the CPU "
-                           f"path; no GPU run yet)", f"install moeconv into vLLM's environment (docs/SERVING.md; it "
+                           f"method, its parameters filled by one copy each: byte for byte those stock vLLM loads from "
+                           f"the compressed-tensors form, on the CPU path; no GPU run yet)", f"install moeconv into vLLM's environment (docs/SERVING.md; it "
                                                      f"registers the plugin), then {serve(layer)}")
         served = Serving(f"{NAME} through moeconv's plugin",
                          f"install moeconv into vLLM's environment (docs/SERVING.md; it registers the plugin), "
