@@ -61,6 +61,16 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def convert_refusal(capsys, source, output, *args) -> str:
+    """`moeconv convert SOURCE -o OUTPUT ARGS` that must stop: a non-zero exit, one `error:` line on stderr (no
+    traceback), nothing at OUTPUT; the line."""
+    code, _, err = run_main(capsys, "convert", source, "-o", output, *args)
+    (line,) = [line for line in err.splitlines() if line.strip()]
+    assert code != 0 and line.startswith("error: ") and "Traceback" not in err, err
+    assert not Path(output).exists()
+    return line
+
+
 HASHES = {"blake3": lambda data: blake3.blake3(data).digest(),  # manifest version 4
           "sha256": lambda data: hashlib.sha256(data).digest()}  # manifest version 3
 
