@@ -101,7 +101,7 @@ class Plan:
             "source": self.checkpoint.identity(),
             **({"cast": self.cast, "allow_inexact": self.allow_inexact} if self.cast else {}),
         })
-        answer("targets", engines.targets(self.backend.name))
+        answer("targets", engines.targets(self.backend.name, self.source_format.float_scheme is not None))
         model_dtype = _model_dtype(self.checkpoint)
         answer("scale_cast", engines.VLLM.scale_cast(self.backend.name, first.scale_dtype, model_dtype))
         output = engines.output_of(self.backend.name, first, self.source_format, self.dense_layout is not None,

@@ -87,6 +87,18 @@ def test_stacked_codes_and_scales_decode_to_the_producer_s_own_decompression(out
 
 
 @pytest.mark.parametrize("name", CT)
+def test_the_manifest_records_vllm_s_float_methods_as_the_target(outputs, name):
+    """moeconv.json's `targets` of a float triton output names vLLM's float MoE methods' parameters, not the Triton
+    wna16 layouts an integer triton output is for; verify reports the same."""
+    recorded = json.loads((outputs[name] / "moeconv.json").read_text())["targets"]
+    assert recorded["kernel"] == "vLLM 0.33.0 compressed-tensors MXFP4 / NVFP4 MoE methods' parameters"
+    assert recorded["engine"].startswith("vLLM 0.33 with moeconv's plugin")
+    assert verify(outputs[name], level="lossless").to_json()["targets"] == recorded
+
+
+
+
+@pytest.mark.parametrize("name", CT)
 def test_the_plugins_read_the_config_and_hold_it_against_the_files(outputs, name):
     """What both plugins read before an engine builds a layer: vLLM's parses the float layout and finds the files
     agree; SGLang's refuses it in one line (its MoeWNA16Method holds integer codes)."""

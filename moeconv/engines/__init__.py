@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 from moeconv.engines import sglang_0_5_23, vllm_0_33
-from moeconv.engines.base import EngineRelease, Output, Serving
+from moeconv.engines.base import FLOAT_CODES, EngineRelease, Output, Serving
 
 if TYPE_CHECKING:
     from moeconv.canonical import MoELayerShape
@@ -33,10 +33,12 @@ def output_of(backend: str, layer: MoELayerShape, source_format: SourceFormat, d
     return replace(output, dense_refusal=_dense_refusal(output))
 
 
-def targets(backend: str) -> dict[str, str]:
+def targets(backend: str, float_codes: bool = False) -> dict[str, str]:
     """What an output of the backend records it is for (moeconv.json's `targets`): the vLLM release's, whose
-    kernels the layouts were built for; {} for a backend no release names."""
-    return dict(VLLM.targets.get(backend, {}))
+    kernels the layouts were built for (its entry for the backend's float layouts where it names one apart:
+    FLOAT_CODES); {} for a backend no release names."""
+    apart = f"{backend}{FLOAT_CODES}"
+    return dict(VLLM.targets.get(apart if float_codes and apart in VLLM.targets else backend, {}))
 
 
 __all__ = ["EngineRelease", "Output", "SGLANG", "Serving", "VLLM", "output_of", "targets"]

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from moeconv.formats import SourceFormat
 
 
+FLOAT_CODES = " (float codes)"  # EngineRelease.targets: the suffix of a backend's entry for its float layouts
+
+
 class Serving(NamedTuple):
     """Which engine loads an output as it is on disk, and how (`how` may name `{output}`); engine None: none
     does, and `how` says why and the way out. What the docs measured with `make test-engines`."""
@@ -56,7 +59,8 @@ class EngineRelease:
     # Backends whose scale parameters it creates in the model dtype, casting the stored scales into them at
     # load (verify counts the scales the cast changes; the serve line then keeps the stored dtype).
     casts_scales_of: frozenset[str] = frozenset()
-    # backend -> the engine and kernel-package versions its outputs are for (moeconv.json's `targets`).
+    # backend -> the engine and kernel-package versions its outputs are for (moeconv.json's `targets`); a backend
+    # whose float-coded layouts target other parts of the release has them apart under backend + FLOAT_CODES.
     targets: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     @property

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from moeconv.canonical import MoELayerShape, is_channelwise
-from moeconv.engines.base import EngineRelease, Output, Serving
+from moeconv.engines.base import FLOAT_CODES, EngineRelease, Output, Serving
 from moeconv.formats import autoround
 
 VERSION = "0.33"
@@ -19,6 +19,8 @@ TARGETS = {
     "triton": {"kernel": "vLLM 0.33.0 TritonWNA16Experts / TritonExperts layouts",
                "engine": "vLLM 0.33 with moeconv's plugin (moeconv/vllm_plugin): stock vLLM has no loader for "
                          "stacked experts"},
+    f"triton{FLOAT_CODES}": {"kernel": "vLLM 0.33.0 compressed-tensors MXFP4 / NVFP4 MoE methods' parameters",
+                             "engine": "vLLM 0.33 with moeconv's plugin (moeconv/engines/vllm_plugin)"},
     "humming": {"engine": "vllm==0.33.0 (quant_method humming)", "humming-kernels": "0.1.19"},
     "cpu": {"kernel": "vLLM 0.33.0 CPUExpertsInt4 / CPUExpertsInt8 (sgl-kernel x86 layouts)",
             "engine": "none yet: stock vLLM 0.33 repacks at load and has no loader for these (plugin planned)"},
