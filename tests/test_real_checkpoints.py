@@ -229,21 +229,32 @@ def test_sym_that_is_not_a_boolean_is_an_error(made, tmp_path, value, capsys):
     assert len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("name", ["gptqmodel-4bit-g32-asym", "gptqmodel-4bit-g32-asym-v2", "autogptq-4bit-g32-asym",
-                                  "gptqmodel-8bit-g64-asym", "gptqmodel-4bit-cw-asym", "autoawq-4bit-g64-asym",
-                                  "ct-4bit-g64-asym", "gptqmodel-4bit-g32-sym"])
-def test_compressed_tensors_output_read_back_by_the_real_library(made, name, tmp_path, capsys):
+CT_READBACK = ("gptqmodel-4bit-g32-asym", "gptqmodel-4bit-g32-asym-v2", "autogptq-4bit-g32-asym",
+               "gptqmodel-8bit-g64-asym", "gptqmodel-4bit-cw-asym", "autoawq-4bit-g64-asym", "ct-4bit-g64-asym",
+               "gptqmodel-4bit-g32-sym")
+
+
+@pytest.fixture(scope="module")
+def ct_read_back(made, tmp_path_factory) -> dict[str, tuple[Path, Path, dict]]:
+    """name -> (its compressed-tensors output, the producer's truth, what the real compressed-tensors library read
+    from the output): every checkpoint of CT_READBACK converted, then read back in one .venv-packers process."""
+    root = tmp_path_factory.mktemp("ct-read-back")
+    cases = {name: (moeconv.convert(made[name], root / name, backend="compressed-tensors").output,
+                    made[name].parent / f"{made[name].name}.truth.safetensors") for name in CT_READBACK}
+    proc = subprocess.run([str(PACKERS_VENV / "bin" / "python"), str(ROOT / "tests" / "packers" / "ct_readback.py"),
+                           *[str(path) for pair in cases.values() for path in pair]], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {answer["output"]: answer for answer in map(json.loads, proc.stdout.splitlines()[-len(cases):])}
+    return {name: (out, truth, results[str(out)]) for name, (out, truth) in cases.items()}
+
+
+@pytest.mark.parametrize("name", CT_READBACK)
+def test_compressed_tensors_output_read_back_by_the_real_library(ct_read_back, name, capsys):
     """Real packer in, real compressed-tensors out: the library's own validator accepts the output's
     config, and its unpacker and decompressor give the producer's quantizer's codes, TRUE zero points
     and dequantized weights for every linear (GPTQ v1 zeros included: no off-by-one)."""
-    code, _, err = run_main(capsys, "convert", made[name], "-o", tmp_path / "out", "--backend", "compressed-tensors",
-                            "-q")
-    assert code == 0, err
-    assert run_main(capsys, "verify", tmp_path / "out", "--numerics-layers", "1")[0] == 0
-    truth = made[name].parent / f"{made[name].name}.truth.safetensors"
-    proc = subprocess.run([str(PACKERS_VENV / "bin" / "python"), str(ROOT / "tests" / "packers" / "ct_readback.py"),
-                           str(tmp_path / "out"), str(truth)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    out, truth, result = ct_read_back[name]
+    assert run_main(capsys, "verify", out, "--numerics-layers", "1")[0] == 0
     assert result["problems"] == [] and result["checked"] == len(load_file(str(truth))) // 3
     assert result["format"] == "pack-quantized"

@@ -2,13 +2,13 @@
 
 Runs in .venv-packers:
 
-    .venv-packers/bin/python tests/packers/ct_readback.py OUT TRUTH.safetensors
+    .venv-packers/bin/python tests/packers/ct_readback.py OUT TRUTH.safetensors [OUT TRUTH.safetensors ...]
 
 The output's quantization_config goes through compressed-tensors' own `QuantizationConfig` validator;
 every linear of TRUTH (`<prefix>.codes`, `.zeros`, `.scales`: what the producer's quantizer meant, see
 make_moe.py) is read from OUT with the library's `unpack_from_int32` and decompressed with its
-`PackedQuantizationCompressor.decompress`. Prints one JSON line: how many linears were checked
-and every mismatch (codes, zero points, or the dequantized weight against (codes − zeros) · scales
+`PackedQuantizationCompressor.decompress`. Prints one JSON line per pair (one process for many outputs: the
+library's import is most of the time): the output, how many linears were checked and every mismatch (codes, zero points, or the dequantized weight against (codes − zeros) · scales
 computed in the scale dtype, as compressed-tensors computes it).
 """
 
@@ -27,7 +27,14 @@ from safetensors.torch import load_file
 
 
 def main() -> None:
-    out, truth_path = Path(sys.argv[1]), Path(sys.argv[2])
+    pairs = sys.argv[1:]
+    if not pairs or len(pairs) % 2:
+        sys.exit("usage: ct_readback.py OUT TRUTH.safetensors [OUT TRUTH.safetensors ...]")
+    for out, truth_path in zip(pairs[::2], pairs[1::2]):
+        print(json.dumps({"output": out, **read_back(Path(out), Path(truth_path))}), flush=True)
+
+
+def read_back(out: Path, truth_path: Path) -> dict:
     config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
     (scheme,) = config.config_groups.values()
     args = scheme.weights
@@ -63,7 +70,7 @@ def main() -> None:
             error = float((weight.float() - expected.float()).abs().max())
             problems.append(f"{prefix}: dequantized weight differs by up to {error:g}")
         checked += 1
-    print(json.dumps({"checked": checked, "problems": problems, "format": config.format}))
+    return {"checked": checked, "problems": problems, "format": config.format}
 
 
 if __name__ == "__main__":
