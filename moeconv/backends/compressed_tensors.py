@@ -74,6 +74,17 @@ EXPERT_BIASES_REFUSAL = (
     "(GptOssMxfp4MoEMethod, which takes w13_bias and w2_bias), and --cast bf16 writes gpt-oss's own BF16 form")
 
 
+def float_experts_refusal(layer: MoELayerShape) -> str | None:
+    """Why vLLM's compressed-tensors MXFP4 / NVFP4 MoE methods cannot hold the float-coded layer (their parameters
+    are this backend's expert tensors, and the triton backend's float layouts stack them): expert biases, or a
+    rank's share of K that is not whole blocks."""
+    if layer.expert_biases:
+        return EXPERT_BIASES_REFUSAL
+    block = layer.float_scheme.block
+    return per_rank_refusal(layer, lambda what, size: None if size % block == 0 else
+                            f"the {what} {size} is not a multiple of the {block}-element block")
+
+
 def _format(activation_bits: int, scheme: FloatScheme | None = None) -> str:
     if scheme is not None:
         return MXFP4_PACK_QUANTIZED if scheme.name == MXFP4.name else NVFP4_PACK_QUANTIZED
@@ -89,12 +100,10 @@ class CompressedTensorsBackend(PerLinearBackend):
     numerics = Numerics("triton", layout="triton", float_kernel="triton-fp4")
 
     def refusal(self, layer: MoELayerShape) -> str | None:
+        if layer.float_scheme is not None:
+            return float_experts_refusal(layer)
         if layer.expert_biases:
             return EXPERT_BIASES_REFUSAL
-        if layer.float_scheme is not None:
-            block = layer.float_scheme.block
-            return per_rank_refusal(layer, lambda what, size: None if size % block == 0 else
-                                    f"the {what} {size} is not a multiple of the {block}-element block")
         return per_rank_refusal(layer, lambda what, size: _refusal(what, size, layer.bits, layer.group_size,
                                                                    layer.symmetric, layer.activation_bits))
 

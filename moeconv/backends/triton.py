@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from moeconv import packing
-from moeconv.backends.compressed_tensors import EXPERT_BIASES_REFUSAL
+from moeconv.backends.compressed_tensors import float_experts_refusal
 from moeconv.backends.base import FUSED_GEMMS, BackendDefaults, ExpertWeights, Numerics
 from moeconv.spec import TORCH_NAMES, TensorSpec
 from moeconv.canonical import LinearShape, MoELayerShape, QuantizedWeight, is_channelwise
@@ -113,7 +113,7 @@ class TritonBackend(BackendDefaults):
 
     def refusal(self, layer: MoELayerShape) -> str | None:
         if layer.float_scheme is not None:
-            return _float_refusal(layer)
+            return float_experts_refusal(layer)
         if layer.activation_bits == 8:
             return _int8_refusal(layer)
         if layer.bits not in (4, 8):
@@ -284,18 +284,6 @@ def _int8_decode(prefix: str, slices: dict[str, np.ndarray], layer: MoELayerShap
     codes = packing.int8_array_to_offset_codes(slices[names.weight])
     return QuantizedWeight(codes=codes, zeros=None, bits=8, group_size=codes.shape[1],
                            scales=packing.float32_cast(slices[names.weight_scale], TORCH_NAMES[layer.scale_dtype]))
-
-
-def _float_refusal(layer: MoELayerShape) -> str | None:
-    if layer.expert_biases:  # vLLM's compressed-tensors float MoE methods register no expert bias
-        return EXPERT_BIASES_REFUSAL
-    block = layer.float_scheme.block
-    if layer.intermediate % layer.tp:
-        return f"intermediate size {layer.intermediate} does not split over tp={layer.tp}"
-    for what, size in (("hidden size", layer.hidden), ("intermediate size per rank", layer.intermediate_per_rank)):
-        if size % block:
-            return f"the {what} {size} is not a multiple of the {block}-element block"
-    return None
 
 
 def _float_layer_tensors(layer: MoELayerShape) -> list[TensorSpec]:
